@@ -1,0 +1,47 @@
+"""Shared fixtures: a real S3 server (moto's standalone server) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """Start moto's threaded S3 server on loopback for the whole session; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """A fresh bucket on the session's S3 server; the standard AWS variables point clients at it.
+
+    Yields ``(bucket_name, storage_options)``; ``storage_options`` work with s3fs / fsspec.
+    """
+    import s3fs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
+    bucket = f"ucp-test-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    fs.mkdir(bucket)
+    yield bucket, options
