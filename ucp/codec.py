@@ -1,0 +1,143 @@
+"""Chunk encoding: how one stored object of an atom is laid out, written and verified.
+
+An object is either a plain chunk (the chunk's little-endian bytes, then its crc32c) or a shard
+(`sharding_indexed`, index at the start): an index of (offset, nbytes) uint64 pairs, one per inner chunk in
+C order, followed by the index's crc32c, then the inner chunks, each its bytes and its crc32c. Edge chunks
+are padded to the full chunk shape, as Zarr's regular grid requires; inner chunks wholly outside the array
+are absent (index entry all ones).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+import torch
+
+from . import dtypes
+from .errors import IntegrityError
+from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, chunk_indices
+
+Box = tuple[tuple[int, int], ...]
+
+
+def region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+    return tensor[tuple(slice(a, b) for a, b in box)]
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+def _crc(buf: memoryview | bytes | bytearray) -> bytes:
+    return struct.pack("<I", crc32c.crc32c(buf))
+
+
+def _padded_bytes(tensor: torch.Tensor, box: Box, full_shape: tuple[int, ...]) -> memoryview:
+    """Bytes of `tensor[box]` laid out in a chunk of `full_shape` (zero padding at the array's edge)."""
+    part = region(tensor, box)
+    if box_shape(box) != full_shape:
+        padded = torch.zeros(full_shape, dtype=tensor.dtype)
+        padded[tuple(slice(0, n) for n in box_shape(box))] = part
+        part = padded
+    return dtypes.as_bytes(part.contiguous())
+
+
+def _inner_boxes(meta: AtomMeta, outer: tuple[int, ...]) -> list[Box | None]:
+    """Absolute boxes of the inner chunks of shard `outer` in C order; None for those outside the array."""
+    assert meta.inner_chunk_shape is not None
+    boxes: list[Box | None] = []
+    for inner in chunk_indices(meta.inner_grid):
+        start = [o * c + i * s for o, c, i, s in zip(outer, meta.chunk_shape, inner, meta.inner_chunk_shape)]
+        if any(a >= n for a, n in zip(start, meta.shape)):
+            boxes.append(None)
+        else:
+            boxes.append(tuple((a, min(a + s, n)) for a, s, n in zip(start, meta.inner_chunk_shape, meta.shape)))
+    return boxes
+
+
+def index_nbytes(meta: AtomMeta) -> int:
+    return math.prod(meta.inner_grid) * INDEX_ENTRY_BYTES + CRC_BYTES
+
+
+def encode(meta: AtomMeta, tensor: torch.Tensor, outer: tuple[int, ...]) -> list[memoryview | bytes]:
+    """The parts (to be written back to back) of the object holding chunk `outer` of `tensor`."""
+    if meta.inner_chunk_shape is None:
+        data = _padded_bytes(tensor, meta.chunk_box(outer), meta.chunk_shape)
+        return [data, _crc(data)]
+    parts: list[memoryview | bytes] = []
+    entries: list[int] = []
+    offset = index_nbytes(meta)
+    for box in _inner_boxes(meta, outer):
+        if box is None:
+            entries += [EMPTY_INDEX_ENTRY, EMPTY_INDEX_ENTRY]
+            continue
+        data = _padded_bytes(tensor, box, meta.inner_chunk_shape)
+        parts += [data, _crc(data)]
+        entries += [offset, data.nbytes + CRC_BYTES]
+        offset += data.nbytes + CRC_BYTES
+    index = struct.pack(f"<{len(entries)}Q", *entries)
+    return [index, _crc(index), *parts]
+
+
+# ------------------------------------------------------------------------------------------ decoding
+
+
+@dataclass(frozen=True)
+class InnerChunk:
+    """Where one inner chunk lies in its shard object, and which part of the array it holds."""
+
+    box: Box
+    offset: int
+    nbytes: int
+
+
+def _verify(payload: memoryview, stored_crc: bytes, where: str) -> None:
+    if _crc(payload) != bytes(stored_crc):
+        raise IntegrityError(f"{where}: checksum mismatch (crc32c), the stored bytes are damaged")
+
+
+def parse_index(meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview, where: str) -> list[InnerChunk]:
+    """Verify a shard's index and return the inner chunks it lists (boxes in array coordinates)."""
+    n = index_nbytes(meta)
+    if len(data) < n:
+        raise IntegrityError(f"{where}: truncated shard ({len(data)} bytes, its index alone needs {n})")
+    raw = memoryview(data)[: n - CRC_BYTES]
+    _verify(raw, memoryview(data)[n - CRC_BYTES : n], f"{where} (shard index)")
+    values = struct.unpack(f"<{len(raw) // 8}Q", raw)
+    expected = meta.stored_chunk_bytes() + CRC_BYTES
+    chunks: list[InnerChunk] = []
+    for i, box in enumerate(_inner_boxes(meta, outer)):
+        offset, nbytes = values[2 * i], values[2 * i + 1]
+        if box is None:
+            continue
+        if offset == EMPTY_INDEX_ENTRY:
+            raise IntegrityError(f"{where}: inner chunk {i} is missing from the shard index")
+        if nbytes != expected:
+            raise IntegrityError(f"{where}: inner chunk {i} has {nbytes} bytes, expected {expected}")
+        chunks.append(InnerChunk(box, offset, nbytes))
+    return chunks
+
+
+class ChunkDecoder:
+    """Verifies stored chunk bytes and copies them into the destination tensor."""
+
+    def __init__(self, meta: AtomMeta, out: torch.Tensor):
+        self.meta = meta
+        self.out = out
+        self.chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
+        self.np_dtype = np.dtype(np.uint8)
+
+    def decode_into(self, box: Box, data: memoryview, where: str) -> None:
+        """`data` is one stored chunk (bytes + crc) holding the array region `box`."""
+        expected = self.meta.stored_chunk_bytes() + CRC_BYTES
+        if len(data) != expected:
+            raise IntegrityError(f"{where}: chunk has {len(data)} bytes, expected {expected} (truncated or damaged)")
+        payload = data[:-CRC_BYTES]
+        _verify(payload, data[-CRC_BYTES:], where)
+        chunk = torch.frombuffer(payload, dtype=torch.uint8) if payload.nbytes else torch.empty(0, dtype=torch.uint8)
+        chunk = chunk.view(self.out.dtype).view(self.chunk_shape)
+        region(self.out, box).copy_(chunk[tuple(slice(0, n) for n in box_shape(box))])

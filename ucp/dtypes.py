@@ -1,0 +1,99 @@
+"""Data types: torch <-> Zarr v3 names, and the `bfloat16` extension data type for zarr-python.
+
+Zarr v3 names the core types (bool, int8..int64, uint8, float16/32/64). bfloat16 is the extension data type
+of that name, which tensorstore reads natively; zarr-python 3.1 has none, so `register_bfloat16_with_zarr()`
+adds one built on ml_dtypes (called when ucp is imported, so `import ucp` is enough to read bf16 atoms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from .errors import FormatError, StateError
+
+# Zarr v3 data type name -> (torch dtype, fill value as JSON)
+_BY_NAME: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_BY_TORCH: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
+
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def zarr_name(dtype: torch.dtype) -> str:
+    """The Zarr v3 data type name of a torch dtype."""
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise StateError(f"tensors of dtype {dtype} cannot be stored; supported: {', '.join(SUPPORTED_DTYPES)}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a Zarr v3 data type name."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise FormatError(f"unknown data type {name!r}; ucp reads {', '.join(SUPPORTED_DTYPES)}") from None
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=torch_dtype(name)).element_size()
+
+
+def fill_value(name: str) -> bool | int | float:
+    """The fill value written in array metadata (never used for data: every chunk is written)."""
+    if name == "bool":
+        return False
+    return 0.0 if torch_dtype(name).is_floating_point else 0
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The little-endian bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def register_bfloat16_with_zarr() -> None:
+    """Teach zarr-python the `bfloat16` extension data type (a no-op when zarr is absent)."""
+    try:
+        from zarr.core.dtype import data_type_registry
+        from zarr.core.dtype.npy.float import BaseFloat
+    except ImportError:  # zarr is a dependency, but reading ucp must not require it
+        return
+
+    @dataclass(frozen=True, kw_only=True)
+    class BFloat16(BaseFloat):  # type: ignore[misc, type-arg]
+        """bfloat16 for zarr-python, stored as 2 little-endian bytes per element (ml_dtypes)."""
+
+        dtype_cls = type(_BFLOAT16)
+        _zarr_v3_name: ClassVar[str] = "bfloat16"
+        _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
+
+        @property
+        def item_size(self) -> int:
+            return 2
+
+        def to_native_dtype(self) -> np.dtype:
+            return _BFLOAT16
+
+    if "bfloat16" not in data_type_registry.contents:
+        data_type_registry.register("bfloat16", BFloat16)

@@ -1,0 +1,33 @@
+"""The exceptions ucp raises. Every message names the problem: which checkpoint, atom, chunk or value."""
+
+
+class UcpError(Exception):
+    """Base class of every error ucp raises on purpose."""
+
+
+class LayoutError(UcpError):
+    """A layout string is malformed or does not fit the world size or the model."""
+
+
+class CheckpointNotFoundError(UcpError):
+    """The URL holds no ucp checkpoint, or not the requested (committed) step."""
+
+
+class FormatError(UcpError):
+    """Metadata is missing, malformed, or disagrees with itself or with the data."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The checkpoint was written by a newer major version of the format."""
+
+
+class IntegrityError(UcpError):
+    """Stored bytes are missing, truncated or fail their checksum."""
+
+
+class StateError(UcpError):
+    """A state handed to save (or a target handed to load) has a shape ucp cannot store or fill."""
+
+
+class StepExistsError(UcpError):
+    """A save targets a step that is already committed (committed steps are never overwritten)."""
