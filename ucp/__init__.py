@@ -5,6 +5,8 @@ __version__ = "0.1.0"
 from .checkpoint import CheckpointReader, SaveOptions, load, open_checkpoint, save  # noqa: E402
 from .chunking import ChunkingPolicy  # noqa: E402
 from .dtypes import register_bfloat16_with_zarr  # noqa: E402
+from .manager import CheckpointManager  # noqa: E402
+from .training_state import restore_training_state, training_state  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointNotFoundError,
     FormatError,
@@ -19,6 +21,7 @@ from .errors import (  # noqa: E402
 register_bfloat16_with_zarr()
 
 __all__ = [
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointReader",
     "ChunkingPolicy",
@@ -32,5 +35,7 @@ __all__ = [
     "UnsupportedVersionError",
     "load",
     "open_checkpoint",
+    "restore_training_state",
     "save",
+    "training_state",
 ]

@@ -1,0 +1,104 @@
+"""The `ucp` command line: inspect and verify checkpoints, run the IO benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .errors import UcpError
+
+
+def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UcpError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        options[key] = json.loads(value) if value[:1] in "{[0123456789" or value in ("true", "false", "null") else value
+    return options
+
+
+def _add_location(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="checkpoint root (local path, file://, memory://, s3://...) or a step directory in it")
+    p.add_argument("--step", default="latest", help="step to read (default: the latest committed step)")
+    p.add_argument(
+        "-o",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (S3 also reads the AWS_* variables)",
+    )
+
+
+def _open(args: argparse.Namespace):  # noqa: ANN202
+    from .checkpoint import open_checkpoint
+
+    step = args.step if args.step == "latest" else _int_step(args.step)
+    return open_checkpoint(args.url, step, storage_options=_storage_options(args.storage_option))
+
+
+def _int_step(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UcpError(f"--step takes a number or 'latest', got {text!r}") from None
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspection import describe, format_table
+
+    info = describe(_open(args))
+    print(json.dumps(info, indent=1) if args.json else format_table(info))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .inspection import verify
+
+    report = verify(_open(args))
+    for problem in report.problems:
+        print(f"DAMAGED  {problem}")
+    status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+    print(f"step {report.step}: {report.atoms} atoms, {report.chunks} chunk objects checked: {status}")
+    return 0 if report.ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench_io.__main__ import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints: inspect, verify, benchmark.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="show a step: format version, layout, atoms and totals")
+    _add_location(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="re-read every chunk and check every checksum (exit 1 if anything is damaged)")
+    _add_location(p)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("bench", help="IO benchmark (same as python -m bench_io; see ucp bench -- --help)", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UcpError as e:
+        print(f"ucp: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

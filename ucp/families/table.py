@@ -1,0 +1,84 @@
+"""The machinery behind a model family: a declarative table of rules, one per canonical atom pattern.
+
+Another model family is a new table, not new machinery: a rule names the canonical atom (Hugging Face
+naming, with ``{L}`` for the global layer and ``{X}`` for the global expert), the local Megatron-Core tensor it
+lives in (``{i}`` local layer, ``{e}`` local expert; rules that name the same local tensor are fused, in
+table order), where it is placed, its shape and its partition spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ucp.partition import PartitionSpec
+
+PLACES = ("first", "layer", "expert", "last")
+
+
+def _always(config: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Rule:
+    canonical: str  # canonical atom name pattern ({L}, {X})
+    local: str  # local tensor name pattern ({i}, {e})
+    place: str  # "first" (first model chunk), "layer", "expert" (per expert of a layer), "last" (last chunk)
+    shape: Callable[[Any], tuple[int, ...]]
+    spec: Callable[[Any], PartitionSpec]  # layer, expert, zero_group are filled in by place
+    present: Callable[[Any], bool] = _always
+    tied_copy: bool = False  # a local copy of the atom ``canonical`` names (tied weights); no atom of its own
+
+    def __post_init__(self) -> None:
+        if self.place not in PLACES:
+            raise ValueError(f"rule {self.canonical}: place {self.place!r} not in {PLACES}")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config_cls: type
+    rules: tuple[Rule, ...]
+
+    def rules_at(self, place: str, config: Any) -> list[Rule]:
+        return [r for r in self.rules if r.place == place and r.present(config)]
+
+
+def atom_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> str:
+    return rule.canonical.format(L=layer, X=expert)
+
+
+def local_name(rule: Rule, layer: int | None = None, expert: int | None = None) -> str:
+    return rule.local.format(i=layer, e=expert)
+
+
+def atom_spec(rule: Rule, config: Any, layer: int | None = None, expert: int | None = None) -> PartitionSpec:
+    spec = rule.spec(config)
+    return dataclasses.replace(spec, layer=layer, expert=expert,
+                               zero_group="expert" if rule.place == "expert" else "dense")
+
+
+def canonical_atoms(family: Family, config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
+    """Every atom of the model, in a fixed order: first-chunk atoms; then layer by layer, the layer's atoms
+    followed by its experts' atoms expert by expert; then last-chunk atoms. Tied copies have no atom."""
+    out: dict[str, tuple[tuple[int, ...], PartitionSpec]] = {}
+
+    def add(rule: Rule, layer: int | None = None, expert: int | None = None) -> None:
+        if not rule.tied_copy:
+            out[atom_name(rule, layer, expert)] = (tuple(rule.shape(config)), atom_spec(rule, config, layer, expert))
+
+    for rule in family.rules_at("first", config):
+        add(rule)
+    layer_rules, expert_rules = family.rules_at("layer", config), family.rules_at("expert", config)
+    for layer in range(config.num_hidden_layers):
+        for rule in layer_rules:
+            add(rule, layer)
+        for expert in range(getattr(config, "num_local_experts", 0) or 0):
+            for rule in expert_rules:
+                add(rule, layer, expert)
+    for rule in family.rules_at("last", config):
+        add(rule)
+    return out

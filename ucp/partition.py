@@ -1,0 +1,145 @@
+"""Partition specs: how one canonical atom maps onto tensor-parallel local tensors.
+
+A spec is stored (as JSON) in each atom's attributes, so any tool can shard the atom for any layout without
+model code. It says how TP splits the atom (``kind``), where the atom's layer and expert live (PP and EP),
+which other logical tensors are tied copies of it, and which ZeRO group its optimizer state belongs to.
+
+Kinds:
+
+- ``replicated``: every TP rank holds the whole atom.
+- ``split``: TP splits ``split_dim`` evenly (0 = column-parallel, 1 = row-parallel).
+- ``vocab``: vocab-parallel (split dim 0) after padding the rows to a multiple of ``pad_to_multiple_of * T``;
+  ``unpadded`` is the atom's row count. Padding rows are zero on load and dropped on save.
+- ``fused_qkv``: one of ``part`` q/k/v of Megatron's fused QKV with GQA: the kv-head query groups are split
+  over TP; inside a local tensor, group by group: the group's ``num_heads/num_kv_heads`` query heads, its key
+  head, its value head (``head_dim`` rows each).
+- ``fused_gate_up``: ``part`` gate or up of a SwiGLU fc1; the local tensor is [gate rows of rank t; up rows of t].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ucp.boxes import Box, full_box
+from ucp.errors import LayoutError, UcpError
+
+KINDS = ("replicated", "split", "vocab", "fused_qkv", "fused_gate_up")
+ZERO_GROUPS = ("dense", "expert")
+_PARTS = {"fused_qkv": ("q", "k", "v"), "fused_gate_up": ("gate", "up")}
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    kind: str = "replicated"
+    split_dim: int | None = None  # split: the TP-split dim
+    part: str | None = None  # fused kinds: which part of the fused local tensor
+    num_heads: int | None = None  # fused_qkv
+    num_kv_heads: int | None = None  # fused_qkv
+    head_dim: int | None = None  # fused_qkv
+    pad_to_multiple_of: int | None = None  # vocab: rows padded to a multiple of this times T
+    unpadded: int | None = None  # vocab: the real row count
+    layer: int | None = None  # global layer index (PP placement); None: not in a layer
+    expert: int | None = None  # global expert index (EP placement); None: not an expert
+    tied_to: tuple[str, ...] = ()  # logical tensors that are copies of this atom and have no atom of their own
+    zero_group: str = "dense"  # ZeRO flat buffer: "dense", or "expert" (sharded over the expert-DP group)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UcpError(f"unknown partition kind {self.kind!r}; known kinds: {', '.join(KINDS)}")
+        if self.zero_group not in ZERO_GROUPS:
+            raise UcpError(f"unknown zero_group {self.zero_group!r}; expected one of {ZERO_GROUPS}")
+        if not isinstance(self.tied_to, tuple):
+            object.__setattr__(self, "tied_to", tuple(self.tied_to))
+        need = {"split": ("split_dim",), "vocab": ("pad_to_multiple_of", "unpadded"),
+                "fused_qkv": ("part", "num_heads", "num_kv_heads", "head_dim"), "fused_gate_up": ("part",)}
+        for name in need.get(self.kind, ()):
+            if getattr(self, name) is None:
+                raise UcpError(f"partition kind {self.kind!r} needs {name}")
+        if self.kind in _PARTS and self.part not in _PARTS[self.kind]:
+            raise UcpError(f"partition kind {self.kind!r}: part {self.part!r} is not one of {_PARTS[self.kind]}")
+        if self.kind == "fused_qkv" and self.num_heads % self.num_kv_heads:
+            raise UcpError(f"fused_qkv: num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields that differ from their defaults, plus ``kind``; JSON types only."""
+        out: dict[str, Any] = {"kind": self.kind}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "kind" and value != f.default:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PartitionSpec:
+        if not isinstance(d, dict) or "kind" not in d:
+            raise UcpError(f"partition spec must be an object with a 'kind', got {d!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UcpError(f"partition spec {d!r} has unknown fields {unknown}")
+        return cls(**{k: tuple(v) if k == "tied_to" else v for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """What TP rank t holds of one atom: the shape of its (possibly fused) local tensor and the
+    (local box, atom box) pairs it holds. Regions of the local tensor outside every pair are padding
+    or belong to other parts of the fused tensor."""
+
+    local_shape: tuple[int, ...]
+    pieces: tuple[tuple[Box, Box], ...]
+
+
+def padded_rows(spec: PartitionSpec, tp: int) -> int:
+    """Vocab rows after padding to a multiple of ``pad_to_multiple_of * tp``."""
+    m = spec.pad_to_multiple_of * tp
+    return -(-spec.unpadded // m) * m
+
+
+def _rows(lo: int, hi: int, rest: tuple[int, ...]) -> Box:
+    return ((lo, hi),) + full_box(rest)
+
+
+def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int) -> TpShard:
+    """Map an atom of ``shape`` onto TP rank ``tp_rank`` of ``tp``; pure arithmetic, no tensors."""
+    kind, rest = spec.kind, tuple(shape[1:])
+    if kind == "replicated":
+        return TpShard(tuple(shape), ((full_box(shape), full_box(shape)),))
+    if kind == "split":
+        d = spec.split_dim
+        if shape[d] % tp:
+            raise LayoutError(f"tp={tp} does not divide dim {d} (size {shape[d]}) of an atom of shape {shape}")
+        s = shape[d] // tp
+        local = tuple(s if i == d else n for i, n in enumerate(shape))
+        atom = tuple((tp_rank * s, (tp_rank + 1) * s) if i == d else (0, n) for i, n in enumerate(shape))
+        return TpShard(local, ((full_box(local), atom),))
+    if kind == "vocab":
+        if shape[0] != spec.unpadded:
+            raise UcpError(f"vocab spec says {spec.unpadded} rows but the atom has shape {shape}")
+        rows = padded_rows(spec, tp) // tp
+        lo, hi = tp_rank * rows, min((tp_rank + 1) * rows, shape[0])
+        pieces = ((_rows(0, hi - lo, rest), _rows(lo, hi, rest)),) if hi > lo else ()
+        return TpShard((rows,) + rest, pieces)
+    if kind == "fused_gate_up":
+        if shape[0] % tp:
+            raise LayoutError(f"tp={tp} does not divide the {shape[0]} rows of a gate/up atom")
+        s = shape[0] // tp
+        k = _PARTS[kind].index(spec.part)
+        return TpShard((2 * s,) + rest, ((_rows(k * s, (k + 1) * s, rest), _rows(tp_rank * s, (tp_rank + 1) * s, rest)),))
+    # fused_qkv
+    heads, kv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if kv % tp:
+        raise LayoutError(f"tp={tp} does not divide num_kv_heads={kv} (fused QKV splits whole query groups)")
+    qh = heads // kv  # query heads per group
+    group_rows = (qh + 2) * hd
+    groups = kv // tp
+    pieces = []
+    for j in range(groups):
+        g, base = tp_rank * groups + j, j * group_rows
+        if spec.part == "q":
+            pieces.append((_rows(base, base + qh * hd, rest), _rows(g * qh * hd, (g + 1) * qh * hd, rest)))
+        else:
+            at = base + (qh if spec.part == "k" else qh + 1) * hd
+            pieces.append((_rows(at, at + hd, rest), _rows(g * hd, (g + 1) * hd, rest)))
+    return TpShard((groups * group_rows,) + rest, tuple(pieces))

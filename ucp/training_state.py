@@ -1,0 +1,109 @@
+"""Turn a module, an optimizer and the RNGs into a savable state (and back).
+
+The state is plain: parameters and buffers by name under "model"; every per-parameter optimizer state
+tensor under "optimizer/state/<parameter name>/<state name>", whatever the optimizer keeps; param_groups as
+JSON with parameter names instead of indices; RNG states under "rng" (torch generators as uint8 atoms,
+Python's and NumPy's as JSON).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import StateError
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in its own index order."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise StateError("the optimizer holds a parameter that is not in the model")
+            names.append(name_of[id(p)])
+    return names
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    names = _param_names(model, optimizer)
+    sd = optimizer.state_dict()
+    state = {names[i]: dict(s) for i, s in sd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    names = _param_names(model, optimizer)
+    index = {n: i for i, n in enumerate(names)}
+    missing = set(saved["state"]) - set(index)
+    if missing:
+        raise StateError(f"the checkpoint has optimizer state for parameters the model lacks: {sorted(missing)[:5]}")
+    current = optimizer.state_dict()["param_groups"]
+    if len(current) != len(saved["param_groups"]):
+        raise StateError(f"the optimizer has {len(current)} param groups, the checkpoint {len(saved['param_groups'])}")
+    groups = []
+    for now, old in zip(current, saved["param_groups"]):
+        group = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in old.items() if k != "params"}
+        group["params"] = [index[n] for n in old["params"]]
+        groups.append(group)
+    optimizer.load_state_dict({"state": {index[n]: s for n, s in saved["state"].items()}, "param_groups": groups})
+
+
+def rng_state() -> dict[str, Any]:
+    version, mt, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": list(mt), "gauss_next": gauss},
+        "numpy": {"name": np_name, "keys": np_keys.tolist(), "pos": int(np_pos), "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([state["cuda"][str(i)] for i in range(len(state["cuda"]))])
+
+
+def training_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    rng: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The state to save for a training job: model, optimizer, RNGs, and any extra JSON/tensors."""
+    state: dict[str, Any] = {"model": dict(model.state_dict())}
+    if optimizer is not None:
+        state["optimizer"] = optimizer_state(model, optimizer)
+    if rng:
+        state["rng"] = rng_state()
+    state.update(extra or {})
+    return state
+
+
+def restore_training_state(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    rng: bool = True,
+) -> None:
+    """Fill `model` (and `optimizer`, RNGs) from a state that `training_state` produced and ucp loaded."""
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        load_optimizer_state(model, optimizer, state["optimizer"])
+    if rng and "rng" in state:
+        set_rng_state(state["rng"])
