@@ -233,12 +233,12 @@ class CheckpointReader:
         """Read whole atoms, every chunk verified; many objects in flight."""
         metas = [self.atoms[p] for p in paths]
         out = {m.path: torch.empty(m.shape, dtype=dtypes.torch_dtype(m.dtype)) for m in metas}
-        tasks: list[Callable[[], None]] = [lambda m=m: self.check_atom_metadata(m) for m in metas]
-        tasks += [lambda m=m, i=i: self.read_chunk_into(m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             with cf.ThreadPoolExecutor(self.io_threads) as pool:
-                _run(pool, tasks)
+                # metadata first: data is never interpreted through a description that disagrees with the commit
+                _run(pool, [lambda m=m: self.check_atom_metadata(m) for m in metas])
+                _run(pool, [lambda m=m, i=i: self.read_chunk_into(m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)])
         return out
 
     def load_state(self) -> dict[str, Any]:

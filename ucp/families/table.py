@@ -9,7 +9,7 @@ table order), where it is placed, its shape and its partition spec.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,24 +61,29 @@ def atom_spec(rule: Rule, config: Any, layer: int | None = None, expert: int | N
                                zero_group="expert" if rule.place == "expert" else "dense")
 
 
-def canonical_atoms(family: Family, config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
-    """Every atom of the model, in a fixed order: first-chunk atoms; then layer by layer, the layer's atoms
-    followed by its experts' atoms expert by expert; then last-chunk atoms. Tied copies have no atom."""
-    out: dict[str, tuple[tuple[int, ...], PartitionSpec]] = {}
-
-    def add(rule: Rule, layer: int | None = None, expert: int | None = None) -> None:
-        if not rule.tied_copy:
-            out[atom_name(rule, layer, expert)] = (tuple(rule.shape(config)), atom_spec(rule, config, layer, expert))
+def iter_atoms(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ...], PartitionSpec, str]]:
+    """(name, shape, spec, place) of every atom, in the fixed canonical order: first-chunk atoms; then layer
+    by layer, the layer's atoms followed by its experts' atoms expert by expert; then last-chunk atoms.
+    Tied copies have no atom of their own."""
+    def one(rule: Rule, layer: int | None = None, expert: int | None = None):
+        return atom_name(rule, layer, expert), tuple(rule.shape(config)), atom_spec(rule, config, layer, expert), rule.place
 
     for rule in family.rules_at("first", config):
-        add(rule)
-    layer_rules, expert_rules = family.rules_at("layer", config), family.rules_at("expert", config)
+        if not rule.tied_copy:
+            yield one(rule)
+    layer_rules = [r for r in family.rules_at("layer", config) if not r.tied_copy]
+    expert_rules = [r for r in family.rules_at("expert", config) if not r.tied_copy]
     for layer in range(config.num_hidden_layers):
         for rule in layer_rules:
-            add(rule, layer)
+            yield one(rule, layer)
         for expert in range(getattr(config, "num_local_experts", 0) or 0):
             for rule in expert_rules:
-                add(rule, layer, expert)
+                yield one(rule, layer, expert)
     for rule in family.rules_at("last", config):
-        add(rule)
-    return out
+        if not rule.tied_copy:
+            yield one(rule)
+
+
+def canonical_atoms(family: Family, config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
+    """Every atom of the model: name -> (full shape, partition spec), in the order of ``iter_atoms``."""
+    return {name: (shape, spec) for name, shape, spec, _ in iter_atoms(family, config)}

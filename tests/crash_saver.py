@@ -1,0 +1,62 @@
+"""Run by test_crash.py in a subprocess: save step 1, then start saving step 2 and freeze at a given stage.
+
+The freeze is injected by wrapping the storage's write (the code under test is otherwise untouched):
+  chunks         after a few chunk objects of step 2 are written
+  before_commit  all data and the manifest are written, the commit marker is not
+  during_commit  half of the commit marker's bytes are written (a torn write)
+The parent kills this process with SIGKILL once it prints READY.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import ucp
+from ucp.format import COMMIT_MARKER
+from ucp.storage import LocalStorage
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {f"w{i}": torch.randn(64, 64, generator=g) for i in range(12)}, "step": step}
+
+
+def freeze() -> None:
+    print("READY", flush=True)
+    while True:
+        time.sleep(1)
+
+
+def main(root: str, stage: str) -> None:
+    options = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=4096), io_threads=1)
+    manager = ucp.CheckpointManager(root, options=options)
+    manager.save(1, state(1))
+
+    original = LocalStorage.write
+    chunk_writes = 0
+
+    def write(self, key, parts):
+        nonlocal chunk_writes
+        if stage == "chunks" and "/c/" in key:
+            chunk_writes += 1
+            if chunk_writes == 5:
+                freeze()
+        if key.endswith(COMMIT_MARKER):
+            if stage == "before_commit":
+                freeze()
+            if stage == "during_commit":
+                data = b"".join(bytes(p) for p in parts)
+                original(self, key, [data[: len(data) // 2]])
+                freeze()
+        return original(self, key, parts)
+
+    LocalStorage.write = write
+    manager.save(2, state(2))
+    print("UNEXPECTED: the save finished", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,184 @@
+"""Bad input: each case gets a ucp exception naming the problem, a one-line CLI error with a non-zero exit,
+and leaves existing data untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ucp
+from ucp import commit
+from ucp.format import COMMIT_MARKER, dumps, step_dirname
+from ucp.storage import open_storage
+
+OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=16 * 1024, inner_bytes=4 * 1024), fsync=False)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ucp", *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    root = tmp_path / "ckpt"
+    state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}, "step": 3}
+    ucp.save(state, str(root), step=3, options=OPTIONS)
+    return root, state
+
+
+def step_dir(root: Path) -> Path:
+    return root / step_dirname(3)
+
+
+def assert_cli_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ucp: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_url_that_does_not_exist(tmp_path):
+    with pytest.raises(ucp.CheckpointNotFoundError, match="does not exist"):
+        ucp.load(str(tmp_path / "nope"))
+    assert_cli_error(run_cli("inspect", str(tmp_path / "nope")), "does not exist")
+
+
+def test_url_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ucp.CheckpointNotFoundError, match="no committed ucp checkpoint"):
+        ucp.load(str(tmp_path))
+    assert_cli_error(run_cli("verify", str(tmp_path)), "no committed ucp checkpoint")
+
+
+def test_uncommitted_step(ckpt):
+    root, _ = ckpt
+    storage = open_storage(str(root))
+    storage.delete(f"{step_dirname(3)}/{COMMIT_MARKER}")
+    with pytest.raises(ucp.CheckpointNotFoundError, match="uncommitted steps present: \\[3\\]"):
+        ucp.load(str(root))
+    with pytest.raises(ucp.CheckpointNotFoundError, match="step 3 .* is not committed"):
+        ucp.load(str(root), step=3)
+    assert_cli_error(run_cli("inspect", str(root), "--step", "3"), "not committed")
+
+
+def _a_chunk(root: Path) -> Path:
+    return sorted((step_dir(root) / "model" / "w" / "c").rglob("*"))[-1]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip"])
+def test_damaged_chunk(ckpt, damage):
+    root, _ = ckpt
+    chunk = _a_chunk(root)
+    data = bytearray(chunk.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 100]
+    else:
+        data[len(data) // 2] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    before = snapshot(root)
+    key = str(chunk.relative_to(step_dir(root) / "model" / "w"))
+    with pytest.raises(ucp.IntegrityError, match=f"atom 'model/w' chunk {key}"):
+        ucp.load(str(root))
+    result = run_cli("verify", str(root))
+    assert result.returncode == 1
+    assert f"atom 'model/w' chunk {key}" in result.stdout and "1 problem" in result.stdout
+    assert snapshot(root) == before
+
+
+def test_missing_atom(ckpt):
+    import shutil
+
+    root, _ = ckpt
+    shutil.rmtree(step_dir(root) / "model" / "b")
+    with pytest.raises(ucp.IntegrityError, match="atom 'model/b' is missing"):
+        ucp.load(str(root))
+    result = run_cli("verify", str(root))
+    assert result.returncode == 1 and "model/b" in result.stdout
+
+
+def test_hand_edited_atom_metadata(ckpt):
+    root, _ = ckpt
+    meta_file = step_dir(root) / "model" / "w" / "zarr.json"
+    doc = json.loads(meta_file.read_text())
+    doc["shape"] = [32, 128]
+    meta_file.write_text(json.dumps(doc))
+    with pytest.raises(ucp.FormatError, match="atom 'model/w': zarr.json says shape = \\[32, 128\\]"):
+        ucp.load(str(root))
+    doc["shape"], doc["data_type"] = [64, 64], "float16"
+    meta_file.write_text(json.dumps(doc))
+    with pytest.raises(ucp.FormatError, match="data_type"):
+        ucp.load(str(root))
+    assert run_cli("verify", str(root)).returncode == 1
+
+
+def test_hand_edited_manifest(ckpt):
+    root, _ = ckpt
+    manifest = step_dir(root) / "zarr.json"
+    doc = json.loads(manifest.read_text())
+    doc["attributes"]["ucp"]["atoms"]["model/w"]["dtype"] = "int32"
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(ucp.FormatError, match="modified after the step was committed"):
+        ucp.load(str(root))
+    assert_cli_error(run_cli("inspect", str(root)), "modified after the step was committed")
+
+
+def test_newer_major_format_version(ckpt):
+    root, _ = ckpt
+    storage = open_storage(str(root))
+    manifest = step_dir(root) / "zarr.json"
+    doc = json.loads(manifest.read_text())
+    doc["attributes"]["ucp"]["format_version"] = "2.0"
+    data = dumps(doc)
+    manifest.write_bytes(data)
+    marker = json.loads((step_dir(root) / COMMIT_MARKER).read_text())
+    marker.update(format_version="2.0", manifest_crc32c=commit.manifest_checksum(data))
+    storage.write(f"{step_dirname(3)}/{COMMIT_MARKER}", [dumps(marker)])
+    with pytest.raises(ucp.UnsupportedVersionError, match="format 2.0.*reads major version 1"):
+        ucp.load(str(root))
+    assert_cli_error(run_cli("inspect", str(root)), "2.0")
+
+
+@pytest.mark.parametrize("key", ["../escape", "/abs", "a/b", "..", ".", "", "__reserved", "zarr.json", "back\\slash"])
+def test_names_that_would_escape_or_collide(ckpt, key):
+    root, _ = ckpt
+    before = snapshot(root)
+    with pytest.raises(ucp.StateError, match="key"):
+        ucp.save({"model": {key: torch.ones(1)}}, str(root), step=4)
+    with pytest.raises(ucp.StateError):
+        ucp.save({key: torch.ones(1)}, str(root), step=4)
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("leaf", [object(), {1, 2}, b"bytes", torch.nn.Linear(1, 1), 1 + 2j])
+def test_unsupported_leaf_type(ckpt, leaf):
+    root, _ = ckpt
+    before = snapshot(root)
+    with pytest.raises(ucp.StateError, match=r"state\['extra'\]: values of type"):
+        ucp.save({"model": {"w": torch.ones(1)}, "extra": leaf}, str(root), step=4)
+    assert snapshot(root) == before
+
+
+def test_unsupported_tensor_dtype(ckpt):
+    root, _ = ckpt
+    before = snapshot(root)
+    with pytest.raises(ucp.StateError, match="complex64"):
+        ucp.save({"z": torch.zeros(2, dtype=torch.complex64)}, str(root), step=4)
+    assert snapshot(root) == before
+
+
+def test_bad_cli_arguments(ckpt):
+    root, _ = ckpt
+    assert_cli_error(run_cli("inspect", str(root), "--step", "three"), "--step")
+    assert_cli_error(run_cli("inspect", str(root), "-o", "novalue"), "KEY=VALUE")
+    assert run_cli("nosuchcommand").returncode == 2

@@ -1,0 +1,110 @@
+"""Single-process save/load: every dtype, shapes, nesting, JSON leaves, storage URLs, chunking."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import ucp
+from ucp.chunking import ChunkingPolicy, choose_chunks
+from ucp.format import AtomMeta
+
+from .helpers import assert_same_state
+
+SMALL_CHUNKS = ucp.SaveOptions(chunking=ChunkingPolicy(object_bytes=64 * 1024, inner_bytes=8 * 1024), fsync=False)
+
+
+def every_dtype_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    floats = {str(dt).removeprefix("torch."): torch.randn(33, 17, generator=g).to(dt) for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
+    ints = {str(dt).removeprefix("torch."): torch.randint(-100, 100, (5, 3, 2), generator=g).to(dt) for dt in (torch.int8, torch.int16, torch.int32, torch.int64)}
+    return {
+        "floats": floats,
+        "ints": ints,
+        "uint8": torch.randint(0, 255, (300,), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(7, 9, generator=g) > 0.5,
+        "scalar": torch.tensor(2.5),
+        "scalar_bf16": torch.tensor(-1.25, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "empty_2": torch.zeros(3, 0, 2, dtype=torch.int32),
+        "non_contiguous": torch.randn(20, 30, generator=g).t()[::2],
+        "big": torch.randn(250, 130, generator=g),  # sharded under SMALL_CHUNKS
+        "json": {"lr": 1e-3, "betas": [0.9, 0.95], "name": "adamw", "nested": {"a": None, "b": True}},
+        "step": 42,
+        "nonfinite": [float("inf"), -float("inf"), float("nan"), 1.0],
+        "tuple": (1, 2, 3),
+        "tensor_list": [torch.arange(3), {"x": torch.ones(2)}],
+        "empty_dict": {},
+    }
+
+
+@pytest.mark.parametrize("kind", ["path", "file", "memory"])
+def test_round_trip_every_dtype(tmp_path, kind):
+    state = every_dtype_state()
+    url = {"path": str(tmp_path / "ck"), "file": f"file://{tmp_path}/ck", "memory": f"memory://{tmp_path.name}/ck"}[kind]
+    record = ucp.save(state, url, step=7, options=SMALL_CHUNKS)
+    assert record.step == 7
+    loaded = ucp.load(url)
+    expected = dict(state, tuple=[1, 2, 3])  # tuples come back as lists
+    assert_same_state(expected, loaded)
+
+
+def test_step_defaults_to_next_and_committed_steps_are_never_overwritten(tmp_path):
+    url = str(tmp_path)
+    assert ucp.save({"x": torch.ones(2)}, url).step == 0
+    assert ucp.save({"x": torch.zeros(2)}, url).step == 1
+    with pytest.raises(ucp.StepExistsError, match="step 1 is already committed"):
+        ucp.save({"x": torch.full((2,), 5.0)}, url, step=1)
+    assert torch.equal(ucp.load(url, step=1)["x"], torch.zeros(2))
+    assert torch.equal(ucp.load(url, step=0)["x"], torch.ones(2))
+
+
+def test_chunks_follow_policy_and_sharded_atoms_hold_inner_chunks(tmp_path):
+    shape, itemsize = (1000, 300), 4
+    policy = ChunkingPolicy(object_bytes=400_000, inner_bytes=100_000)
+    chunk, inner = choose_chunks(shape, itemsize, policy)
+    assert inner is not None and all(c % i == 0 for c, i in zip(chunk, inner))
+    assert inner[0] * inner[1] * itemsize <= 100_000 and chunk[0] * chunk[1] * itemsize <= 400_000
+    assert inner[1] == 300  # rows are cut, not columns
+    assert choose_chunks((10,), 4, policy) == ((10,), None)
+    assert choose_chunks((), 4, policy) == ((), None)
+    assert choose_chunks((0, 5), 4, policy) == ((1, 5), None)
+
+    t = torch.randn(shape)
+    ucp.save({"w": t}, str(tmp_path), options=ucp.SaveOptions(chunking=policy, fsync=False))
+    doc = json.loads((tmp_path / "step_00000000" / "w" / "zarr.json").read_text())
+    assert doc["codecs"][0]["name"] == "sharding_indexed"
+    assert doc["codecs"][0]["configuration"]["codecs"][-1] == {"name": "crc32c"}
+    objects = sorted(os.listdir(tmp_path / "step_00000000" / "w" / "c"))
+    assert len(objects) == -(-shape[0] // chunk[0])
+    assert torch.equal(ucp.load(str(tmp_path))["w"], t)
+
+
+def test_every_plain_chunk_carries_a_crc32c(tmp_path):
+    ucp.save(every_dtype_state(), str(tmp_path), options=SMALL_CHUNKS)
+    reader = ucp.open_checkpoint(str(tmp_path))
+    for meta in reader.atoms.values():
+        codecs = meta.zarr_json()["codecs"]
+        inner = codecs[0]["configuration"]["codecs"] if codecs[0]["name"] == "sharding_indexed" else codecs
+        assert inner[-1] == {"name": "crc32c"}, meta.path
+
+
+def test_manifest_round_trip():
+    meta = AtomMeta("model/w", (4, 6), "bfloat16", (2, 6), (1, 6), {"role": "param"})
+    assert AtomMeta.from_manifest("model/w", meta.to_manifest()) == meta
+    assert meta.grid == (2, 1) and meta.inner_grid == (2, 1)
+
+
+def test_roles_follow_top_level_keys(tmp_path):
+    ucp.save({"model": {"w": torch.ones(1)}, "optimizer": {"state": {"w": {"exp_avg": torch.ones(1)}}}, "rng": {"torch": torch.zeros(2, dtype=torch.uint8)}, "other": torch.ones(1)}, str(tmp_path))
+    roles = {m.path: m.attributes["role"] for m in ucp.open_checkpoint(str(tmp_path)).atoms.values()}
+    assert roles == {"model/w": "param", "optimizer/state/w/exp_avg": "optimizer_state", "rng/torch": "rng", "other": "tensor"}
+
+
+def test_step_directory_url_opens_that_step(tmp_path):
+    ucp.save({"x": torch.ones(1)}, str(tmp_path), step=3)
+    ucp.save({"x": torch.zeros(1)}, str(tmp_path), step=4)
+    assert torch.equal(ucp.load(str(tmp_path / "step_00000003"))["x"], torch.ones(1))

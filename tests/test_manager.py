@@ -1,0 +1,91 @@
+"""CheckpointManager: steps, latest, restore, retention, garbage collection; training-state helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ucp
+from ucp.format import step_dirname
+
+
+def test_steps_latest_restore_and_retention(tmp_path):
+    manager = ucp.CheckpointManager(str(tmp_path), keep_last=2)
+    assert manager.steps() == [] and manager.latest_step() is None
+    for step in (10, 20, 30):
+        manager.save(step, {"w": torch.full((3,), float(step)), "step": step})
+    assert manager.steps() == [20, 30] and manager.latest_step() == 30
+    assert not (tmp_path / step_dirname(10)).exists()
+    assert manager.restore()["step"] == 30
+    assert torch.equal(manager.restore(20)["w"], torch.full((3,), 20.0))
+    with pytest.raises(ucp.CheckpointNotFoundError, match="no step 10"):
+        manager.restore(10)
+
+
+def test_gc_removes_uncommitted_leftovers_only(tmp_path):
+    manager = ucp.CheckpointManager(str(tmp_path))
+    manager.save(1, {"w": torch.ones(2)})
+    leftover = tmp_path / step_dirname(2) / "w"
+    leftover.mkdir(parents=True)
+    (leftover / "zarr.json").write_text("{}")
+    assert manager.steps() == [1]
+    assert ucp.CheckpointManager(str(tmp_path)).steps() == [1]  # a new manager collects on start
+    assert not (tmp_path / step_dirname(2)).exists()
+    assert (tmp_path / step_dirname(1)).exists()
+
+
+def test_keep_last_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        ucp.CheckpointManager(str(tmp_path), keep_last=0)
+
+
+def _make_job():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, optimizer
+
+
+def _train(model, optimizer, steps):
+    for _ in range(steps):
+        x = torch.randn(16, 8)  # drawn from the global RNG, which the checkpoint carries
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_resume_is_bitwise_equal_to_uninterrupted_training(tmp_path, optimizer_cls):
+    def make():
+        model, _ = _make_job()
+        kwargs = {"lr": 1e-2, "momentum": 0.9} if optimizer_cls is torch.optim.SGD else {"lr": 1e-2, "betas": (0.9, 0.95)}
+        return model, optimizer_cls(model.parameters(), **kwargs)
+
+    model, optimizer = make()
+    _train(model, optimizer, 20)
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    model, optimizer = make()
+    _train(model, optimizer, 10)
+    manager = ucp.CheckpointManager(str(tmp_path))
+    manager.save(10, ucp.training_state(model, optimizer))
+
+    torch.manual_seed(1234)  # a fresh process would start from other RNG states
+    fresh_model, fresh_optimizer = make()
+    ucp.restore_training_state(manager.restore(), fresh_model, fresh_optimizer)
+    _train(fresh_model, fresh_optimizer, 10)
+    for expected, actual in zip(reference, fresh_model.parameters()):
+        assert torch.equal(expected, actual)
+
+
+def test_optimizer_state_is_stored_per_parameter_name(tmp_path):
+    model, optimizer = _make_job()
+    _train(model, optimizer, 1)
+    ucp.save(ucp.training_state(model, optimizer), str(tmp_path))
+    atoms = ucp.open_checkpoint(str(tmp_path)).atoms
+    assert "optimizer/state/0.weight/exp_avg" in atoms and "optimizer/state/3.bias/exp_avg_sq" in atoms
+    assert atoms["rng/torch"].dtype == "uint8"
+    state = ucp.load(str(tmp_path))
+    assert state["optimizer"]["param_groups"][0]["params"] == ["0.weight", "0.bias", "3.weight", "3.bias"]
+    assert state["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.95]
