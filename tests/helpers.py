@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ def assert_same_state(a: Any, b: Any, path: str = "state") -> None:
         assert isinstance(b, list) and len(a) == len(b), f"{path}: {a!r} != {b!r}"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same_state(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) and a != a:
-        assert isinstance(b, float) and b != b, f"{path}: {b!r} is not nan"
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), f"{path}: {b!r} is not nan"
     else:
         assert a == b and type(a) is type(b), f"{path}: {a!r} != {b!r}"

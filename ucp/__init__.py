@@ -2,12 +2,10 @@
 
 __version__ = "0.1.0"
 
-from .checkpoint import CheckpointReader, SaveOptions, load, open_checkpoint, save  # noqa: E402
-from .chunking import ChunkingPolicy  # noqa: E402
-from .dtypes import register_bfloat16_with_zarr  # noqa: E402
-from .manager import CheckpointManager  # noqa: E402
-from .training_state import restore_training_state, training_state  # noqa: E402
-from .errors import (  # noqa: E402
+from .checkpoint import CheckpointReader, SaveOptions, load, open_checkpoint, save
+from .chunking import ChunkingPolicy
+from .dtypes import register_bfloat16_with_zarr
+from .errors import (
     CheckpointNotFoundError,
     FormatError,
     IntegrityError,
@@ -17,6 +15,8 @@ from .errors import (  # noqa: E402
     UcpError,
     UnsupportedVersionError,
 )
+from .manager import CheckpointManager
+from .training_state import restore_training_state, training_state
 
 register_bfloat16_with_zarr()
 

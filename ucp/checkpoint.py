@@ -11,7 +11,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -71,7 +71,7 @@ def plan_atoms(
 def _run(pool: cf.ThreadPoolExecutor, tasks: Iterable[Callable[[], None]]) -> None:
     """Run tasks on the pool; on the first failure cancel what has not started and raise it."""
     futures = [pool.submit(task) for task in tasks]
-    done, pending = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+    _, pending = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
     for f in pending:
         f.cancel()
     for f in futures:
@@ -171,7 +171,7 @@ def save(
         tree=json_tree,
         atoms={m.path: m for m in metas},
         layout=layout,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         writer=f"ucp {__version__}",
     )
     return commit_step(storage, manifest)

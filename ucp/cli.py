@@ -33,7 +33,7 @@ def _add_location(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _open(args: argparse.Namespace):  # noqa: ANN202
+def _open(args: argparse.Namespace):
     from .checkpoint import open_checkpoint
 
     step = args.step if args.step == "latest" else _int_step(args.step)

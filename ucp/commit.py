@@ -11,13 +11,21 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import crc32c
 
 from .errors import CheckpointNotFoundError, FormatError
-from .format import COMMIT_MARKER, FORMAT_VERSION, ZARR_JSON, check_format_version, dumps, parse_step_dirname, step_dirname
+from .format import (
+    COMMIT_MARKER,
+    FORMAT_VERSION,
+    ZARR_JSON,
+    check_format_version,
+    dumps,
+    parse_step_dirname,
+    step_dirname,
+)
 from .storage import Storage
 
 
@@ -52,7 +60,7 @@ def write_marker(storage: Storage, step: int, manifest_bytes: bytes, atoms: int,
         manifest_crc32c=manifest_checksum(manifest_bytes),
         atoms=atoms,
         nbytes=nbytes,
-        committed_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        committed_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     storage.write(f"{step_dirname(step)}/{COMMIT_MARKER}", [dumps(record.to_json())])
     storage.flush()
