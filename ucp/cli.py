@@ -72,8 +72,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(args.dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints: inspect, verify, benchmark.")
+    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints: inspect, verify, demo, benchmark.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="show a step: format version, layout, atoms and totals")
@@ -84,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="re-read every chunk and check every checksum (exit 1 if anything is damaged)")
     _add_location(p)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("demo", help="save a small model's training state, load it back, inspect the checkpoint")
+    p.add_argument("--dir", default="ucp-demo", help="checkpoint root to write (default: ./ucp-demo)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="IO benchmark (same as python -m bench_io; see ucp bench -- --help)", add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
