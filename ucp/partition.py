@@ -132,6 +132,9 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
     if kv % tp:
         raise LayoutError(f"tp={tp} does not divide num_kv_heads={kv} (fused QKV splits whole query groups)")
     qh = heads // kv  # query heads per group
+    rows = (heads if spec.part == "q" else kv) * hd
+    if shape[0] != rows:
+        raise UcpError(f"fused_qkv part {spec.part} needs {rows} rows (heads*head_dim), the atom has shape {shape}")
     group_rows = (qh + 2) * hd
     groups = kv // tp
     pieces = []

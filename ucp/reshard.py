@@ -247,15 +247,14 @@ def _flat_range_pieces(flat: FlatLayout, lo: int, hi: int) -> tuple[Piece, ...]:
 # The local plan
 
 
-def local_plan(config: Any, layout: Layout, rank: int, optim_states: tuple[str, ...] = DEFAULT_STATES,
-               validate: bool = True) -> list[LocalTensor]:
+def local_plan(config: Any, layout: Layout, rank: int,
+               optim_states: tuple[str, ...] = DEFAULT_STATES) -> list[LocalTensor]:
     """Every tensor of ``rank``'s local state (docs/LOCAL_STATE.md) with the atom boxes it holds.
 
     Keys: ("model"|"model{v}", local_name) or ("model_flat", group) for parameters; ("optimizer", "state",
     chunk_key, local_name, state) without ZeRO, ("optimizer", "flat", group, state) with ZeRO.
     """
-    if validate:
-        validate_for_model(layout, config)
+    validate_for_model(layout, config)
     coords = layout.coords(rank)
     params = local_params(config, layout, coords)
     out: list[LocalTensor] = []
@@ -522,8 +521,8 @@ def _infer_states(local_state: Mapping[str, Any]) -> tuple[str, ...]:
     if "flat" in opt:
         return tuple(opt["flat"]["dense"])
     for chunk in opt["state"].values():
-        for states in chunk.values():
-            return tuple(states)
+        for states in chunk.values():  # 0-d entries (e.g. a "step" counter) are not per-element state
+            return tuple(k for k, v in states.items() if getattr(v, "dim", lambda: 0)() > 0)
     return ()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -54,8 +55,7 @@ def _vocab(c: MixtralConfig) -> PartitionSpec:
 
 
 def _embed(c: MixtralConfig) -> PartitionSpec:
-    spec = _vocab(c)
-    return PartitionSpec(**{**spec.__dict__, "tied_to": ("lm_head.weight",) if c.tie_word_embeddings else ()})
+    return dataclasses.replace(_vocab(c), tied_to=("lm_head.weight",) if c.tie_word_embeddings else ())
 
 
 def _qkv(part: str):
