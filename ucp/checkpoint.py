@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -216,29 +215,16 @@ class CheckpointReader:
         """Read, verify and decode one stored object into `out` (the full atom's tensor)."""
         key = meta.chunk_key(index)
         where = f"atom {meta.path!r} chunk {key} (step {self.step})"
-        try:
-            data = self.storage.read(self._atom_key(meta, key))
-        except FileNotFoundError:
-            raise IntegrityError(f"{where} is missing") from None
-        decoder = codec.ChunkDecoder(meta, out)
-        if meta.inner_chunk_shape is None:
-            decoder.decode_into(meta.chunk_box(index), data, where)
-            return
-        for inner in codec.parse_index(meta, index, data, where):
-            if inner.offset + inner.nbytes > len(data):
-                raise IntegrityError(f"{where}: truncated shard ({len(data)} bytes, an inner chunk ends at {inner.offset + inner.nbytes})")
-            decoder.decode_into(inner.box, data[inner.offset : inner.offset + inner.nbytes], where)
+        codec.read_object(self.storage, self._atom_key(meta, key), meta, index, codec.full_region(out), where)
 
     def read_atoms(self, paths: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read whole atoms, every chunk verified; many objects in flight."""
         metas = [self.atoms[p] for p in paths]
         out = {m.path: torch.empty(m.shape, dtype=dtypes.torch_dtype(m.dtype)) for m in metas}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            with cf.ThreadPoolExecutor(self.io_threads) as pool:
-                # metadata first: data is never interpreted through a description that disagrees with the commit
-                _run(pool, [lambda m=m: self.check_atom_metadata(m) for m in metas])
-                _run(pool, [lambda m=m, i=i: self.read_chunk_into(m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)])
+        with cf.ThreadPoolExecutor(self.io_threads) as pool:
+            # metadata first: data is never interpreted through a description that disagrees with the commit
+            _run(pool, [lambda m=m: self.check_atom_metadata(m) for m in metas])
+            _run(pool, [lambda m=m, i=i: self.read_chunk_into(m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)])
         return out
 
     def load_state(self) -> dict[str, Any]:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import crc32c
-import numpy as np
 import torch
 
 from . import dtypes
 from .errors import IntegrityError
 from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, chunk_indices
+from .storage import Storage
 
 Box = tuple[tuple[int, int], ...]
 
@@ -95,7 +96,7 @@ class InnerChunk:
     nbytes: int
 
 
-def _verify(payload: memoryview, stored_crc: bytes, where: str) -> None:
+def _verify(payload: memoryview | bytearray, stored_crc: memoryview | bytes | bytearray, where: str) -> None:
     if _crc(payload) != bytes(stored_crc):
         raise IntegrityError(f"{where}: checksum mismatch (crc32c), the stored bytes are damaged")
 
@@ -116,28 +117,81 @@ def parse_index(meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview
             continue
         if offset == EMPTY_INDEX_ENTRY:
             raise IntegrityError(f"{where}: inner chunk {i} is missing from the shard index")
-        if nbytes != expected:
-            raise IntegrityError(f"{where}: inner chunk {i} has {nbytes} bytes, expected {expected}")
+        if nbytes != expected or offset < n:
+            raise IntegrityError(f"{where}: inner chunk {i} has a bad index entry (offset {offset}, {nbytes} bytes)")
         chunks.append(InnerChunk(box, offset, nbytes))
     return chunks
 
 
-class ChunkDecoder:
-    """Verifies stored chunk bytes and copies them into the destination tensor."""
+class ChunkSink:
+    """Receives one stored chunk: straight into `dest` when it is the whole, contiguous, unpadded chunk,
+    otherwise into scratch memory from which the wanted part is copied after the checksum is verified."""
 
-    def __init__(self, meta: AtomMeta, out: torch.Tensor):
-        self.meta = meta
-        self.out = out
-        self.chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
-        self.np_dtype = np.dtype(np.uint8)
+    def __init__(self, dest: torch.Tensor, chunk_shape: tuple[int, ...], offset: tuple[int, ...]):
+        self.dest = dest
+        self.offset = offset
+        direct = tuple(dest.shape) == chunk_shape and dest.is_contiguous() and not any(offset)
+        self.scratch = None if direct else torch.empty(chunk_shape, dtype=dest.dtype)
+        self.data = dtypes.as_bytes(dest if direct else self.scratch)
+        self.crc = bytearray(CRC_BYTES)
 
-    def decode_into(self, box: Box, data: memoryview, where: str) -> None:
-        """`data` is one stored chunk (bytes + crc) holding the array region `box`."""
-        expected = self.meta.stored_chunk_bytes() + CRC_BYTES
-        if len(data) != expected:
-            raise IntegrityError(f"{where}: chunk has {len(data)} bytes, expected {expected} (truncated or damaged)")
-        payload = data[:-CRC_BYTES]
-        _verify(payload, data[-CRC_BYTES:], where)
-        chunk = torch.frombuffer(payload, dtype=torch.uint8) if payload.nbytes else torch.empty(0, dtype=torch.uint8)
-        chunk = chunk.view(self.out.dtype).view(self.chunk_shape)
-        region(self.out, box).copy_(chunk[tuple(slice(0, n) for n in box_shape(box))])
+    def buffers(self) -> list[memoryview]:
+        return [self.data, memoryview(self.crc)]
+
+    def finish(self, where: str) -> None:
+        _verify(self.data, self.crc, where)
+        if self.scratch is not None:
+            self.dest.copy_(region(self.scratch, tuple((o, o + n) for o, n in zip(self.offset, self.dest.shape))))
+
+
+DestFn = Callable[[Box], "tuple[torch.Tensor, tuple[int, ...]] | None"]
+
+
+def full_region(out: torch.Tensor) -> DestFn:
+    """Destination callback for reading whole atoms into `out`: every stored chunk is wanted whole."""
+    return lambda box: (region(out, box), tuple(0 for _ in box))
+
+
+def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ...], dest_for: DestFn, where: str) -> None:
+    """Read, verify and deliver the stored chunks of one object that `dest_for` wants.
+
+    `dest_for(box)` gets the array region a stored chunk holds and returns (destination view of the wanted part,
+    offset of that part inside the chunk), or None to skip the chunk. A plain object is one read; a shard is a
+    read of its index and one scatter read over the wanted inner chunks (gaps land in scratch).
+    """
+    chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
+    stored = meta.stored_chunk_bytes()
+    try:
+        if meta.inner_chunk_shape is None:
+            wanted = dest_for(meta.chunk_box(outer))
+            if wanted is None:
+                return
+            start, end = 0, stored + CRC_BYTES
+            extents = [(0, ChunkSink(wanted[0], chunk_shape, wanted[1]))]
+        else:
+            index = parse_index(meta, outer, storage.read(key, 0, index_nbytes(meta)), where)
+            extents = []
+            for inner in sorted(index, key=lambda c: c.offset):
+                wanted = dest_for(inner.box)
+                if wanted is not None:
+                    extents.append((inner.offset, ChunkSink(wanted[0], chunk_shape, wanted[1])))
+            if not extents:
+                return
+            start, end = extents[0][0], extents[-1][0] + stored + CRC_BYTES
+        buffers: list[memoryview] = []
+        pos = start
+        for offset, sink in extents:
+            if offset > pos:
+                buffers.append(memoryview(bytearray(offset - pos)))  # a gap we do not need
+            buffers += sink.buffers()
+            pos = offset + stored + CRC_BYTES
+        sentinel = memoryview(bytearray(1))  # catches objects longer than their metadata says
+        got = storage.read_into(key, start, [*buffers, sentinel])
+    except FileNotFoundError:
+        raise IntegrityError(f"{where} is missing") from None
+    if got < end - start:
+        raise IntegrityError(f"{where}: truncated object ({start + got} bytes, expected at least {end})")
+    if meta.inner_chunk_shape is None and got > end - start:
+        raise IntegrityError(f"{where}: object is longer than its chunk ({start + got}+ bytes, expected {end})")
+    for _, sink in extents:
+        sink.finish(where)

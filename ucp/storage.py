@@ -46,6 +46,18 @@ class IOStats:
                 self.write_log.append(key)
 
 
+def _scatter(data: memoryview, buffers: Sequence[memoryview]) -> int:
+    """Copy `data` into `buffers` back to back; returns the bytes copied."""
+    pos = 0
+    for b in buffers:
+        n = min(b.nbytes, len(data) - pos)
+        if n <= 0:
+            break
+        memoryview(b).cast("B")[:n] = data[pos : pos + n]
+        pos += n
+    return pos
+
+
 def check_relative_key(key: str) -> str:
     """Refuse keys that would leave the storage root (defence in depth: state keys are checked earlier)."""
     norm = posixpath.normpath(key)
@@ -67,6 +79,12 @@ class Storage(ABC):
     @abstractmethod
     def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
         """Bytes [start, end) of an object (to its end when end is None). Missing object: FileNotFoundError."""
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Scatter-read bytes from `offset` into `buffers` back to back; returns the bytes read (less at the
+        object's end). Missing object: FileNotFoundError."""
+        data = self.read(key, offset, offset + sum(b.nbytes for b in buffers))
+        return _scatter(data, buffers)
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -135,6 +153,24 @@ class LocalStorage(Storage):
             got = os.preadv(f.fileno(), [buf], start) if buf else 0
         self.stats.record_read(got)
         return memoryview(buf)[:got]
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        # Straight into the destination tensors: no intermediate copy.
+        pending = [memoryview(b).cast("B") for b in buffers if b.nbytes]
+        total = 0
+        with open(self._path(key), "rb", buffering=0) as f:
+            while pending:
+                got = os.preadv(f.fileno(), pending[:1024], offset + total)
+                if got == 0:
+                    break
+                total += got
+                while pending and got >= pending[0].nbytes:
+                    got -= pending[0].nbytes
+                    pending.pop(0)
+                if got:
+                    pending[0] = pending[0][got:]
+        self.stats.record_read(total)
+        return total
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
