@@ -1,0 +1,60 @@
+"""``python -m dataloaders prepare INPUT... --out URL``: tokenize text / JSONL into MMIDIDX shards.
+``python -m dataloaders info URL``: print a dataset's manifest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import DataLoaderError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dataloaders", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="tokenize text files or JSONL into MMIDIDX shards")
+    p.add_argument("inputs", nargs="+", help="text files (one document each) or .jsonl files (one per line)")
+    p.add_argument("--out", required=True, help="output directory URL (local path, s3://bucket/prefix, ...)")
+    p.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json")
+    p.add_argument("--text-key", default="text", help="JSONL field holding the text (default: text)")
+    p.add_argument("--shard-tokens", type=int, default=None, help="start a new shard after this many tokens")
+    p.add_argument("--no-eos", action="store_true", help="do not append the end-of-document token")
+    p.add_argument("--storage-options", default="{}", help="JSON dict of fsspec storage options")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    i = sub.add_parser("info", help="print the manifest of a dataset (directory or shard prefixes)")
+    i.add_argument("sources", nargs="+")
+    i.add_argument("--storage-options", default="{}")
+    args = parser.parse_args(argv)
+    try:
+        opts = json.loads(args.storage_options)
+        if args.cmd == "prepare":
+            from .tokenize import DEFAULT_SHARD_TOKENS, load_tokenizer, prepare
+
+            res = prepare(
+                args.inputs,
+                args.out,
+                load_tokenizer(args.tokenizer),
+                text_key=args.text_key,
+                shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+                append_eos=not args.no_eos,
+                storage_options=opts,
+                progress=not args.quiet,
+            )
+            m = res.manifest
+            print(
+                f"wrote {len(m.shards)} shard(s), {res.num_documents} documents, {m.num_tokens} tokens "
+                f"to {res.out} (manifest {m.hash})"
+            )
+        else:
+            from .corpus import open_corpus
+
+            print(json.dumps(open_corpus(args.sources, opts).manifest.to_json(), indent=1))
+    except DataLoaderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""A corpus: the shards of a manifest read as one concatenated token stream through one block cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .blockcache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_BYTES, BlockCache, IOStats, filesystem
+from .errors import DataLoaderError
+from .indexed import IndexedDataset
+from .manifest import Manifest, build_manifest
+
+
+@dataclass
+class Corpus:
+    manifest: Manifest
+    shards: list[IndexedDataset]
+    cache: BlockCache
+    offsets: np.ndarray  # int64 [n_shards + 1]: the stream offset where each shard starts
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def stats(self) -> IOStats:
+        return self.cache.stats
+
+    def read(self, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Tokens ``[start, end)`` of the stream for each range, as int64; all fetched in one cache call."""
+        requests, pieces = [], []  # pieces[i] = number of requests of range i
+        for start, end in ranges:
+            if not 0 <= start <= end <= self.num_tokens:
+                raise IndexError(f"token range [{start}, {end}) outside a stream of {self.num_tokens} tokens")
+            first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+            n = 0
+            pos = start
+            s = first
+            while pos < end:
+                while self.offsets[s + 1] <= pos:  # skip empty shards
+                    s += 1
+                stop = min(end, int(self.offsets[s + 1]))
+                base = int(self.offsets[s])
+                requests.append((s, pos - base, stop - base))
+                n += 1
+                pos = stop
+            pieces.append(n)
+        datas = self.cache.read_many([self.shards[s].range_request(a, b) for s, a, b in requests])
+        out, k = [], 0
+        for n in pieces:
+            parts = [
+                np.frombuffer(datas[k + j], dtype=self.shards[requests[k + j][0]].dtype.newbyteorder("<"))
+                for j in range(n)
+            ]
+            out.append(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64))
+            k += n
+        return out
+
+
+def open_corpus(
+    sources: str | list[str],
+    storage_options: dict | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
+    stats: IOStats | None = None,
+) -> Corpus:
+    """Open shards (prefix URLs or dataset directories, all on one filesystem) as one stream."""
+    urls = [sources] if isinstance(sources, str) else list(sources)
+    if not urls:
+        raise DataLoaderError("no shard sources given")
+    fs, first = filesystem(urls[0], storage_options)
+    paths = [first]
+    for u in urls[1:]:
+        other, p = filesystem(u, storage_options)
+        if other.protocol != fs.protocol:
+            raise DataLoaderError(f"shards must share one filesystem: {urls[0]} and {u}")
+        paths.append(p)
+    manifest, infos = build_manifest(fs, paths, url_of=fs.unstrip_protocol)
+    cache = BlockCache(fs, block_size=block_size, capacity_bytes=cache_bytes, stats=stats)
+    shards = [
+        IndexedDataset(fs._strip_protocol(s.url), cache, index=info, name=s.url)
+        for s, info in zip(manifest.shards, infos, strict=True)
+    ]
+    offsets = np.zeros(len(shards) + 1, dtype=np.int64)
+    np.cumsum([s.num_tokens for s in shards], out=offsets[1:])
+    return Corpus(manifest, shards, cache, offsets)

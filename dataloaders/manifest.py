@@ -1,0 +1,127 @@
+"""The dataset manifest: which shards, in which order, with a content fingerprint of each.
+
+Its hash identifies the dataset in a loader state. It covers each shard's name (not its full URL: a corpus
+copied from tmpfs to S3 is the same dataset), sizes and the crc32 of its ``.idx``; so re-tokenizing, adding,
+removing or reordering shards changes the hash, moving them does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from dataclasses import asdict, dataclass
+
+from .errors import ManifestMismatchError, ShardNotFoundError
+from .indexed import IndexInfo, parse_index
+
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str  # the shard's prefix relative to its dataset directory (or its basename)
+    url: str  # full prefix URL, without .bin/.idx; not part of the hash
+    num_sequences: int
+    num_documents: int
+    num_tokens: int
+    dtype: str
+    idx_size: int
+    idx_crc32: int
+
+    def fingerprint(self) -> dict:
+        d = asdict(self)
+        del d["url"]
+        return d
+
+    @classmethod
+    def from_index(cls, name: str, url: str, info: IndexInfo) -> ShardInfo:
+        return cls(
+            name=name,
+            url=url,
+            num_sequences=info.num_sequences,
+            num_documents=info.num_documents,
+            num_tokens=info.num_tokens,
+            dtype=str(info.dtype),
+            idx_size=info.idx_size,
+            idx_crc32=info.idx_crc32,
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    shards: tuple[ShardInfo, ...]
+
+    @property
+    def hash(self) -> str:
+        blob = json.dumps([s.fingerprint() for s in self.shards], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+    def to_json(self) -> dict:
+        return {"version": 1, "hash": self.hash, "shards": [s.fingerprint() for s in self.shards]}
+
+
+def _strip_suffix(url: str) -> str:
+    for suffix in (".idx", ".bin"):
+        if url.endswith(suffix):
+            return url[: -len(suffix)]
+    return url
+
+
+def resolve_shards(fs, sources: list[str]) -> list[tuple[str, str, dict | None]]:
+    """Expand sources (paths within ``fs``) into ``(name, prefix_path, recorded_fingerprint)`` in dataset order.
+
+    A source is a shard prefix (``foo`` for ``foo.bin``/``foo.idx``, the suffix may be given), or a directory:
+    with a ``manifest.json`` (written by ``prepare``) its shard order is used, else its ``*.idx`` sorted by name.
+    """
+    out: list[tuple[str, str, dict | None]] = []
+    for src in sources:
+        src = _strip_suffix(src.rstrip("/"))
+        if fs.exists(src + ".idx"):
+            out.append((posixpath.basename(src), src, None))
+            continue
+        man_path = posixpath.join(src, MANIFEST_NAME)
+        if fs.exists(man_path):
+            doc = json.loads(fs.cat_file(man_path))
+            for rec in doc["shards"]:
+                out.append((rec["name"], posixpath.join(src, rec["name"]), rec))
+            continue
+        if fs.isdir(src):
+            idxs = sorted(p for p in fs.ls(src, detail=False) if p.endswith(".idx"))
+            if not idxs:
+                raise ShardNotFoundError(f"no .idx shards in directory {src}")
+            out.extend((posixpath.basename(p)[:-4], p[:-4], None) for p in idxs)
+            continue
+        raise ShardNotFoundError(f"shard {src}.idx not found (nor a dataset directory {src})")
+    return out
+
+
+def build_manifest(fs, sources: list[str], url_of=lambda p: p) -> tuple[Manifest, list[IndexInfo]]:
+    """Read every shard's ``.idx`` (concurrently on remote stores) and build the manifest."""
+    resolved = resolve_shards(fs, sources)
+    paths = [p + ".idx" for _, p, _ in resolved]
+    datas = fs.cat(paths, on_error="return") if paths else {}
+    infos, shards = [], []
+    for name, prefix, recorded in resolved:
+        path = prefix + ".idx"
+        data = datas.get(path) if isinstance(datas, dict) else datas
+        if data is None:  # some filesystems normalise keys; fall back to a direct read
+            data = fs.cat_file(path)
+        if isinstance(data, FileNotFoundError):
+            raise ShardNotFoundError(f"shard index {url_of(path)} not found")
+        if isinstance(data, Exception):
+            raise data
+        info = parse_index(data, url_of(path))
+        shard = ShardInfo.from_index(name, url_of(prefix), info)
+        if recorded is not None and recorded != shard.fingerprint():
+            raise ManifestMismatchError(
+                f"shard {url_of(prefix)} changed since its manifest was written: "
+                f"recorded {recorded}, found {shard.fingerprint()}"
+            )
+        infos.append(info)
+        shards.append(shard)
+    return Manifest(tuple(shards)), infos
