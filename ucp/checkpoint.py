@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import __version__, codec, commit, dtypes, tree
+from .boxes import to_slices
 from .chunking import ChunkingPolicy, choose_chunks
 from .errors import FormatError, IntegrityError, StepExistsError
 from .format import (
@@ -87,11 +88,23 @@ def _group_paths(atom_paths: Iterable[str]) -> list[str]:
 # ------------------------------------------------------------------------------------------------ write
 
 
-def write_atom_metadata(storage: Storage, step: int, metas: Iterable[AtomMeta], pool: cf.ThreadPoolExecutor) -> None:
+def write_atom_metadata(
+    storage: Storage,
+    step: int,
+    metas: Iterable[AtomMeta],
+    pool: cf.ThreadPoolExecutor,
+    *,
+    atoms: bool = True,
+    groups: bool = True,
+) -> None:
+    """Write the atoms' array zarr.json files and/or the zarr.json of every group above them."""
     prefix = step_dirname(step)
     metas = list(metas)
-    tasks = [lambda m=m: storage.write(f"{prefix}/{m.path}/{ZARR_JSON}", [dumps(m.zarr_json())]) for m in metas]
-    tasks += [lambda g=g: storage.write(f"{prefix}/{g}/{ZARR_JSON}", [dumps(group_json())]) for g in _group_paths(m.path for m in metas)]
+    tasks = []
+    if atoms:
+        tasks += [lambda m=m: storage.write(f"{prefix}/{m.path}/{ZARR_JSON}", [dumps(m.zarr_json())]) for m in metas]
+    if groups:
+        tasks += [lambda g=g: storage.write(f"{prefix}/{g}/{ZARR_JSON}", [dumps(group_json())]) for g in _group_paths(m.path for m in metas)]
     _run(pool, tasks)
 
 
@@ -105,7 +118,8 @@ def write_chunks(
     prefix = step_dirname(step)
 
     def task(meta: AtomMeta, tensor: torch.Tensor, index: tuple[int, ...]) -> None:
-        storage.write(f"{prefix}/{meta.path}/{meta.chunk_key(index)}", codec.encode(meta, tensor, index))
+        chunk = tensor[to_slices(meta.chunk_box(index))]
+        storage.write(f"{prefix}/{meta.path}/{meta.chunk_key(index)}", codec.encode(meta, index, chunk))
 
     _run(pool, [lambda a=item: task(*a) for item in items])
 

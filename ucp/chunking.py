@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -17,29 +18,70 @@ class ChunkingPolicy:
     inner_bytes: int = 1 * MiB
 
 
-def fit_block(shape: tuple[int, ...], unit_bytes: int, target: int) -> tuple[int, ...]:
-    """The largest C-order block of `shape` of at most `target` bytes (at least one unit): full trailing
-    dimensions, a balanced partial extent in one dimension, ones before it."""
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    best = 1
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            for c in (d, n // d):
+                if best < c <= limit:
+                    best = c
+    return best
+
+
+def fit_block(
+    shape: Sequence[int],
+    unit_bytes: int,
+    target: int,
+    periods: Sequence[int | None] | None = None,
+    order: Sequence[int] | None = None,
+) -> tuple[int, ...]:
+    """The largest block of `shape` of at most `target` bytes (at least one unit).
+
+    Dimensions are taken whole in `order` (default: last to first, i.e. C order); the first that does not fit
+    gets a partial extent and the rest get one. Where `periods[d]` is set, the extent along d divides it, so no
+    block ever crosses a multiple of the period (a boundary between two writers).
+    """
     block = [1] * len(shape)
     size = unit_bytes
-    for d in reversed(range(len(shape))):
+    for d in order if order is not None else reversed(range(len(shape))):
         n = max(shape[d], 1)
-        if size * n <= target:
-            block[d] = n
-            size *= n
+        period = periods[d] if periods else None
+        limit = min(period, n) if period else n
+        if size * limit <= target:
+            block[d] = limit
+            size *= limit
+            if limit < n:
+                break
             continue
         per = max(1, target // size)
-        pieces = -(-n // per)
-        block[d] = -(-n // pieces)  # balanced, so the edge chunk carries little padding
+        if period:
+            block[d] = _largest_divisor_at_most(limit, per)
+        else:
+            pieces = -(-n // per)
+            block[d] = -(-n // pieces)  # balanced, so the edge chunk carries little padding
         break
     return tuple(block)
 
 
-def choose_chunks(shape: tuple[int, ...], itemsize: int, policy: ChunkingPolicy) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
-    """(chunk_shape, inner_chunk_shape or None) for an array of `shape`."""
-    inner = fit_block(shape, itemsize, policy.inner_bytes)
+def choose_chunks(
+    shape: tuple[int, ...],
+    itemsize: int,
+    policy: ChunkingPolicy,
+    periods: Sequence[int | None] | None = None,
+    split_dim: int | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(chunk_shape, inner_chunk_shape or None) for an array of `shape`.
+
+    `periods` keeps chunk boundaries on writer boundaries (distributed saves); `split_dim` is the dimension
+    that parallel layouts cut, cut first here too so that other layouts read few bytes they do not need.
+    """
+    order = None
+    if split_dim is not None:
+        order = [d for d in reversed(range(len(shape))) if d != split_dim] + [split_dim]
+    inner = fit_block(shape, itemsize, policy.inner_bytes, periods, order)
     grid = tuple(-(-max(s, 1) // i) for s, i in zip(shape, inner))
-    per_object = fit_block(grid, math.prod(inner) * itemsize, policy.object_bytes)
+    grid_periods = [p // i if p else None for p, i in zip(periods, inner)] if periods else None
+    per_object = fit_block(grid, math.prod(inner) * itemsize, policy.object_bytes, grid_periods, order)
     if all(g == 1 for g in per_object):
         return inner, None
     return tuple(i * g for i, g in zip(inner, per_object)), inner

@@ -18,31 +18,21 @@ import crc32c
 import torch
 
 from . import dtypes
+from .boxes import Box, to_slices
 from .errors import IntegrityError
 from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, chunk_indices
 from .storage import Storage
-
-Box = tuple[tuple[int, int], ...]
-
-
-def region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
-    return tensor[tuple(slice(a, b) for a, b in box)]
-
-
-def box_shape(box: Box) -> tuple[int, ...]:
-    return tuple(b - a for a, b in box)
 
 
 def _crc(buf: memoryview | bytes | bytearray) -> bytes:
     return struct.pack("<I", crc32c.crc32c(buf))
 
 
-def _padded_bytes(tensor: torch.Tensor, box: Box, full_shape: tuple[int, ...]) -> memoryview:
-    """Bytes of `tensor[box]` laid out in a chunk of `full_shape` (zero padding at the array's edge)."""
-    part = region(tensor, box)
-    if box_shape(box) != full_shape:
-        padded = torch.zeros(full_shape, dtype=tensor.dtype)
-        padded[tuple(slice(0, n) for n in box_shape(box))] = part
+def _padded_bytes(part: torch.Tensor, full_shape: tuple[int, ...]) -> memoryview:
+    """Bytes of `part` laid out in a chunk of `full_shape` (zero padding at the array's edge)."""
+    if tuple(part.shape) != full_shape:
+        padded = torch.zeros(full_shape, dtype=part.dtype)
+        padded[tuple(slice(0, n) for n in part.shape)] = part
         part = padded
     return dtypes.as_bytes(part.contiguous())
 
@@ -64,11 +54,13 @@ def index_nbytes(meta: AtomMeta) -> int:
     return math.prod(meta.inner_grid) * INDEX_ENTRY_BYTES + CRC_BYTES
 
 
-def encode(meta: AtomMeta, tensor: torch.Tensor, outer: tuple[int, ...]) -> list[memoryview | bytes]:
-    """The parts (to be written back to back) of the object holding chunk `outer` of `tensor`."""
+def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> list[memoryview | bytes]:
+    """The parts (to be written back to back) of the object for chunk `outer`, whose values are `chunk`
+    (the chunk's region of the array, clipped at the edge)."""
     if meta.inner_chunk_shape is None:
-        data = _padded_bytes(tensor, meta.chunk_box(outer), meta.chunk_shape)
+        data = _padded_bytes(chunk, meta.chunk_shape)
         return [data, _crc(data)]
+    origin = tuple(a for a, _ in meta.chunk_box(outer))
     parts: list[memoryview | bytes] = []
     entries: list[int] = []
     offset = index_nbytes(meta)
@@ -76,7 +68,8 @@ def encode(meta: AtomMeta, tensor: torch.Tensor, outer: tuple[int, ...]) -> list
         if box is None:
             entries += [EMPTY_INDEX_ENTRY, EMPTY_INDEX_ENTRY]
             continue
-        data = _padded_bytes(tensor, box, meta.inner_chunk_shape)
+        local = tuple((a - o, b - o) for (a, b), o in zip(box, origin))
+        data = _padded_bytes(chunk[to_slices(local)], meta.inner_chunk_shape)
         parts += [data, _crc(data)]
         entries += [offset, data.nbytes + CRC_BYTES]
         offset += data.nbytes + CRC_BYTES
@@ -141,7 +134,7 @@ class ChunkSink:
     def finish(self, where: str) -> None:
         _verify(self.data, self.crc, where)
         if self.scratch is not None:
-            self.dest.copy_(region(self.scratch, tuple((o, o + n) for o, n in zip(self.offset, self.dest.shape))))
+            self.dest.copy_(self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))])
 
 
 DestFn = Callable[[Box], "tuple[torch.Tensor, tuple[int, ...]] | None"]
@@ -149,7 +142,7 @@ DestFn = Callable[[Box], "tuple[torch.Tensor, tuple[int, ...]] | None"]
 
 def full_region(out: torch.Tensor) -> DestFn:
     """Destination callback for reading whole atoms into `out`: every stored chunk is wanted whole."""
-    return lambda box: (region(out, box), tuple(0 for _ in box))
+    return lambda box: (out[to_slices(box)], tuple(0 for _ in box))
 
 
 def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ...], dest_for: DestFn, where: str) -> None:

@@ -118,17 +118,3 @@ def tree_atoms(tree: dict[str, Any]) -> list[str]:
 
     walk(tree)
     return out
-
-
-def select(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """The subtree at a path 'a/b' (for loading a part of a checkpoint)."""
-    node = tree
-    for key in filter(None, prefix.split("/")):
-        ((kind, body),) = node.items()
-        if kind == "dict" and key in body:
-            node = body[key]
-        elif kind == "list" and key.isdigit() and int(key) < len(body):
-            node = body[int(key)]
-        else:
-            raise StateError(f"the checkpoint has no entry {prefix!r} (no {key!r})")
-    return node

@@ -1,0 +1,480 @@
+"""Distributed save and load: every rank writes the chunks it owns and reads only what its layout needs.
+
+Planning is local: each rank derives what it writes and reads from (model config, layout, rank) alone
+(`ucp.reshard`), so no rank gathers another's plan. Coordination is one fragment exchange (only where ZeRO
+ranges cut a chunk), a barrier, and the commit, which rank 0 writes once every rank's data is durable.
+
+The exchange and the barrier go through a small `Comm` interface: `TorchComm` runs over torch.distributed
+(gloo; checkpoint traffic is host memory even when training runs on NCCL), `VirtualWorld` runs every rank of
+a layout in one process (for tests, offline tools and benchmarks).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import lru_cache
+from typing import Any, Protocol
+
+import torch
+
+from . import __version__, codec, dtypes, tree
+from .boxes import Box, box_numel, box_shape, intersect, to_slices
+from .checkpoint import (
+    CheckpointReader,
+    SaveOptions,
+    _run,
+    commit_step,
+    ensure_root,
+    plan_atoms,
+    prepare_step,
+    write_atom_metadata,
+    write_chunks,
+)
+from .chunking import ChunkingPolicy, choose_chunks
+from .errors import FormatError, StateError
+from .families import canonical_atoms, family_for
+from .format import AtomMeta, StepManifest, chunk_indices, step_dirname
+from .layout import Layout
+from .partition import PartitionSpec, tp_shard
+from .reshard import DEFAULT_STATES, LocalTensor, Piece, Transfer, chunk_write_plan, local_plan, owned_pieces
+from .storage import Storage, open_storage
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    """What a distributed save or load needs to know about the model: its family config, the parallel layout,
+    and the names of the per-parameter optimizer states (empty: parameters only)."""
+
+    config: Any
+    layout: Layout
+    optim_states: tuple[str, ...] = DEFAULT_STATES
+
+
+AtomKey = tuple[str, "str | None"]  # (canonical atom name, optimizer state name or None for the parameter)
+
+
+def atom_path(atom: str, state: str | None) -> str:
+    """Where an atom lives in the checkpoint: parameters under model/, states under optimizer/state/."""
+    return f"model/{atom}" if state is None else f"optimizer/state/{atom}/{state}"
+
+
+def _tp_periods(spec: PartitionSpec, shape: tuple[int, ...], tp: int) -> list[int | None]:
+    """Per dimension, the spacing of the boundaries between TP ranks' parts of an atom (None: no boundary)."""
+    cuts: list[set[int]] = [set() for _ in shape]
+    for t in range(tp):
+        for _, atom_box in tp_shard(spec, shape, tp, t).pieces:
+            for d, (a, b) in enumerate(atom_box):
+                cuts[d].update(c for c in (a, b) if 0 < c < shape[d])
+    return [math.gcd(*c) if c else None for c in cuts]
+
+
+@lru_cache(maxsize=8)
+def _atom_metas_cached(
+    config_cls: type, config_json: str, tp: int, optim_states: tuple[str, ...], dtype_items: tuple, policy: ChunkingPolicy
+) -> dict[AtomKey, AtomMeta]:
+    config = config_cls.from_json(json.loads(config_json))
+    dtype_of = dict(dtype_items)
+    family = family_for(config).name
+    metas: dict[AtomKey, AtomMeta] = {}
+    for name, (shape, spec) in canonical_atoms(config).items():
+        periods = _tp_periods(spec, shape, tp)
+        split = next((d for d, p in enumerate(periods) if p), None)
+        for state in (None, *optim_states):
+            dtype = dtype_of[state]
+            chunk, inner = choose_chunks(shape, dtypes.itemsize(dtype), policy, periods, split)
+            attrs: dict[str, Any] = {"role": "param" if state is None else "optimizer_state"}
+            if state is not None:
+                attrs.update(state=state, param=name)
+            attrs.update(partition=spec.to_json(), family=family)
+            metas[(name, state)] = AtomMeta(atom_path(name, state), shape, dtype, chunk, inner, attrs)
+    return metas
+
+
+def atom_metas(model: ShardedModel, dtype_of: Mapping[str | None, str], policy: ChunkingPolicy) -> dict[AtomKey, AtomMeta]:
+    """Every atom of a distributed checkpoint, chunked so that chunk boundaries fall on TP boundaries of the
+    writing layout; identical on every rank (a pure function), so no rank needs another's description."""
+    config_json = json.dumps(model.config.to_json(), sort_keys=True)
+    dtype_items = tuple(sorted(dtype_of.items(), key=lambda kv: kv[0] or ""))
+    return _atom_metas_cached(type(model.config), config_json, model.layout.tp, model.optim_states, dtype_items, policy)
+
+
+def _get(local_state: Mapping[str, Any], key: tuple[str, ...]) -> torch.Tensor:
+    node: Any = local_state
+    for k in key:
+        if not isinstance(node, Mapping) or k not in node:
+            raise StateError(f"the local state has no {'/'.join(key)} (docs/LOCAL_STATE.md lists what a rank holds)")
+        node = node[k]
+    if not isinstance(node, torch.Tensor):
+        raise StateError(f"the local state's {'/'.join(key)} is a {type(node).__name__}, not a tensor")
+    return node
+
+
+def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The part of a local tensor that holds `piece`, shaped like its atom box (a view, never a copy)."""
+    if piece.flat_offset is None:
+        return tensor[to_slices(piece.local_box)]
+    return tensor[piece.flat_offset : piece.flat_offset + piece.numel].view(box_shape(piece.atom_box))
+
+
+def _relative(box: Box, origin: Box) -> Box:
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def _local_dtypes(local_state: Mapping[str, Any], plan: list[LocalTensor]) -> dict[str | None, str]:
+    """The dtype of the parameters and of each optimizer state, as this rank holds them."""
+    out: dict[str | None, str] = {}
+    for lt in plan:
+        if lt.state not in out:
+            out[lt.state] = dtypes.zarr_name(_get(local_state, lt.key).dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- comm
+
+
+class Comm(Protocol):
+    """The collective operations a distributed save needs."""
+
+    rank: int
+    world_size: int
+
+    def exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, int]) -> dict[int, torch.Tensor]:
+        """Send each peer its uint8 buffer; receive from each peer in `incoming` a buffer of that many bytes."""
+
+    def barrier(self) -> None: ...
+
+
+class TorchComm:
+    """Comm over a torch.distributed process group (gloo: buffers stay in host memory)."""
+
+    def __init__(self, group: Any = None):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, int]) -> dict[int, torch.Tensor]:
+        received = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in incoming.items()}
+        global_rank = (lambda r: r) if self.group is None else (lambda r: self.dist.get_global_rank(self.group, r))
+        requests = [self.dist.irecv(buf, global_rank(peer), group=self.group) for peer, buf in sorted(received.items())]
+        requests += [self.dist.isend(buf, global_rank(peer), group=self.group) for peer, buf in sorted(outgoing.items())]
+        for request in requests:
+            request.wait()
+        return received
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.group)
+
+
+def _as_uint8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------- save
+
+
+class RankSaver:
+    """One rank's part of a distributed save: what it sends, what it writes."""
+
+    def __init__(self, local_state: Mapping[str, Any], model: ShardedModel, rank: int, storage: Storage, step: int, options: SaveOptions):
+        self.model, self.rank, self.storage, self.step, self.options = model, rank, storage, step, options
+        plan = local_plan(model.config, model.layout, rank, model.optim_states)
+        self.metas = atom_metas(model, _local_dtypes(local_state, plan), options.chunking)
+        # (atom, state) -> [(atom box, view of the local data holding it)] for the pieces this rank writes
+        self.owned: dict[AtomKey, list[tuple[Box, torch.Tensor]]] = {}
+        for lt in owned_pieces(model.config, model.layout, rank, model.optim_states):
+            tensor = _get(local_state, lt.key).detach().to("cpu")
+            for p in lt.pieces:
+                self.owned.setdefault((p.atom, lt.state), []).append((p.atom_box, piece_view(tensor, p)))
+        self.plan = chunk_write_plan(model.config, model.layout, rank, lambda a, _s: self.metas[(a, None)].chunk_shape, model.optim_states)
+
+    def _region(self, key: AtomKey, box: Box) -> torch.Tensor:
+        """A box of an atom that lies inside one piece this rank owns."""
+        for owned_box, view in self.owned[key]:
+            if intersect(owned_box, box) == box:
+                return view[to_slices(_relative(box, owned_box))]
+        raise AssertionError(f"rank {self.rank} does not hold {key} {box}")  # the plan guarantees it
+
+    @staticmethod
+    def _order(transfers: list[Transfer]) -> list[Transfer]:
+        return sorted(transfers, key=lambda t: (t.peer, t.atom, t.state or "", t.atom_box))
+
+    def outgoing(self) -> dict[int, torch.Tensor]:
+        """Fragments of this rank's pieces that other ranks' chunks need, one byte buffer per peer."""
+        buffers: dict[int, list[torch.Tensor]] = {}
+        for t in self._order(self.plan.sends):
+            buffers.setdefault(t.peer, []).append(_as_uint8(self._region((t.atom, t.state), t.atom_box)))
+        return {peer: torch.cat(parts) for peer, parts in buffers.items()}
+
+    def incoming_sizes(self) -> dict[int, int]:
+        sizes: dict[int, int] = {}
+        for t in self.plan.recvs:
+            sizes[t.peer] = sizes.get(t.peer, 0) + box_numel(t.atom_box) * self.metas[(t.atom, t.state)].itemsize
+        return sizes
+
+    def _received_fragments(self, incoming: dict[int, torch.Tensor]) -> dict[AtomKey, list[tuple[Box, torch.Tensor]]]:
+        fragments: dict[AtomKey, list[tuple[Box, torch.Tensor]]] = {}
+        offsets = dict.fromkeys(incoming, 0)
+        for t in self._order(self.plan.recvs):
+            meta = self.metas[(t.atom, t.state)]
+            n = box_numel(t.atom_box) * meta.itemsize
+            raw = incoming[t.peer][offsets[t.peer] : offsets[t.peer] + n]
+            offsets[t.peer] += n
+            values = raw.view(dtypes.torch_dtype(meta.dtype)).view(box_shape(t.atom_box))
+            fragments.setdefault((t.atom, t.state), []).append((t.atom_box, values))
+        return fragments
+
+    def write(self, incoming: dict[int, torch.Tensor], pool: cf.ThreadPoolExecutor) -> None:
+        """Write this rank's share of the atom metadata and every chunk it writes, whole."""
+        world = self.model.layout.world_size
+        ordered = list(self.metas.values())
+        write_atom_metadata(self.storage, self.step, ordered[self.rank :: world], pool, groups=False)
+        fragments = self._received_fragments(incoming)
+
+        def chunk_of(key: AtomKey, box: Box) -> torch.Tensor:
+            sources = [*self.owned.get(key, []), *fragments.get(key, [])]
+            for src_box, view in sources:
+                if intersect(src_box, box) == box:  # inside one piece: a view, no copy
+                    return view[to_slices(_relative(box, src_box))]
+            out = torch.empty(box_shape(box), dtype=sources[0][1].dtype)
+            for src_box, view in sources:
+                part = intersect(src_box, box)
+                if part is not None:
+                    out[to_slices(_relative(part, box))] = view[to_slices(_relative(part, src_box))]
+            return out
+
+        def task(atom: str, state: str | None, box: Box) -> None:
+            meta = self.metas[(atom, state)]
+            index = tuple(a // c for (a, _), c in zip(box, meta.chunk_shape))
+            chunk = chunk_of((atom, state), box)
+            self.storage.write(f"{self.prefix}/{meta.path}/{meta.chunk_key(index)}", codec.encode(meta, index, chunk))
+
+        _run(pool, [lambda w=w: task(*w) for w in self.plan.writes])
+
+    @property
+    def prefix(self) -> str:
+        return step_dirname(self.step)
+
+
+def _manifest(model: ShardedModel, metas: Mapping[AtomKey, AtomMeta], extra: dict[str, Any], step: int) -> tuple[StepManifest, dict[str, torch.Tensor]]:
+    """The step manifest: the canonical atoms, the model config, and the caller's extra state (JSON and tensors)."""
+    extra_tree, extra_tensors = tree.flatten({"extra": extra}) if extra else ({"dict": {}}, {})
+    model_tree: dict[str, Any] = {"dict": {}}
+    states: dict[str, Any] = {}
+    for (atom, state), meta in metas.items():
+        if state is None:
+            model_tree["dict"][atom] = {"atom": meta.path}
+        else:
+            states.setdefault(atom, {"dict": {}})["dict"][state] = {"atom": meta.path}
+    root = {
+        "model": model_tree,
+        **({"optimizer": {"dict": {"state": {"dict": states}}}} if states else {}),
+        "model_config": {"value": {"family": family_for(model.config).name, **model.config.to_json()}},
+        "optim_states": {"value": list(model.optim_states)},
+        **extra_tree["dict"],
+    }
+    manifest = StepManifest(
+        step=step,
+        tree={"dict": root},
+        atoms={m.path: m for m in metas.values()},
+        layout=str(model.layout),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        writer=f"ucp {__version__}",
+    )
+    return manifest, extra_tensors
+
+
+def save_sharded(
+    local_state: Mapping[str, Any],
+    url: str,
+    *,
+    step: int,
+    model: ShardedModel,
+    comm: Comm,
+    extra: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+    storage: Storage | None = None,
+) -> None:
+    """Save this rank's local state (docs/LOCAL_STATE.md) as part of a universal checkpoint; every rank calls it.
+
+    Each chunk object has exactly one writer and is written whole; replicated atoms are written once, by
+    replicas chosen round-robin; `extra` (scheduler, data position, ...: JSON and small tensors) is taken from
+    rank 0. Returns after rank 0 has committed the step.
+    """
+    options = options or SaveOptions()
+    storage = storage or open_storage(url, storage_options, fsync=options.fsync)
+    if comm.rank == 0:
+        prepare_step(storage, step)
+        ensure_root(storage)
+    comm.barrier()
+    saver = RankSaver(local_state, model, comm.rank, storage, step, options)
+    incoming = comm.exchange(saver.outgoing(), saver.incoming_sizes())
+    with cf.ThreadPoolExecutor(options.io_threads) as pool:
+        saver.write(incoming, pool)
+        if comm.rank == 0:
+            manifest, extra_tensors = _manifest(model, saver.metas, extra or {}, step)
+            _write_extra(storage, step, manifest, extra_tensors, options, pool)
+    storage.flush()
+    comm.barrier()  # every rank's data is durable
+    if comm.rank == 0:
+        commit_step(storage, manifest)
+    comm.barrier()
+
+
+def _write_extra(storage: Storage, step: int, manifest: StepManifest, extra_tensors: dict[str, torch.Tensor], options: SaveOptions, pool: cf.ThreadPoolExecutor) -> None:
+    """Rank 0 writes the group metadata and the extra state's tensors (small, replicated)."""
+    tensors = {p: t.detach().to("cpu").contiguous() for p, t in extra_tensors.items()}
+    metas = plan_atoms(tensors, options.chunking)
+    manifest.atoms.update({m.path: m for m in metas})
+    write_atom_metadata(storage, step, metas, pool, groups=False)
+    write_atom_metadata(storage, step, manifest.atoms.values(), pool, atoms=False)
+    write_chunks(storage, step, ((m, tensors[m.path], i) for m in metas for i in chunk_indices(m.grid)), pool)
+
+
+class VirtualWorld:
+    """Every rank of a layout in one process: drives the per-rank steps of a save in lockstep."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def save(self, local_states: list[Mapping[str, Any]], url: str, *, step: int, model: ShardedModel, extra: dict[str, Any] | None = None,
+             storage: Storage | None = None, options: SaveOptions | None = None, storage_options: dict[str, Any] | None = None) -> None:
+        options = options or SaveOptions()
+        storage = storage or open_storage(url, storage_options, fsync=options.fsync)
+        prepare_step(storage, step)
+        ensure_root(storage)
+        savers = [RankSaver(s, model, r, storage, step, options) for r, s in enumerate(local_states)]
+        outgoing = [s.outgoing() for s in savers]
+        with cf.ThreadPoolExecutor(options.io_threads) as pool:
+            for rank, saver in enumerate(savers):
+                saver.write({peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, pool)
+            manifest, extra_tensors = _manifest(model, savers[0].metas, extra or {}, step)
+            _write_extra(storage, step, manifest, extra_tensors, options, pool)
+        storage.flush()
+        commit_step(storage, manifest)
+
+
+# ----------------------------------------------------------------------------------------------- load
+
+
+@dataclass
+class LoadReport:
+    """What one rank read: bytes its tensors needed, and chunk bytes read from storage (amplification = ratio)."""
+
+    bytes_needed: int
+    bytes_read: int
+
+    @property
+    def amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+def model_config_of(reader: CheckpointReader) -> Any:
+    """The model family config a distributed checkpoint was written with."""
+    from .families import FAMILIES
+
+    try:
+        doc = dict(reader.manifest.tree["dict"]["model_config"]["value"])
+        family = FAMILIES[doc.pop("family")]
+    except (KeyError, TypeError):
+        raise FormatError(f"step {reader.step} at {reader.storage.url} carries no model_config (not written by a distributed save)") from None
+    return family.config_cls.from_json(doc)
+
+
+def _check_atom(meta: AtomMeta, shape: tuple[int, ...]) -> None:
+    if meta.shape != shape:
+        raise FormatError(f"atom {meta.path!r} has shape {list(meta.shape)} in the checkpoint, but the model config needs {list(shape)}")
+
+
+def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dtype: torch.dtype | None = None) -> tuple[dict[str, Any], LoadReport]:
+    """The local state of `rank` in `model.layout`, read straight from the atoms: only the regions this rank
+    needs, many reads in flight, every inner chunk verified. Parameters are cast to `dtype` when given."""
+    plan = local_plan(model.config, model.layout, rank, model.optim_states)
+    shapes = canonical_atoms(model.config)
+    local: dict[str, Any] = {}
+    jobs: list[Callable[[], None]] = []
+    needed_metas: dict[str, AtomMeta] = {}
+    bytes_needed = 0
+    for lt in plan:
+        metas = []
+        for p in lt.pieces:
+            path = atom_path(p.atom, lt.state)
+            if path not in reader.atoms:
+                what = "optimizer state" if lt.state else "parameter"
+                raise FormatError(f"step {reader.step} has no atom {path!r} ({what} {p.atom} needed by rank {rank} of {model.layout})")
+            meta = reader.atoms[path]
+            _check_atom(meta, shapes[p.atom][0])
+            metas.append(meta)
+            needed_metas[path] = meta
+        stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
+        tensor = torch.zeros(lt.shape, dtype=stored)
+        _put(local, lt.key, tensor)
+        for p, meta in zip(lt.pieces, metas):
+            view = piece_view(tensor, p)
+            bytes_needed += view.numel() * view.element_size()
+            jobs += [lambda m=meta, i=i, v=view, b=p.atom_box: _read_region(reader, m, i, b, v) for i in _chunks_touching(meta, p.atom_box)]
+    with cf.ThreadPoolExecutor(reader.io_threads) as pool:
+        _run(pool, [lambda m=m: reader.check_atom_metadata(m) for m in needed_metas.values()])
+        before = reader.storage.stats.bytes_read
+        _run(pool, jobs)
+        read = reader.storage.stats.bytes_read - before
+    if dtype is not None:
+        local = _cast_params(local, plan, dtype)
+    return local, LoadReport(bytes_needed, read)
+
+
+def _put(tree_: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
+    for k in key[:-1]:
+        tree_ = tree_.setdefault(k, {})
+    tree_[key[-1]] = value
+
+
+def _cast_params(local: dict[str, Any], plan: list[LocalTensor], dtype: torch.dtype) -> dict[str, Any]:
+    for lt in plan:
+        if lt.state is None:
+            _put(local, lt.key, _get(local, lt.key).to(dtype))
+    return local
+
+
+def _chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
+    ranges = [range(a // c, (b - 1) // c + 1) if b > a else range(0) for (a, b), c in zip(box, meta.chunk_shape)]
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*prefix, i) for prefix in out for i in r]
+    return out
+
+
+def _read_region(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor) -> None:
+    """Read the part of chunk object `index` that falls in `box` of the atom into `view` (shaped like `box`)."""
+
+    def dest_for(chunk_box: Box) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        part = intersect(chunk_box, box)
+        if part is None:
+            return None
+        return view[to_slices(_relative(part, box))], tuple(a - c for (a, _), (c, _) in zip(part, chunk_box))
+
+    key = meta.chunk_key(index)
+    where = f"atom {meta.path!r} chunk {key} (step {reader.step})"
+    codec.read_object(reader.storage, f"{reader.prefix}/{meta.path}/{key}", meta, index, dest_for, where)
+
+
+def extra_state(reader: CheckpointReader) -> dict[str, Any]:
+    """The `extra` state a distributed save stored (JSON, and tensors read whole)."""
+    node = reader.manifest.tree["dict"].get("extra")
+    if node is None:
+        return {}
+    paths = tree.tree_atoms(node)
+    return tree.unflatten({"dict": {"extra": node}}, reader.read_atoms(paths))["extra"]
+
+
+def with_layout(model: ShardedModel, layout: Layout) -> ShardedModel:
+    return dataclasses.replace(model, layout=layout)
