@@ -26,6 +26,8 @@ STATES = ("exp_avg", "exp_avg_sq")
 CONFIG = MixtralConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
                        num_key_value_heads=4, num_local_experts=4, make_vocab_size_divisible_by=8)
 OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=16384, inner_bytes=2048), fsync=False)
+# Fewer, larger objects where each request costs milliseconds (the S3 server).
+LARGE_OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=65536, inner_bytes=8192), fsync=False)
 
 
 def full_state(seed: int = 0) -> dict:
@@ -52,7 +54,8 @@ def main(url: str, save_layout: str, load_layouts: str, out_dir: str) -> None:
     storage = open_storage(url, storage_options, fsync=False)
     storage.stats.write_log = []
     save_sharded(shard(full, CONFIG, layout, rank, STATES), url, step=7, model=ShardedModel(CONFIG, layout, STATES),
-                 comm=TorchComm(), extra={"iteration": 7, "data": {"consumed": 123}}, options=OPTIONS, storage=storage)
+                 comm=TorchComm(), extra={"iteration": 7, "data": {"consumed": 123}}, storage=storage,
+                 options=LARGE_OPTIONS if url.startswith("s3://") else OPTIONS)
     result = {"writes": storage.stats.write_log, "loads": {}}
     for name in load_layouts.split(","):
         target = parse_layout(name, dist.get_world_size())

@@ -21,7 +21,7 @@ from . import dtypes
 from .boxes import Box, to_slices
 from .errors import IntegrityError
 from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, chunk_indices
-from .storage import Storage
+from .storage import Storage, scatter_into
 
 
 def _crc(buf: memoryview | bytes | bytearray) -> bytes:
@@ -149,28 +149,32 @@ def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ..
     """Read, verify and deliver the stored chunks of one object that `dest_for` wants.
 
     `dest_for(box)` gets the array region a stored chunk holds and returns (destination view of the wanted part,
-    offset of that part inside the chunk), or None to skip the chunk. A plain object is one read; a shard is a
-    read of its index and one scatter read over the wanted inner chunks (gaps land in scratch).
+    offset of that part inside the chunk), or None to skip the chunk. A plain object is one read. A shard is a
+    read of its index, then one scatter read over the wanted inner chunks (gaps land in scratch); where each
+    request is costly (`storage.whole_object_reads`) and every inner chunk is wanted, it is one read.
     """
     chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
     stored = meta.stored_chunk_bytes()
+    whole: memoryview | None = None
     try:
         if meta.inner_chunk_shape is None:
             wanted = dest_for(meta.chunk_box(outer))
             if wanted is None:
                 return
-            start, end = 0, stored + CRC_BYTES
             extents = [(0, ChunkSink(wanted[0], chunk_shape, wanted[1]))]
         else:
-            index = parse_index(meta, outer, storage.read(key, 0, index_nbytes(meta)), where)
+            boxes = [b for b in _inner_boxes(meta, outer) if b is not None]
+            if storage.whole_object_reads and all(dest_for(b) is not None for b in boxes):
+                whole = storage.read(key)
+            index_bytes = whole if whole is not None else storage.read(key, 0, index_nbytes(meta))
             extents = []
-            for inner in sorted(index, key=lambda c: c.offset):
+            for inner in sorted(parse_index(meta, outer, index_bytes, where), key=lambda c: c.offset):
                 wanted = dest_for(inner.box)
                 if wanted is not None:
                     extents.append((inner.offset, ChunkSink(wanted[0], chunk_shape, wanted[1])))
             if not extents:
                 return
-            start, end = extents[0][0], extents[-1][0] + stored + CRC_BYTES
+        start, end = extents[0][0], extents[-1][0] + stored + CRC_BYTES
         buffers: list[memoryview] = []
         pos = start
         for offset, sink in extents:
@@ -178,8 +182,8 @@ def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ..
                 buffers.append(memoryview(bytearray(offset - pos)))  # a gap we do not need
             buffers += sink.buffers()
             pos = offset + stored + CRC_BYTES
-        sentinel = memoryview(bytearray(1))  # catches objects longer than their metadata says
-        got = storage.read_into(key, start, [*buffers, sentinel])
+        buffers.append(memoryview(bytearray(1)))  # a sentinel: catches objects longer than their metadata says
+        got = scatter_into(whole[start:], buffers) if whole is not None else storage.read_into(key, start, buffers)
     except FileNotFoundError:
         raise IntegrityError(f"{where} is missing") from None
     if got < end - start:

@@ -46,7 +46,7 @@ class IOStats:
                 self.write_log.append(key)
 
 
-def _scatter(data: memoryview, buffers: Sequence[memoryview]) -> int:
+def scatter_into(data: memoryview, buffers: Sequence[memoryview]) -> int:
     """Copy `data` into `buffers` back to back; returns the bytes copied."""
     pos = 0
     for b in buffers:
@@ -71,6 +71,7 @@ class Storage(ABC):
 
     url: str
     stats: IOStats
+    whole_object_reads = False  # True where a request costs more than the bytes it moves (object stores)
 
     @abstractmethod
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
@@ -84,7 +85,7 @@ class Storage(ABC):
         """Scatter-read bytes from `offset` into `buffers` back to back; returns the bytes read (less at the
         object's end). Missing object: FileNotFoundError."""
         data = self.read(key, offset, offset + sum(b.nbytes for b in buffers))
-        return _scatter(data, buffers)
+        return scatter_into(data, buffers)
 
     @abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -208,6 +209,8 @@ class LocalStorage(Storage):
 
 class FsspecStorage(Storage):
     """Any fsspec filesystem: memory://, s3:// (s3fs), ... One request per object write or range read."""
+
+    whole_object_reads = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
         self.fs = fs
