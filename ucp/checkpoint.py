@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import __version__, codec, commit, dtypes, tree
-from .boxes import to_slices
+from .boxes import Box, to_slices
 from .chunking import ChunkingPolicy, choose_chunks
 from .errors import FormatError, IntegrityError, StepExistsError
 from .format import (
@@ -26,10 +26,10 @@ from .format import (
     StepManifest,
     chunk_indices,
     dumps,
-    group_json,
     loads,
     step_dirname,
 )
+from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .storage import Storage, open_storage
 
 DEFAULT_IO_THREADS = 16
@@ -79,49 +79,7 @@ def _run(pool: cf.ThreadPoolExecutor, tasks: Iterable[Callable[[], None]]) -> No
             raise f.exception()  # type: ignore[misc]
 
 
-def _group_paths(atom_paths: Iterable[str]) -> list[str]:
-    """Every intermediate group (dict level) that holds an atom, parents first."""
-    groups = {"/".join(p.split("/")[:i]) for p in atom_paths for i in range(1, p.count("/") + 1)}
-    return sorted(groups, key=lambda g: (g.count("/"), g))
-
-
 # ------------------------------------------------------------------------------------------------ write
-
-
-def write_atom_metadata(
-    storage: Storage,
-    step: int,
-    metas: Iterable[AtomMeta],
-    pool: cf.ThreadPoolExecutor,
-    *,
-    atoms: bool = True,
-    groups: bool = True,
-) -> None:
-    """Write the atoms' array zarr.json files and/or the zarr.json of every group above them."""
-    prefix = step_dirname(step)
-    metas = list(metas)
-    tasks = []
-    if atoms:
-        tasks += [lambda m=m: storage.write(f"{prefix}/{m.path}/{ZARR_JSON}", [dumps(m.zarr_json())]) for m in metas]
-    if groups:
-        tasks += [lambda g=g: storage.write(f"{prefix}/{g}/{ZARR_JSON}", [dumps(group_json())]) for g in _group_paths(m.path for m in metas)]
-    _run(pool, tasks)
-
-
-def write_chunks(
-    storage: Storage,
-    step: int,
-    items: Iterable[tuple[AtomMeta, torch.Tensor, tuple[int, ...]]],
-    pool: cf.ThreadPoolExecutor,
-) -> None:
-    """Encode and write chunk objects; each (atom, tensor holding the full atom, chunk index) is written whole."""
-    prefix = step_dirname(step)
-
-    def task(meta: AtomMeta, tensor: torch.Tensor, index: tuple[int, ...]) -> None:
-        chunk = tensor[to_slices(meta.chunk_box(index))]
-        storage.write(f"{prefix}/{meta.path}/{meta.chunk_key(index)}", codec.encode(meta, index, chunk))
-
-    _run(pool, [lambda a=item: task(*a) for item in items])
 
 
 def commit_step(storage: Storage, manifest: StepManifest) -> commit.CommitRecord:
@@ -152,6 +110,50 @@ def prepare_step(storage: Storage, step: int) -> None:
     storage.delete(step_dirname(step))
 
 
+def chunk_jobs(metas: Iterable[AtomMeta], tensors: Mapping[str, torch.Tensor]) -> list[ChunkJob]:
+    """Every chunk object of atoms held whole in `tensors` (keyed by atom path)."""
+    return [ChunkJob(m, i, _view(tensors[m.path], m.chunk_box(i))) for m in metas for i in chunk_indices(m.grid)]
+
+
+def _view(tensor: torch.Tensor, box: Box) -> Callable[[], torch.Tensor]:
+    return lambda: tensor[to_slices(box)]
+
+
+def group_paths(metas: Iterable[AtomMeta]) -> list[str]:
+    """Every intermediate group (dict level) that holds an atom, parents first."""
+    paths = [m.path for m in metas]
+    groups = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+    return sorted(groups, key=lambda g: (g.count("/"), g))
+
+
+def plan_save(
+    state: dict[str, Any],
+    storage: Storage,
+    step: int | None,
+    options: SaveOptions,
+    *,
+    layout: str | None = None,
+    atom_attributes: Mapping[str, Mapping[str, Any]] | None = None,
+) -> SavePlan:
+    """The plan of a single-process save: every atom and chunk, then the commit. Bad states are refused here,
+    before anything is written."""
+    json_tree, tensors = tree.flatten(state)
+    tensors = {p: t.detach() if t.is_cuda else t.detach().contiguous() for p, t in tensors.items()}
+    metas = plan_atoms(tensors, options.chunking, atom_attributes)
+    step = next_step(storage) if step is None else int(step)
+    prepare_step(storage, step)
+    ensure_root(storage)
+    manifest = StepManifest(
+        step=step,
+        tree=json_tree,
+        atoms={m.path: m for m in metas},
+        layout=layout,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        writer=f"ucp {__version__}",
+    )
+    return SavePlan(storage, step, metas, group_paths(metas), chunk_jobs(metas, tensors), lambda: commit_step(storage, manifest))
+
+
 def save(
     state: dict[str, Any],
     url: str,
@@ -169,25 +171,15 @@ def save(
     visible only when its commit marker is written, after all its data is durable.
     """
     options = options or SaveOptions()
-    json_tree, tensors = tree.flatten(state)
-    tensors = {p: t.detach().to("cpu").contiguous() for p, t in tensors.items()}
-    metas = plan_atoms(tensors, options.chunking, atom_attributes)
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
-    step = next_step(storage) if step is None else int(step)
-    prepare_step(storage, step)
-    ensure_root(storage)
-    with cf.ThreadPoolExecutor(options.io_threads) as pool:
-        write_atom_metadata(storage, step, metas, pool)
-        write_chunks(storage, step, ((m, tensors[m.path], i) for m in metas for i in chunk_indices(m.grid)), pool)
-    manifest = StepManifest(
-        step=step,
-        tree=json_tree,
-        atoms={m.path: m for m in metas},
-        layout=layout,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        writer=f"ucp {__version__}",
-    )
-    return commit_step(storage, manifest)
+    plan = plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes)
+    pipeline = SavePipeline(options.io_threads)
+    try:
+        record = pipeline.submit(plan, "sync").result()
+    finally:
+        pipeline.close()
+    assert record is not None
+    return record
 
 
 # ------------------------------------------------------------------------------------------------- read

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -29,19 +30,21 @@ from .checkpoint import (
     CheckpointReader,
     SaveOptions,
     _run,
+    chunk_jobs,
     commit_step,
     ensure_root,
+    group_paths,
     plan_atoms,
     prepare_step,
-    write_atom_metadata,
-    write_chunks,
 )
 from .chunking import ChunkingPolicy, choose_chunks
+from .commit import CommitRecord
 from .errors import FormatError, StateError
 from .families import canonical_atoms, family_for
-from .format import AtomMeta, StepManifest, chunk_indices, step_dirname
+from .format import AtomMeta, StepManifest
 from .layout import Layout
 from .partition import PartitionSpec, tp_shard
+from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .reshard import DEFAULT_STATES, LocalTensor, Piece, Transfer, chunk_write_plan, local_plan, owned_pieces
 from .storage import Storage, open_storage
 
@@ -194,7 +197,7 @@ class RankSaver:
             tensor = _get(local_state, lt.key).detach().to("cpu")
             for p in lt.pieces:
                 self.owned.setdefault((p.atom, lt.state), []).append((p.atom_box, piece_view(tensor, p)))
-        self.plan = chunk_write_plan(model.config, model.layout, rank, lambda a, _s: self.metas[(a, None)].chunk_shape, model.optim_states)
+        self.transfers = chunk_write_plan(model.config, model.layout, rank, lambda a, _s: self.metas[(a, None)].chunk_shape, model.optim_states)
 
     def _region(self, key: AtomKey, box: Box) -> torch.Tensor:
         """A box of an atom that lies inside one piece this rank owns."""
@@ -210,20 +213,20 @@ class RankSaver:
     def outgoing(self) -> dict[int, torch.Tensor]:
         """Fragments of this rank's pieces that other ranks' chunks need, one byte buffer per peer."""
         buffers: dict[int, list[torch.Tensor]] = {}
-        for t in self._order(self.plan.sends):
+        for t in self._order(self.transfers.sends):
             buffers.setdefault(t.peer, []).append(_as_uint8(self._region((t.atom, t.state), t.atom_box)))
         return {peer: torch.cat(parts) for peer, parts in buffers.items()}
 
     def incoming_sizes(self) -> dict[int, int]:
         sizes: dict[int, int] = {}
-        for t in self.plan.recvs:
+        for t in self.transfers.recvs:
             sizes[t.peer] = sizes.get(t.peer, 0) + box_numel(t.atom_box) * self.metas[(t.atom, t.state)].itemsize
         return sizes
 
     def _received_fragments(self, incoming: dict[int, torch.Tensor]) -> dict[AtomKey, list[tuple[Box, torch.Tensor]]]:
         fragments: dict[AtomKey, list[tuple[Box, torch.Tensor]]] = {}
         offsets = dict.fromkeys(incoming, 0)
-        for t in self._order(self.plan.recvs):
+        for t in self._order(self.transfers.recvs):
             meta = self.metas[(t.atom, t.state)]
             n = box_numel(t.atom_box) * meta.itemsize
             raw = incoming[t.peer][offsets[t.peer] : offsets[t.peer] + n]
@@ -232,50 +235,46 @@ class RankSaver:
             fragments.setdefault((t.atom, t.state), []).append((t.atom_box, values))
         return fragments
 
-    def write(self, incoming: dict[int, torch.Tensor], pool: cf.ThreadPoolExecutor) -> None:
-        """Write this rank's share of the atom metadata and every chunk it writes, whole."""
-        world = self.model.layout.world_size
-        ordered = list(self.metas.values())
-        write_atom_metadata(self.storage, self.step, ordered[self.rank :: world], pool, groups=False)
+    def _chunk_values(self, key: AtomKey, box: Box, fragments: dict[AtomKey, list[tuple[Box, torch.Tensor]]]) -> torch.Tensor:
+        """A chunk's values: a view when one piece holds it, else assembled from pieces and received fragments."""
+        sources = [*self.owned.get(key, []), *fragments.get(key, [])]
+        for src_box, view in sources:
+            if intersect(src_box, box) == box:
+                return view[to_slices(_relative(box, src_box))]
+        out = torch.empty(box_shape(box), dtype=sources[0][1].dtype)
+        for src_box, view in sources:
+            part = intersect(src_box, box)
+            if part is not None:
+                out[to_slices(_relative(part, box))] = view[to_slices(_relative(part, src_box))]
+        return out
+
+    def plan(self, incoming: dict[int, torch.Tensor], finish: Callable[[], CommitRecord | None]) -> SavePlan:
+        """This rank's writes: its share of the atom metadata and every chunk it writes, whole."""
         fragments = self._received_fragments(incoming)
-
-        def chunk_of(key: AtomKey, box: Box) -> torch.Tensor:
-            sources = [*self.owned.get(key, []), *fragments.get(key, [])]
-            for src_box, view in sources:
-                if intersect(src_box, box) == box:  # inside one piece: a view, no copy
-                    return view[to_slices(_relative(box, src_box))]
-            out = torch.empty(box_shape(box), dtype=sources[0][1].dtype)
-            for src_box, view in sources:
-                part = intersect(src_box, box)
-                if part is not None:
-                    out[to_slices(_relative(part, box))] = view[to_slices(_relative(part, src_box))]
-            return out
-
-        def task(atom: str, state: str | None, box: Box) -> None:
+        chunks = []
+        for atom, state, box in self.transfers.writes:
             meta = self.metas[(atom, state)]
             index = tuple(a // c for (a, _), c in zip(box, meta.chunk_shape))
-            chunk = chunk_of((atom, state), box)
-            self.storage.write(f"{self.prefix}/{meta.path}/{meta.chunk_key(index)}", codec.encode(meta, index, chunk))
-
-        _run(pool, [lambda w=w: task(*w) for w in self.plan.writes])
-
-    @property
-    def prefix(self) -> str:
-        return step_dirname(self.step)
+            chunks.append(ChunkJob(meta, index, functools.partial(self._chunk_values, (atom, state), box, fragments)))
+        metadata = list(self.metas.values())[self.rank :: self.model.layout.world_size]
+        return SavePlan(self.storage, self.step, metadata, [], chunks, finish)
 
 
-def _manifest(model: ShardedModel, metas: Mapping[AtomKey, AtomMeta], extra: dict[str, Any], step: int) -> tuple[StepManifest, dict[str, torch.Tensor]]:
-    """The step manifest: the canonical atoms, the model config, and the caller's extra state (JSON and tensors)."""
+def manifest_for(model: ShardedModel, metas: Mapping[AtomKey, AtomMeta], extra: dict[str, Any], step: int, chunking: ChunkingPolicy) -> tuple[StepManifest, list[ChunkJob]]:
+    """The step manifest (canonical atoms, model config, the caller's extra state), and the chunks of the
+    extra state's tensors (small, replicated: rank 0 writes them)."""
     extra_tree, extra_tensors = tree.flatten({"extra": extra}) if extra else ({"dict": {}}, {})
-    model_tree: dict[str, Any] = {"dict": {}}
+    extra_tensors = {p: t.detach().to("cpu").contiguous() for p, t in extra_tensors.items()}
+    extra_metas = plan_atoms(extra_tensors, chunking)
+    model_tree: dict[str, Any] = {}
     states: dict[str, Any] = {}
     for (atom, state), meta in metas.items():
         if state is None:
-            model_tree["dict"][atom] = {"atom": meta.path}
+            model_tree[atom] = {"atom": meta.path}
         else:
             states.setdefault(atom, {"dict": {}})["dict"][state] = {"atom": meta.path}
     root = {
-        "model": model_tree,
+        "model": {"dict": model_tree},
         **({"optimizer": {"dict": {"state": {"dict": states}}}} if states else {}),
         "model_config": {"value": {"family": family_for(model.config).name, **model.config.to_json()}},
         "optim_states": {"value": list(model.optim_states)},
@@ -284,12 +283,56 @@ def _manifest(model: ShardedModel, metas: Mapping[AtomKey, AtomMeta], extra: dic
     manifest = StepManifest(
         step=step,
         tree={"dict": root},
-        atoms={m.path: m for m in metas.values()},
+        atoms={m.path: m for m in [*metas.values(), *extra_metas]},
         layout=str(model.layout),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         writer=f"ucp {__version__}",
     )
-    return manifest, extra_tensors
+    return manifest, chunk_jobs(extra_metas, extra_tensors)
+
+
+def _add_rank0_writes(plan: SavePlan, manifest: StepManifest, extra_chunks: list[ChunkJob]) -> None:
+    """Rank 0 also writes the group metadata and the extra state's atoms."""
+    plan.metadata += list({id(job.meta): job.meta for job in extra_chunks}.values())
+    plan.groups = group_paths(manifest.atoms.values())
+    plan.chunks += extra_chunks
+
+
+def plan_sharded_save(
+    local_state: Mapping[str, Any],
+    storage: Storage,
+    *,
+    step: int,
+    model: ShardedModel,
+    comm: Comm,
+    extra: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+) -> SavePlan:
+    """This rank's plan of a distributed save. Every rank calls it together: it exchanges the fragments of the
+    chunks that ZeRO ranges cut. The plan's `finish` makes the rank's data durable, waits for every rank,
+    and on rank 0 commits."""
+    options = options or SaveOptions()
+    if comm.rank == 0:
+        prepare_step(storage, step)
+        ensure_root(storage)
+    comm.barrier()
+    saver = RankSaver(local_state, model, comm.rank, storage, step, options)
+    incoming = comm.exchange(saver.outgoing(), saver.incoming_sizes())
+    manifest, extra_chunks = (None, [])
+    if comm.rank == 0:
+        manifest, extra_chunks = manifest_for(model, saver.metas, extra or {}, step, options.chunking)
+
+    def finish() -> CommitRecord | None:
+        storage.flush()
+        comm.barrier()  # every rank's data is durable
+        record = commit_step(storage, manifest) if manifest is not None else None
+        comm.barrier()
+        return record
+
+    plan = saver.plan(incoming, finish)
+    if manifest is not None:
+        _add_rank0_writes(plan, manifest, extra_chunks)
+    return plan
 
 
 def save_sharded(
@@ -303,64 +346,50 @@ def save_sharded(
     storage_options: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
     storage: Storage | None = None,
-) -> None:
+) -> CommitRecord | None:
     """Save this rank's local state (docs/LOCAL_STATE.md) as part of a universal checkpoint; every rank calls it.
 
     Each chunk object has exactly one writer and is written whole; replicated atoms are written once, by
     replicas chosen round-robin; `extra` (scheduler, data position, ...: JSON and small tensors) is taken from
-    rank 0. Returns after rank 0 has committed the step.
+    rank 0. Returns after rank 0 has committed the step (the commit record on rank 0, None elsewhere).
     """
     options = options or SaveOptions()
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
-    if comm.rank == 0:
-        prepare_step(storage, step)
-        ensure_root(storage)
-    comm.barrier()
-    saver = RankSaver(local_state, model, comm.rank, storage, step, options)
-    incoming = comm.exchange(saver.outgoing(), saver.incoming_sizes())
-    with cf.ThreadPoolExecutor(options.io_threads) as pool:
-        saver.write(incoming, pool)
-        if comm.rank == 0:
-            manifest, extra_tensors = _manifest(model, saver.metas, extra or {}, step)
-            _write_extra(storage, step, manifest, extra_tensors, options, pool)
-    storage.flush()
-    comm.barrier()  # every rank's data is durable
-    if comm.rank == 0:
-        commit_step(storage, manifest)
-    comm.barrier()
-
-
-def _write_extra(storage: Storage, step: int, manifest: StepManifest, extra_tensors: dict[str, torch.Tensor], options: SaveOptions, pool: cf.ThreadPoolExecutor) -> None:
-    """Rank 0 writes the group metadata and the extra state's tensors (small, replicated)."""
-    tensors = {p: t.detach().to("cpu").contiguous() for p, t in extra_tensors.items()}
-    metas = plan_atoms(tensors, options.chunking)
-    manifest.atoms.update({m.path: m for m in metas})
-    write_atom_metadata(storage, step, metas, pool, groups=False)
-    write_atom_metadata(storage, step, manifest.atoms.values(), pool, atoms=False)
-    write_chunks(storage, step, ((m, tensors[m.path], i) for m in metas for i in chunk_indices(m.grid)), pool)
+    plan = plan_sharded_save(local_state, storage, step=step, model=model, comm=comm, extra=extra, options=options)
+    pipeline = SavePipeline(options.io_threads)
+    try:
+        return pipeline.submit(plan, "sync").result()
+    finally:
+        pipeline.close()
 
 
 class VirtualWorld:
-    """Every rank of a layout in one process: drives the per-rank steps of a save in lockstep."""
+    """Every rank of a layout in one process (tests, offline tools, benchmarks): the ranks' plans run one
+    after another, then the commit."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
 
     def save(self, local_states: list[Mapping[str, Any]], url: str, *, step: int, model: ShardedModel, extra: dict[str, Any] | None = None,
-             storage: Storage | None = None, options: SaveOptions | None = None, storage_options: dict[str, Any] | None = None) -> None:
+             storage: Storage | None = None, options: SaveOptions | None = None, storage_options: dict[str, Any] | None = None) -> CommitRecord:
         options = options or SaveOptions()
         storage = storage or open_storage(url, storage_options, fsync=options.fsync)
         prepare_step(storage, step)
         ensure_root(storage)
         savers = [RankSaver(s, model, r, storage, step, options) for r, s in enumerate(local_states)]
         outgoing = [s.outgoing() for s in savers]
-        with cf.ThreadPoolExecutor(options.io_threads) as pool:
+        manifest, extra_chunks = manifest_for(model, savers[0].metas, extra or {}, step, options.chunking)
+        pipeline = SavePipeline(options.io_threads)
+        try:
             for rank, saver in enumerate(savers):
-                saver.write({peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, pool)
-            manifest, extra_tensors = _manifest(model, savers[0].metas, extra or {}, step)
-            _write_extra(storage, step, manifest, extra_tensors, options, pool)
+                plan = saver.plan({peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, lambda: None)
+                if rank == 0:
+                    _add_rank0_writes(plan, manifest, extra_chunks)
+                pipeline.submit(plan, "sync")
+        finally:
+            pipeline.close()
         storage.flush()
-        commit_step(storage, manifest)
+        return commit_step(storage, manifest)
 
 
 # ----------------------------------------------------------------------------------------------- load

@@ -1,4 +1,5 @@
-"""CheckpointManager: owns the steps under one root, their retention, and the cleanup of interrupted saves."""
+"""CheckpointManager: owns the steps under one root, their saves (sync, async or lazy), retention, and the
+cleanup of interrupted saves, so that a trainer says little."""
 
 from __future__ import annotations
 
@@ -6,15 +7,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import commit
-from .checkpoint import CheckpointReader, SaveOptions, save
+from .checkpoint import CheckpointReader, SaveOptions, plan_save
+from .commit import CommitRecord
+from .distributed import Comm, LoadReport, ShardedModel, extra_state, load_sharded, plan_sharded_save
+from .pipeline import Mode, SaveHandle, SavePipeline, SavePlan
 from .storage import Storage, open_storage
 
 
 class CheckpointManager:
     """Steps of one training run under `root_url`.
 
-    A trainer says `manager.save(step, state)` and, on start, `manager.restore()`; the manager keeps the last
-    `keep_last` committed steps (all when None) and deletes what interrupted saves left behind.
+    A trainer says `manager.save(step, state)` (or, in a parallel job, `manager.save_sharded(step, local_state,
+    model)` on every rank) and, on start, `manager.restore()` / `restore_sharded()`. `mode` is "sync" (save
+    returns once committed), "async" (save returns once a snapshot is taken; call `wait()` or just save
+    again) or "lazy" (the snapshot too runs in the background: call `handle.wait_snapshot()` before changing
+    the saved tensors). One save is in flight at a time: a new save waits for the previous one and raises its
+    error. The manager keeps the last `keep_last` committed steps (all when None) and deletes what
+    interrupted saves left behind. In a parallel job pass `comm` (e.g. `TorchComm(dist.new_group(backend=
+    "gloo"))`): rank 0 does the cleanup and the commits.
     """
 
     def __init__(
@@ -24,14 +34,27 @@ class CheckpointManager:
         keep_last: int | None = None,
         storage_options: dict[str, Any] | None = None,
         options: SaveOptions | None = None,
+        mode: Mode = "sync",
+        staging_bytes: int | None = None,
+        comm: Comm | None = None,
     ):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (or None to keep every step), got {keep_last}")
         self.root_url = root_url
         self.keep_last = keep_last
         self.options = options or SaveOptions()
+        self.mode = mode
+        self.comm = comm
         self.storage: Storage = open_storage(root_url, storage_options, fsync=self.options.fsync)
-        self.gc()
+        self.pipeline = SavePipeline(self.options.io_threads, staging_bytes)
+        if self.is_coordinator:
+            self.gc()
+        if comm is not None:
+            comm.barrier()
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.comm is None or self.comm.rank == 0
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -41,6 +64,8 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    # -- saving
+
     def save(
         self,
         step: int,
@@ -48,26 +73,73 @@ class CheckpointManager:
         *,
         layout: str | None = None,
         atom_attributes: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> commit.CommitRecord:
-        """Save and commit `step`, then apply retention."""
-        record = save(
-            state,
-            self.root_url,
-            step=step,
-            layout=layout,
-            options=self.options,
-            atom_attributes=atom_attributes,
-            storage=self.storage,
-        )
-        self._apply_retention()
-        return record
+        mode: Mode | None = None,
+    ) -> SaveHandle:
+        """Save `state` (a nested dict of tensors and JSON values) as `step`; retention follows the commit."""
+        self.pipeline.wait()
+        plan = plan_save(state, self.storage, step, self.options, layout=layout, atom_attributes=atom_attributes)
+        return self._submit(plan, mode)
+
+    def save_sharded(
+        self,
+        step: int,
+        local_state: Mapping[str, Any],
+        model: ShardedModel,
+        *,
+        extra: dict[str, Any] | None = None,
+        mode: Mode | None = None,
+    ) -> SaveHandle:
+        """Every rank calls this with its local state (docs/LOCAL_STATE.md); `extra` is taken from rank 0."""
+        if self.comm is None:
+            raise ValueError("save_sharded needs the manager's comm (CheckpointManager(..., comm=TorchComm(group)))")
+        self.pipeline.wait()
+        plan = plan_sharded_save(local_state, self.storage, step=step, model=model, comm=self.comm, extra=extra, options=self.options)
+        return self._submit(plan, mode)
+
+    def _submit(self, plan: SavePlan, mode: Mode | None) -> SaveHandle:
+        commit_and_retain = plan.finish
+
+        def finish() -> CommitRecord | None:
+            record = commit_and_retain()
+            if self.is_coordinator:
+                self._apply_retention()
+            return record
+
+        plan.finish = finish
+        return self.pipeline.submit(plan, mode or self.mode)
+
+    def wait(self) -> CommitRecord | None:
+        """Wait for the save in flight (if any) to commit; raises its error."""
+        return self.pipeline.wait()
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the writer threads."""
+        self.pipeline.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- restoring
+
+    def reader(self, step: int | str | None = "latest") -> CheckpointReader:
+        return CheckpointReader(self.storage, step, io_threads=self.options.io_threads)
 
     def restore(self, step: int | str | None = "latest") -> dict[str, Any]:
         """The state of a committed step ('latest' or None: the newest)."""
         return self.reader(step).load_state()
 
-    def reader(self, step: int | str | None = "latest") -> CheckpointReader:
-        return CheckpointReader(self.storage, step, io_threads=self.options.io_threads)
+    def restore_sharded(
+        self, model: ShardedModel, rank: int, step: int | str | None = "latest"
+    ) -> tuple[dict[str, Any], dict[str, Any], LoadReport]:
+        """This rank's local state in `model.layout` (whatever layout saved it), the extra state, and what was read."""
+        reader = self.reader(step)
+        local, report = load_sharded(reader, model, rank)
+        return local, extra_state(reader), report
+
+    # -- cleanup
 
     def gc(self) -> list[int]:
         """Delete uncommitted step directories left by interrupted saves; returns their steps."""

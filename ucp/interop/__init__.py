@@ -1,0 +1,12 @@
+"""Interop: ucp as the hub between other frameworks' checkpoints.
+
+- `hf`: Hugging Face Mixtral (config.json + sharded safetensors) to and from ucp;
+- `megatron`: Megatron-LM torch checkpoints (`iter_*/mp_rank_*/model_optim_rng.pt`) resharded through atoms;
+- `dcp`: PyTorch Distributed Checkpoint (torch.distributed.checkpoint) to and from ucp;
+- `weights`: weights-only loads into SFT / RL jobs in any layout;
+- `cli`: the `convert`, `export` and `import` subcommands.
+"""
+
+from ucp.interop.errors import InteropError, SourceMismatchError
+
+__all__ = ["InteropError", "SourceMismatchError"]

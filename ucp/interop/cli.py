@@ -1,0 +1,148 @@
+"""The `convert`, `export` and `import` subcommands; `register(subparsers)` adds them to the `ucp` parser.
+
+    ucp convert SRC DST --from tp8pp4 --to tp4pp8      Megatron torch checkpoint, resharded through atoms
+    ucp convert SRC URL --from tp2pp2 --to universal   Megatron -> ucp
+    ucp convert URL DST --from universal --to tp4      ucp -> Megatron
+    ucp export URL --to hf DIR [--dtype bf16]          ucp -> Hugging Face Mixtral (safetensors)
+    ucp export URL --to dcp DIR                        ucp -> torch.distributed.checkpoint
+    ucp import DIR URL [--from hf|dcp]                 Hugging Face (or DCP) -> ucp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ucp.errors import UcpError
+
+
+def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UcpError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        options[key] = json.loads(value) if value[:1] in "{[0123456789" or value in ("true", "false", "null") else value
+    return options
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB)") from None
+
+
+def _step(text: str) -> int | str:
+    if text == "latest":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a step is a number or 'latest', got {text!r}") from None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec storage option for a ucp URL, e.g. endpoint_url=http://127.0.0.1:9000")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ucp.interop.megatron import convert
+
+    report = convert(args.src, args.dst, from_layout=args.from_, to_layout=args.to, step=args.step,
+                     iteration=args.iteration, memory_budget=args.memory_budget, workers=args.workers,
+                     storage_options=_storage_options(args.storage_option), progress=not args.no_progress)
+    print(f"converted {report.atoms} atoms ({report.bytes_written / 2**20:.1f} MiB) "
+          f"from {report.source} to {report.destination}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    options = _storage_options(args.storage_option)
+    if args.to == "hf":
+        from ucp.interop.hf import export_hf
+
+        report = export_hf(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options,
+                           max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
+        print(f"wrote {report.tensors} tensors in {report.files} safetensors files "
+              f"({report.bytes_written / 2**20:.1f} MiB) to {args.dir}")
+    else:
+        from ucp.interop.dcp import export_dcp
+
+        report = export_dcp(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options)
+        print(f"wrote {report.tensors} tensors ({report.bytes_written / 2**20:.1f} MiB) as a DCP checkpoint to {args.dir}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    options = _storage_options(args.storage_option)
+    if args.from_ == "hf":
+        from ucp.interop.hf import import_hf
+
+        report = import_hf(args.src, args.url, step=args.step, dtype=args.dtype, storage_options=options)
+    else:
+        from ucp.interop.dcp import import_dcp
+
+        report = import_dcp(args.src, args.url, step=args.step, storage_options=options)
+    print(f"imported {report.atoms} atoms ({report.bytes_read / 2**20:.1f} MiB) as step {report.step} of {args.url}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add `convert`, `export` and `import` to an argparse subparsers object."""
+    p = subparsers.add_parser("convert", help="reshard a Megatron-LM torch checkpoint (or convert to/from ucp)")
+    p.add_argument("src", help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt), or a ucp URL")
+    p.add_argument("dst", help="output directory, or a ucp URL with --to universal")
+    p.add_argument("--from", dest="from_", required=True, help="layout of SRC (e.g. tp8pp4, tp2ep2), or 'universal'")
+    p.add_argument("--to", required=True, help="layout to write (e.g. tp4pp8), or 'universal'")
+    p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
+    p.add_argument("--step", type=int, default=None, help="ucp step to write or read (default: the iteration / latest)")
+    p.add_argument("--memory-budget", type=_bytes, default=4 << 30, help="peak tensor memory (default 4GiB)")
+    p.add_argument("--workers", type=int, default=8, help="parallel reads and writes (default 8)")
+    _common(p)
+    p.set_defaults(func=cmd_convert)
+
+    p = subparsers.add_parser("export", help="write a ucp checkpoint in another framework's format")
+    p.add_argument("url", help="ucp checkpoint root (local path, s3://...) or a step directory")
+    p.add_argument("--to", required=True, choices=("hf", "dcp"), help="hf: Hugging Face safetensors; dcp: torch DCP")
+    p.add_argument("dir", help="output directory (must not exist, or be empty)")
+    p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
+    p.add_argument("--step", type=_step, default="latest", help="step to export (default: latest)")
+    p.add_argument("--max-shard-size", type=_bytes, default=1 << 30, help="largest safetensors file (default 1GiB)")
+    _common(p)
+    p.set_defaults(func=cmd_export)
+
+    p = subparsers.add_parser("import", help="turn another framework's checkpoint into a ucp checkpoint")
+    p.add_argument("src", help="Hugging Face directory (config.json + safetensors) or DCP directory")
+    p.add_argument("url", help="ucp checkpoint root to write")
+    p.add_argument("--from", dest="from_", choices=("hf", "dcp"), default="hf", help="source format (default hf)")
+    p.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
+    p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
+    _common(p)
+    p.set_defaults(func=cmd_import)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse and dispatch; a UcpError is one line on stderr and exit code 1."""
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UcpError as e:
+        print(f"ucp: error: {e}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ucp", description="ucp interop: convert, export, import")
+    register(parser.add_subparsers(dest="command", required=True))
+    return run(parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

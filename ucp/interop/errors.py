@@ -1,0 +1,17 @@
+"""Errors for foreign checkpoints: each message names the file, tensor or rank at fault."""
+
+from __future__ import annotations
+
+from ucp.errors import UcpError
+
+
+class InteropError(UcpError):
+    """A foreign checkpoint (Megatron, Hugging Face, DCP) is incomplete, inconsistent or cannot be mapped."""
+
+
+class SourceMismatchError(InteropError):
+    """The source is not what the command was told it is (another architecture, layout or format)."""
+
+
+class DestinationExistsError(InteropError):
+    """The destination already holds something; interop commands never write over existing output."""

@@ -1,0 +1,143 @@
+"""Weights-only loads for jobs that start from a checkpoint: SFT, RL rollout workers, evaluation.
+
+Such a job needs the parameters in its own layout and dtype and nothing else: optimizer state (two thirds or
+more of a pretraining checkpoint) is never read, and each rank reads only the regions of the atoms it holds
+(`ucp.distributed.load_sharded` with no optimizer states), whatever layout wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ucp.checkpoint import CheckpointReader, open_checkpoint
+from ucp.distributed import LoadReport, ShardedModel, atom_path, load_sharded, model_config_of
+from ucp.errors import StateError
+from ucp.interop.dtypes import parse_dtype
+from ucp.layout import Layout, parse_layout
+
+
+@dataclass
+class LoadedWeights:
+    """One rank's parameters: `local` is the local state ({"model": {name: tensor}}, or "model0", "model1", ...
+    with virtual pipeline stages; Megatron-Core names, docs/LOCAL_STATE.md), plus what the load read."""
+
+    local: dict[str, Any]
+    report: LoadReport
+    config: Any
+    layout: Layout
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """Local parameters by Megatron-Core name (prefixed "model{v}." when there are virtual stages)."""
+        if list(self.local) == ["model"]:
+            return dict(self.local["model"])
+        return {f"{chunk}.{n}": t for chunk, tensors in self.local.items() for n, t in tensors.items()}
+
+
+def _as_layout(layout: str | Layout) -> Layout:
+    return layout if isinstance(layout, Layout) else parse_layout(layout)
+
+
+def load_weights(url: str | CheckpointReader, layout: str | Layout, rank: int, dtype: str | torch.dtype | None = None, *,
+                 step: int | str = "latest", storage_options: dict[str, Any] | None = None) -> LoadedWeights:
+    """The parameters of `rank` in `layout`, read from the atoms of a ucp checkpoint written from any layout
+    (local path or any fsspec URL), cast to `dtype`. Only the parameter regions this rank holds are read."""
+    reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)
+    config = model_config_of(reader)
+    target = _as_layout(layout)
+    local, report = load_sharded(reader, ShardedModel(config, target, optim_states=()), rank, dtype=parse_dtype(dtype))
+    return LoadedWeights(local, report, config, target)
+
+
+# --------------------------------------------------------------------------------- plain nn.Module by name
+
+# transformers >= 5 keeps a layer's experts fused: gate_up_proj [E, 2*ffn, hidden] = per expert [w1; w3],
+# down_proj [E, hidden, ffn] = per expert w2; the router is mlp.gate.
+_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_HF_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
+
+Composer = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one module tensor is made from atoms: the atoms it needs, and how to combine them."""
+
+    atoms: tuple[str, ...]
+    compose: Composer
+
+
+def hf_source(name: str, config: Any) -> Source | None:
+    """The atoms behind a Hugging Face Mixtral module tensor (either the per-expert or the fused-expert naming);
+    None for tensors no atom backs (e.g. rotary buffers)."""
+    if m := _HF_ROUTER.fullmatch(name):
+        atom = f"model.layers.{m[1]}.block_sparse_moe.gate.weight"
+        return Source((atom,), lambda a: a[atom])
+    if m := _HF_FUSED.fullmatch(name):
+        base = f"model.layers.{m[1]}.block_sparse_moe.experts."
+        experts = range(config.num_local_experts)
+        if m[2] == "gate_up_proj":
+            names = tuple(f"{base}{x}.{w}.weight" for x in experts for w in ("w1", "w3"))
+            return Source(names, lambda a: torch.stack([torch.cat([a[names[2 * x]], a[names[2 * x + 1]]]) for x in experts]))
+        names = tuple(f"{base}{x}.w2.weight" for x in experts)
+        return Source(names, lambda a: torch.stack([a[n] for n in names]))
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return Source(("model.embed_tokens.weight",), lambda a: a["model.embed_tokens.weight"])
+    if name.startswith("model.") or name == "lm_head.weight":
+        return Source((name,), lambda a: a[name])
+    return None
+
+
+NameMap = str | Mapping[str, str] | Callable[[str, Any], "Source | None"]
+
+
+def _resolver(name_map: NameMap) -> Callable[[str, Any], Source | None]:
+    if name_map == "hf":
+        return hf_source
+    if isinstance(name_map, Mapping):
+        return lambda n, _c: Source((name_map[n],), lambda a, atom=name_map[n]: a[atom]) if n in name_map else None
+    if callable(name_map):
+        return name_map
+    raise StateError(f"name_map must be 'hf', a dict module name -> atom name, or a callable; got {name_map!r}")
+
+
+def load_into_module(url: str | CheckpointReader, module: torch.nn.Module, name_map: NameMap = "hf", *,
+                     step: int | str = "latest", storage_options: dict[str, Any] | None = None,
+                     strict: bool = True) -> LoadReport:
+    """Fill a plain (unsharded) module's parameters and buffers from a ucp checkpoint's atoms, matched by
+    name: "hf" for a transformers Mixtral (either expert naming), a dict {module name: atom name}, or a
+    callable name -> Source. Values are cast to each tensor's dtype. With strict, a module parameter that no
+    atom fills, or a shape that disagrees, is an error. Only the atoms the module needs are read."""
+    reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)
+    config = model_config_of(reader)
+    resolve = _resolver(name_map)
+    targets = dict(module.state_dict(keep_vars=True))
+    sources: dict[str, Source] = {}
+    unfilled = []
+    for name, tensor in targets.items():
+        src = resolve(name, config)
+        if src is None or any(atom_path(a, None) not in reader.atoms for a in src.atoms):
+            if isinstance(tensor, torch.nn.Parameter):
+                unfilled.append(name)
+            continue
+        sources[name] = src
+    if strict and unfilled:
+        raise StateError(f"no atom of step {reader.step} fills the module's parameters {unfilled[:5]}"
+                         f"{' ...' if len(unfilled) > 5 else ''}")
+    paths = sorted({atom_path(a, None) for s in sources.values() for a in s.atoms})
+    before = reader.storage.stats.bytes_read
+    atoms = {p.removeprefix("model/"): t for p, t in reader.read_atoms(paths).items()}
+    read = reader.storage.stats.bytes_read - before
+    with torch.no_grad():
+        for name, src in sources.items():
+            value = src.compose(atoms)
+            target = targets[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise StateError(f"module tensor {name} has shape {list(target.shape)}, the checkpoint gives {list(value.shape)}")
+            target.copy_(value.to(target.dtype))
+    return LoadReport(bytes_needed=sum(t.numel() * t.element_size() for t in atoms.values()), bytes_read=read)

@@ -1,0 +1,253 @@
+"""The save data path: snapshot into staging buffers, encode, many writes in flight, commit.
+
+A save is a `SavePlan` (which objects this process writes, each chunk's values behind a callable) run by a
+`SavePipeline` in one of three modes:
+
+- "sync": chunks are encoded straight from the live tensors; `submit` returns once the step is committed.
+- "async": the caller's thread copies every chunk into staging memory (copy i+1 overlaps the encode and
+  write of i) and returns as soon as that snapshot is complete; writes and the commit go on in the
+  background. Training may then change the tensors.
+- "lazy": the snapshot copy itself runs in the background, while the next forward/backward runs; only code
+  that changes the saved tensors (the optimizer step) calls `handle.wait_snapshot()` first.
+
+One save is in flight at a time: `submit` first waits for the previous save and raises its error, so a
+failed background write is never silent. Staging memory is a pool of buffers reused from save to save
+(pinned host memory, filled on a side CUDA stream, when the tensors are on a GPU), bounded by
+`staging_bytes`: when it is full, the snapshot waits for writes to free buffers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from . import codec
+from .commit import CommitRecord
+from .errors import UcpError
+from .format import ZARR_JSON, AtomMeta, dumps, group_json, step_dirname
+from .storage import Storage
+
+Mode = Literal["sync", "async", "lazy"]
+MODES = ("sync", "async", "lazy")
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """One chunk object to write: its atom, grid position, and a callable giving its values (the chunk's
+    region of the atom, clipped at the edge; may be a view of live state)."""
+
+    meta: AtomMeta
+    index: tuple[int, ...]
+    source: Callable[[], torch.Tensor]
+
+
+@dataclass
+class SavePlan:
+    """What this process writes for one step: array metadata, group metadata, chunk objects; then `finish`
+    (make durable, coordinate, commit) runs once every write is done."""
+
+    storage: Storage
+    step: int
+    metadata: list[AtomMeta]
+    groups: list[str]
+    chunks: list[ChunkJob]
+    finish: Callable[[], CommitRecord | None]
+
+
+class StagingPool:
+    """Host buffers reused across saves, at most `capacity` bytes in all (None: as many as a save needs)."""
+
+    def __init__(self, capacity: int | None = None):
+        self.capacity = capacity
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        self._allocated = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if self.capacity is not None and nbytes > self.capacity:
+            raise UcpError(f"staging capacity {self.capacity} bytes is smaller than one chunk object ({nbytes} bytes)")
+        with self._cond:
+            while True:
+                free = self._free.get((nbytes, pinned))
+                if free:
+                    return free.pop()
+                if self.capacity is None or self._allocated + nbytes <= self.capacity:
+                    self._allocated += nbytes
+                    break
+                if not self._drop_one_free_buffer():
+                    self._cond.wait()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def _drop_one_free_buffer(self) -> bool:
+        for key, buffers in self._free.items():
+            if buffers:
+                buffers.pop()
+                self._allocated -= key[0]
+                return True
+        return False
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._cond:
+            self._free.setdefault((buffer.numel(), buffer.is_pinned()), []).append(buffer)
+            self._cond.notify_all()
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._allocated
+
+
+@dataclass
+class _Staged:
+    values: torch.Tensor
+    buffer: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def wait_ready(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+@dataclass
+class SaveHandle:
+    """A save in progress: `blocking_s` is how long `submit` held the caller; `result()` waits for the commit."""
+
+    step: int
+    mode: str
+    blocking_s: float = 0.0
+    snapshot_s: float = 0.0
+    snapshot_done: threading.Event = field(default_factory=threading.Event)
+    _future: cf.Future | None = None
+    _record: CommitRecord | None = None
+
+    def wait_snapshot(self) -> None:
+        """Block until the snapshot is complete (lazy mode: before changing the saved tensors)."""
+        self.snapshot_done.wait()
+        if self._future is not None and self._future.done() and self._future.exception() is not None:
+            raise self._future.exception()  # type: ignore[misc]
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def result(self, timeout: float | None = None) -> CommitRecord | None:
+        """Wait for the commit (None on processes that do not commit); raise the save's error if it failed."""
+        if self._future is not None:
+            self._record = self._future.result(timeout)
+            self._future = None
+        return self._record
+
+
+class SavePipeline:
+    """Runs save plans: a writer thread pool, a reused staging pool, and one background save at a time."""
+
+    def __init__(self, io_threads: int = 16, staging_bytes: int | None = None):
+        self.writers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="ucp-write")
+        self.background = cf.ThreadPoolExecutor(1, thread_name_prefix="ucp-save")
+        self.staging = StagingPool(staging_bytes)
+        self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._inflight: SaveHandle | None = None
+
+    def wait(self) -> CommitRecord | None:
+        """Wait for the save in flight, if any; raises its error."""
+        handle, self._inflight = self._inflight, None
+        return handle.result() if handle is not None else None
+
+    def submit(self, plan: SavePlan, mode: Mode = "sync") -> SaveHandle:
+        if mode not in MODES:
+            raise UcpError(f"save mode must be one of {MODES}, got {mode!r}")
+        self.wait()
+        start = time.perf_counter()
+        handle = SaveHandle(plan.step, mode)
+        if mode == "sync":
+            handle._record = self._run(plan, handle, stage=False)
+        elif mode == "async":
+            writes = self._snapshot(plan, handle)
+            handle._future = self.background.submit(self._complete, plan, writes)
+        else:
+            handle._future = self.background.submit(lambda: self._complete(plan, self._snapshot(plan, handle)))
+        handle.blocking_s = time.perf_counter() - start
+        self._inflight = handle if handle._future is not None else None
+        return handle
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.writers.shutdown(wait=True)
+            self.background.shutdown(wait=True)
+
+    # -- stages
+
+    def _run(self, plan: SavePlan, handle: SaveHandle, stage: bool) -> CommitRecord | None:
+        writes = self._snapshot(plan, handle) if stage else self._write_from_source(plan, handle)
+        return self._complete(plan, writes)
+
+    def _metadata_writes(self, plan: SavePlan) -> list[cf.Future]:
+        prefix = step_dirname(plan.step)
+        jobs = [(f"{prefix}/{m.path}/{ZARR_JSON}", dumps(m.zarr_json())) for m in plan.metadata]
+        jobs += [(f"{prefix}/{g}/{ZARR_JSON}", dumps(group_json())) for g in plan.groups]
+        return [self.writers.submit(plan.storage.write, key, [data]) for key, data in jobs]
+
+    def _write_from_source(self, plan: SavePlan, handle: SaveHandle) -> list[cf.Future]:
+        """Sync mode: encode straight from the live tensors (no copy)."""
+        futures = self._metadata_writes(plan)
+        futures += [self.writers.submit(self._write_chunk, plan, job, _Staged(job.source())) for job in plan.chunks]
+        handle.snapshot_done.set()
+        return futures
+
+    def _snapshot(self, plan: SavePlan, handle: SaveHandle) -> list[cf.Future]:
+        """Copy every chunk into staging and queue its write as soon as it is copied."""
+        start = time.perf_counter()
+        futures = self._metadata_writes(plan)
+        try:
+            for job in plan.chunks:
+                futures.append(self.writers.submit(self._write_chunk, plan, job, self._stage(job.source())))
+        except BaseException:
+            _cancel(futures)
+            raise
+        finally:
+            handle.snapshot_s = time.perf_counter() - start
+            handle.snapshot_done.set()
+        return futures
+
+    def _stage(self, values: torch.Tensor) -> _Staged:
+        pinned = values.is_cuda and self._side_stream is not None
+        buffer = self.staging.acquire(values.numel() * values.element_size(), pinned)
+        staged = buffer.view(values.dtype).view(values.shape)
+        if not pinned:
+            staged.copy_(values)
+            return _Staged(staged, buffer)
+        self._side_stream.wait_stream(torch.cuda.current_stream(values.device))
+        with torch.cuda.stream(self._side_stream):
+            staged.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return _Staged(staged, buffer, event)
+
+    def _write_chunk(self, plan: SavePlan, job: ChunkJob, staged: _Staged) -> None:
+        try:
+            staged.wait_ready()
+            key = f"{step_dirname(plan.step)}/{job.meta.path}/{job.meta.chunk_key(job.index)}"
+            plan.storage.write(key, codec.encode(job.meta, job.index, staged.values))
+        finally:
+            if staged.buffer is not None:
+                self.staging.release(staged.buffer)
+
+    def _complete(self, plan: SavePlan, writes: list[cf.Future]) -> CommitRecord | None:
+        done, _ = cf.wait(writes, return_when=cf.FIRST_EXCEPTION)
+        failed = next((f for f in done if f.exception() is not None), None)
+        if failed is not None:
+            _cancel(writes)
+            raise failed.exception()  # type: ignore[misc]
+        return plan.finish()
+
+
+def _cancel(futures: list[cf.Future]) -> None:
+    for f in futures:
+        f.cancel()
+    cf.wait(futures)  # let running writes end before the caller reuses their buffers
