@@ -1,0 +1,122 @@
+"""Training configuration: YAML files loaded into dataclasses, with dotted command-line overrides.
+
+A config file has four sections (model, optim, data, train) whose keys are the fields below. Any key can be
+overridden from the command line with ``--set section.key=value`` (the value is parsed as YAML, so
+``--set model.tie_word_embeddings=true`` gives a bool and ``--set optim.lr=1e-3`` a float).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    """Mixtral hyper-parameters, with the meaning (and defaults) of transformers' MixtralConfig."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # hidden_size // num_heads when None
+    ffn_hidden_size: int = 128  # per expert (Mixtral's intermediate_size)
+    num_experts: int = 8
+    top_k: int = 2
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    router_aux_loss_coef: float = 0.01
+    init_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128  # vocab padding, see docs/LOCAL_STATE.md
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to min_lr at decay_steps (independent of where a run stops)."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 2
+    decay_steps: int = 100
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to matrices only, not to norm weights
+    grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
+
+
+@dataclass
+class DataConfig:
+    seq_len: int = 32
+    global_batch_size: int = 8  # samples per optimizer step, over all DP ranks
+    micro_batch_size: int = 1  # samples per forward/backward pass
+
+
+@dataclass
+class TrainConfig:
+    layout: str = "tp1pp1"
+    steps: int = 10  # the step to stop at (steps are numbered from 1)
+    seed: int = 1234
+    # Layers per pipeline stage, e.g. [1, 3]; None splits evenly (an error when the split is uneven).
+    stage_layers: list[int] | None = None
+    metrics_file: str | None = None
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"unknown config key(s) in {where}: {sorted(unknown)}; known: {sorted(names)}")
+    return cls(**values)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    unknown = set(raw) - set(sections)
+    if unknown:
+        raise ValueError(f"unknown config section(s): {sorted(unknown)}; known: {sorted(sections)}")
+    classes = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
+    return Config(**{name: _build(cls, raw.get(name) or {}, name) for name, cls in classes.items()})
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one ``section.key=value`` override to a raw config dict; the value is parsed as YAML."""
+    key, sep, value = assignment.partition("=")
+    if not sep or "." not in key:
+        raise ValueError(f"override must look like section.key=value, got {assignment!r}")
+    section, name = key.split(".", 1)
+    raw.setdefault(section, {})
+    if raw[section] is None:
+        raw[section] = {}
+    raw[section][name] = yaml.safe_load(value)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return config_from_dict(raw)

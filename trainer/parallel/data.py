@@ -1,0 +1,201 @@
+"""Data parallelism: gradient all-reduce, global gradient-norm clipping, and AdamW with ZeRO-1 flat buffers.
+
+Parameters fall in two groups (docs/LOCAL_STATE.md): "dense" (everything but the experts), replicated over the
+DP group, and "expert", replicated over the expert-data-parallel group (D/E members). Each group's local
+parameters are laid out end to end, in local-state order, in one flat fp32 buffer padded to a multiple of the
+group size; with ZeRO-1 each member owns one contiguous range of it and keeps AdamW's exp_avg and exp_avg_sq
+for that range only. Without ZeRO every rank owns the whole buffer. A step:
+
+  1. flatten the gradients and all-reduce them over the group (every member then holds the full sum);
+  2. compute the global gradient norm over all ranks, every element counted once, and clip;
+  3. AdamW on the owned range;
+  4. all-gather the owned ranges (ZeRO) and copy the flat parameters back into the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import OptimConfig
+from .mesh import Mesh, group_rank, group_size
+
+STATE_NAMES = ("exp_avg", "exp_avg_sq")
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to min_lr at decay_steps (steps from 1)."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(cfg.warmup_steps, 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(cfg.decay_steps - cfg.warmup_steps, 1))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Entry:
+    """Where one local parameter lies in its flat buffer."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+
+
+class FlatBuffer:
+    """One parameter group's flat layout and, for the range this rank owns, its optimizer state."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], group, zero: int):
+        self.group, self.zero = group, zero
+        self.size = group_size(group)
+        self.entries: list[Entry] = []
+        offset = 0
+        for name, param in named_params:
+            self.entries.append(Entry(name, param, offset, param.numel()))
+            offset += param.numel()
+        self.numel = offset
+        self.padded = -(-offset // self.size) * self.size
+        if zero:
+            shard = self.padded // self.size
+            self.start = group_rank(group) * shard
+            self.end = self.start + shard
+        else:
+            self.start, self.end = 0, self.padded
+        device = named_params[0][1].device if named_params else torch.device("cpu")
+        # 1 where decoupled weight decay applies (matrices), 0 for norm weights.
+        mask = torch.zeros(self.padded, device=device)
+        for e in self.entries:
+            if e.param.dim() >= 2:
+                mask[e.offset : e.offset + e.numel] = 1.0
+        self.decay_mask = mask[self.start : self.end]
+        self.state = {name: torch.zeros(self.end - self.start, device=device) for name in STATE_NAMES}
+        self.grad = torch.zeros(self.padded, device=device)
+
+    def gather_grads(self) -> None:
+        """Copy the parameters' gradients into the flat buffer and sum them over the group."""
+        self.grad.zero_()
+        for e in self.entries:
+            if e.param.grad is not None:
+                self.grad[e.offset : e.offset + e.numel].copy_(e.param.grad.flatten())
+        if self.size > 1:
+            dist.all_reduce(self.grad, group=self.group)
+
+    def grad_of(self, entry: Entry) -> torch.Tensor:
+        return self.grad[entry.offset : entry.offset + entry.numel]
+
+    def flat_params(self) -> torch.Tensor:
+        flat = torch.zeros(self.padded, device=self.grad.device)
+        for e in self.entries:
+            flat[e.offset : e.offset + e.numel].copy_(e.param.detach().flatten())
+        return flat
+
+    @torch.no_grad()
+    def adamw(self, step: int, lr: float, cfg: OptimConfig) -> None:
+        flat = self.flat_params()
+        p, g = flat[self.start : self.end], self.grad[self.start : self.end]
+        m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
+        p.mul_(1.0 - lr * cfg.weight_decay * self.decay_mask)
+        m.mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
+        v.mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
+        denom = (v.sqrt() / math.sqrt(1.0 - cfg.beta2**step)).add_(cfg.eps)
+        p.addcdiv_(m, denom, value=-lr / (1.0 - cfg.beta1**step))
+        if self.zero and self.size > 1:
+            gathered = torch.empty_like(flat)
+            dist.all_gather_into_tensor(gathered, p.contiguous(), group=self.group)
+            flat = gathered
+        for e in self.entries:
+            e.param.copy_(flat[e.offset : e.offset + e.numel].view_as(e.param))
+
+
+def _counted_once(name: str, mesh: Mesh, tied: bool) -> bool:
+    """Whether this rank counts a dense parameter in the gradient norm: TP-replicated parameters (norms,
+    router) only on TP rank 0; the last stage's copy of tied embeddings not at all (the first stage has it)."""
+    if ("layernorm" in name or name.endswith("router.weight")) and mesh.coords.tp != 0:
+        return False
+    return not (tied and name == "output_layer.weight")
+
+
+class DistributedAdamW:
+    """AdamW over the flat "dense" and "expert" buffers (ZeRO-1 when layout.zero >= 1)."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], mesh: Mesh, cfg: OptimConfig,
+                 tied_embeddings: bool, is_expert):
+        zero = mesh.layout.zero
+        if zero > 1:
+            raise NotImplementedError(f"zero{zero} is not implemented (ZeRO-0 and ZeRO-1 are)")
+        self.mesh, self.cfg, self.tied = mesh, cfg, tied_embeddings
+        self.step = 0
+        self.buffers = {
+            "dense": FlatBuffer([(n, p) for n, p in named_params if not is_expert(n)], mesh.dp_group, zero),
+            "expert": FlatBuffer([(n, p) for n, p in named_params if is_expert(n)], mesh.expert_dp_group, zero),
+        }
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient of the whole model, every element counted once over all ranks."""
+        dense, expert = self.buffers["dense"], self.buffers["expert"]
+        counted = [dense.grad_of(e) for e in dense.entries if _counted_once(e.name, self.mesh, self.tied)]
+        sums = torch.stack([torch.cat(counted).double().pow(2).sum(), expert.grad.double().pow(2).sum()])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        # Every dense element has D replicas in the world, every expert element D/E.
+        layout = self.mesh.layout
+        return math.sqrt(sums[0].item() / layout.dp + sums[1].item() / (layout.dp // layout.ep))
+
+    def step_(self) -> tuple[float, float]:
+        """One optimizer step from the parameters' .grad; returns (grad_norm, lr)."""
+        for buffer in self.buffers.values():
+            buffer.gather_grads()
+        norm = self.grad_norm()
+        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
+            for buffer in self.buffers.values():
+                buffer.grad.mul_(self.cfg.grad_clip / (norm + 1e-6))
+        self.step += 1
+        lr = lr_at(self.step, self.cfg)
+        for buffer in self.buffers.values():
+            buffer.adamw(self.step, lr, self.cfg)
+        return norm, lr
+
+    # --- access by local name, and the local state of docs/LOCAL_STATE.md ---------------------------------
+
+    def param_state(self, name: str) -> dict[str, torch.Tensor]:
+        """The state of local parameter `name` that this rank owns: full-shaped tensors without ZeRO; with
+        ZeRO the 1-D piece of the owned range that falls inside the parameter (possibly empty), plus
+        "offset" (0-d int64: where that piece starts inside the flattened parameter)."""
+        for buffer in self.buffers.values():
+            for e in buffer.entries:
+                if e.name != name:
+                    continue
+                lo, hi = max(e.offset, buffer.start), min(e.offset + e.numel, buffer.end)
+                hi = max(lo, hi)
+                out = {s: buffer.state[s][lo - buffer.start : hi - buffer.start] for s in STATE_NAMES}
+                if not buffer.zero:
+                    out = {s: t.view_as(e.param) for s, t in out.items()}
+                else:
+                    out["offset"] = torch.tensor(lo - e.offset)
+                out["step"] = torch.tensor(float(self.step))
+                return out
+        raise KeyError(name)
+
+    def state_dict(self) -> dict:
+        """{"state": {"model": {name: {exp_avg, exp_avg_sq, step}}}, "step": int} without ZeRO,
+        {"flat": {"dense": {state: 1-D}, "expert": {state: 1-D}}, "step": int} with ZeRO (the owned ranges)."""
+        if self.mesh.layout.zero == 0:
+            names = [e.name for b in self.buffers.values() for e in b.entries]
+            return {"state": {"model": {n: self.param_state(n) for n in names}}, "step": self.step}
+        return {"flat": {k: dict(b.state) for k, b in self.buffers.items()}, "step": self.step}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of state_dict; the per-parameter 0-d "step" tensors are not needed (the top-level one is)."""
+        if self.mesh.layout.zero == 0:
+            for name, values in state["state"]["model"].items():
+                mine = self.param_state(name)
+                for s in STATE_NAMES:
+                    mine[s].copy_(values[s])
+        else:
+            for key, buffer in self.buffers.items():
+                for s in STATE_NAMES:
+                    buffer.state[s].copy_(state["flat"][key][s])
+        self.step = int(state["step"])

@@ -1,0 +1,183 @@
+"""The training loop: set up the process groups, build this rank's stage, then step.
+
+    torchrun --nproc-per-node 4 -m trainer --config trainer/configs/tiny-moe.yaml --layout tp2pp2 --steps 10
+
+Every rank holds one pipeline stage of the model (trainer/model.py) with its TP and EP slices; a step runs the
+stage's microbatches through the 1F1B schedule (parallel/pipeline.py), then the distributed optimizer syncs
+gradients over DP, clips and updates (parallel/data.py). The logged loss is the LM loss averaged over every
+token of the global batch, identical in every layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, load_config
+from .data import SyntheticTokens
+from .model import MixtralStage, StageSpec, is_expert_param
+from .parallel.data import DistributedAdamW
+from .parallel.mesh import Mesh, parse_layout
+from .parallel.pipeline import P2P, StageOutput, allreduce_tied_embedding_grads, one_f_one_b, split_layers
+from .parallel.tensor import vocab_parallel_cross_entropy
+from .weights import init_from_seed
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float  # mean LM loss over the global batch
+    aux_loss: float  # mean load-balancing loss over layers and global microbatches
+    grad_norm: float
+    lr: float
+    step_time_s: float
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        m, d, layout, c = cfg.model, cfg.data, mesh.layout, mesh.coords
+        if layout.vpp != 1:
+            raise NotImplementedError("virtual pipeline stages (vpp > 1) are not implemented")
+
+        stage_layers = split_layers(m.num_layers, layout.pp, cfg.train.stage_layers)[c.pp]
+        spec = StageSpec(layers=stage_layers, first=mesh.is_first_stage, last=mesh.is_last_stage,
+                         tp_size=layout.tp, ep_size=layout.ep, ep_rank=c.ep)
+        self.model = MixtralStage(m, spec, mesh.tp_group, mesh.ep_group).to(device)
+        init_from_seed(self.model, cfg.train.seed, c.tp)
+
+        self.optimizer = DistributedAdamW(list(self.model.named_parameters()), mesh, cfg.optim,
+                                          m.tie_word_embeddings, is_expert_param)
+        self.data = SyntheticTokens(m.vocab_size, d.seq_len, d.global_batch_size, c.dp, layout.dp, cfg.train.seed)
+
+        local_batch = d.global_batch_size // layout.dp
+        if local_batch % d.micro_batch_size:
+            raise ValueError(f"per-DP-rank batch {local_batch} is not divisible by micro_batch_size")
+        self.num_microbatches = local_batch // d.micro_batch_size
+        self.p2p = P2P(mesh, (d.micro_batch_size, d.seq_len, m.hidden_size), torch.float32, device)
+
+    def local_state(self) -> dict:
+        """This rank's model and optimizer state in the form of docs/LOCAL_STATE.md (live tensors, not copies)."""
+        params = {name: p.detach() for name, p in self.model.named_parameters()}
+        return {"model": params, "optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_local_state(self, state: dict) -> None:
+        for name, p in self.model.named_parameters():
+            p.copy_(state["model"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def train_step(self, step: int) -> StepMetrics:
+        start = time.perf_counter()
+        m, d = self.cfg.model, self.cfg.data
+        microbatches = self.data.get_batch(step).to(self.device).split(d.micro_batch_size)
+        # The loss is the global mean over tokens plus the load-balancing loss averaged over (layer, global
+        # microbatch): every microbatch adds its share, so summed gradients are those of the global loss.
+        global_tokens = d.global_batch_size * d.seq_len
+        aux_terms = d.global_batch_size // d.micro_batch_size * m.num_layers  # (global microbatch, layer) pairs
+        aux_weight = m.router_aux_loss_coef / aux_terms
+        tally = torch.zeros(2, dtype=torch.float64, device=self.device)  # [LM loss sum, aux loss sum]
+
+        def forward_step(i: int, x: torch.Tensor | None) -> StageOutput:
+            tokens = microbatches[i]
+            out, aux = self.model(tokens[:, :-1] if self.mesh.is_first_stage else x)
+            tally[1] += aux.detach().double()
+            objective = aux * aux_weight
+            if not self.mesh.is_last_stage:
+                return StageOutput(out, objective)
+            lm_sum = vocab_parallel_cross_entropy(out, tokens[:, 1:], m.vocab_size, self.mesh.tp_group).sum()
+            tally[0] += lm_sum.detach().double()
+            return StageOutput(None, objective + lm_sum / global_tokens)
+
+        self.model.zero_grad(set_to_none=True)
+        one_f_one_b(self.num_microbatches, forward_step, self.p2p, self.mesh.coords.pp, self.mesh.layout.pp)
+        allreduce_tied_embedding_grads(self.model, self.mesh, m.tie_word_embeddings)
+        grad_norm, lr = self.optimizer.step_()
+
+        # TP ranks hold copies of the same sums: count TP rank 0 only, over all stages and DP ranks.
+        if self.mesh.coords.tp != 0:
+            tally.zero_()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(tally)
+        return StepMetrics(step=step, loss=tally[0].item() / global_tokens, aux_loss=tally[1].item() / aux_terms,
+                           grad_norm=grad_norm, lr=lr, step_time_s=time.perf_counter() - start)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="ucp's reference MoE trainer")
+    parser.add_argument("--config", help="YAML config file (trainer/configs/*.yaml)")
+    parser.add_argument("--layout", help="e.g. tp2pp2, tp1pp1ep2dp2, tp1pp2dp2zero1 (overrides train.layout)")
+    parser.add_argument("--steps", type=int, help="the step to stop at (overrides train.steps)")
+    parser.add_argument("--seed", type=int, help="overrides train.seed")
+    parser.add_argument("--metrics-file", help="JSON lines, one per step (overrides train.metrics_file)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any config key, e.g. --set model.hidden_size=128 (repeatable)")
+    return parser.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    for key, value in (("layout", args.layout), ("steps", args.steps), ("seed", args.seed),
+                       ("metrics_file", args.metrics_file)):
+        if value is not None:
+            overrides.append(f"train.{key}={value}")
+    return load_config(args.config, overrides)
+
+
+def init_distributed() -> torch.device:
+    """Join the process group torchrun describes (or a group of one without torchrun); gloo on CPU, NCCL on GPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def build_trainer(cfg: Config) -> Trainer:
+    """Join the process group and build this rank's trainer (weights initialized from the seed)."""
+    device = init_distributed()
+    layout = parse_layout(cfg.train.layout)
+    if layout.world_size != dist.get_world_size():
+        raise ValueError(f"layout {layout} needs {layout.world_size} processes, got {dist.get_world_size()}")
+    mesh = Mesh(layout, dist.get_rank())
+    dist.barrier()  # every communicator exists before the first send/recv (NCCL wants that)
+    return Trainer(cfg, mesh, device)
+
+
+def train(trainer: Trainer) -> None:
+    """Train from the step after the optimizer's last one up to cfg.train.steps; rank 0 logs the metrics."""
+    cfg, rank = trainer.cfg, trainer.mesh.rank
+    write_metrics = cfg.train.metrics_file is not None and rank == 0
+    with open(cfg.train.metrics_file, "a") if write_metrics else contextlib.nullcontext() as metrics_file:
+        for step in range(trainer.optimizer.step + 1, cfg.train.steps + 1):
+            metrics = trainer.train_step(step)
+            if rank != 0:
+                continue
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(asdict(metrics) | {"layout": str(trainer.mesh.layout)}) + "\n")
+                metrics_file.flush()
+            if step % cfg.train.log_every == 0:
+                print(f"step {step} loss {metrics.loss:.6f} aux {metrics.aux_loss:.4f} "
+                      f"grad_norm {metrics.grad_norm:.4f} lr {metrics.lr:.2e} {metrics.step_time_s:.3f}s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = build_config(parse_args(argv))
+    try:
+        train(build_trainer(cfg))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
