@@ -1,0 +1,204 @@
+"""`python -m bench_io` / `ucp bench`: checkpoint IO throughput, ucp side by side with the alternatives.
+
+MLPerf Storage's method: incompressible data, fsync on write, cold page cache before each read, several
+repeats (medians reported). Every load is verified against what was saved, so a fast wrong method shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import sys
+import time
+from typing import Any
+
+from .methods import DEFAULT_METHODS, METHODS
+from .state import GiB, MiB, large_specs, make_state, small_specs, transformer_state
+from .targets import CACHE_MODES, TARGETS, Target
+
+QUICK = {"size": 4 * MiB, "repeats": 1, "small_tensors": 100}
+DEFAULTS = {"size": GiB, "repeats": 3, "small_tensors": 20_000}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '256MiB', '512M' (decimal), '1.5g', '4096' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 256MiB, 500MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def parse_list(choices: list[str]) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
+        return list(dict.fromkeys(items))
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_io", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--size", type=parse_size, help="bytes of the main synthetic state (default 1GiB; --quick 4MiB)")
+    p.add_argument("--repeats", type=int, help="repeats per measurement, medians reported (default 3; --quick 1)")
+    p.add_argument(
+        "--targets", type=parse_list(list(TARGETS)), default=list(TARGETS), help="comma list (default: tmpfs,disk)"
+    )
+    p.add_argument(
+        "--methods",
+        type=parse_list(list(METHODS)),
+        default=list(DEFAULT_METHODS),
+        help=f"comma list of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})",
+    )
+    p.add_argument("--dir", help="parent directory for the disk target (default /var/tmp)")
+    p.add_argument(
+        "--small-tensors", type=int, help="tensors of 1-64 KiB in the small state, 0 disables (default 20000)"
+    )
+    p.add_argument(
+        "--small-methods",
+        type=parse_list(list(METHODS)),
+        default=["raw", "ucp"],
+        help="methods run on the small state and its few-large-tensors twin (default: raw,ucp)",
+    )
+    p.add_argument(
+        "--cache",
+        choices=CACHE_MODES,
+        default="auto",
+        help="how reads are made cold: auto (drop_caches if root, else fadvise), or force one; none = warm",
+    )
+    p.add_argument("--io-threads", type=int, default=16, help="threads for raw and ucp (default 16, ucp's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write every measurement and the medians to this file")
+    p.add_argument("--png", help="write a bar chart of GB/s per method and target to this file")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and 1 repeat (tests, smoke runs)")
+    return p
+
+
+def _progress(i: int, total: int, m: Any) -> None:
+    def rate(s: float | None) -> str:
+        return f"{m.nbytes / s / 1e9:6.2f} GB/s ({s:.2f} s)" if s else "   -"
+
+    status = "ok" if m.ok else f"ERROR {m.error}"
+    print(
+        f"[{i:>3}/{total}] r{m.repeat} {m.state:<6} {m.method:<16} {m.target:<5} save {rate(m.save_s)}  load {rate(m.load_s)}"
+        f"  cache={m.cache}  {status}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _ucp_revision() -> str | None:
+    """The commit of the ucp being measured (+ '-dirty' when ucp/ has local changes): figures drift with it."""
+    import subprocess
+
+    import ucp
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(ucp.__file__)))
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=False
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "ucp"], cwd=here, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if rev.returncode:
+        return None
+    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import report, runner
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `ucp bench -- --size 1GiB` passes the separator through
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    base = QUICK if args.quick else DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    t0 = time.perf_counter()
+    print(f"bench_io: generating {args.size / 2**20:.0f} MiB of random state ...", file=sys.stderr, flush=True)
+    main_state = transformer_state(args.size, seed=args.seed)
+    runs = [(main_state, args.methods)]
+    if args.small_tensors > 0:
+        small = make_state("small", small_specs(args.small_tensors, seed=args.seed), seed=args.seed + 1)
+        large = make_state("large", large_specs(small.nbytes), seed=args.seed + 2)
+        runs += [(small, args.small_methods), (large, args.small_methods)]
+    print(f"bench_io: states ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    targets: list[Target] = []
+    skipped: dict[str, str] = {}
+    try:
+        for name in args.targets:
+            try:
+                targets.append(TARGETS[name](args.dir))
+            except (RuntimeError, OSError) as e:
+                skipped[name] = str(e)
+                print(f"bench_io: skipping target {name}: {e}", file=sys.stderr)
+        for t in targets:
+            print(f"bench_io: target {t.name}: {t.root} ({t.fstype})", file=sys.stderr)
+        plan = runner.Plan(runs, targets, args.repeats, cache_mode=args.cache, io_threads=args.io_threads)
+        results = runner.run(plan, _progress)
+    finally:
+        for t in targets:
+            t.close()
+    summaries = runner.summarize(results)
+
+    print()
+    print(
+        f"bench_io: {main_state.nbytes / 2**20:.0f} MiB state, {args.repeats} repeat(s), medians; GB/s = 1e9 B/s of tensor payload"
+    )
+    print(report.table(summaries))
+    comparison = report.small_vs_large(summaries)
+    if comparison:
+        print()
+        print(comparison)
+
+    config = {
+        **{k: v for k, v in vars(args).items()},
+        "targets": {t.name: {"root": str(t.root), "fstype": t.fstype} for t in targets},
+        "skipped_targets": skipped,
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "uid": os.getuid() if hasattr(os, "getuid") else None,
+        },
+        "ucp_revision": _ucp_revision(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "methods_described": {name: METHODS[name].description for name in METHODS},
+    }
+    if args.json:
+        report.write_json(args.json, config, results, summaries)
+    if args.png:
+        report.write_png(
+            args.png, summaries, f"bench_io: {main_state.nbytes / 2**20:.0f} MiB, median of {args.repeats}"
+        )
+    return 0 if all(m.ok for m in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Results out: a terminal table, the small-vs-large comparison, a JSON file, a bar chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .runner import Measurement, Summary, as_dicts
+
+
+def _f(value: float | None, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _cache(s: Summary) -> str:
+    if s.resident_after_drop is None:
+        return s.cache or "-"
+    return f"{s.cache} ({s.resident_after_drop:.0%} cached)"
+
+
+def table(summaries: list[Summary]) -> str:
+    """One row per (state, method, target): median GB/s, ratio to raw, how the read was made cold."""
+    header = (
+        "state",
+        "method",
+        "target",
+        "save GB/s",
+        "load GB/s",
+        "save/raw",
+        "load/raw",
+        "read cache",
+        "+RSS save/load MiB",
+        "n",
+    )
+    rows = [header]
+    for s in summaries:
+        rows.append(
+            (
+                f"{s.state} ({s.tensors} t, {s.nbytes / 2**20:.0f} MiB)",
+                s.method,
+                s.target,
+                _f(s.save_gbps, ".2f", "FAILED"),
+                _f(s.load_gbps, ".2f", "FAILED"),
+                _f(s.save_vs_raw, ".2f"),
+                _f(s.load_vs_raw, ".2f"),
+                _cache(s),
+                f"{_f(s.save_peak_rss_mib, '.0f')}/{_f(s.load_peak_rss_mib, '.0f')}",
+                str(s.repeats),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    numeric = {3, 4, 5, 6, 8, 9}
+    lines = []
+    for k, row in enumerate(rows):
+        cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for s in summaries:
+        for e in dict.fromkeys(s.errors):
+            lines.append(f"! {s.method} on {s.target} ({s.state}): {e}")
+    return "\n".join(lines)
+
+
+def small_vs_large(summaries: list[Summary]) -> str:
+    """The cost of many tiny tensors: each method's time on the 'small' state against the same bytes in
+    a few large tensors, on the same target."""
+    by_key = {(s.state, s.method, s.target): s for s in summaries}
+    lines = []
+    for s in summaries:
+        big = by_key.get(("large", s.method, s.target))
+        if s.state != "small" or big is None:
+            continue
+        parts = []
+        for op, a, b in (("save", s.save_s, big.save_s), ("load", s.load_s, big.load_s)):
+            ratio = f"{a / b:.1f}x" if a and b else "-"
+            parts.append(f"{op} {_f(a, '.2f')} s vs {_f(b, '.2f')} s ({ratio})")
+        lines.append(
+            f"{s.method:>6} on {s.target:<5}: {s.tensors} tensors vs {big.tensors}, {s.nbytes / 2**20:.0f} MiB: "
+            + "; ".join(parts)
+        )
+    if not lines:
+        return ""
+    return "many small tensors vs the same bytes in a few large ones (median seconds):\n" + "\n".join(lines)
+
+
+def write_json(path: str | Path, config: dict[str, Any], results: list[Measurement], summaries: list[Summary]) -> None:
+    doc = {"config": config, "results": as_dicts(results), "medians": as_dicts(summaries)}
+    Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def write_png(path: str | Path, summaries: list[Summary], title: str) -> None:
+    """Grouped bars: GB/s per method, one bar per target, save and load side by side; the main state only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = [s for s in summaries if s.state == summaries[0].state] if summaries else []
+    methods = list(dict.fromkeys(s.method for s in main))
+    targets = list(dict.fromkeys(s.target for s in main))
+    by_key = {(s.method, s.target): s for s in main}
+    fig, axes = plt.subplots(1, 2, figsize=(max(6.0, 1.6 * len(methods) * 2), 4.2), sharey=True)
+    width = 0.8 / max(len(targets), 1)
+    for ax, op in zip(axes, ("save", "load")):
+        for j, target in enumerate(targets):
+            xs = [i + (j - (len(targets) - 1) / 2) * width for i in range(len(methods))]
+            ys = [getattr(by_key[(m, target)], f"{op}_gbps") or 0.0 if (m, target) in by_key else 0.0 for m in methods]
+            bars = ax.bar(xs, ys, width, label=target)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(methods)), methods)
+        ax.set_title(op)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("GB/s (median)")
+    axes[1].legend(title="target")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

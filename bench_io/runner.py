@@ -1,0 +1,224 @@
+"""Run the measurements: every (state, target, method) once per repeat, repeats outermost so that drift in
+a shared machine's load spreads over all methods instead of penalizing whichever ran last.
+
+One measurement: fresh directory -> timed save (durable on return) -> make the files cold -> timed load ->
+verify against the saved state (untimed) -> delete. Throughput is tensor payload bytes / seconds, in GB/s
+(1e9 bytes), the same bytes for every method whatever its file overhead (stored bytes are reported apart).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Self
+
+from .methods import METHODS, Method
+from .state import SyntheticState
+from .targets import Target, iter_files
+
+
+@dataclass
+class Measurement:
+    state: str
+    method: str
+    target: str
+    repeat: int
+    nbytes: int
+    tensors: int
+    save_s: float | None = None
+    load_s: float | None = None
+    stored_bytes: int | None = None
+    files: int | None = None
+    cache: str | None = None  # how the read was made cold: drop_caches | fadvise | tmpfs | none (warm)
+    resident_after_drop: float | None = None  # fraction of the files' pages still cached (mincore)
+    save_peak_rss_mib: float | None = None  # peak RSS during the call, above RSS before it
+    load_peak_rss_mib: float | None = None
+    error: str | None = None  # an exception, or a failed verification
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class Summary:
+    """Medians over the repeats of one (state, method, target)."""
+
+    state: str
+    method: str
+    target: str
+    repeats: int
+    nbytes: int
+    tensors: int
+    save_s: float | None
+    load_s: float | None
+    save_gbps: float | None
+    load_gbps: float | None
+    save_vs_raw: float | None = None
+    load_vs_raw: float | None = None
+    cache: str = ""
+    resident_after_drop: float | None = None
+    stored_bytes: int | None = None
+    save_peak_rss_mib: float | None = None
+    load_peak_rss_mib: float | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+def _malloc_trim() -> None:
+    """Hand freed heap back to the OS (glibc), so that RSS before a call counts live memory only and the
+    peak above it is what the call itself needed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakRSS:
+    """Samples this process's RSS in a thread (every few ms) to catch the peak of a call."""
+
+    PERIOD_S = 0.005
+
+    def __init__(self) -> None:
+        _malloc_trim()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._stop = threading.Event()
+        self.start = self.peak = self._rss()
+
+    def _rss(self) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self._page
+        except OSError:
+            return 0
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> Self:
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def extra_mib(self) -> float | None:
+        return (self.peak - self.start) / (1 << 20) if self.start else None
+
+
+def measure(method: Method, state: SyntheticState, target: Target, repeat: int, cache_mode: str) -> Measurement:
+    m = Measurement(state.name, method.name, target.name, repeat, state.nbytes, state.count)
+    directory = target.workdir(f"{state.name}-{method.name}")
+    try:
+        with PeakRSS() as rss:
+            t0 = time.perf_counter()
+            method.save(state, directory)
+            m.save_s = time.perf_counter() - t0
+        m.save_peak_rss_mib = rss.extra_mib
+        sizes = [p.stat().st_size for p in iter_files(directory)]
+        m.stored_bytes, m.files = sum(sizes), len(sizes)
+        m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)
+        with PeakRSS() as rss:
+            t0 = time.perf_counter()
+            loaded = method.load(directory)
+            m.load_s = time.perf_counter() - t0
+        m.load_peak_rss_mib = rss.extra_mib
+        problem = state.verify(loaded)
+        del loaded
+        if problem:
+            m.error = f"verification failed: {problem}"
+    except Exception as e:  # noqa: BLE001 -- one broken method must not cost the other figures
+        m.error = f"{type(e).__name__}: {e}"
+    finally:
+        target.remove(directory)
+    return m
+
+
+@dataclass
+class Plan:
+    """What to run: each state with the methods to run on it, on every target, `repeats` times."""
+
+    runs: list[tuple[SyntheticState, list[str]]]
+    targets: list[Target]
+    repeats: int
+    cache_mode: str = "auto"
+    io_threads: int = 16
+
+    def count(self) -> int:
+        return self.repeats * len(self.targets) * sum(len(methods) for _, methods in self.runs)
+
+
+def run(plan: Plan, progress: Callable[[int, int, Measurement], None] | None = None) -> list[Measurement]:
+    methods = {name: METHODS[name](io_threads=plan.io_threads) for _, names in plan.runs for name in names}
+    results: list[Measurement] = []
+    total = plan.count()
+    for repeat in range(plan.repeats):
+        for state, names in plan.runs:
+            for target in plan.targets:
+                for name in names:
+                    m = measure(methods[name], state, target, repeat, plan.cache_mode)
+                    results.append(m)
+                    if progress:
+                        progress(len(results), total, m)
+    return results
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(results: list[Measurement]) -> list[Summary]:
+    """Medians per (state, method, target), in first-seen order; ratios to raw on the same state and target.
+    GB/s is computed from the median time (for an odd number of repeats, the median GB/s)."""
+    groups: dict[tuple[str, str, str], list[Measurement]] = {}
+    for m in results:
+        groups.setdefault((m.state, m.method, m.target), []).append(m)
+    out: list[Summary] = []
+    for (state, method, target), ms in groups.items():
+        good = [m for m in ms if m.ok]
+        save_s = _median([m.save_s for m in good])
+        load_s = _median([m.load_s for m in good])
+        nbytes = ms[0].nbytes
+        caches = sorted({m.cache for m in good if m.cache})
+        out.append(
+            Summary(
+                state,
+                method,
+                target,
+                len(good),
+                nbytes,
+                ms[0].tensors,
+                save_s,
+                load_s,
+                nbytes / save_s / 1e9 if save_s else None,
+                nbytes / load_s / 1e9 if load_s else None,
+                cache="+".join(caches),
+                resident_after_drop=_median([m.resident_after_drop for m in good]),
+                stored_bytes=_median([m.stored_bytes for m in good]),  # type: ignore[arg-type]
+                save_peak_rss_mib=_median([m.save_peak_rss_mib for m in good]),
+                load_peak_rss_mib=_median([m.load_peak_rss_mib for m in good]),
+                errors=[m.error for m in ms if m.error],
+            )
+        )
+    raw = {(s.state, s.target): s for s in out if s.method == "raw"}
+    for s in out:
+        r = raw.get((s.state, s.target))
+        if r and r.save_gbps and s.save_gbps:
+            s.save_vs_raw = s.save_gbps / r.save_gbps
+        if r and r.load_gbps and s.load_gbps:
+            s.load_vs_raw = s.load_gbps / r.load_gbps
+    return out
+
+
+def as_dicts(items: list[Any]) -> list[dict[str, Any]]:
+    return [asdict(i) for i in items]

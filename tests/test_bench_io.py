@@ -1,0 +1,127 @@
+"""bench_io: the CLI end to end at --quick size, the synthetic states, the pieces a wrong figure would hide in."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench_io import methods, state, targets
+from bench_io.__main__ import parse_size
+from bench_io.methods import DEFAULT_METHODS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_reports_every_method_and_target(tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    # fadvise, not drop_caches: a test must not empty the page cache of everyone on the machine
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench_io",
+        "--quick",
+        "--dir",
+        str(tmp_path / "disk"),
+        "--cache",
+        "fadvise",
+        "--json",
+        str(out_json),
+        "--png",
+        str(out_png),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "load GB/s" in proc.stdout
+    doc = json.loads(out_json.read_text())
+    medians = {(m["state"], m["method"], m["target"]): m for m in doc["medians"]}
+    for target in ("tmpfs", "disk"):
+        for method in DEFAULT_METHODS:
+            m = medians[("mixed", method, target)]
+            assert m["save_gbps"] > 0 and m["load_gbps"] > 0 and not m["errors"], m
+        for kind in ("small", "large"):
+            assert medians[(kind, "ucp", target)]["load_gbps"] > 0
+        assert medians[("mixed", "raw", target)]["save_vs_raw"] == pytest.approx(1.0)
+    assert medians[("mixed", "ucp", "disk")]["cache"] == "fadvise"
+    assert medians[("mixed", "ucp", "tmpfs")]["cache"] == "tmpfs"
+    assert all(r["error"] is None for r in doc["results"])
+    assert out_png.stat().st_size > 1000 and out_png.read_bytes()[:4] == b"\x89PNG"
+    assert not list((tmp_path / "disk").iterdir()), "the disk target left files behind"
+
+
+@pytest.mark.parametrize("size", [4 << 20, 64 << 20, 1 << 30, 3 * 10**9])
+def test_transformer_state_sizes_add_up(size: int) -> None:
+    specs = state.transformer_specs(size)
+    total = sum(s.nbytes for s in specs)
+    hidden = specs[0].shape[1]
+    assert size - 28 * hidden < total <= size  # short by less than one embedding row pair
+    assert len({s.path for s in specs}) == len(specs)
+    params = [s for s in specs if s.path.startswith("model/")]
+    assert {s.dtype for s in params} == {torch.bfloat16}
+    assert {s.dtype for s in specs if s.path.startswith("optimizer/")} == {torch.float32}
+    assert len(specs) == 4 * len(params)  # master, exp_avg, exp_avg_sq per parameter
+    # a realistic mix: big embedding matrices, many mid-size matrices, many small vectors
+    biggest = max(params, key=lambda s: s.nbytes)
+    assert biggest.path in ("model/embed/weight", "model/lm_head/weight")
+    assert sum(1 for s in params if len(s.shape) == 1) > len(params) / 2
+    assert sum(1 for s in params if len(s.shape) == 2) >= 6
+
+
+def test_small_and_large_states() -> None:
+    small = state.small_specs(1000, seed=1)
+    sizes = [s.nbytes for s in small]
+    assert len(small) == 1000 and min(sizes) >= 1020 and max(sizes) <= 64 << 10
+    assert sorted(sizes)[500] < 32 << 10  # log-uniform: most are small
+    total = sum(sizes)
+    large = state.large_specs(total)
+    assert len(large) == 4 and sum(s.nbytes for s in large) == total
+
+
+def test_random_bits_are_incompressible_and_verified() -> None:
+    import zlib
+
+    s = state.make_state("t", state.transformer_specs(1 << 20), seed=3)
+    assert s.nbytes == sum(t.nbytes for t in s.flat.values())
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in s.flat.values())  # own storage each
+    blob = b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in s.flat.values())
+    assert len(zlib.compress(blob, 6)) > 0.99 * len(blob)
+    copy = {p: t.clone() for p, t in s.flat.items()}
+    assert s.verify(copy) is None
+    big = max(copy, key=lambda p: copy[p].nbytes)
+    copy[big].reshape(-1).view(torch.uint8)[copy[big].nbytes // 2] ^= 1
+    assert "bytes differ" in (s.verify(copy) or "")
+    del copy[big]
+    assert "names differ" in (s.verify(copy) or "")
+
+
+@pytest.mark.parametrize("name", sorted(methods.METHODS))
+def test_each_method_round_trips(name: str, tmp_path: Path) -> None:
+    s = state.make_state("t", state.transformer_specs(256 << 10) + state.small_specs(5), seed=4)
+    m = methods.METHODS[name](io_threads=4)
+    m.save(s, tmp_path)
+    assert s.verify(m.load(tmp_path)) is None
+
+
+def test_cache_drop_on_disk(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    assert targets.resident_fraction(tmp_path) == pytest.approx(1.0, abs=0.01)
+    assert targets.drop_page_cache(tmp_path, "fadvise") == "fadvise"
+    resident = targets.resident_fraction(tmp_path)
+    assert resident is not None and resident < 0.5
+    assert targets.fs_type("/proc") == "proc"
+
+
+def test_parse_size() -> None:
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("256MiB") == 256 << 20
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size("1.5k") == 1500
+    assert parse_size("4096") == 4096
+    assert math.isclose(parse_size("0.5gib"), 1 << 29)
