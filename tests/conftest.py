@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .launch import free_port
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +14,7 @@ def s3_server():
     """Start moto's threaded S3 server on loopback for the whole session; yields its endpoint URL."""
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

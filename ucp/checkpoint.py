@@ -31,6 +31,7 @@ from .format import (
 )
 from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .storage import Storage, open_storage
+from .workpool import run_tasks
 
 DEFAULT_IO_THREADS = 16
 
@@ -66,17 +67,6 @@ def plan_atoms(
         attrs = {"role": default_role(path), **dict((attributes or {}).get(path, {}))}
         metas.append(AtomMeta(path, tuple(t.shape), name, chunk_shape, inner, attrs))
     return metas
-
-
-def _run(pool: cf.ThreadPoolExecutor, tasks: Iterable[Callable[[], None]]) -> None:
-    """Run tasks on the pool; on the first failure cancel what has not started and raise it."""
-    futures = [pool.submit(task) for task in tasks]
-    _, pending = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
-    for f in pending:
-        f.cancel()
-    for f in futures:
-        if f.done() and not f.cancelled() and f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------------------------------------ write
@@ -229,8 +219,8 @@ class CheckpointReader:
         out = {m.path: torch.empty(m.shape, dtype=dtypes.torch_dtype(m.dtype)) for m in metas}
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
             # metadata first: data is never interpreted through a description that disagrees with the commit
-            _run(pool, [lambda m=m: self.check_atom_metadata(m) for m in metas])
-            _run(pool, [lambda m=m, i=i: self.read_chunk_into(m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)])
+            run_tasks(pool, [lambda m=m: self.check_atom_metadata(m) for m in metas])
+            run_tasks(pool, [lambda m=m, i=i: self.read_chunk_into(m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)])
         return out
 
     def load_state(self) -> dict[str, Any]:

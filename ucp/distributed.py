@@ -29,7 +29,6 @@ from .boxes import Box, box_numel, box_shape, intersect, to_slices
 from .checkpoint import (
     CheckpointReader,
     SaveOptions,
-    _run,
     chunk_jobs,
     commit_step,
     ensure_root,
@@ -47,6 +46,7 @@ from .partition import PartitionSpec, tp_shard
 from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .reshard import DEFAULT_STATES, LocalTensor, Piece, Transfer, chunk_write_plan, local_plan, owned_pieces
 from .storage import Storage, open_storage
+from .workpool import run_tasks
 
 
 @dataclass(frozen=True)
@@ -452,9 +452,9 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
             bytes_needed += view.numel() * view.element_size()
             jobs += [lambda m=meta, i=i, v=view, b=p.atom_box: _read_region(reader, m, i, b, v) for i in _chunks_touching(meta, p.atom_box)]
     with cf.ThreadPoolExecutor(reader.io_threads) as pool:
-        _run(pool, [lambda m=m: reader.check_atom_metadata(m) for m in needed_metas.values()])
+        run_tasks(pool, [lambda m=m: reader.check_atom_metadata(m) for m in needed_metas.values()])
         before = reader.storage.stats.bytes_read
-        _run(pool, jobs)
+        run_tasks(pool, jobs)
         read = reader.storage.stats.bytes_read - before
     if dtype is not None:
         local = _cast_params(local, plan, dtype)

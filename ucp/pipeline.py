@@ -19,6 +19,7 @@ failed background write is never silent. Staging memory is a pool of buffers reu
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -32,8 +33,11 @@ from .commit import CommitRecord
 from .errors import UcpError
 from .format import ZARR_JSON, AtomMeta, dumps, group_json, step_dirname
 from .storage import Storage
+from .workpool import submit_batched, wait_all
 
 Mode = Literal["sync", "async", "lazy"]
+_BATCH_BYTES = 4 << 20  # staged chunks are handed to the writers in batches of about this size...
+_BATCH_CALLS = 64  # ...or this many, so that small objects do not pay one pool task each
 MODES = ("sync", "async", "lazy")
 
 
@@ -69,7 +73,8 @@ class StagingPool:
         self._allocated = 0
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int, pinned: bool) -> torch.Tensor:
+    def acquire(self, nbytes: int, pinned: bool, wait: bool = True) -> torch.Tensor | None:
+        """A buffer of `nbytes`; when the pool is full, wait for a release (or return None if not `wait`)."""
         if self.capacity is not None and nbytes > self.capacity:
             raise UcpError(f"staging capacity {self.capacity} bytes is smaller than one chunk object ({nbytes} bytes)")
         with self._cond:
@@ -81,6 +86,8 @@ class StagingPool:
                     self._allocated += nbytes
                     break
                 if not self._drop_one_free_buffer():
+                    if not wait:
+                        return None
                     self._cond.wait()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
@@ -189,24 +196,38 @@ class SavePipeline:
 
     def _metadata_writes(self, plan: SavePlan) -> list[cf.Future]:
         prefix = step_dirname(plan.step)
-        jobs = [(f"{prefix}/{m.path}/{ZARR_JSON}", dumps(m.zarr_json())) for m in plan.metadata]
-        jobs += [(f"{prefix}/{g}/{ZARR_JSON}", dumps(group_json())) for g in plan.groups]
-        return [self.writers.submit(plan.storage.write, key, [data]) for key, data in jobs]
+        docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in plan.metadata]
+        docs += [(f"{prefix}/{g}/{ZARR_JSON}", group_json) for g in plan.groups]
+        return submit_batched(self.writers, [functools.partial(_write_json, plan.storage, key, doc) for key, doc in docs])
 
     def _write_from_source(self, plan: SavePlan, handle: SaveHandle) -> list[cf.Future]:
         """Sync mode: encode straight from the live tensors (no copy)."""
         futures = self._metadata_writes(plan)
-        futures += [self.writers.submit(self._write_chunk, plan, job, _Staged(job.source())) for job in plan.chunks]
+        writes = [functools.partial(self._write_chunk, plan, job, None) for job in plan.chunks]
+        futures += submit_batched(self.writers, writes)
         handle.snapshot_done.set()
         return futures
 
     def _snapshot(self, plan: SavePlan, handle: SaveHandle) -> list[cf.Future]:
-        """Copy every chunk into staging and queue its write as soon as it is copied."""
+        """Copy every chunk into staging and queue its write as soon as it is copied (small ones in batches)."""
         start = time.perf_counter()
         futures = self._metadata_writes(plan)
+        batch: list[functools.partial] = []
+        batch_bytes = 0
+        def flush() -> None:
+            nonlocal batch, batch_bytes
+            if batch:
+                futures.extend(submit_batched(self.writers, batch, per_task=len(batch)))
+            batch, batch_bytes = [], 0
+
         try:
             for job in plan.chunks:
-                futures.append(self.writers.submit(self._write_chunk, plan, job, self._stage(job.source())))
+                staged = self._stage(job.source(), before_waiting=flush)
+                batch.append(functools.partial(self._write_chunk, plan, job, staged))
+                batch_bytes += staged.values.numel() * staged.values.element_size()
+                if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_CALLS:
+                    flush()
+            flush()
         except BaseException:
             _cancel(futures)
             raise
@@ -215,9 +236,15 @@ class SavePipeline:
             handle.snapshot_done.set()
         return futures
 
-    def _stage(self, values: torch.Tensor) -> _Staged:
+    def _stage(self, values: torch.Tensor, before_waiting: Callable[[], None]) -> _Staged:
+        """Copy `values` into a staging buffer; if the pool is full, hand queued writes to the writers
+        (`before_waiting`) so that they can free buffers, then wait."""
         pinned = values.is_cuda and self._side_stream is not None
-        buffer = self.staging.acquire(values.numel() * values.element_size(), pinned)
+        nbytes = values.numel() * values.element_size()
+        buffer = self.staging.acquire(nbytes, pinned, wait=False)
+        if buffer is None:
+            before_waiting()
+            buffer = self.staging.acquire(nbytes, pinned)
         staged = buffer.view(values.dtype).view(values.shape)
         if not pinned:
             staged.copy_(values)
@@ -229,7 +256,8 @@ class SavePipeline:
             event.record()
         return _Staged(staged, buffer, event)
 
-    def _write_chunk(self, plan: SavePlan, job: ChunkJob, staged: _Staged) -> None:
+    def _write_chunk(self, plan: SavePlan, job: ChunkJob, staged: _Staged | None) -> None:
+        staged = staged or _Staged(job.source())
         try:
             staged.wait_ready()
             key = f"{step_dirname(plan.step)}/{job.meta.path}/{job.meta.chunk_key(job.index)}"
@@ -239,12 +267,12 @@ class SavePipeline:
                 self.staging.release(staged.buffer)
 
     def _complete(self, plan: SavePlan, writes: list[cf.Future]) -> CommitRecord | None:
-        done, _ = cf.wait(writes, return_when=cf.FIRST_EXCEPTION)
-        failed = next((f for f in done if f.exception() is not None), None)
-        if failed is not None:
-            _cancel(writes)
-            raise failed.exception()  # type: ignore[misc]
+        wait_all(writes)
         return plan.finish()
+
+
+def _write_json(storage: Storage, key: str, doc: Callable[[], dict]) -> None:
+    storage.write(key, [dumps(doc())])
 
 
 def _cancel(futures: list[cf.Future]) -> None:
