@@ -57,9 +57,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     report = convert(args.src, args.dst, from_layout=args.from_, to_layout=args.to, step=args.step,
                      iteration=args.iteration, memory_budget=args.memory_budget, workers=args.workers,
+                     vocab_size=args.vocab_size,
                      storage_options=_storage_options(args.storage_option), progress=not args.no_progress)
     print(f"converted {report.atoms} atoms ({report.bytes_written / 2**20:.1f} MiB) "
           f"from {report.source} to {report.destination}")
+    if report.dropped:
+        print(f"not carried (model weights only): {', '.join(report.dropped)}")
     return 0
 
 
@@ -89,7 +92,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     else:
         from ucp.interop.dcp import import_dcp
 
-        report = import_dcp(args.src, args.url, step=args.step, storage_options=options)
+        report = import_dcp(args.src, args.url, config=args.config, step=args.step, dtype=args.dtype, storage_options=options)
     print(f"imported {report.atoms} atoms ({report.bytes_read / 2**20:.1f} MiB) as step {report.step} of {args.url}")
     return 0
 
@@ -99,8 +102,10 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("convert", help="reshard a Megatron-LM torch checkpoint (or convert to/from ucp)")
     p.add_argument("src", help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt), or a ucp URL")
     p.add_argument("dst", help="output directory, or a ucp URL with --to universal")
-    p.add_argument("--from", dest="from_", required=True, help="layout of SRC (e.g. tp8pp4, tp2ep2), or 'universal'")
-    p.add_argument("--to", required=True, help="layout to write (e.g. tp4pp8), or 'universal'")
+    p.add_argument("--from", dest="from_", required=True, metavar="LAYOUT", help="layout of SRC (e.g. tp8pp4, tp2ep2), or 'universal'")
+    p.add_argument("--to", required=True, metavar="LAYOUT", help="layout to write (e.g. tp4pp8), or 'universal'")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="true vocabulary size, when the Megatron args only know the padded one")
     p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
     p.add_argument("--step", type=int, default=None, help="ucp step to write or read (default: the iteration / latest)")
     p.add_argument("--memory-budget", type=_bytes, default=4 << 30, help="peak tensor memory (default 4GiB)")
@@ -121,9 +126,10 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("import", help="turn another framework's checkpoint into a ucp checkpoint")
     p.add_argument("src", help="Hugging Face directory (config.json + safetensors) or DCP directory")
     p.add_argument("url", help="ucp checkpoint root to write")
-    p.add_argument("--from", dest="from_", choices=("hf", "dcp"), default="hf", help="source format (default hf)")
+    p.add_argument("--from", dest="from_", choices=("hf", "dcp"), default="hf", metavar="FORMAT", help="hf or dcp (default hf)")
     p.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
+    p.add_argument("--config", default=None, help="DCP only: the model's Hugging Face config.json (default: SRC/config.json)")
     _common(p)
     p.set_defaults(func=cmd_import)
 

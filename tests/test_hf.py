@@ -1,0 +1,238 @@
+"""Hugging Face Mixtral export and import: transformers loads what ucp exports, ucp imports what transformers saves."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucp.distributed import ShardedModel, VirtualWorld
+from ucp.families import MixtralConfig, canonical_atoms
+from ucp.interop import cli as interop_cli
+from ucp.interop.errors import DestinationExistsError, InteropError, SourceMismatchError
+from ucp.interop.hf import export_hf, import_hf
+from ucp.interop.weights import load_weights
+from ucp.layout import parse_layout
+from ucp.reshard import DEFAULT_STATES, shard
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_config(**overrides) -> MixtralConfig:
+    """vocab 100 is not a multiple of 128: every layout pads it."""
+    fields = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}
+    fields.update(overrides)
+    return MixtralConfig(**fields)
+
+
+def random_full_state(cfg: MixtralConfig, states: tuple[str, ...] = DEFAULT_STATES, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = {n: torch.randn(shape, generator=g) * 0.2 for n, (shape, _) in canonical_atoms(cfg).items()}
+    full: dict = {"model": model}
+    if states:
+        full["optimizer"] = {"state": {n: {s: torch.randn(t.shape, generator=g) for s in states} for n, t in model.items()}}
+    return full
+
+
+def save_in_layout(full: dict, cfg: MixtralConfig, layout: str, url: str, *, step: int = 1, storage_options=None) -> None:
+    """A checkpoint as a training job in `layout` would write it: every rank's local state, one distributed save."""
+    lay = parse_layout(layout)
+    states = tuple(next(iter(full["optimizer"]["state"].values()))) if "optimizer" in full else ()
+    local = [shard(full, cfg, lay, r, states) for r in range(lay.world_size)]
+    VirtualWorld(lay.world_size).save(local, url, step=step, model=ShardedModel(cfg, lay, states),
+                                      storage_options=storage_options)
+
+
+def hf_reference_model(cfg: MixtralConfig, atoms: dict[str, torch.Tensor], **hf_fields) -> torch.nn.Module:
+    """transformers' Mixtral filled from the atoms by hand (transformers >= 5 fuses experts in memory), independent
+    of the exporter and of transformers' own on-disk conversion."""
+    hf_cfg = transformers.MixtralConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, num_local_experts=cfg.num_local_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok, tie_word_embeddings=cfg.tie_word_embeddings, **hf_fields)
+    model = transformers.MixtralForCausalLM(hf_cfg).eval()
+    state = {}
+    for name in model.state_dict():
+        parts = name.split(".")
+        if name.endswith("mlp.gate.weight"):
+            state[name] = atoms[name.replace(".mlp.", ".block_sparse_moe.")]
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            base = f"model.layers.{parts[2]}.block_sparse_moe.experts."
+            xs = range(cfg.num_local_experts)
+            if name.endswith("gate_up_proj"):
+                state[name] = torch.stack([torch.cat([atoms[f"{base}{x}.w1.weight"], atoms[f"{base}{x}.w3.weight"]]) for x in xs])
+            else:
+                state[name] = torch.stack([atoms[f"{base}{x}.w2.weight"] for x in xs])
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            state[name] = atoms["model.embed_tokens.weight"]
+        else:
+            state[name] = atoms[name]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def assert_close_rel(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> None:
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+    assert err <= rel, f"relative error {err:.3g} > {rel}"
+
+
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp1pp1ep2dp2zero1"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, layout):
+    cfg = tiny_config()
+    full = random_full_state(cfg)
+    save_in_layout(full, cfg, layout, str(tmp_path / "ckpt"))
+    out = tmp_path / "hf"
+    report = export_hf(str(tmp_path / "ckpt"), out, max_shard_bytes=64 << 10)
+    assert report.files > 1 and report.tensors == len(canonical_atoms(cfg))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(canonical_atoms(cfg))
+    loaded = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert_close_rel(logits(loaded, tokens), logits(hf_reference_model(cfg, full["model"]), tokens))
+
+
+def test_export_bf16_and_tied_embeddings(tmp_path):
+    from safetensors import safe_open
+
+    cfg = tiny_config(tie_word_embeddings=True, num_hidden_layers=1)
+    full = random_full_state(cfg, states=())
+    save_in_layout(full, cfg, "tp2", str(tmp_path / "ckpt"))
+    out = tmp_path / "hf"
+    export_hf(str(tmp_path / "ckpt"), out, dtype="bf16")
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
+    files = sorted(out.glob("*.safetensors"))
+    with safe_open(str(files[0]), framework="pt") as f:
+        names = list(f.keys())
+        assert "lm_head.weight" not in names
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in names)
+        assert torch.equal(f.get_tensor("model.embed_tokens.weight"), full["model"]["model.embed_tokens.weight"].bfloat16())
+    loaded = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    bf16_atoms = {n: t.bfloat16().float() for n, t in full["model"].items()}
+    tokens = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    assert_close_rel(logits(loaded, tokens), logits(hf_reference_model(cfg, bf16_atoms), tokens))
+
+
+def save_hf(tmp_path: Path, **fields) -> tuple[Path, torch.nn.Module]:
+    torch.manual_seed(0)
+    hf_cfg = transformers.MixtralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, **fields)
+    model = transformers.MixtralForCausalLM(hf_cfg).eval()
+    src = tmp_path / "hf_src"
+    model.save_pretrained(src, max_shard_size="100KB")
+    return src, model
+
+
+def test_import_then_any_layout_loads_it_and_export_gives_it_back(tmp_path):
+    src, model = save_hf(tmp_path, rms_norm_eps=1e-6)
+    url = str(tmp_path / "ucp")
+    report = import_hf(src, url)
+    assert report.step == 0
+    import ucp
+
+    reader = ucp.open_checkpoint(url)
+    assert reader.manifest.layout == "tp1pp1"
+    assert not [p for p in reader.atoms if p.startswith("optimizer/")]
+    # tp2 rank 1 gets its slices of the HF tensors, padded vocab rows and all
+    cfg = tiny_config()
+    atoms = {n: t for n, t in reader.read_atoms([f"model/{n}" for n in canonical_atoms(cfg)]).items()}
+    atoms = {p.removeprefix("model/"): t for p, t in atoms.items()}
+    assert torch.equal(atoms["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert torch.equal(atoms["model.layers.1.block_sparse_moe.experts.3.w3.weight"],
+                       model.model.layers[1].mlp.experts.gate_up_proj[3, 64:])
+    got = load_weights(url, "tp2", 1)
+    want = shard({"model": atoms}, cfg, parse_layout("tp2"), 1, ())["model"]
+    assert list(got.params) == list(want)
+    for name in want:
+        assert torch.equal(got.params[name], want[name]), name
+    # round trip: the exported directory loads with the same logits and keeps the HF-only fields
+    out = tmp_path / "hf_out"
+    export_hf(url, out)
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    again = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(logits(again, tokens), logits(model, tokens))
+
+
+def test_import_refuses_another_architecture_and_writes_nothing(tmp_path):
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    llama.save_pretrained(tmp_path / "llama")
+    url = tmp_path / "ucp"
+    with pytest.raises(SourceMismatchError, match="model_type='llama'"):
+        import_hf(tmp_path / "llama", str(url))
+    assert not url.exists()
+
+
+def test_import_refuses_missing_and_misshapen_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src, _ = save_hf(tmp_path)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    fname = index["weight_map"]["model.norm.weight"]
+    tensors = load_file(str(src / fname))
+    tensors["model.norm.weight"] = torch.ones(31)
+    save_file(tensors, str(src / fname))
+    with pytest.raises(InteropError, match=r"model\.norm\.weight has shape \[31\]"):
+        import_hf(src, str(tmp_path / "a"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(src / fname))
+    del index["weight_map"]["model.norm.weight"]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InteropError, match=r"lacks tensors \['model\.norm\.weight'\]"):
+        import_hf(src, str(tmp_path / "b"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_export_never_leaves_a_partial_directory(tmp_path, monkeypatch):
+    cfg = tiny_config(num_hidden_layers=1)
+    save_in_layout(random_full_state(cfg, states=()), cfg, "tp1", str(tmp_path / "ckpt"))
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("keep")
+    with pytest.raises(DestinationExistsError):
+        export_hf(str(tmp_path / "ckpt"), tmp_path / "busy")
+    assert (tmp_path / "busy" / "x").read_text() == "keep"
+    import safetensors.torch
+
+    calls = []
+
+    def failing_save(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(*args, **kwargs)
+
+    real = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        export_hf(str(tmp_path / "ckpt"), tmp_path / "out", max_shard_bytes=16 << 10)
+    assert len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "ckpt"]
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ucp")
+    interop_cli.register(parser.add_subparsers(dest="command", required=True))
+    return interop_cli.run(parser, argv)
+
+
+def test_cli_export_import_and_errors(tmp_path, capsys):
+    src, _ = save_hf(tmp_path)
+    assert _cli(["import", str(src), str(tmp_path / "ucp"), "--from", "hf"]) == 0
+    assert _cli(["export", str(tmp_path / "ucp"), "--to", "hf", str(tmp_path / "out"), "--dtype", "bf16"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert _cli(["export", str(tmp_path / "ucp"), "--to", "hf", str(tmp_path / "out")]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert _cli(["import", str(tmp_path / "nowhere"), str(tmp_path / "ucp2")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "ucp2").exists()

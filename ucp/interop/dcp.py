@@ -1,0 +1,280 @@
+"""PyTorch Distributed Checkpoint (torch.distributed.checkpoint) to and from ucp.
+
+A DCP checkpoint is per-rank `.distcp` blobs plus one pickled `.metadata`. DCP itself unpickles that metadata
+with plain `pickle.load`; ucp never does: the metadata is read with an unpickler that only resolves the DCP
+metadata dataclasses, torch.Size, dtypes and paths (the tensor data is read through torch.load with
+weights_only=True by DCP's own reader). DCP reassembles DTensor / FSDP2 shards by overlapping chunks, so a
+no-process-group load of full tensors gives the atoms directly.
+
+Tensor names: a DCP state dict of a Hugging Face Mixtral module (optionally nested under "model"), with
+either expert naming. Optimizer state saved as torch's `get_optimizer_state_dict` writes it
+(`optim.state.<param>.<state>`) is carried when every parameter has the same per-element states (e.g. Adam's
+exp_avg and exp_avg_sq); 0-d entries (step) and param_groups are left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pathlib
+import pickle
+import re
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp import commit
+from ucp.checkpoint import open_checkpoint
+from ucp.distributed import ShardedModel, VirtualWorld, atom_path, model_config_of
+from ucp.families import MixtralConfig, canonical_atoms
+from ucp.format import step_dirname
+from ucp.interop.dtypes import parse_dtype
+from ucp.interop.errors import InteropError, SourceMismatchError
+from ucp.interop.hf import ucp_config_from_hf
+from ucp.interop.staging import staged_dir
+from ucp.layout import Layout
+from ucp.reshard import shard
+from ucp.storage import open_storage
+
+METADATA = ".metadata"
+_META_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_META_MODULE, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals DCP metadata is made of; anything else is refused, never imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _ALLOWED:
+            if module == "pathlib":
+                return getattr(pathlib, name)
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def read_metadata(root: Path) -> Any:
+    path = root / METADATA
+    if not path.is_file():
+        raise InteropError(f"{root} is not a DCP checkpoint (no {METADATA})")
+    try:
+        return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as e:
+        raise InteropError(f"{path}: refused or unreadable DCP metadata ({e})") from None
+
+
+def _safe_reader(root: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata = read_metadata(root)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(root))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+# ----------------------------------------------------------------------------------------------- names
+
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
+_OPTIMIZER_PREFIXES = ("optim.", "optimizer.", "optim_state.")
+_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|_extra_state)$")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One DCP tensor and the atoms it holds (fused expert tensors hold several); state None: parameters."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    atoms: tuple[str, ...]
+    state: str | None = None
+
+
+def _map_name(name: str, config: MixtralConfig, atoms: set[str]) -> tuple[str, ...] | None:
+    if name in atoms:
+        return (name,)
+    if m := _ROUTER.fullmatch(name):
+        return (f"model.layers.{m[1]}.block_sparse_moe.gate.weight",)
+    if m := _FUSED.fullmatch(name):
+        base = f"model.layers.{m[1]}.block_sparse_moe.experts."
+        xs = range(config.num_local_experts)
+        if m[2] == "gate_up_proj":
+            return tuple(f"{base}{x}.{w}.weight" for x in xs for w in ("w1", "w3"))
+        return tuple(f"{base}{x}.w2.weight" for x in xs)
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return ()
+    return None
+
+
+def _map_param(fqn: str, config: MixtralConfig, atoms: set[str]) -> tuple[str, ...] | None:
+    mapped = _map_name(fqn, config, atoms)
+    return mapped if mapped is not None else _map_name(fqn.removeprefix("model."), config, atoms)
+
+
+def plan_import(metadata: Any, config: MixtralConfig, where: str) -> tuple[list[_Target], list[str]]:
+    """Which DCP tensors make which atoms (parameters, and per-element optimizer states present for every
+    parameter); unmappable tensors are an error naming them."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    atoms = set(canonical_atoms(config))
+    targets, optim, skipped, unmapped = [], [], [], []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or _IGNORED.match(fqn):
+            skipped.append(fqn)
+            continue
+        if fqn.startswith(_OPTIMIZER_PREFIXES):
+            param, _, state = fqn.partition(".state.")[2].rpartition(".")
+            mapped = _map_param(param, config, atoms) if param and len(md.size) > 0 else None
+            if mapped:
+                optim.append(_Target(fqn, tuple(md.size), mapped, state))
+            else:
+                skipped.append(fqn)
+            continue
+        mapped = _map_param(fqn, config, atoms)
+        if mapped is None:
+            unmapped.append(fqn)
+        elif mapped:
+            targets.append(_Target(fqn, tuple(md.size), mapped))
+    if unmapped:
+        raise SourceMismatchError(f"{where} holds tensors ucp cannot map to Mixtral atoms: {unmapped[:5]}"
+                                  f"{' ...' if len(unmapped) > 5 else ''}")
+    covered = {a for t in targets for a in t.atoms}
+    missing = [a for a in canonical_atoms(config) if a not in covered]
+    if missing:
+        raise InteropError(f"{where} lacks tensors for atoms {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    states = sorted({t.state for t in optim})
+    complete = [s for s in states if {a for t in optim if t.state == s for a in t.atoms} == covered]
+    skipped += [t.fqn for t in optim if t.state not in complete]
+    return targets + [t for t in optim if t.state in complete], skipped
+
+
+def _split(target: _Target, tensor: torch.Tensor, config: MixtralConfig) -> dict[str, torch.Tensor]:
+    if len(target.atoms) == 1:
+        return {target.atoms[0]: tensor}
+    if target.atoms[0].endswith(".w1.weight"):  # gate_up_proj: per expert [w1; w3]
+        ffn = config.intermediate_size
+        return {a: tensor[i // 2, :ffn] if i % 2 == 0 else tensor[i // 2, ffn:] for i, a in enumerate(target.atoms)}
+    return {a: tensor[i] for i, a in enumerate(target.atoms)}
+
+
+# ----------------------------------------------------------------------------------------------- import
+
+
+@dataclass(frozen=True)
+class DcpImportReport:
+    step: int
+    atoms: int
+    bytes_read: int
+    optim_states: tuple[str, ...]  # per-element optimizer states carried (empty: weights only)
+    skipped: tuple[str, ...]  # entries left behind (0-d optimizer entries such as step, param_groups, non-tensors)
+
+
+def _config(config: MixtralConfig | str | Path | None, root: Path) -> MixtralConfig:
+    if isinstance(config, MixtralConfig):
+        return config
+    path = Path(config) if config is not None else root / "config.json"
+    if not path.is_file():
+        raise InteropError(f"DCP checkpoints carry no model config: give one (a Hugging Face config.json); {path} does not exist")
+    return ucp_config_from_hf(json.loads(path.read_text()), str(path))[0]
+
+
+def import_dcp(src_dir: str | Path, url: str, *, config: MixtralConfig | str | Path | None = None, step: int = 0,
+               dtype: str | torch.dtype | None = None, storage_options: dict[str, Any] | None = None) -> DcpImportReport:
+    """A DCP checkpoint of a Mixtral model (written by dcp.save from any world size, DTensor/FSDP2 shards or
+    plain tensors) becomes a ucp checkpoint in layout tp1pp1 that any layout can load: the parameters (cast to
+    `dtype` if given) and, where present for every parameter, the per-element optimizer states (as stored)."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(src_dir)
+    metadata = read_metadata(root)
+    cfg = _config(config, root)
+    targets, skipped = plan_import(metadata, cfg, str(root))
+    with _quiet():
+        full = {t.fqn: torch.empty(t.shape, dtype=metadata.state_dict_metadata[t.fqn].properties.dtype) for t in targets}
+        dcp.load(full, storage_reader=_safe_reader(root), no_dist=True)
+    cast = parse_dtype(dtype)
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for t in targets:
+        for atom, tensor in _split(t, full.pop(t.fqn), cfg).items():
+            if t.state is None:
+                params[atom] = tensor.to(cast) if cast else tensor
+            else:
+                optim.setdefault(atom, {})[t.state] = tensor
+    expected = canonical_atoms(cfg)
+    for name, (shape, _) in expected.items():
+        for what, tensor in [("parameter", params[name]), *optim.get(name, {}).items()]:
+            if tuple(tensor.shape) != shape:
+                raise InteropError(f"{root}: {what} of {name} has shape {list(tensor.shape)}, the config implies {list(shape)}")
+    states = tuple(sorted({s for per_atom in optim.values() for s in per_atom}))
+    full_state: dict[str, Any] = {"model": {n: params[n].contiguous() for n in expected}}
+    if states:
+        full_state["optimizer"] = {"state": {n: {s: optim[n][s].contiguous() for s in states} for n in expected}}
+    nbytes = sum(t.numel() * t.element_size() for t in full_state["model"].values())
+    nbytes += sum(t.numel() * t.element_size() for per in optim.values() for t in per.values())
+    local = shard(full_state, cfg, Layout(), 0, states)
+    del full_state, params, optim
+    storage = open_storage(url, storage_options)
+    extra = {"source": {"format": "dcp", "path": str(root.absolute())}}
+    try:
+        VirtualWorld(1).save([local], url, step=step, model=ShardedModel(cfg, Layout(), optim_states=states), extra=extra,
+                             storage=storage)
+    except BaseException:
+        if commit.read_marker(storage, step) is None:
+            storage.delete(step_dirname(step))
+        raise
+    return DcpImportReport(step, len(expected), nbytes, states, tuple(skipped))
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+
+@dataclass(frozen=True)
+class DcpExportReport:
+    tensors: int
+    bytes_written: int
+
+
+def export_dcp(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None = None, step: int | str = "latest",
+               storage_options: dict[str, Any] | None = None) -> DcpExportReport:
+    """Write a ucp checkpoint's parameters as a DCP checkpoint: a flat state dict of full tensors under their
+    canonical (Hugging Face) names, which DCP loads into any world size and any sharding (DTensor / FSDP2)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = open_checkpoint(url, step, storage_options=storage_options)
+    config = model_config_of(reader)
+    names = list(canonical_atoms(config))
+    missing = [n for n in names if atom_path(n, None) not in reader.atoms]
+    if missing:
+        raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
+    cast = parse_dtype(dtype)
+    tensors = reader.read_atoms([atom_path(n, None) for n in names])
+    state = {n: (tensors.pop(atom_path(n, None)).to(cast) if cast else tensors.pop(atom_path(n, None))) for n in names}
+    with staged_dir(out_dir) as tmp, _quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
+    return DcpExportReport(len(state), sum(t.numel() * t.element_size() for t in state.values()))

@@ -1,0 +1,545 @@
+"""Megatron-LM torch checkpoints (`iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`) through atoms.
+
+A rank file's "model" dict is, name for name, the local state docs/LOCAL_STATE.md specifies (Megatron-Core GPT
+naming: fused QKV per query group, gate/up in linear_fc1, padded vocabulary), so the file of (tp t, pp p, ep e)
+is the local state of ucp rank (tp=t, dp=e, pp=p) in the layout tp{T}pp{P}ep{E}dp{E}: DP replicas other than the
+expert ones are not saved by Megatron, and dp=E is the smallest DP that holds every expert rank.
+
+Conversion never assembles the model: every target tensor is filled piece by piece from the source tensors
+that hold the same atom box (`ucp.reshard.local_plan` gives both sides' boxes), with source files memory-
+mapped, and target files written a few at a time within the memory budget. Files are untrusted input: they
+are unpickled with `weights_only=True` and an allowlist of the few non-tensor types Megatron stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import enum
+import io
+import pickle
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp import commit
+from ucp.boxes import Box, intersect, to_slices
+from ucp.checkpoint import CheckpointReader, open_checkpoint
+from ucp.distributed import ShardedModel, VirtualWorld, load_sharded, model_config_of, piece_view
+from ucp.errors import CheckpointNotFoundError, LayoutError, UcpError
+from ucp.families import MixtralConfig
+from ucp.format import step_dirname
+from ucp.interop.errors import InteropError, SourceMismatchError
+from ucp.interop.staging import staged_dir
+from ucp.layout import Layout
+from ucp.reshard import LocalTensor, local_plan, owned_pieces
+from ucp.storage import Storage, open_storage
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+UNIVERSAL = "universal"
+# Megatron-Core linear layers carry an `_extra_state` entry (None with the local spec, FP8 metadata with TE);
+# a strict load_state_dict needs it present.
+_EXTRA_STATE_OWNERS = ("self_attention.linear_qkv", "self_attention.linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+
+# ------------------------------------------------------------------------------------------- safe loading
+
+
+@dataclass(frozen=True)
+class ForeignEnum:
+    """An enum member from Megatron's args (e.g. AttnBackend.auto), kept by qualified name and value so that
+    loading never imports Megatron."""
+
+    qualname: str
+    value: Any
+
+
+def _foreign_enum(qualname: str) -> Callable[[Any], ForeignEnum]:
+    def make(value: Any) -> ForeignEnum:
+        return ForeignEnum(qualname, value)
+
+    return make
+
+
+_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.enums.ModelType",
+          "megatron.core.transformer.enums.AttnMaskType")
+
+
+def _allowlist() -> list[Any]:
+    """The only globals a rank file may name: argparse.Namespace (args), BytesIO (TE extra state), NumPy's
+    array reconstruction (the NumPy RNG state) and a few Megatron enums, rebuilt as ForeignEnum."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    allowed: list[Any] = [argparse.Namespace, io.BytesIO, (_reconstruct, "numpy.core.multiarray._reconstruct"),
+                          _reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)), type(np.dtype(np.float64))]
+    allowed += [(_foreign_enum(q), q) for q in _ENUMS]
+    return allowed
+
+
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """Unpickle one rank file with weights_only=True (tensors memory-mapped, nothing else executed)."""
+    try:
+        with torch.serialization.safe_globals(_allowlist()):
+            data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()
+        unsupported = next((line for line in first if "Unsupported global" in line), first[0] if first else "")
+        raise InteropError(f"{path}: refused to unpickle a type outside the allowlist ({unsupported.strip()})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise InteropError(f"{path} is not a readable torch checkpoint: {e}") from None
+    if not isinstance(data, dict) or not any(k.startswith("model") for k in data):
+        raise InteropError(f"{path} holds no 'model' state dict (keys: {sorted(data) if isinstance(data, dict) else type(data).__name__})")
+    return data
+
+
+# ------------------------------------------------------------------------------------------- layouts
+
+
+_MEGATRON_LAYOUT = re.compile(r"tp(\d+)(?:pp(\d+))?(?:vpp(\d+))?(?:ep(\d+))?")
+
+
+def parse_megatron_layout(text: str) -> Layout:
+    """tp{T}[pp{P}][vpp{V}][ep{E}]: what a Megatron torch checkpoint's files are split by (DP is not saved)."""
+    m = _MEGATRON_LAYOUT.fullmatch(text.strip().lower())
+    if m is None:
+        raise LayoutError(f"malformed Megatron layout {text!r}: expected tp{{T}}[pp{{P}}][vpp{{V}}][ep{{E}}] (e.g. tp4pp8, tp2ep4) or 'universal'")
+    tp, pp, vpp, ep = (int(g) if g else 1 for g in m.groups())
+    return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
+
+
+def megatron_name(layout: Layout) -> str:
+    return f"tp{layout.tp}pp{layout.pp}" + (f"vpp{layout.vpp}" if layout.vpp > 1 else "") + (f"ep{layout.ep}" if layout.ep > 1 else "")
+
+
+def rank_dirname(layout: Layout, tp: int, pp: int, ep: int) -> str:
+    """Megatron's get_checkpoint_name: _PPP only when pp > 1, _EEE only with expert parallelism."""
+    name = f"mp_rank_{tp:02d}"
+    if layout.pp > 1:
+        name += f"_{pp:03d}"
+    if layout.ep > 1:
+        name += f"_{ep:03d}"
+    return name
+
+
+def rank_files(layout: Layout) -> dict[str, int]:
+    """Rank directory name -> ucp rank (tp=t, dp=e, pp=p) for every file of a layout."""
+    return {rank_dirname(layout, t, p, e): layout.rank(t, e, p)
+            for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)}
+
+
+# ------------------------------------------------------------------------------------------- config
+
+
+def _arg(args: Any, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tuple[MixtralConfig, dict[str, Any]]:
+    """MixtralConfig from Megatron's args, and the HF fields ucp's config does not model (rope base, norm eps)."""
+    if args is None:
+        raise InteropError(f"{where} has no 'args': cannot tell the model's shape")
+    experts = _arg(args, "num_experts", 0)
+    if not experts:
+        raise InteropError(f"{where}: args.num_experts is unset; ucp converts Megatron-Core GPT MoE models (Mixtral family)")
+    if not _arg(args, "swiglu", False):
+        raise InteropError(f"{where}: args.swiglu is off; the Mixtral family is SwiGLU (gate/up fused in linear_fc1)")
+    if _arg(args, "add_bias_linear", False) or _arg(args, "add_qkv_bias", False):
+        raise InteropError(f"{where}: linear biases (add_bias_linear / add_qkv_bias) have no Mixtral atom")
+    if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
+        raise InteropError(f"{where}: normalization={args.normalization!r}; the Mixtral family uses RMSNorm")
+    heads = args.num_attention_heads
+    groups = _arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention", False) else heads
+    vocab = vocab_size or _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
+    if vocab is None:
+        raise InteropError(f"{where}: args has neither vocab_size nor padded_vocab_size")
+    config = MixtralConfig(
+        vocab_size=int(vocab), hidden_size=args.hidden_size,
+        intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=heads, num_key_value_heads=groups,
+        num_local_experts=experts, num_experts_per_tok=_arg(args, "moe_router_topk", 2),
+        head_dim=_arg(args, "kv_channels") or args.hidden_size // heads,
+        tie_word_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
+        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
+    )
+    hf = {"rope_theta": float(_arg(args, "rotary_base", 10000)), "rms_norm_eps": float(_arg(args, "norm_epsilon", 1e-5)),
+          "max_position_embeddings": int(_arg(args, "max_position_embeddings", 4096))}
+    return config, hf
+
+
+def args_for(config: MixtralConfig, layout: Layout, base: Any = None, hf: Mapping[str, Any] | None = None) -> argparse.Namespace:
+    """Megatron args for a target layout: the source's args with the parallel sizes replaced, or (from a ucp
+    checkpoint) the model-shape arguments Megatron-LM checks on load."""
+    out = argparse.Namespace(**vars(base)) if base is not None else argparse.Namespace(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
+        moe_ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+        group_query_attention=config.num_key_value_heads != config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim, num_experts=config.num_local_experts,
+        moe_router_topk=config.num_experts_per_tok, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+        position_embedding_type="rope", untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+        rotary_base=(hf or {}).get("rope_theta", 10000), norm_epsilon=(hf or {}).get("rms_norm_eps", 1e-5))
+    m = config.make_vocab_size_divisible_by * layout.tp
+    out.padded_vocab_size = -(-config.vocab_size // m) * m
+    out.tensor_model_parallel_size = layout.tp
+    out.pipeline_model_parallel_size = layout.pp
+    out.virtual_pipeline_model_parallel_size = layout.vpp if layout.vpp > 1 else None
+    out.expert_model_parallel_size = layout.ep
+    for k, v in vars(out).items():
+        if isinstance(v, ForeignEnum):
+            setattr(out, k, _real_enum(v))
+    return out
+
+
+def _real_enum(e: ForeignEnum) -> Any:
+    """Give Megatron its enum back when it is importable (already imported); else the plain value."""
+    module, _, name = e.qualname.rpartition(".")
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls(e.value) if isinstance(cls, type) and issubclass(cls, enum.Enum) else e.value
+
+
+# ------------------------------------------------------------------------------------------- source
+
+
+@dataclass
+class MegatronSource:
+    """A Megatron torch checkpoint opened for reading: layout, model config, and the memory-mapped rank files."""
+
+    root: Path
+    iteration: int
+    layout: Layout
+    config: MixtralConfig
+    args: Any
+    hf: dict[str, Any]
+    files: dict[int, dict[str, Any]]  # ucp rank -> unpickled (memory-mapped) rank file
+    paths: dict[int, Path]
+    dropped: tuple[str, ...] = ()
+
+    def local_state(self, rank: int) -> dict[str, Any]:
+        """The ucp local state of a rank: its model chunk dicts without Megatron's _extra_state entries."""
+        data = self.files[rank]
+        return {k: {n: t for n, t in data[k].items() if not n.endswith("._extra_state")}
+                for k in data if k == "model" or re.fullmatch(r"model\d+", k)}
+
+
+def _iteration(root: Path, iteration: int | None) -> tuple[int, Path]:
+    if iteration is None:
+        tracker = root / TRACKER
+        if not tracker.is_file():
+            raise InteropError(f"{root} is not a Megatron checkpoint directory (no {TRACKER})")
+        text = tracker.read_text().strip()
+        if text == "release":
+            return 0, root / "release"
+        try:
+            iteration = int(text)
+        except ValueError:
+            raise InteropError(f"{tracker} holds {text!r}, not an iteration number") from None
+    return iteration, root / f"iter_{iteration:07d}"
+
+
+def _guess_layout(names: set[str], args: Any) -> str:
+    tp, pp, ep = (_arg(args, k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"))
+    return f"args say tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "") + f"; {len(names)} rank directories"
+
+
+def open_megatron(src: str | Path, layout: str | Layout, *, iteration: int | None = None,
+                  vocab_size: int | None = None) -> MegatronSource:
+    """Open a Megatron torch checkpoint that `layout` (e.g. "tp2pp2ep2") must describe exactly."""
+    root = Path(src)
+    if (root / "zarr.json").is_file():
+        raise SourceMismatchError(f"{root} is a ucp checkpoint, not a Megatron one: use --from universal")
+    want = layout if isinstance(layout, Layout) else parse_megatron_layout(layout)
+    it, iter_dir = _iteration(root, iteration)
+    if not iter_dir.is_dir():
+        raise InteropError(f"{iter_dir} does not exist (iteration {it} of {root})")
+    present = {d.name for d in iter_dir.iterdir() if d.name.startswith("mp_rank_")}
+    expected = rank_files(want)
+    if not present:
+        raise InteropError(f"{iter_dir} holds no mp_rank_* directories")
+    # --from is checked against the files' own args before anything else, then against the directory names
+    probe = iter_dir / min(present) / RANK_FILE
+    if not probe.is_file():
+        raise InteropError(f"missing rank file {probe}")
+    first = load_rank_file(probe)
+    args = first.get("args")
+    saved = tuple(_arg(args, k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                               "expert_model_parallel_size", "virtual_pipeline_model_parallel_size"))
+    if args is not None and saved != (want.tp, want.pp, want.ep, want.vpp):
+        raise SourceMismatchError(f"--from {megatron_name(want)} does not match {root}: its args say "
+                                  f"tp{saved[0]}pp{saved[1]}" + (f"vpp{saved[3]}" if saved[3] > 1 else "")
+                                  + (f"ep{saved[2]}" if saved[2] > 1 else ""))
+    stray = sorted(present - set(expected))
+    if stray:
+        raise SourceMismatchError(f"--from {megatron_name(want)} does not match {iter_dir}: unexpected rank directories "
+                                  f"{stray[:4]} ({_guess_layout(present, args)})")
+    missing = sorted(set(expected) - present) + sorted(n for n in present if not (iter_dir / n / RANK_FILE).is_file())
+    if missing:
+        raise InteropError(f"{iter_dir} is incomplete: missing rank file(s) {[f'{n}/{RANK_FILE}' for n in missing[:4]]}"
+                           f"{' ...' if len(missing) > 4 else ''} of the {len(expected)} that {megatron_name(want)} has")
+    config, hf = config_from_args(args, str(probe), vocab_size)
+    paths = {rank: iter_dir / name / RANK_FILE for name, rank in expected.items()}
+    files = {rank: (first if path == probe else load_rank_file(path)) for rank, path in paths.items()}
+    dropped = tuple(sorted({k for f in files.values() for k in f if k in ("optimizer", "rng_state", "opt_param_scheduler")}))
+    source = MegatronSource(root, it, want, config, args, hf, files, paths, dropped)
+    _check_shapes(source)
+    return source
+
+
+def _check_shapes(source: MegatronSource) -> None:
+    """Every rank holds exactly the tensors (names and shapes) the layout and the args imply."""
+    for rank, path in source.paths.items():
+        local = source.local_state(rank)
+        plan = local_plan(source.config, source.layout, rank, ())
+        names = {lt.key for lt in plan}
+        for lt in plan:
+            chunk, name = lt.key
+            t = local.get(chunk, {}).get(name)
+            if t is None:
+                raise InteropError(f"{path}: missing tensor {chunk}/{name}")
+            if tuple(t.shape) != lt.shape:
+                raise InteropError(f"{path}: {chunk}/{name} has shape {list(t.shape)}, but the other ranks and the args "
+                                   f"imply {list(lt.shape)} for {megatron_name(source.layout)}")
+        extra = sorted(f"{c}/{n}" for c, tensors in local.items() for n in tensors if (c, n) not in names)
+        if extra:
+            raise InteropError(f"{path}: tensors ucp cannot map to Mixtral atoms: {extra[:4]}")
+
+
+# ------------------------------------------------------------------------------------------- filling targets
+
+
+@dataclass
+class _PieceIndex:
+    """For each (atom, state), the source regions holding it: (atom box, view of the source tensor)."""
+
+    regions: dict[str, list[tuple[Box, torch.Tensor]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, source: MegatronSource) -> _PieceIndex:
+        index = cls()
+        for rank in source.files:
+            local = source.local_state(rank)
+            for lt in owned_pieces(source.config, source.layout, rank, ()):  # every atom element exactly once
+                tensor = local[lt.key[0]][lt.key[1]]
+                for p in lt.pieces:
+                    index.regions.setdefault(p.atom, []).append((p.atom_box, piece_view(tensor, p)))
+        return index
+
+    def fill(self, lt: LocalTensor, out: torch.Tensor) -> None:
+        for p in lt.pieces:
+            dst = piece_view(out, p)
+            for box, view in self.regions[p.atom]:
+                part = intersect(box, p.atom_box)
+                if part is not None:
+                    dst[to_slices(_relative(part, p.atom_box))] = view[to_slices(_relative(part, box))]
+
+
+def _relative(box: Box, origin: Box) -> Box:
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def _rank_bytes(config: MixtralConfig, layout: Layout, rank: int, itemsize: int) -> int:
+    return sum(torch.Size(lt.shape).numel() * itemsize for lt in local_plan(config, layout, rank, ()))
+
+
+def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, t in chunk.items():
+        out[name] = t
+        owner = name.removesuffix(".weight")
+        if name.endswith(".weight") and owner.endswith(_EXTRA_STATE_OWNERS):
+            out[owner + "._extra_state"] = None
+    return out
+
+
+def _write_megatron(dst: str | Path, config: MixtralConfig, layout: Layout, iteration: int, args: argparse.Namespace,
+                    local_of: Callable[[int], dict[str, Any]], itemsize: int, memory_budget: int, workers: int,
+                    progress: bool) -> tuple[int, int]:
+    """Write every rank file of `layout`, a few at a time within the memory budget; DST appears only when whole."""
+    from tqdm import tqdm
+
+    files = rank_files(layout)
+    biggest = max(_rank_bytes(config, layout, r, itemsize) for r in files.values())
+    parallel = max(1, min(workers, memory_budget // max(biggest, 1)))
+    written = 0
+    with staged_dir(dst) as tmp, tqdm(total=len(files), desc="write rank files", unit="file", disable=not progress) as bar:
+        iter_dir = tmp / f"iter_{iteration:07d}"
+
+        def one(name: str, rank: int) -> int:
+            local = local_of(rank)
+            data: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+            data.update({k: _with_extra_state(v) for k, v in local.items()})
+            (iter_dir / name).mkdir(parents=True)
+            torch.save(data, iter_dir / name / RANK_FILE)
+            bar.update(1)
+            return sum(t.numel() * t.element_size() for chunk in local.values() for t in chunk.values())
+
+        with cf.ThreadPoolExecutor(parallel) as pool:
+            futures = [pool.submit(one, n, r) for n, r in files.items()]
+            for f in cf.as_completed(futures):
+                written += f.result()
+        (tmp / TRACKER).write_text(f"{iteration}\n")  # last: Megatron finds the iteration only once it is whole
+    return len(files), written
+
+
+# ------------------------------------------------------------------------------------------- convert
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    source: str
+    destination: str
+    atoms: int
+    files: int
+    bytes_written: int
+    dropped: tuple[str, ...] = ()  # source entries not carried (e.g. "optimizer", "rng_state")
+
+
+class _ProgressStorage(Storage):
+    """A storage that advances a progress bar by the bytes written through it."""
+
+    def __init__(self, inner: Storage, bar: Any):
+        self.inner, self.bar = inner, bar
+        self.url, self.stats, self.whole_object_reads = inner.url, inner.stats, inner.whole_object_reads
+
+    def write(self, key, parts):  # type: ignore[no-untyped-def]
+        self.inner.write(key, parts)
+        self.bar.update(sum(len(memoryview(p).cast("B")) for p in parts))
+
+    def read(self, key, start=0, end=None):  # type: ignore[no-untyped-def]
+        return self.inner.read(key, start, end)
+
+    def read_into(self, key, offset, buffers):  # type: ignore[no-untyped-def]
+        return self.inner.read_into(key, offset, buffers)
+
+    def exists(self, key):  # type: ignore[no-untyped-def]
+        return self.inner.exists(key)
+
+    def listdir(self, key=""):  # type: ignore[no-untyped-def]
+        return self.inner.listdir(key)
+
+    def delete(self, key):  # type: ignore[no-untyped-def]
+        self.inner.delete(key)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def root_exists(self) -> bool:
+        return self.inner.root_exists()
+
+
+def _jsonable(args: Any) -> dict[str, Any]:
+    out = {}
+    for k, v in vars(args).items():
+        if isinstance(v, ForeignEnum):
+            v = v.value
+        if v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, list) and all(isinstance(x, (int, float, str)) for x in v)):
+            out[k] = v
+        elif isinstance(v, torch.dtype):
+            out[k] = str(v)
+    return out
+
+
+def _to_universal(source: MegatronSource, url: str, step: int, storage_options: dict[str, Any] | None, workers: int,
+                  progress: bool) -> ConvertReport:
+    """Every source rank file is a rank of one distributed save: each atom chunk is written once, straight from
+    the memory-mapped source tensors."""
+    from tqdm import tqdm
+
+    from ucp.checkpoint import SaveOptions
+    from ucp.families import canonical_atoms
+
+    states = [source.local_state(r) for r in range(source.layout.world_size)]
+    model = ShardedModel(source.config, source.layout, optim_states=())
+    inner = open_storage(url, storage_options)
+    extra = {"hf_config": source.hf, "source": {"format": "megatron", "path": str(source.root.absolute()),
+                                                "iteration": source.iteration, "layout": megatron_name(source.layout)},
+             "megatron_args": _jsonable(source.args)}
+    total = sum(t.numel() * t.element_size() for s in states for c in s.values() for t in c.values()) // max(source.layout.tp, 1)
+    with tqdm(total=total, desc="write atoms", unit="B", unit_scale=True, disable=not progress) as bar:
+        storage = _ProgressStorage(inner, bar)
+        try:
+            VirtualWorld(source.layout.world_size).save(states, url, step=step, model=model, extra=extra, storage=storage,
+                                                        options=SaveOptions(io_threads=workers))
+        except BaseException:
+            if commit.read_marker(inner, step) is None:
+                inner.delete(step_dirname(step))
+            raise
+    return ConvertReport(str(source.root), url, len(canonical_atoms(source.config)), 0, inner.stats.bytes_written, source.dropped)
+
+
+def convert(src: str, dst: str, *, from_layout: str, to_layout: str, step: int | None = None, iteration: int | None = None,
+            memory_budget: int = 4 << 30, workers: int = 8, storage_options: dict[str, Any] | None = None,
+            progress: bool = False, vocab_size: int | None = None) -> ConvertReport:
+    """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
+    or from (`from_layout="universal"`) a ucp checkpoint. The model weights are carried; source optimizer, RNG and
+    scheduler entries are reported in `dropped`."""
+    from ucp.families import canonical_atoms
+
+    if from_layout == UNIVERSAL and to_layout == UNIVERSAL:
+        raise UcpError("--from universal --to universal: nothing to convert (ucp checkpoints load in any layout)")
+    if from_layout == UNIVERSAL:
+        reader = _open_universal(src, step, storage_options)
+        config = model_config_of(reader)
+        if not isinstance(config, MixtralConfig):
+            raise SourceMismatchError(f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral")
+        target = parse_megatron_layout(to_layout)
+        local_plan(config, target, 0, ())  # the layout fits the model, before anything is written
+        hf = _extra(reader).get("hf_config")
+        args = args_for(config, target, hf=hf if isinstance(hf, dict) else None)
+        itemsize = max(m.itemsize for m in reader.atoms.values())
+
+        def from_atoms(rank: int) -> dict[str, Any]:
+            local, _ = load_sharded(reader, ShardedModel(config, target, optim_states=()), rank)
+            return local
+
+        files, written = _write_megatron(dst, config, target, reader.step, args, from_atoms, itemsize, memory_budget,
+                                         workers, progress)
+        dropped = ("optimizer",) if any(p.startswith("optimizer/") for p in reader.atoms) else ()
+        return ConvertReport(src, str(dst), len(canonical_atoms(config)), files, written, dropped)
+
+    source = open_megatron(src, from_layout, iteration=iteration, vocab_size=vocab_size)
+    if to_layout == UNIVERSAL:
+        return _to_universal(source, dst, source.iteration if step is None else step, storage_options, workers, progress)
+    target = parse_megatron_layout(to_layout)
+    local_plan(source.config, target, 0, ())
+    index = _PieceIndex.of(source)
+    dtype = next(iter(source.local_state(0)["model" if source.layout.vpp == 1 else "model0"].values())).dtype
+
+    def from_source(rank: int) -> dict[str, Any]:
+        local: dict[str, Any] = {}
+        for lt in local_plan(source.config, target, rank, ()):
+            out = torch.zeros(lt.shape, dtype=dtype)
+            index.fill(lt, out)
+            local.setdefault(lt.key[0], {})[lt.key[1]] = out
+        return local
+
+    args = args_for(source.config, target, base=source.args)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    files, written = _write_megatron(dst, source.config, target, source.iteration, args, from_source, itemsize,
+                                     memory_budget, workers, progress)
+    return ConvertReport(src, str(dst), len(canonical_atoms(source.config)), files, written, source.dropped)
+
+
+def _open_universal(src: str, step: int | None, storage_options: dict[str, Any] | None) -> CheckpointReader:
+    if (Path(src) / TRACKER).is_file():
+        raise SourceMismatchError(f"{src} is a Megatron checkpoint (it has {TRACKER}), not a ucp one: give its layout to --from")
+    try:
+        return open_checkpoint(src, "latest" if step is None else step, storage_options=storage_options)
+    except CheckpointNotFoundError as e:
+        raise SourceMismatchError(f"--from universal, but {src} holds no committed ucp checkpoint: {e}") from None
+
+
+def _extra(reader: CheckpointReader) -> dict[str, Any]:
+    from ucp.distributed import extra_state
+
+    return extra_state(reader)
