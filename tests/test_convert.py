@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ucp
+from ucp import cli as ucp_cli
 from ucp.families import canonical_atoms
-from ucp.interop import cli as interop_cli
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
 from ucp.reshard import shard
@@ -312,12 +312,10 @@ def test_a_failed_conversion_leaves_nothing_at_dst(megatron_tp2, tmp_path, monke
 
 
 def test_cli_convert(megatron_tp2, tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="ucp")
-    interop_cli.register(parser.add_subparsers(dest="command", required=True))
     argv = ["convert", str(megatron_tp2), str(tmp_path / "u2"), "--from", "tp2", "--to", "universal", "--no-progress"]
-    assert interop_cli.run(parser, argv) == 0
+    assert ucp_cli.main(argv) == 0
     assert "converted 41 atoms" in capsys.readouterr().out
     assert ucp.open_checkpoint(str(tmp_path / "u2")).step == 3
-    assert interop_cli.run(parser, ["convert", str(megatron_tp2), str(tmp_path / "x"), "--from", "tp2pp2", "--to", "tp1"]) == 1
+    assert ucp_cli.main(["convert", str(megatron_tp2), str(tmp_path / "x"), "--from", "tp2pp2", "--to", "tp1"]) == 1
     assert "args say tp2pp1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ucp
+from ucp import cli as ucp_cli
 from ucp.families import canonical_atoms
-from ucp.interop import cli as interop_cli
 from ucp.interop.dcp import export_dcp, import_dcp
 from ucp.interop.errors import InteropError, SourceMismatchError
 
@@ -198,12 +198,10 @@ def test_dcp_tensors_ucp_cannot_map_and_unsafe_metadata_are_refused(tmp_path):
 def test_cli_export_and_import_dcp(tmp_path, capsys):
     cfg = tiny_config(num_hidden_layers=1)
     save_in_layout(random_full_state(cfg, states=()), cfg, "tp1", str(tmp_path / "u"))
-    parser = argparse.ArgumentParser(prog="ucp")
-    interop_cli.register(parser.add_subparsers(dest="command", required=True))
-    assert interop_cli.run(parser, ["export", str(tmp_path / "u"), "--to", "dcp", str(tmp_path / "d"), "--dtype", "bf16"]) == 0
+    assert ucp_cli.main(["export", str(tmp_path / "u"), "--to", "dcp", str(tmp_path / "d"), "--dtype", "bf16"]) == 0
     (tmp_path / "d" / "config.json").write_text(_hf_config_json(cfg))
-    assert interop_cli.run(parser, ["import", str(tmp_path / "d"), str(tmp_path / "u2"), "--from", "dcp"]) == 0
+    assert ucp_cli.main(["import", str(tmp_path / "d"), str(tmp_path / "u2"), "--from", "dcp"]) == 0
     got = ucp.load(str(tmp_path / "u2"))["model"]
     assert got["model.norm.weight"].dtype == torch.bfloat16
-    assert interop_cli.run(parser, ["import", str(tmp_path / "u"), str(tmp_path / "u3"), "--from", "dcp"]) == 1
+    assert ucp_cli.main(["import", str(tmp_path / "u"), str(tmp_path / "u3"), "--from", "dcp"]) == 1
     assert "not a DCP checkpoint" in capsys.readouterr().err

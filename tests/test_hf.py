@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from ucp import cli as ucp_cli
 from ucp.distributed import ShardedModel, VirtualWorld
 from ucp.families import MixtralConfig, canonical_atoms
-from ucp.interop import cli as interop_cli
 from ucp.interop.errors import DestinationExistsError, InteropError, SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.weights import load_weights
@@ -221,9 +220,7 @@ def test_export_never_leaves_a_partial_directory(tmp_path, monkeypatch):
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ucp")
-    interop_cli.register(parser.add_subparsers(dest="command", required=True))
-    return interop_cli.run(parser, argv)
+    return ucp_cli.main(argv)
 
 
 def test_cli_export_import_and_errors(tmp_path, capsys):

@@ -10,7 +10,8 @@ from typing import Any
 from .errors import UcpError
 
 
-def _storage_options(pairs: list[str]) -> dict[str, Any]:
+def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
+    """`-o KEY=VALUE` pairs as fsspec storage options (JSON values where they parse as JSON)."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -37,7 +38,7 @@ def _open(args: argparse.Namespace):
     from .checkpoint import open_checkpoint
 
     step = args.step if args.step == "latest" else _int_step(args.step)
-    return open_checkpoint(args.url, step, storage_options=_storage_options(args.storage_option))
+    return open_checkpoint(args.url, step, storage_options=parse_storage_options(args.storage_option))
 
 
 def _int_step(text: str) -> int:
@@ -66,12 +67,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from bench_io.__main__ import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run
 
@@ -79,7 +74,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints: inspect, verify, demo, benchmark.")
+    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints: inspect, verify, convert, export, import, demo, benchmark.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="show a step: format version, layout, atoms and totals")
@@ -95,13 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="ucp-demo", help="checkpoint root to write (default: ./ucp-demo)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="IO benchmark (same as python -m bench_io; see ucp bench -- --help)", add_help=False)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_bench)
+    from .interop.cli import register as register_interop
+
+    register_interop(sub)
+
+    sub.add_parser("bench", help="IO benchmark: the same as python -m bench_io (ucp bench --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # bench_io parses its own arguments
+        from bench_io.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -4,7 +4,7 @@ cleanup of interrupted saves, so that a trainer says little."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 from . import commit
 from .checkpoint import CheckpointReader, SaveOptions, plan_save
@@ -116,7 +116,7 @@ class CheckpointManager:
         """Finish the save in flight and stop the writer threads."""
         self.pipeline.close()
 
-    def __enter__(self) -> CheckpointManager:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

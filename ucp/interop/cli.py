@@ -1,4 +1,5 @@
-"""The `convert`, `export` and `import` subcommands; `register(subparsers)` adds them to the `ucp` parser.
+"""The `convert`, `export` and `import` subcommands; `register(subparsers)` adds them to the `ucp` parser
+(ucp/cli.py).
 
     ucp convert SRC DST --from tp8pp4 --to tp4pp8      Megatron torch checkpoint, resharded through atoms
     ucp convert SRC URL --from tp2pp2 --to universal   Megatron -> ucp
@@ -11,21 +12,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
-from ucp.errors import UcpError
-
-
-def _storage_options(pairs: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UcpError(f"--storage-option takes KEY=VALUE, got {pair!r}")
-        options[key] = json.loads(value) if value[:1] in "{[0123456789" or value in ("true", "false", "null") else value
-    return options
+from ucp.cli import parse_storage_options
 
 
 def _bytes(text: str) -> int:
@@ -58,7 +47,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     report = convert(args.src, args.dst, from_layout=args.from_, to_layout=args.to, step=args.step,
                      iteration=args.iteration, memory_budget=args.memory_budget, workers=args.workers,
                      vocab_size=args.vocab_size,
-                     storage_options=_storage_options(args.storage_option), progress=not args.no_progress)
+                     storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress)
     print(f"converted {report.atoms} atoms ({report.bytes_written / 2**20:.1f} MiB) "
           f"from {report.source} to {report.destination}")
     if report.dropped:
@@ -67,7 +56,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    options = _storage_options(args.storage_option)
+    options = parse_storage_options(args.storage_option)
     if args.to == "hf":
         from ucp.interop.hf import export_hf
 
@@ -84,7 +73,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    options = _storage_options(args.storage_option)
+    options = parse_storage_options(args.storage_option)
     if args.from_ == "hf":
         from ucp.interop.hf import import_hf
 
@@ -132,23 +121,3 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config", default=None, help="DCP only: the model's Hugging Face config.json (default: SRC/config.json)")
     _common(p)
     p.set_defaults(func=cmd_import)
-
-
-def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
-    """Parse and dispatch; a UcpError is one line on stderr and exit code 1."""
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except UcpError as e:
-        print(f"ucp: error: {e}", file=sys.stderr)
-        return 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ucp", description="ucp interop: convert, export, import")
-    register(parser.add_subparsers(dest="command", required=True))
-    return run(parser, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
