@@ -40,7 +40,7 @@ def main(root: str, stage: str) -> None:
 
     def write(self, key, parts):
         nonlocal chunk_writes
-        if stage == "chunks" and "/c/" in key:
+        if stage == "chunks" and "/c." in key:
             chunk_writes += 1
             if chunk_writes == 5:
                 freeze()

@@ -29,7 +29,7 @@ class SlowStorage(LocalStorage):
         self.gate = threading.Event()
 
     def write(self, key, parts):
-        if "/c/" in key:
+        if "/c." in key:
             self.gate.wait(timeout=30)
         super().write(key, parts)
 
@@ -84,7 +84,7 @@ def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
 
 class FailingStorage(LocalStorage):
     def write(self, key, parts):
-        if "/c/" in key:
+        if "/c." in key:
             raise OSError(28, "No space left on device", key)
         super().write(key, parts)
 

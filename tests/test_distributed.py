@@ -35,7 +35,7 @@ def check_world(results: list[dict], reader: CheckpointReader) -> None:
     for meta in reader.atoms.values():
         for index in chunk_indices(meta.grid):
             assert writes[f"{reader.prefix}/{meta.path}/{meta.chunk_key(index)}"] == 1, meta.path
-    writers = Counter(i for i, r in enumerate(results) for key in r["writes"] if "/c/" in key)
+    writers = Counter(i for i, r in enumerate(results) for key in r["writes"] if "/c." in key)
     assert len(writers) == 4, f"every rank writes a share, got {writers}"
     for layout in LOAD_LAYOUTS.split(","):
         for rank, r in enumerate(results):

@@ -44,6 +44,7 @@ def test_tensorstore_reads_every_atom_exactly(written):
 
 def test_zarr_python_reads_every_atom_exactly(written):
     zarr = pytest.importorskip("zarr")
+    ucp.register_bfloat16_with_zarr()
     step_dir, tensors = written
     for path, t in tensors.items():
         array = zarr.open_array(str(step_dir / path), mode="r")

@@ -18,7 +18,6 @@ from .errors import (
 from .manager import CheckpointManager
 from .training_state import restore_training_state, training_state
 
-register_bfloat16_with_zarr()
 
 __all__ = [
     "CheckpointManager",
@@ -35,6 +34,7 @@ __all__ = [
     "UnsupportedVersionError",
     "load",
     "open_checkpoint",
+    "register_bfloat16_with_zarr",
     "restore_training_state",
     "save",
     "training_state",

@@ -1,17 +1,11 @@
 """Data types: torch <-> Zarr v3 names, and the `bfloat16` extension data type for zarr-python.
 
 Zarr v3 names the core types (bool, int8..int64, uint8, float16/32/64). bfloat16 is the extension data type
-of that name, which tensorstore reads natively; zarr-python 3.1 has none, so `register_bfloat16_with_zarr()`
-adds one built on ml_dtypes (called when ucp is imported, so `import ucp` is enough to read bf16 atoms).
+of that name, which tensorstore reads natively; for zarr-python see `ucp.zarr_bfloat16`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
-import ml_dtypes
-import numpy as np
 import torch
 
 from .errors import FormatError, StateError
@@ -69,31 +63,6 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-
-
 def register_bfloat16_with_zarr() -> None:
-    """Teach zarr-python the `bfloat16` extension data type (a no-op when zarr is absent)."""
-    try:
-        from zarr.core.dtype import data_type_registry
-        from zarr.core.dtype.npy.float import BaseFloat
-    except ImportError:  # zarr is a dependency, but reading ucp must not require it
-        return
-
-    @dataclass(frozen=True, kw_only=True)
-    class BFloat16(BaseFloat):  # type: ignore[misc, type-arg]
-        """bfloat16 for zarr-python, stored as 2 little-endian bytes per element (ml_dtypes)."""
-
-        dtype_cls = type(_BFLOAT16)
-        _zarr_v3_name: ClassVar[str] = "bfloat16"
-        _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
-
-        @property
-        def item_size(self) -> int:
-            return 2
-
-        def to_native_dtype(self) -> np.dtype:
-            return _BFLOAT16
-
-    if "bfloat16" not in data_type_registry.contents:
-        data_type_registry.register("bfloat16", BFloat16)
+    """Teach zarr-python the `bfloat16` extension data type (kept out of `import ucp`: zarr is slow to import)."""
+    from . import zarr_bfloat16  # noqa: F401  (registers on import)

@@ -156,7 +156,8 @@ class AtomMeta:
             "shape": list(self.shape),
             "data_type": self.dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            # "." keeps every chunk object of an atom in the atom's own directory (fewer directories to create)
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
             "fill_value": dtypes.fill_value(self.dtype),
             "codecs": codecs,
             "attributes": {"ucp": self.attributes},
@@ -176,7 +177,7 @@ class AtomMeta:
 
     def chunk_key(self, index: tuple[int, ...]) -> str:
         """Object key of the chunk at grid position `index`, relative to the atom's directory."""
-        return "/".join(["c", *map(str, index)])
+        return ".".join(["c", *map(str, index)])
 
     def chunk_box(self, index: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         """The region [start, stop) per dimension of the array that chunk `index` holds (clipped at the edge)."""

@@ -114,6 +114,7 @@ class LocalStorage(Storage):
         self.fsync = fsync
         self.stats = IOStats()
         self._made_dirs: set[str] = set()
+        self._unsynced_dirs: set[str] = set()  # gained an entry since the last flush
         self._dirs_lock = threading.Lock()
 
     def _path(self, key: str) -> str:
@@ -123,12 +124,21 @@ class LocalStorage(Storage):
         if directory in self._made_dirs:
             return
         os.makedirs(directory, exist_ok=True)
+        # the new directories, and the existing one that gained an entry, need an fsync before a commit
+        chain = [directory]
+        while chain[-1] not in self._made_dirs and chain[-1].startswith(self.root + os.sep):
+            chain.append(os.path.dirname(chain[-1]))
         with self._dirs_lock:
-            self._made_dirs.add(directory)
+            self._made_dirs.update(chain)
+            self._unsynced_dirs.update(chain)
 
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
         path = self._path(key)
-        self._makedirs(os.path.dirname(path))
+        directory = os.path.dirname(path)
+        self._makedirs(directory)
+        if self.fsync:
+            with self._dirs_lock:
+                self._unsynced_dirs.add(directory)
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         total = sum(v.nbytes for v in views)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -189,14 +199,20 @@ class LocalStorage(Storage):
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
             with self._dirs_lock:
-                self._made_dirs = {d for d in self._made_dirs if not (d == path or d.startswith(path + os.sep))}
+                gone = {d for d in self._made_dirs if d == path or d.startswith(path + os.sep)}
+                self._made_dirs -= gone
+                self._unsynced_dirs -= gone
         elif os.path.exists(path):
             os.remove(path)
 
     def flush(self) -> None:
         if not self.fsync:
             return
-        for directory in sorted(self._made_dirs):  # new directory entries must be durable too
+        with self._dirs_lock:
+            directories, self._unsynced_dirs = self._unsynced_dirs, set()
+        # A new file is durable only once its directory entry is: fsync every directory that gained an entry
+        # (a file or a new directory) since the last flush.
+        for directory in sorted(directories):
             fd = os.open(directory, os.O_RDONLY)
             try:
                 os.fsync(fd)
