@@ -18,7 +18,6 @@ from .errors import (
 from .manager import CheckpointManager
 from .training_state import restore_training_state, training_state
 
-
 __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",

@@ -9,9 +9,10 @@ are absent (index entry all ones).
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -24,17 +25,38 @@ from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, c
 from .storage import Storage, scatter_into
 
 
-def _crc(buf: memoryview | bytes | bytearray) -> bytes:
-    return struct.pack("<I", crc32c.crc32c(buf))
+def _crc(*bufs: memoryview | bytes | bytearray) -> bytes:
+    """CRC-32C of the buffers laid back to back, as the 4 little-endian bytes the crc32c codec stores."""
+    value = 0
+    for buf in bufs:
+        value = crc32c.crc32c(buf, value)
+    return struct.pack("<I", value)
 
 
-def _padded_bytes(part: torch.Tensor, full_shape: tuple[int, ...]) -> memoryview:
-    """Bytes of `part` laid out in a chunk of `full_shape` (zero padding at the array's edge)."""
-    if tuple(part.shape) != full_shape:
-        padded = torch.zeros(full_shape, dtype=part.dtype)
-        padded[tuple(slice(0, n) for n in part.shape)] = part
-        part = padded
-    return dtypes.as_bytes(part.contiguous())
+@functools.lru_cache(maxsize=16)
+def _zeros(nbytes: int) -> bytes:
+    return bytes(nbytes)
+
+
+def _tail_padded(part: torch.Tensor, full_shape: tuple[int, ...]) -> bool:
+    """True when `part` lacks only trailing rows of `full_shape`: its padding is one zero tail in C order."""
+    return tuple(part.shape[1:]) == full_shape[1:] and part.is_contiguous()
+
+
+def _chunk_parts(part: torch.Tensor, full_shape: tuple[int, ...]) -> list[memoryview | bytes]:
+    """The bytes of `part` laid out in a chunk of `full_shape` (zero padding at the array's edge), then the
+    chunk's checksum. An edge chunk short of rows only gets a shared zero tail, not a padded copy."""
+    if tuple(part.shape) == full_shape:
+        data = dtypes.as_bytes(part.contiguous())
+        return [data, _crc(data)]
+    if _tail_padded(part, full_shape):
+        data = dtypes.as_bytes(part)
+        tail = _zeros(math.prod(full_shape) * part.element_size() - data.nbytes)
+        return [data, tail, _crc(data, tail)]
+    padded = torch.zeros(full_shape, dtype=part.dtype)
+    padded[tuple(slice(0, n) for n in part.shape)] = part
+    data = dtypes.as_bytes(padded)
+    return [data, _crc(data)]
 
 
 def _inner_boxes(meta: AtomMeta, outer: tuple[int, ...]) -> list[Box | None]:
@@ -58,8 +80,7 @@ def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> list[
     """The parts (to be written back to back) of the object for chunk `outer`, whose values are `chunk`
     (the chunk's region of the array, clipped at the edge)."""
     if meta.inner_chunk_shape is None:
-        data = _padded_bytes(chunk, meta.chunk_shape)
-        return [data, _crc(data)]
+        return _chunk_parts(chunk, meta.chunk_shape)
     origin = tuple(a for a, _ in meta.chunk_box(outer))
     parts: list[memoryview | bytes] = []
     entries: list[int] = []
@@ -69,10 +90,11 @@ def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> list[
             entries += [EMPTY_INDEX_ENTRY, EMPTY_INDEX_ENTRY]
             continue
         local = tuple((a - o, b - o) for (a, b), o in zip(box, origin))
-        data = _padded_bytes(chunk[to_slices(local)], meta.inner_chunk_shape)
-        parts += [data, _crc(data)]
-        entries += [offset, data.nbytes + CRC_BYTES]
-        offset += data.nbytes + CRC_BYTES
+        inner_parts = _chunk_parts(chunk[to_slices(local)], meta.inner_chunk_shape)
+        nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in inner_parts)
+        parts += inner_parts
+        entries += [offset, nbytes]
+        offset += nbytes
     index = struct.pack(f"<{len(entries)}Q", *entries)
     return [index, _crc(index), *parts]
 
@@ -89,8 +111,9 @@ class InnerChunk:
     nbytes: int
 
 
-def _verify(payload: memoryview | bytearray, stored_crc: memoryview | bytes | bytearray, where: str) -> None:
-    if _crc(payload) != bytes(stored_crc):
+def _verify(payload: Sequence[memoryview | bytes | bytearray], stored_crc: memoryview | bytes | bytearray, where: str) -> None:
+    """Check the CRC-32C of the payload (its parts back to back) against the stored checksum."""
+    if _crc(*payload) != bytes(stored_crc):
         raise IntegrityError(f"{where}: checksum mismatch (crc32c), the stored bytes are damaged")
 
 
@@ -100,7 +123,7 @@ def parse_index(meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview
     if len(data) < n:
         raise IntegrityError(f"{where}: truncated shard ({len(data)} bytes, its index alone needs {n})")
     raw = memoryview(data)[: n - CRC_BYTES]
-    _verify(raw, memoryview(data)[n - CRC_BYTES : n], f"{where} (shard index)")
+    _verify([raw], memoryview(data)[n - CRC_BYTES : n], f"{where} (shard index)")
     values = struct.unpack(f"<{len(raw) // 8}Q", raw)
     expected = meta.stored_chunk_bytes() + CRC_BYTES
     chunks: list[InnerChunk] = []
@@ -117,22 +140,26 @@ def parse_index(meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview
 
 
 class ChunkSink:
-    """Receives one stored chunk: straight into `dest` when it is the whole, contiguous, unpadded chunk,
-    otherwise into scratch memory from which the wanted part is copied after the checksum is verified."""
+    """Receives one stored chunk: straight into `dest` when `dest` is the chunk (or the chunk short of only its
+    padding rows) and contiguous, otherwise into scratch memory from which the wanted part is copied once the
+    checksum is verified."""
 
     def __init__(self, dest: torch.Tensor, chunk_shape: tuple[int, ...], offset: tuple[int, ...]):
         self.dest = dest
         self.offset = offset
-        direct = tuple(dest.shape) == chunk_shape and dest.is_contiguous() and not any(offset)
+        direct = not any(offset) and (tuple(dest.shape) == chunk_shape or _tail_padded(dest, chunk_shape))
+        direct = direct and dest.is_contiguous()
         self.scratch = None if direct else torch.empty(chunk_shape, dtype=dest.dtype)
         self.data = dtypes.as_bytes(dest if direct else self.scratch)
+        padding = math.prod(chunk_shape) * dest.element_size() - self.data.nbytes
+        self.tail = memoryview(bytearray(padding))  # the edge chunk's padding rows: read, checked, dropped
         self.crc = bytearray(CRC_BYTES)
 
     def buffers(self) -> list[memoryview]:
-        return [self.data, memoryview(self.crc)]
+        return [self.data, self.tail, memoryview(self.crc)]
 
     def finish(self, where: str) -> None:
-        _verify(self.data, self.crc, where)
+        _verify([self.data, self.tail], self.crc, where)
         if self.scratch is not None:
             self.dest.copy_(self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))])
 

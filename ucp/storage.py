@@ -50,9 +50,9 @@ def scatter_into(data: memoryview, buffers: Sequence[memoryview]) -> int:
     """Copy `data` into `buffers` back to back; returns the bytes copied."""
     pos = 0
     for b in buffers:
-        n = min(b.nbytes, len(data) - pos)
-        if n <= 0:
+        if pos >= len(data):
             break
+        n = min(b.nbytes, len(data) - pos)
         memoryview(b).cast("B")[:n] = data[pos : pos + n]
         pos += n
     return pos
