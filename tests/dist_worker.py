@@ -24,7 +24,7 @@ from ucp.storage import open_storage
 
 STATES = ("exp_avg", "exp_avg_sq")
 CONFIG = MixtralConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-                       num_key_value_heads=4, num_local_experts=4, make_vocab_size_divisible_by=8)
+                       num_key_value_heads=4, num_local_experts=2, make_vocab_size_divisible_by=8)
 OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=16384, inner_bytes=2048), fsync=False)
 # Fewer, larger objects where each request costs milliseconds (the S3 server).
 LARGE_OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=65536, inner_bytes=8192), fsync=False)

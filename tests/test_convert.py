@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
 from ucp.reshard import shard
 
+from .launch import free_port
 from .test_hf import random_full_state, save_in_layout, tiny_config
 
 # Runs in a subprocess (torch.distributed and Megatron's parallel state are process-global): builds a tiny
@@ -141,17 +141,11 @@ if __name__ == "__main__":
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_megatron(tmp: Path, mode: str, ckpt: Path, out: Path) -> dict:
     script = tmp / "megatron_worker.py"
     script.write_text(MEGATRON_WORKER)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(_free_port())],
+    proc = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(free_port())],
                           capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
@@ -216,7 +210,7 @@ def test_tp2_files_load_into_megatrons_own_tp2_model_with_the_same_logits(megatr
     torch.save(ref, tmp_path / "logits.pt.ref")
     script = tmp_path / "tp2_worker.py"
     script.write_text(MEGATRON_TP2_WORKER)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "tp2"), str(tmp_path / "logits.pt"), str(_free_port())],
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "tp2"), str(tmp_path / "logits.pt"), str(free_port())],
                           capture_output=True, text=True, timeout=300, check=False,
                           env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from ucp.families import canonical_atoms
 from ucp.interop.dcp import export_dcp, import_dcp
 from ucp.interop.errors import InteropError, SourceMismatchError
 
+from .launch import free_port
 from .test_hf import random_full_state, save_in_layout, tiny_config
 
 pytest.importorskip("transformers")
@@ -91,16 +91,10 @@ if __name__ == "__main__":
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_two_ranks(tmp: Path, mode: str, ckpt: Path, ref: Path) -> None:
     script = tmp / "dcp_worker.py"
     script.write_text(DCP_WORKER)
-    proc = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(ref), str(_free_port())],
+    proc = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(ref), str(free_port())],
                           capture_output=True, text=True, timeout=300, check=False,
                           env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
