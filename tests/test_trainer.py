@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.checkpoint import mixtral_config
 from trainer.config import ModelConfig, load_config
 from trainer.data import SyntheticTokens
 from trainer.model import MixtralStage, StageSpec
@@ -27,6 +28,7 @@ from trainer.parallel.mesh import Layout, coords_of, group_partitions, parse_lay
 from trainer.parallel.pipeline import split_layers
 from trainer.parallel.tensor import padded_vocab_size, shard_gate_up, shard_qkv, shard_vocab
 from trainer.weights import canonical_shapes, init_from_seed, initial_atom, load_canonical
+from ucp.errors import LayoutError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
@@ -104,7 +106,7 @@ def test_rank_order_is_tp_then_dp_then_pp_with_ep_carved_from_dp():
     assert (c.tp, c.dp, c.pp, c.ep, c.expert_dp) == (1, 0, 1, 0, 0)
     c = coords_of(3, parse_layout("tp1pp1ep2dp4"))
     assert (c.dp, c.ep, c.expert_dp) == (3, 1, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(LayoutError):
         parse_layout("tp1pp1ep3dp4")
 
 
@@ -244,12 +246,7 @@ def _ucp():
 
 
 def ucp_config(cfg: ModelConfig, stage_layers: list[int] | None):
-    return _ucp()[2].MixtralConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, head_dim=cfg.head_dim,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, stage_layers=stage_layers)
+    return mixtral_config(cfg, stage_layers)  # the trainer's one mapping to ucp's MixtralConfig
 
 
 @pytest.mark.parametrize("layout", ["tp2pp2ep2dp2zero1", "tp1pp2ep4dp4", "tp2pp1dp3"])
@@ -295,6 +292,8 @@ from trainer.train import build_config, build_trainer, parse_args, train
 trainer = build_trainer(build_config(parse_args(sys.argv[3:])))
 if sys.argv[2] != "-":
     trainer.load_local_state(torch.load(f"{sys.argv[2]}/rank{dist.get_rank()}.pt"))
+    for step in range(1, trainer.optimizer.step + 1):  # the data position of the resumed run
+        trainer.data.get_batch(step)
 train(trainer)
 torch.save(trainer.local_state(), f"{sys.argv[1]}/rank{dist.get_rank()}.pt")
 dist.destroy_process_group()

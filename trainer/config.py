@@ -1,6 +1,6 @@
 """Training configuration: YAML files loaded into dataclasses, with dotted command-line overrides.
 
-A config file has four sections (model, optim, data, train) whose keys are the fields below. Any key can be
+A config file has five sections (model, optim, data, train, checkpoint) whose keys are the fields below. Any key can be
 overridden from the command line with ``--set section.key=value`` (the value is parsed as YAML, so
 ``--set model.tie_word_embeddings=true`` gives a bool and ``--set optim.lr=1e-3`` a float).
 """
@@ -57,6 +57,10 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
+    # "pretrain": dataloaders.PretrainLoader over `path` (a prepared dataset URL; None: the built-in corpus of
+    # trainer/corpus.py, prepared on first use); "synthetic": the stream of trainer/data.py (no files).
+    source: str = "pretrain"
+    path: str | None = None
     seq_len: int = 32
     global_batch_size: int = 8  # samples per optimizer step, over all DP ranks
     micro_batch_size: int = 1  # samples per forward/backward pass
@@ -74,11 +78,20 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    url: str | None = None  # any fsspec URL (a local directory, s3://...); None: no checkpoints, no resume
+    interval: int = 0  # save every `interval` steps (0: only the last step); the last step is always saved
+    mode: str = "async"  # ucp.CheckpointManager mode: "sync", "async" (snapshot, then write behind) or "lazy"
+    keep_last: int | None = None  # committed steps to keep (None: all)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -97,7 +110,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     unknown = set(raw) - set(sections)
     if unknown:
         raise ValueError(f"unknown config section(s): {sorted(unknown)}; known: {sorted(sections)}")
-    classes = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
+    classes = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig,
+               "checkpoint": CheckpointConfig}
     return Config(**{name: _build(cls, raw.get(name) or {}, name) for name, cls in classes.items()})
 
 

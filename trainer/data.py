@@ -1,12 +1,15 @@
-"""The token source: a deterministic synthetic stream, behind the interface a real loader will implement.
+"""Token sources: the dataloaders package's PretrainLoader (the default) and a synthetic stream (for tests).
 
-Sample i of the global stream is a pure function of (seed, i). Step s (numbered from 1) trains on global
-samples [(s-1)*G, s*G), G = global batch size; DP rank d takes the d-th contiguous 1/D of them, so the
-global batch (and the order of its microbatches) is the same in every layout.
+Both give step s (numbered from 1) the global samples [(s-1)*G, s*G) of their global order, G = global batch
+size; DP rank d takes the d-th contiguous 1/D of them, so the global batch (and the order of its microbatches)
+is the same in every layout. Their state is JSON that a checkpoint carries.
+
+The synthetic stream's sample i is a pure function of (seed, i): no files, nothing to restore.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -50,3 +53,34 @@ class SyntheticTokens:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed, self.consumed_samples = state["seed"], state["consumed_samples"]
+
+
+class PretrainTokens:
+    """`dataloaders.PretrainLoader` over a prepared dataset, behind the step-indexed interface.
+
+    The loader is sequential and elastic: its state counts consumed samples, which any DP size resumes from.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+        from dataloaders import PretrainLoader
+
+        self.global_batch = global_batch
+        self.loader = PretrainLoader(str(path), seq_len, global_batch, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+
+    def get_batch(self, step: int) -> torch.Tensor:
+        # A step-indexed call on a sequential loader: a mismatch means the state was not restored.
+        expected = (step - 1) * self.global_batch
+        if self.loader.consumed_samples != expected:
+            raise RuntimeError(f"step {step} needs the data position {expected}, "
+                               f"the loader is at {self.loader.consumed_samples}")
+        batch = next(self.loader)
+        return torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        self.loader.close()

@@ -6,6 +6,9 @@ Every rank holds one pipeline stage of the model (trainer/model.py) with its TP 
 stage's microbatches through the 1F1B schedule (parallel/pipeline.py), then the distributed optimizer syncs
 gradients over DP, clips and updates (parallel/data.py). The logged loss is the LM loss averaged over every
 token of the global batch, identical in every layout.
+
+With `--ckpt URL` the run resumes from the latest committed step under URL (in whatever layout saved it) and
+saves every `--save-interval` steps and at the last step (trainer/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
+from .checkpoint import Checkpointer
 from .config import Config, load_config
-from .data import SyntheticTokens
+from .corpus import DEFAULT_DIR, ensure_corpus
+from .data import PretrainTokens, SyntheticTokens, TokenSource
 from .model import MixtralStage, StageSpec, is_expert_param
 from .parallel.data import DistributedAdamW
 from .parallel.mesh import Mesh, parse_layout
@@ -55,7 +61,15 @@ class Trainer:
 
         self.optimizer = DistributedAdamW(list(self.model.named_parameters()), mesh, cfg.optim,
                                           m.tie_word_embeddings, is_expert_param)
-        self.data = SyntheticTokens(m.vocab_size, d.seq_len, d.global_batch_size, c.dp, layout.dp, cfg.train.seed)
+        self.data: TokenSource
+        if d.source == "pretrain":
+            self.data = PretrainTokens(d.path or DEFAULT_DIR, d.seq_len, d.global_batch_size, c.dp, layout.dp,
+                                       cfg.train.seed)
+        elif d.source == "synthetic":
+            self.data = SyntheticTokens(m.vocab_size, d.seq_len, d.global_batch_size, c.dp, layout.dp,
+                                        cfg.train.seed)
+        else:
+            raise ValueError(f"data.source must be 'pretrain' or 'synthetic', got {d.source!r}")
 
         local_batch = d.global_batch_size // layout.dp
         if local_batch % d.micro_batch_size:
@@ -74,7 +88,7 @@ class Trainer:
             p.copy_(state["model"][name])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def train_step(self, step: int) -> StepMetrics:
+    def train_step(self, step: int, before_update: Callable[[], None] | None = None) -> StepMetrics:
         start = time.perf_counter()
         m, d = self.cfg.model, self.cfg.data
         microbatches = self.data.get_batch(step).to(self.device).split(d.micro_batch_size)
@@ -99,6 +113,8 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         one_f_one_b(self.num_microbatches, forward_step, self.p2p, self.mesh.coords.pp, self.mesh.layout.pp)
         allreduce_tied_embedding_grads(self.model, self.mesh, m.tie_word_embeddings)
+        if before_update is not None:
+            before_update()
         grad_norm, lr = self.optimizer.step_()
 
         # TP ranks hold copies of the same sums: count TP rank 0 only, over all stages and DP ranks.
@@ -117,6 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="the step to stop at (overrides train.steps)")
     parser.add_argument("--seed", type=int, help="overrides train.seed")
     parser.add_argument("--metrics-file", help="JSON lines, one per step (overrides train.metrics_file)")
+    parser.add_argument("--ckpt", help="checkpoint root URL (local dir, s3://...): resume from its latest step, "
+                        "save to it (overrides checkpoint.url)")
+    parser.add_argument("--save-interval", type=int, help="save every K steps; the last step is always saved "
+                        "(overrides checkpoint.interval)")
+    parser.add_argument("--ckpt-mode", choices=("sync", "async", "lazy"), help="overrides checkpoint.mode")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key, e.g. --set model.hidden_size=128 (repeatable)")
     return parser.parse_args(argv)
@@ -128,6 +149,9 @@ def build_config(args: argparse.Namespace) -> Config:
                        ("metrics_file", args.metrics_file)):
         if value is not None:
             overrides.append(f"train.{key}={value}")
+    for key, value in (("url", args.ckpt), ("interval", args.save_interval), ("mode", args.ckpt_mode)):
+        if value is not None:
+            overrides.append(f"checkpoint.{key}={value}")
     return load_config(args.config, overrides)
 
 
@@ -153,31 +177,61 @@ def build_trainer(cfg: Config) -> Trainer:
     if layout.world_size != dist.get_world_size():
         raise ValueError(f"layout {layout} needs {layout.world_size} processes, got {dist.get_world_size()}")
     mesh = Mesh(layout, dist.get_rank())
+    if cfg.data.source == "pretrain" and cfg.data.path is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        ensure_corpus()  # the built-in corpus, prepared once per machine (the barrier makes the others wait)
     dist.barrier()  # every communicator exists before the first send/recv (NCCL wants that)
     return Trainer(cfg, mesh, device)
 
 
-def train(trainer: Trainer) -> None:
-    """Train from the step after the optimizer's last one up to cfg.train.steps; rank 0 logs the metrics."""
+def train(trainer: Trainer, started: float | None = None) -> None:
+    """Resume from the latest checkpoint (with --ckpt), then train up to cfg.train.steps; rank 0 logs metrics.
+
+    `started` (a perf_counter value, default now) is when the process began, for the resume's time to first step.
+    """
+    started = time.perf_counter() if started is None else started
     cfg, rank = trainer.cfg, trainer.mesh.rank
+    checkpointer = Checkpointer(cfg, trainer) if cfg.checkpoint.url else None
+    resumed = checkpointer.restore() if checkpointer else None
     write_metrics = cfg.train.metrics_file is not None and rank == 0
+
+    def log(record: dict) -> None:
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+
     with open(cfg.train.metrics_file, "a") if write_metrics else contextlib.nullcontext() as metrics_file:
-        for step in range(trainer.optimizer.step + 1, cfg.train.steps + 1):
-            metrics = trainer.train_step(step)
-            if rank != 0:
-                continue
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(asdict(metrics) | {"layout": str(trainer.mesh.layout)}) + "\n")
-                metrics_file.flush()
-            if step % cfg.train.log_every == 0:
-                print(f"step {step} loss {metrics.loss:.6f} aux {metrics.aux_loss:.4f} "
-                      f"grad_norm {metrics.grad_norm:.4f} lr {metrics.lr:.2e} {metrics.step_time_s:.3f}s", flush=True)
+        try:
+            for step in range(trainer.optimizer.step + 1, cfg.train.steps + 1):
+                metrics = trainer.train_step(step, checkpointer.before_update if checkpointer else None)
+                event = checkpointer.after_step(step) if checkpointer else None
+                if rank != 0:
+                    continue
+                if resumed is not None and step == resumed.from_step + 1:
+                    log({"event": "resume", "from_step": resumed.from_step, "saved_layout": resumed.saved_layout,
+                         "layout": str(trainer.mesh.layout), "bytes_read": resumed.bytes_read,
+                         "time_to_first_step_s": time.perf_counter() - started})
+                    print(f"resumed from step {resumed.from_step} (saved in {resumed.saved_layout})", flush=True)
+                log(asdict(metrics) | {"layout": str(trainer.mesh.layout)})
+                if event is not None:
+                    log(event)
+                if step % cfg.train.log_every == 0:
+                    print(f"step {step} loss {metrics.loss:.6f} aux {metrics.aux_loss:.4f} "
+                          f"grad_norm {metrics.grad_norm:.4f} lr {metrics.lr:.2e} {metrics.step_time_s:.3f}s"
+                          + (f" ckpt blocked {event['blocking_s']:.3f}s" if event else ""), flush=True)
+        finally:
+            if checkpointer is not None:
+                checkpointer.close()  # the last step's save commits before the process exits
+            close = getattr(trainer.data, "close", None)
+            if close is not None:
+                close()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, started: float | None = None) -> None:
+    """`started`: a perf_counter value taken when the process began (default: now)."""
+    started = time.perf_counter() if started is None else started
     cfg = build_config(parse_args(argv))
     try:
-        train(build_trainer(cfg))
+        train(build_trainer(cfg), started)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -5,73 +5,19 @@ Rank order and the EP carve-out follow docs/LOCAL_STATE.md:
     rank = tp_rank + T * (dp_rank + D * pp_rank)
     ep_rank = dp_rank % E,  expert_dp_rank = dp_rank // E
 
-The parser is the trainer's own, so that training does not import all of ucp (zarr, fsspec); it accepts the
-grammar of LOCAL_STATE.md, and tests/test_trainer.py checks it against ucp.layout.
+Layouts are ucp's (`ucp.layout.Layout`, `parse_layout`): the trainer and the checkpoints share one grammar.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 import torch.distributed as dist
 
-_LAYOUT_RE = re.compile(r"tp(\d+)pp(\d+)(?:vpp(\d+))?(?:ep(\d+))?(?:dp(\d+))?(?:zero(\d+))?")
+from ucp.layout import Layout, RankCoords, parse_layout
 
+__all__ = ["Layout", "Mesh", "RankCoords", "coords_of", "group_partitions", "parse_layout", "rank_of"]
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    dp: int = 1
-    zero: int = 0
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def __str__(self) -> str:
-        text = f"tp{self.tp}pp{self.pp}"
-        for name, value, default in (("vpp", self.vpp, 1), ("ep", self.ep, 1), ("dp", self.dp, 1),
-                                     ("zero", self.zero, 0)):
-            if value != default:
-                text += f"{name}{value}"
-        return text
-
-
-def parse_layout(text: str) -> Layout:
-    match = _LAYOUT_RE.fullmatch(text)
-    if match is None:
-        raise ValueError(f"bad layout {text!r}: expected tp{{T}}pp{{P}}[vpp{{V}}][ep{{E}}][dp{{D}}][zero{{Z}}]")
-    tp, pp, vpp, ep, dp, zero = (int(g) if g is not None else None for g in match.groups())
-    layout = Layout(tp=tp, pp=pp, vpp=vpp or 1, ep=ep or 1, dp=dp or 1, zero=zero or 0)
-    if min(layout.tp, layout.pp, layout.vpp, layout.ep, layout.dp) < 1:
-        raise ValueError(f"bad layout {text!r}: degrees must be >= 1")
-    if layout.dp % layout.ep:
-        raise ValueError(f"bad layout {text!r}: ep={layout.ep} must divide dp={layout.dp}")
-    if layout.zero not in (0, 1, 2, 3):
-        raise ValueError(f"bad layout {text!r}: zero must be 0..3")
-    return layout
-
-
-@dataclass(frozen=True)
-class Coords:
-    """Where one rank sits in a layout."""
-
-    tp: int
-    dp: int
-    pp: int
-    ep: int
-    expert_dp: int
-
-
-def coords_of(rank: int, layout: Layout) -> Coords:
-    tp = rank % layout.tp
-    dp = (rank // layout.tp) % layout.dp
-    pp = rank // (layout.tp * layout.dp)
-    return Coords(tp=tp, dp=dp, pp=pp, ep=dp % layout.ep, expert_dp=dp // layout.ep)
+def coords_of(rank: int, layout: Layout) -> RankCoords:
+    return layout.coords(rank)
 
 
 def rank_of(layout: Layout, tp: int, dp: int, pp: int) -> int:

@@ -1,0 +1,199 @@
+"""Checkpoint and resume of the reference trainer through ucp, with real processes on gloo.
+
+A run of N steps that checkpoints, then N more steps resumed in another layout (other TP, PP, EP, DP, ZeRO;
+another world size), must give the losses of 2N uninterrupted steps (<= 1e-5 relative: only the reduction
+order differs); resumed in the same layout, the very same bits. A run killed with SIGKILL resumes from its
+last committed step, and steps are committed at every K and at the last step.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.parallel.mesh import parse_layout
+from ucp import commit
+from ucp.storage import open_storage
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
+N = 3  # steps before and after the checkpoint
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(layout: str, steps: int, metrics: Path, *extra: str) -> list[subprocess.Popen]:
+    """Start `python -m trainer` as the ranks of `layout`, as torchrun would; output goes to files."""
+    world, port = parse_layout(layout).world_size, str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                            "OMP_NUM_THREADS": "1"}
+        log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read after the process ends, closed with it
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(TINY), "--layout", layout,
+                                 "--steps", str(steps), "--metrics-file", str(metrics), *extra],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc.log = log  # type: ignore[attr-defined]
+        procs.append(proc)
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 240) -> None:
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        kill(procs)
+    if any(proc.returncode != 0 for proc in procs):
+        logs = []
+        for proc in procs:
+            proc.log.seek(0)
+            logs.append(proc.log.read()[-3000:])
+        pytest.fail("trainer failed:\n" + "\n".join(logs))
+
+
+def kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+
+def records(metrics: Path) -> tuple[list[dict], list[dict]]:
+    """(per-step records, event records) of a metrics file."""
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in lines if "event" not in r], [r for r in lines if "event" in r]
+
+
+def train(layout: str, steps: int, tmp: Path, *extra: str) -> tuple[list[dict], list[dict]]:
+    metrics = tmp / f"{layout}-{_free_port()}.jsonl"
+    finish(start(layout, steps, metrics, *extra))
+    return records(metrics)
+
+
+@functools.cache
+def reference(layout: str, tmp: str) -> tuple[tuple[float, float], ...]:
+    """(loss, grad_norm) of 2N uninterrupted steps in `layout`, without checkpoints."""
+    steps, _ = train(layout, 2 * N, Path(tmp))
+    assert [r["step"] for r in steps] == list(range(1, 2 * N + 1))
+    return tuple((r["loss"], r["grad_norm"]) for r in steps)
+
+
+@functools.cache
+def first_half(layout: str, tmp: str) -> Path:
+    """A checkpoint root holding steps 2 and N of a run in `layout` (save interval 2)."""
+    root = Path(tmp) / f"ckpt-{layout}"
+    steps, events = train(layout, N, Path(tmp), "--ckpt", str(root), "--save-interval", "2")
+    assert [r["step"] for r in steps] == list(range(1, N + 1))
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saved] == [2, N] and all(e["mode"] == "async" and e["blocking_s"] >= 0 for e in saved)
+    assert commit.committed_steps(open_storage(str(root))) == [2, N]
+    return root
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("resume"))
+
+
+def resume(saved_in: str, layout: str, tmp: str) -> tuple[list[dict], list[dict]]:
+    root = Path(tmp) / f"resume-{saved_in}-to-{layout}"
+    shutil.copytree(first_half(saved_in, tmp), root)
+    steps, events = train(layout, 2 * N, Path(tmp), "--ckpt", str(root))
+    assert [r["step"] for r in steps] == list(range(N + 1, 2 * N + 1))
+    (resumed,) = [e for e in events if e["event"] == "resume"]
+    assert resumed["from_step"] == N and resumed["saved_layout"] == saved_in and resumed["layout"] == layout
+    assert resumed["time_to_first_step_s"] > 0
+    assert commit.committed_steps(open_storage(str(root))) == [2, N, 2 * N]  # the last step is always saved
+    return steps, events
+
+
+@pytest.mark.parametrize("saved_in, resumed_in", [
+    ("tp2pp2", "tp1pp1ep2dp2"),          # TP and PP out, EP and DP in; 4 -> 2 processes
+    ("tp1pp2dp2zero1", "tp2pp1"),        # ZeRO-1 flat ranges and PP -> TP
+    ("tp1pp1ep2dp2", "tp1pp2dp2zero1"),  # EP -> PP with ZeRO-1; 2 -> 4 processes
+])
+def test_resume_in_another_layout_continues_the_same_losses(saved_in, resumed_in, tmp):
+    steps, _ = resume(saved_in, resumed_in, tmp)
+    expected = reference(saved_in, tmp)[N:]
+    for r, (loss, _) in zip(steps, expected, strict=True):
+        assert abs(r["loss"] - loss) <= 1e-5 * abs(loss), f"step {r['step']}: {r['loss']!r} vs {loss!r}"
+
+
+def test_resume_in_the_same_layout_is_bitwise_exact(tmp):
+    steps, _ = resume("tp1pp1ep2dp2", "tp1pp1ep2dp2", tmp)
+    assert [(r["loss"], r["grad_norm"]) for r in steps] == list(reference("tp1pp1ep2dp2", tmp)[N:])
+
+
+def test_killed_run_resumes_from_its_last_committed_step(tmp):
+    layout, interval, last = "tp2pp1", 2, 12
+    root, metrics = Path(tmp) / "ckpt-killed", Path(tmp) / "killed.jsonl"
+    procs = start(layout, 1000, metrics, "--ckpt", str(root), "--save-interval", str(interval))
+    storage = open_storage(str(root))
+    try:
+        deadline = time.monotonic() + 180
+        while not [s for s in commit.committed_steps(storage) if s >= 4]:  # steps 2 and 4 are committed
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 4 committed"
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGKILL)  # a rank dies mid-run, as on a node failure; the others with it
+    finally:
+        kill(procs)
+    committed = commit.committed_steps(storage)
+    before, _ = records(metrics)
+    assert committed and committed[-1] < 1000 and committed == list(range(interval, committed[-1] + 1, interval))
+
+    steps, events = train(layout, last, Path(tmp), "--ckpt", str(root), "--save-interval", str(interval))
+    (resumed,) = [e for e in events if e["event"] == "resume"]
+    assert resumed["from_step"] == committed[-1]
+    assert steps[0]["step"] == committed[-1] + 1 and steps[-1]["step"] == last
+    # Same layout: the steps that the killed run got to log again are the same bits.
+    logged = {r["step"]: r["loss"] for r in before}
+    again = [(r["loss"], logged[r["step"]]) for r in steps if r["step"] in logged]
+    assert all(a == b for a, b in again)
+    # Every K-th step and the last one are committed (K = 2, last = 12), and the checkpoint events say so.
+    assert commit.committed_steps(storage) == sorted(set(committed) | set(range(committed[-1] + interval, last + 1, interval)) | {last})
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [
+        s for s in range(committed[-1] + 1, last + 1) if s % interval == 0 or s == last]
+
+
+def test_pretrain_tokens_split_global_batches_and_resume_on_another_dp_size():
+    from trainer.corpus import ensure_corpus
+    from trainer.data import PretrainTokens
+
+    path = ensure_corpus()
+    whole = PretrainTokens(path, 32, 8, 0, 1, seed=5)
+    parts = [PretrainTokens(path, 32, 8, r, 4, seed=5) for r in range(4)]
+    try:
+        for step in (1, 2):
+            batch = whole.get_batch(step)
+            assert batch.shape == (8, 33) and int(batch.max()) < 257  # byte tokens (+ end of document)
+            assert torch.equal(torch.cat([p.get_batch(step) for p in parts]), batch)
+        with pytest.raises(RuntimeError):  # a sequential loader asked for a step it is not at
+            whole.get_batch(5)
+        # Resume on 2 DP ranks from the position that 4 reached.
+        resumed = [PretrainTokens(path, 32, 8, r, 2, seed=5) for r in range(2)]
+        for r in resumed:
+            r.load_state_dict(json.loads(json.dumps(parts[0].state_dict())))  # JSON, as a checkpoint stores it
+        assert torch.equal(torch.cat([r.get_batch(3) for r in resumed]), whole.get_batch(3))
+        for r in resumed:
+            r.close()
+    finally:
+        for source in (whole, *parts):
+            source.close()

@@ -1,0 +1,115 @@
+"""Checkpointing through ucp: save every K steps (asynchronously by default), resume in any layout.
+
+The loop calls this module in three places: `Checkpointer.restore` once before the first step, `after_step`
+after every step (it saves when the step is due; in "lazy" mode the next step calls `before_update` before the
+optimizer changes the tensors being snapshotted), and `close` at the end (waits for the last commit).
+
+A checkpoint holds the canonical atoms of the model and of Adam's exp_avg/exp_avg_sq (parallelism-free, so a
+run restarts in another layout), and, as extra state, the step, the data loader's position, the optimizer's
+step counter, the LR schedule, the config and rank 0's RNG states.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from ucp.distributed import ShardedModel, TorchComm
+from ucp.families.mixtral import MixtralConfig
+from ucp.manager import CheckpointManager
+from ucp.pipeline import SaveHandle
+from ucp.training_state import rng_state, set_rng_state
+
+from .config import Config, ModelConfig
+from .parallel.data import lr_at
+
+if TYPE_CHECKING:
+    from .train import Trainer
+
+OPTIM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def mixtral_config(m: ModelConfig, stage_layers: list[int] | None = None) -> MixtralConfig:
+    """The trainer's model config as ucp's (the one place where the two namings meet)."""
+    return MixtralConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+        num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, head_dim=m.kv_channels,
+        tie_word_embeddings=m.tie_word_embeddings, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        stage_layers=stage_layers)
+
+
+@dataclass
+class Resumed:
+    from_step: int
+    saved_layout: str
+    bytes_read: int
+
+
+class Checkpointer:
+    """One training run's checkpoints under `cfg.checkpoint.url` (every rank builds one, in the same order)."""
+
+    def __init__(self, cfg: Config, trainer: Trainer):
+        self.cfg, self.trainer = cfg, trainer
+        self.interval = cfg.checkpoint.interval
+        self.model = ShardedModel(mixtral_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout,
+                                  OPTIM_STATES)
+        # Checkpoint traffic (fragment exchange, barriers) goes over its own gloo group, host memory on any device.
+        comm = TorchComm(dist.new_group(backend="gloo"))
+        self.manager = CheckpointManager(cfg.checkpoint.url, mode=cfg.checkpoint.mode, comm=comm,
+                                         keep_last=cfg.checkpoint.keep_last)
+        self.pending: SaveHandle | None = None  # lazy mode: a snapshot that may still read the tensors
+
+    def restore(self) -> Resumed | None:
+        """Load the latest committed step into the trainer, whatever layout saved it; None on a fresh start."""
+        if self.manager.latest_step() is None:
+            return None
+        t = self.trainer
+        local, extra, report = self.manager.restore_sharded(self.model, t.mesh.rank)
+        local["optimizer"]["step"] = extra["optimizer_step"]
+        t.load_local_state(local)
+        t.data.load_state_dict(extra["data"])
+        if t.mesh.rank == 0:
+            set_rng_state(extra["rng"])
+        return Resumed(extra["step"], extra["layout"], report.bytes_read)
+
+    def before_update(self) -> None:
+        """Called before the optimizer step: a lazy snapshot must be complete before the tensors change."""
+        if self.pending is not None:
+            self.pending.wait_snapshot()
+            self.pending = None
+
+    def after_step(self, step: int) -> dict[str, Any] | None:
+        """Save `step` if it is due (every `interval` steps and the last one); returns the metrics event."""
+        last = step == self.cfg.train.steps
+        if not last and not (self.interval and step % self.interval == 0):
+            return None
+        start = time.perf_counter()
+        t = self.trainer
+        extra = {
+            "step": step,
+            "layout": str(t.mesh.layout),
+            "data": t.data.state_dict(),
+            "optimizer_step": t.optimizer.step,
+            # The schedule is a pure function of the step and the optim config; both are saved.
+            "scheduler": {"kind": "linear_warmup_cosine", "step": t.optimizer.step,
+                          "last_lr": lr_at(t.optimizer.step, self.cfg.optim)},
+            "config": self.cfg.to_dict(),
+            "rng": rng_state(),
+        }
+        handle = self.manager.save_sharded(step, t.local_state(), self.model, extra=extra)
+        if handle.mode == "lazy":
+            self.pending = handle
+        return {"event": "checkpoint", "step": step, "mode": handle.mode, "blocking_s": handle.blocking_s,
+                "call_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Wait for the save in flight to commit (its error is raised here) and stop the writer threads."""
+        try:
+            self.before_update()
+            self.manager.wait()
+        finally:
+            self.manager.close()
