@@ -44,8 +44,10 @@ def test_kill_during_save(tmp_path, stage):
     with pytest.raises(ucp.CheckpointNotFoundError, match="step 2 .* is not committed"):
         ucp.load(root, step=2)
 
-    manager = ucp.CheckpointManager(root)  # collects the leftover on start
-    assert manager.steps() == [1]
-    assert not partial.exists()
-    manager.save(2, state(2))
-    assert_same_state(state(2), manager.restore())
+    watcher = ucp.CheckpointManager(root)  # a step above the latest commit may still be in progress: kept
+    assert watcher.steps() == [1] and partial.exists()
+    restarted = ucp.CheckpointManager(root)
+    assert restarted.gc(all_uncommitted=True) == [2]  # the restarted job is the only writer
+    assert not partial.exists() and restarted.steps() == [1]
+    restarted.save(2, state(2))
+    assert_same_state(state(2), restarted.restore())

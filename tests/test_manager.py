@@ -22,15 +22,26 @@ def test_steps_latest_restore_and_retention(tmp_path):
         manager.restore(10)
 
 
+def _leftover(root, step: int):
+    directory = root / step_dirname(step) / "w"
+    directory.mkdir(parents=True)
+    (directory / "zarr.json").write_text("{}")
+    return root / step_dirname(step)
+
+
 def test_gc_removes_uncommitted_leftovers_only(tmp_path):
     manager = ucp.CheckpointManager(str(tmp_path))
     manager.save(1, {"w": torch.ones(2)})
-    leftover = tmp_path / step_dirname(2) / "w"
-    leftover.mkdir(parents=True)
-    (leftover / "zarr.json").write_text("{}")
-    assert manager.steps() == [1]
-    assert ucp.CheckpointManager(str(tmp_path)).steps() == [1]  # a new manager collects on start
-    assert not (tmp_path / step_dirname(2)).exists()
+    manager.save(3, {"w": torch.ones(2)})
+    older, newer = _leftover(tmp_path, 2), _leftover(tmp_path, 4)
+    assert manager.steps() == [1, 3]
+    assert ucp.CheckpointManager(str(tmp_path)).steps() == [1, 3]  # a new manager collects on start...
+    assert not older.exists()
+    assert newer.exists()  # ...but not above the latest commit: that save may still be running elsewhere
+    manager.save(5, {"w": torch.zeros(2)})  # a commit collects what lies below it
+    assert not newer.exists() and manager.steps() == [1, 3, 5]
+    _leftover(tmp_path, 6)
+    assert manager.gc(all_uncommitted=True) == [6]
     assert (tmp_path / step_dirname(1)).exists()
 
 

@@ -144,11 +144,12 @@ def delete_step(storage: Storage, step: int) -> None:
     storage.delete(step_dirname(step))
 
 
-def collect_garbage(storage: Storage, keep: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
-    """Delete uncommitted step directories (leftovers of interrupted saves), except those in `keep`."""
+def collect_garbage(storage: Storage, below: int | None = None) -> list[int]:
+    """Delete uncommitted step directories (leftovers of interrupted saves) numbered below `below` (all of them
+    when None); returns their steps. A step above the latest commit may be a save still in progress elsewhere."""
     removed = []
     for step in step_dirs(storage):
-        if step not in keep and read_marker(storage, step) is None:
+        if (below is None or step < below) and read_marker(storage, step) is None:
             storage.delete(step_dirname(step))
             removed.append(step)
     return removed

@@ -38,10 +38,10 @@ from .checkpoint import (
 )
 from .chunking import ChunkingPolicy, choose_chunks
 from .commit import CommitRecord
-from .errors import FormatError, StateError
+from .errors import FormatError, LayoutError, StateError
 from .families import canonical_atoms, family_for
 from .format import AtomMeta, StepManifest
-from .layout import Layout
+from .layout import Layout, parse_layout
 from .partition import PartitionSpec, tp_shard
 from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .reshard import DEFAULT_STATES, LocalTensor, Piece, Transfer, chunk_write_plan, local_plan, owned_pieces
@@ -57,6 +57,13 @@ class ShardedModel:
     config: Any
     layout: Layout
     optim_states: tuple[str, ...] = DEFAULT_STATES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layout, str):
+            object.__setattr__(self, "layout", parse_layout(self.layout))
+        if not isinstance(self.layout, Layout):
+            raise LayoutError(f"ShardedModel needs a ucp.layout.Layout or a layout string, got {type(self.layout).__name__}")
+        object.__setattr__(self, "optim_states", tuple(self.optim_states))
 
 
 AtomKey = tuple[str, "str | None"]  # (canonical atom name, optimizer state name or None for the parameter)

@@ -5,7 +5,7 @@ class UcpError(Exception):
     """Base class of every error ucp raises on purpose."""
 
 
-class LayoutError(UcpError):
+class LayoutError(UcpError, ValueError):
     """A layout string is malformed or does not fit the world size or the model."""
 
 

@@ -103,6 +103,7 @@ class CheckpointManager:
             record = commit_and_retain()
             if self.is_coordinator:
                 self._apply_retention()
+                commit.collect_garbage(self.storage, below=plan.step)
             return record
 
         plan.finish = finish
@@ -141,9 +142,18 @@ class CheckpointManager:
 
     # -- cleanup
 
-    def gc(self) -> list[int]:
-        """Delete uncommitted step directories left by interrupted saves; returns their steps."""
-        return commit.collect_garbage(self.storage)
+    def gc(self, *, all_uncommitted: bool = False) -> list[int]:
+        """Delete the step directories that interrupted saves left behind; returns their steps.
+
+        By default only those below the latest committed step: one above it may be a save that another process
+        (a job still running, while this manager only watches) has not committed yet. A restarted job that knows
+        it is the only writer may pass `all_uncommitted=True`. Leftovers are also collected after each commit,
+        and a save to a step clears that step's own leftovers first.
+        """
+        latest = self.latest_step()
+        if all_uncommitted:
+            return commit.collect_garbage(self.storage)
+        return commit.collect_garbage(self.storage, below=latest) if latest is not None else []
 
     def _apply_retention(self) -> None:
         if self.keep_last is None:
