@@ -16,7 +16,7 @@ from typing import Any
 
 from .methods import DEFAULT_METHODS, METHODS
 from .state import GiB, MiB, large_specs, make_state, small_specs, transformer_state
-from .targets import CACHE_MODES, TARGETS, Target
+from .targets import CACHE_MODES, DEFAULT_TARGETS, TARGETS, Target
 
 QUICK = {"size": 4 * MiB, "repeats": 1, "small_tensors": 100}
 DEFAULTS = {"size": GiB, "repeats": 3, "small_tensors": 20_000}
@@ -61,7 +61,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=parse_size, help="bytes of the main synthetic state (default 1GiB; --quick 4MiB)")
     p.add_argument("--repeats", type=int, help="repeats per measurement, medians reported (default 3; --quick 1)")
     p.add_argument(
-        "--targets", type=parse_list(list(TARGETS)), default=list(TARGETS), help="comma list (default: tmpfs,disk)"
+        "--targets",
+        type=parse_list(list(TARGETS)),
+        default=list(DEFAULT_TARGETS),
+        help="comma list (default: tmpfs,disk,s3; s3 without --endpoint-url starts an embedded moto server)",
+    )
+    p.add_argument(
+        "--endpoint-url",
+        help="S3 endpoint of a real S3 / MinIO (default: AWS_ENDPOINT_URL, else an embedded moto server);"
+        " credentials from the AWS environment",
+    )
+    p.add_argument("--bucket", help="existing bucket to write under (default: a scratch bucket, removed afterwards)")
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="writer processes: N ranks each save/load their own 1/N of the state at once (MLPerf Storage:"
+        " time = max over ranks); default 1",
     )
     p.add_argument(
         "--methods",
@@ -98,9 +114,10 @@ def _progress(i: int, total: int, m: Any) -> None:
         return f"{m.nbytes / s / 1e9:6.2f} GB/s ({s:.2f} s)" if s else "   -"
 
     status = "ok" if m.ok else f"ERROR {m.error}"
+    blocking = f"  blocking {m.blocking_s:.3f} s" if m.blocking_s is not None else ""
     print(
-        f"[{i:>3}/{total}] r{m.repeat} {m.state:<6} {m.method:<16} {m.target:<5} save {rate(m.save_s)}  load {rate(m.load_s)}"
-        f"  cache={m.cache}  {status}",
+        f"[{i:>3}/{total}] r{m.repeat} {m.state:<6} {m.method:<11} {m.target:<6} save {rate(m.save_s)}  load {rate(m.load_s)}"
+        f"{blocking}  cache={m.cache}  {status}",
         file=sys.stderr,
         flush=True,
     )
@@ -133,20 +150,43 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `ucp bench -- --size 1GiB` passes the separator through
         argv = argv[1:]
+    if argv[:1] == ["reshard"]:  # `python -m bench_io reshard ...` / `ucp bench reshard ...`
+        from . import reshard
+
+        return reshard.main(argv[1:])
+    if argv[:1] == ["gil"]:
+        from . import gil
+
+        return gil.main(argv[1:])
     args = build_parser().parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
 
+    if args.procs < 1:
+        raise SystemExit("bench_io: --procs must be at least 1")
     t0 = time.perf_counter()
-    print(f"bench_io: generating {args.size / 2**20:.0f} MiB of random state ...", file=sys.stderr, flush=True)
-    main_state = transformer_state(args.size, seed=args.seed)
-    runs = [(main_state, args.methods)]
-    if args.small_tensors > 0:
-        small = make_state("small", small_specs(args.small_tensors, seed=args.seed), seed=args.seed + 1)
-        large = make_state("large", large_specs(small.nbytes), seed=args.seed + 2)
-        runs += [(small, args.small_methods), (large, args.small_methods)]
+    pool = None
+    if args.procs > 1:
+        from . import procs
+
+        print(
+            f"bench_io: starting {args.procs} rank processes, {args.size / args.procs / 2**20:.0f} MiB of state each ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        pool = procs.RankPool(args.procs, args.size, args.seed, args.io_threads)
+        main_state: Any = pool.state
+        runs: list[tuple[Any, list[str]]] = []
+    else:
+        print(f"bench_io: generating {args.size / 2**20:.0f} MiB of random state ...", file=sys.stderr, flush=True)
+        main_state = transformer_state(args.size, seed=args.seed)
+        runs = [(main_state, args.methods)]
+        if args.small_tensors > 0:
+            small = make_state("small", small_specs(args.small_tensors, seed=args.seed), seed=args.seed + 1)
+            large = make_state("large", large_specs(small.nbytes), seed=args.seed + 2)
+            runs += [(small, args.small_methods), (large, args.small_methods)]
     print(f"bench_io: states ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     targets: list[Target] = []
@@ -154,22 +194,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.targets:
             try:
-                targets.append(TARGETS[name](args.dir))
+                if name == "s3":
+                    targets.append(TARGETS[name](args.dir, endpoint_url=args.endpoint_url, bucket=args.bucket))
+                else:
+                    targets.append(TARGETS[name](args.dir))
             except (RuntimeError, OSError) as e:
                 skipped[name] = str(e)
                 print(f"bench_io: skipping target {name}: {e}", file=sys.stderr)
         for t in targets:
-            print(f"bench_io: target {t.name}: {t.root} ({t.fstype})", file=sys.stderr)
+            print(f"bench_io: target {t.name}: {getattr(t.root, 'url', t.root)} ({t.fstype})", file=sys.stderr)
         plan = runner.Plan(runs, targets, args.repeats, cache_mode=args.cache, io_threads=args.io_threads)
-        results = runner.run(plan, _progress)
+        if pool is not None:
+            results = procs.run(pool, args.methods, plan, _progress)
+        else:
+            results = runner.run(plan, _progress)
     finally:
         for t in targets:
             t.close()
+        if pool is not None:
+            pool.close()
     summaries = runner.summarize(results)
 
     print()
     print(
-        f"bench_io: {main_state.nbytes / 2**20:.0f} MiB state, {args.repeats} repeat(s), medians; GB/s = 1e9 B/s of tensor payload"
+        f"bench_io: {main_state.nbytes / 2**20:.0f} MiB state, {args.procs} rank process(es), {args.repeats} repeat(s),"
+        " medians; GB/s = 1e9 B/s of tensor payload; save = end-to-end to durable/committed"
     )
     print(report.table(summaries))
     comparison = report.small_vs_large(summaries)
@@ -179,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {
         **{k: v for k, v in vars(args).items()},
-        "targets": {t.name: {"root": str(t.root), "fstype": t.fstype} for t in targets},
+        "targets": {t.name: {"root": str(getattr(t.root, "url", t.root)), "fstype": t.fstype} for t in targets},
         "skipped_targets": skipped,
         "host": {
             "python": platform.python_version(),

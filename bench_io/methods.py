@@ -4,16 +4,26 @@ Every method's save makes its bytes durable (fsync of each file, and of new dire
 returns, and its load returns tensors whose bytes are in process memory (no lazy mmap), since that is what
 a training job resuming from a checkpoint needs. Loads return the flat view ('a/b/c' -> tensor) so the
 runner can verify any method against the saved state.
+
+On the s3 target a method gets a `RemoteDir` instead of a Path; methods with `remote = False` are skipped
+there. A save may return extra figures ({"blocking_s": ...} for async saves: how long the caller was held
+before it could go on; the save's time is always the end-to-end time to durable/committed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import io
 import json
+import math
 import os
+import time
+import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -21,6 +31,9 @@ import ucp
 from ucp.checkpoint import DEFAULT_IO_THREADS
 
 from .state import SyntheticState, flatten
+from .targets import RemoteDir, is_remote
+
+Where = Path | RemoteDir
 
 MAX_IO = 1 << 30  # bytes per write/readv call: Linux moves at most ~2 GiB per call
 
@@ -38,16 +51,19 @@ class Method(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
+    remote: ClassVar[bool] = False  # runs on the s3 target too
+    paired_copy: ClassVar[bool] = False  # async: the runner times a plain copy of the state just before the save
+    storage: ClassVar[bool] = True  # False: an in-memory baseline, run once per state, not per target
 
     def __init__(self, io_threads: int = DEFAULT_IO_THREADS):
         self.io_threads = io_threads
 
     @abstractmethod
-    def save(self, state: SyntheticState, directory: Path) -> None:
-        """Write `state` under the (empty) `directory`; durable on return."""
+    def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
+        """Write `state` under the (empty) `directory`; durable on return. May return extra figures."""
 
     @abstractmethod
-    def load(self, directory: Path) -> dict[str, torch.Tensor]:
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
         """Read back what `save` wrote: the flat tensors, in memory."""
 
 
@@ -72,8 +88,12 @@ class Raw(Method):
     tensors; as many threads as ucp uses. No format, no checksums, no copies."""
 
     name = "raw"
-    description = "one file per tensor, os.write+fsync / os.readv into preallocated tensors"
+    description = (
+        "one file per tensor, os.write+fsync / os.readv into preallocated tensors;"
+        " on S3 one object per tensor, all s3fs pipe/cat requests in flight at once (64-connection pool)"
+    )
     INDEX = "index.json"
+    remote = True
 
     @staticmethod
     def _write(path: Path, t: torch.Tensor) -> None:
@@ -99,18 +119,34 @@ class Raw(Method):
         finally:
             os.close(fd)
 
-    def save(self, state: SyntheticState, directory: Path) -> None:
+    def save(self, state: SyntheticState, directory: Any) -> None:
         index = {
             p: [f"{i}.bin", str(t.dtype).removeprefix("torch."), list(t.shape)]
             for i, (p, t) in enumerate(state.flat.items())
         }
+        if is_remote(directory):
+            # botocore takes bytes, not a memoryview: one copy per object, as every s3fs user pays
+            blobs = {(directory / index[p][0]).path: bytes(_as_bytes(t.contiguous())) for p, t in state.flat.items()}
+            blobs[(directory / self.INDEX).path] = json.dumps(index).encode()
+            directory.fs.pipe(blobs, batch_size=-1)
+            return
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
             list(pool.map(lambda p: self._write(directory / index[p][0], state.flat[p]), index))
         (directory / self.INDEX).write_text(json.dumps(index))
         fsync_path(directory / self.INDEX)
         fsync_path(directory)
 
-    def load(self, directory: Path) -> dict[str, torch.Tensor]:
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        if is_remote(directory):
+            fs = directory.fs
+            index = json.loads(fs.cat_file((directory / self.INDEX).path))
+            blobs = fs.cat([(directory / f).path for f, _, _ in index.values()], batch_size=-1)
+            return {
+                p: torch.frombuffer(bytearray(blobs[(directory / f).path]), dtype=getattr(torch, dtype)).reshape(shape)
+                if shape and math.prod(shape)
+                else torch.empty(shape, dtype=getattr(torch, dtype))
+                for p, (f, dtype, shape) in index.items()
+            }
         index = json.loads((directory / self.INDEX).read_text())
         out = {p: torch.empty(shape, dtype=getattr(torch, dtype)) for p, (_, dtype, shape) in index.items()}
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
@@ -186,16 +222,76 @@ class RawOneFile(Method):
 class Ucp(Method):
     name = "ucp"
     description = "ucp.save / ucp.load (Zarr v3, crc32c per chunk, fsync, commit marker)"
+    remote = True
 
     def __init__(self, io_threads: int = DEFAULT_IO_THREADS):
         super().__init__(io_threads)
         self.options = ucp.SaveOptions(fsync=True, io_threads=io_threads)
 
-    def save(self, state: SyntheticState, directory: Path) -> None:
-        ucp.save(state.tree, str(directory / "ckpt"), step=0, options=self.options)
+    @staticmethod
+    def _url(directory: Any) -> tuple[str, dict[str, Any] | None]:
+        if is_remote(directory):
+            return (directory / "ckpt").url, directory.storage_options
+        return str(directory / "ckpt"), None
 
-    def load(self, directory: Path) -> dict[str, torch.Tensor]:
-        return flatten(ucp.load(str(directory / "ckpt"), step=0))
+    def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
+        url, options = self._url(directory)
+        ucp.save(state.tree, url, step=0, options=self.options, storage_options=options)
+        return None
+
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        url, options = self._url(directory)
+        return flatten(ucp.load(url, step=0, storage_options=options))
+
+
+def plain_copy_s(state: SyntheticState) -> float:
+    """Seconds to copy_ every tensor of `state` into preallocated, pre-faulted tensors (the floor for an async
+    save's blocking time). The runner times it right before each async save (outside the save's timing and
+    RSS), so that the ratio pairs two figures taken under the same machine load."""
+    dest = {p: torch.empty_like(t) for p, t in state.flat.items()}
+    for t in dest.values():
+        if t.numel():
+            t.view(-1).view(torch.uint8)[::4096].zero_()  # fault the pages in, outside the timing
+    t0 = time.perf_counter()
+    for p, t in state.flat.items():
+        dest[p].copy_(t)
+    elapsed = time.perf_counter() - t0
+    del dest
+    return elapsed
+
+
+@register
+class UcpAsync(Ucp):
+    """CheckpointManager(mode="async"): save returns once the snapshot is in the staging pool; the time
+    reported as save is the end-to-end time to the commit, `blocking_s` the time the caller was held.
+
+    A trainer keeps one manager, so its staging pool and writer threads are warm after the first save. Each
+    measurement here needs a fresh root (a fresh manager), so the method keeps one SavePipeline (staging pool +
+    writer threads) across its measurements and hands it to each manager: the first measurement of a run is a
+    cold pool (buffers allocated and faulted in), the later repeats are the steady state."""
+
+    name = "ucp-async"
+    paired_copy = True
+    description = "CheckpointManager(mode='async').save: blocking time (snapshot) and end-to-end time to commit"
+
+    def __init__(self, io_threads: int = DEFAULT_IO_THREADS):
+        super().__init__(io_threads)
+        self._pipeline: Any = None
+
+    def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
+        from ucp.pipeline import SavePipeline
+
+        url, options = self._url(directory)
+        manager = ucp.CheckpointManager(url, mode="async", options=self.options, storage_options=options)
+        if self._pipeline is None:
+            self._pipeline = SavePipeline(self.options.io_threads)
+        manager.pipeline.close()
+        manager.pipeline = self._pipeline
+        t0 = time.perf_counter()
+        handle = manager.save(0, state.tree)
+        blocking = time.perf_counter() - t0
+        manager.wait()
+        return {"blocking_s": blocking, "blocking_reported_s": handle.blocking_s}
 
 
 # ---------------------------------------------------------------------------------------------------- torch
@@ -204,16 +300,25 @@ class Ucp(Method):
 @register
 class TorchSave(Method):
     name = "torch"
-    description = "torch.save of the nested state / torch.load(weights_only=True), one file"
+    description = "torch.save of the nested state / torch.load(weights_only=True), one file (S3: one object)"
+    remote = True
 
-    def save(self, state: SyntheticState, directory: Path) -> None:
+    def save(self, state: SyntheticState, directory: Any) -> None:
+        if is_remote(directory):
+            buf = io.BytesIO()
+            torch.save(state.tree, buf)
+            directory.fs.pipe_file((directory / "state.pt").path, buf.getbuffer().tobytes())
+            return
         with open(directory / "state.pt", "wb") as f:
             torch.save(state.tree, f)
             f.flush()
             os.fsync(f.fileno())
         fsync_path(directory)
 
-    def load(self, directory: Path) -> dict[str, torch.Tensor]:
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        if is_remote(directory):
+            data = directory.fs.cat_file((directory / "state.pt").path)
+            return flatten(torch.load(io.BytesIO(data), weights_only=True))
         return flatten(torch.load(directory / "state.pt", weights_only=True))
 
 
@@ -226,19 +331,26 @@ class Safetensors(Method):
     that would measure mmap(2), not IO. The eager 'pread' backend reads every byte before returning."""
 
     name = "safetensors"
-    description = "safetensors save_file / load_file(backend='pread'), one file"
+    description = "safetensors save_file / load_file(backend='pread'), one file (S3: save()/load() bytes, one object)"
     backend = "pread"
+    remote = True
 
-    def save(self, state: SyntheticState, directory: Path) -> None:
-        from safetensors.torch import save_file
+    def save(self, state: SyntheticState, directory: Any) -> None:
+        from safetensors.torch import save, save_file
+
+        if is_remote(directory):
+            directory.fs.pipe_file((directory / "state.safetensors").path, save(state.flat))
+            return
 
         save_file(state.flat, directory / "state.safetensors")
         fsync_path(directory / "state.safetensors")
         fsync_path(directory)
 
-    def load(self, directory: Path) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load, load_file
 
+        if is_remote(directory):
+            return load(directory.fs.cat_file((directory / "state.safetensors").path))
         try:
             return load_file(directory / "state.safetensors", backend=self.backend)
         except TypeError:  # safetensors < 0.8 has no backend choice: map, then fault every page in
@@ -263,6 +375,7 @@ class SafetensorsMmap(Safetensors):
     name = "safetensors-mmap"
     description = "safetensors load_file (default mmap backend), every page touched"
     backend = "mmap"
+    remote = False
 
     def load(self, directory: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
@@ -270,4 +383,123 @@ class SafetensorsMmap(Safetensors):
         return touch_pages(load_file(directory / "state.safetensors"))
 
 
-DEFAULT_METHODS = ("raw", "ucp", "torch", "safetensors")
+# --------------------------------------------------------------------------------------------- PyTorch DCP
+
+
+_DCP_NOISE = r"torch\.distributed is disabled"
+warnings.filterwarnings("ignore", message=_DCP_NOISE, category=UserWarning)  # also async_save's writer thread
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """no_dist=True is what we mean: DCP's 'assuming the intent is to save in a single process' is noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DCP_NOISE, category=UserWarning)
+        yield
+
+
+@register
+class Dcp(Method):
+    """torch.distributed.checkpoint in one process with no process group (no_dist=True): FileSystemWriter
+    (fsync on, `io_threads` writer threads) locally, its fsspec writer/reader on S3. DCP loads in place, so the
+    load allocates empty tensors of the saved shapes (timed, as raw's are) and fills them."""
+
+    name = "dcp"
+    description = "torch.distributed.checkpoint save/load, no_dist; FileSystemWriter(sync_files, thread_count) / FsspecWriter on S3"
+    remote = True
+
+    def _writer(self, directory: Any) -> Any:
+        if is_remote(directory):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            return FsspecWriter(
+                (directory / "dcp").url, thread_count=self.io_threads, sync_files=False, **directory.storage_options
+            )
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        return FileSystemWriter(directory / "dcp", sync_files=True, thread_count=self.io_threads)
+
+    def _reader(self, directory: Any) -> Any:
+        if is_remote(directory):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            return FsspecReader((directory / "dcp").url, **directory.storage_options)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(directory / "dcp")
+
+    def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
+        import torch.distributed.checkpoint as dcp
+
+        self._shapes = {p: (t.shape, t.dtype) for p, t in state.flat.items()}
+        with _quiet():
+            dcp.save(dict(state.flat), storage_writer=self._writer(directory), no_dist=True)
+        if not is_remote(directory):
+            fsync_path(directory)
+        return None
+
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+
+        out = {p: torch.empty(shape, dtype=dtype) for p, (shape, dtype) in self._shapes.items()}
+        with _quiet():
+            dcp.load(out, storage_reader=self._reader(directory), no_dist=True)
+        return out
+
+
+@register
+class DcpAsync(Dcp):
+    """dcp.async_save (thread checkpointer, default stager: a copy of the state to CPU memory before it
+    returns); save time is the end-to-end time to the finished future."""
+
+    name = "dcp-async"
+    paired_copy = True
+    description = "torch.distributed.checkpoint async_save (no_dist): blocking time and end-to-end time"
+
+    def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
+        import torch.distributed.checkpoint as dcp
+
+        self._shapes = {p: (t.shape, t.dtype) for p, t in state.flat.items()}
+        t0 = time.perf_counter()
+        with _quiet():
+            future = dcp.async_save(dict(state.flat), storage_writer=self._writer(directory), no_dist=True)
+        blocking = time.perf_counter() - t0
+        result = getattr(future, "upload_completion", future)  # AsyncSaveResponse in some versions
+        result.result()
+        if not is_remote(directory):
+            fsync_path(directory)
+        return {"blocking_s": blocking}
+
+
+# ---------------------------------------------------------------------------------------- plain copy
+
+
+@register
+class PlainCopy(Method):
+    """The floor for an async save's blocking time: copy_ of every tensor into preallocated tensors of the
+    same shapes (allocated, and touched, before the timing), with `io_threads` threads as ucp's snapshot may
+    use. No storage: run once per state; its 'save' time is the copy, its blocking time the same."""
+
+    name = "copy"
+    description = "copy_ into preallocated tensors (the floor for an async save's blocking time); no storage"
+    storage = False
+    remote = True
+
+    def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
+        dest = {p: torch.empty_like(t) for p, t in state.flat.items()}
+        for t in dest.values():
+            if t.numel():
+                t.view(-1).view(torch.uint8)[::4096].zero_()  # fault the pages in, outside the timing
+        t0 = time.perf_counter()
+        for p, t in state.flat.items():
+            dest[p].copy_(t)
+        elapsed = time.perf_counter() - t0
+        self._dest = dest
+        return {"blocking_s": elapsed, "time_s": elapsed}
+
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        dest, self._dest = self._dest, {}
+        return dest
+
+
+DEFAULT_METHODS = ("raw", "ucp", "ucp-async", "torch", "safetensors", "dcp", "dcp-async", "copy")

@@ -29,6 +29,9 @@ def table(summaries: list[Summary]) -> str:
         "load GB/s",
         "save/raw",
         "load/raw",
+        "block s",
+        "blk/copy",
+        "blk/dcp-as",
         "read cache",
         "+RSS save/load MiB",
         "n",
@@ -41,22 +44,35 @@ def table(summaries: list[Summary]) -> str:
                 s.method,
                 s.target,
                 _f(s.save_gbps, ".2f", "FAILED"),
-                _f(s.load_gbps, ".2f", "FAILED"),
+                _f(s.load_gbps, ".2f", "-" if s.target == "memory" else "FAILED"),
                 _f(s.save_vs_raw, ".2f"),
                 _f(s.load_vs_raw, ".2f"),
+                _f(s.blocking_s, ".3f"),
+                _f(s.blocking_vs_copy, ".2f"),
+                _f(s.blocking_vs_dcp_async, ".2f"),
                 _cache(s),
                 f"{_f(s.save_peak_rss_mib, '.0f')}/{_f(s.load_peak_rss_mib, '.0f')}",
                 str(s.repeats),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    numeric = {3, 4, 5, 6, 8, 9}
+    numeric = {3, 4, 5, 6, 7, 8, 9, 11, 12}
     lines = []
     for k, row in enumerate(rows):
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
+    multi = [s for s in summaries if s.procs > 1]
+    if multi:
+        lines.append(
+            f"--procs {multi[0].procs}: times are the max over ranks, GB/s the aggregate (all ranks' bytes / that time);"
+            " slowest rank's own GB/s save/load: "
+            + ", ".join(
+                f"{s.method}@{s.target} {_f(s.rank_min_save_gbps, '.2f')}/{_f(s.rank_min_load_gbps, '.2f')}"
+                for s in multi
+            )
+        )
     for s in summaries:
         for e in dict.fromkeys(s.errors):
             lines.append(f"! {s.method} on {s.target} ({s.state}): {e}")
@@ -98,11 +114,13 @@ def write_png(path: str | Path, summaries: list[Summary], title: str) -> None:
     import matplotlib.pyplot as plt
 
     main = [s for s in summaries if s.state == summaries[0].state] if summaries else []
-    methods = list(dict.fromkeys(s.method for s in main))
-    targets = list(dict.fromkeys(s.target for s in main))
+    methods = list(dict.fromkeys(s.method for s in main if s.target != "memory"))  # the copy: blocking panel only
+    targets = list(dict.fromkeys(s.target for s in main if s.target != "memory"))
     by_key = {(s.method, s.target): s for s in main}
-    fig, axes = plt.subplots(1, 2, figsize=(max(6.0, 1.6 * len(methods) * 2), 4.2), sharey=True)
+    blocking = [s for s in main if s.blocking_s is not None]
+    fig, axes = plt.subplots(1, 3, figsize=(min(20.0, max(9.0, 0.8 * len(methods) * 3)), 4.5))
     width = 0.8 / max(len(targets), 1)
+    axes[1].sharey(axes[0])
     for ax, op in zip(axes, ("save", "load")):
         for j, target in enumerate(targets):
             xs = [i + (j - (len(targets) - 1) / 2) * width for i in range(len(methods))]
@@ -114,6 +132,14 @@ def write_png(path: str | Path, summaries: list[Summary], title: str) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("GB/s (median)")
     axes[1].legend(title="target")
+    ax = axes[2]
+    labels = [f"{s.method}\n{s.target}" for s in blocking]
+    bars = ax.bar(range(len(blocking)), [s.blocking_s for s in blocking], 0.7, color="tab:red")
+    ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(range(len(blocking)), labels, fontsize=7)
+    ax.set_title("async save: blocking s (copy = floor)")
+    ax.set_ylabel("seconds (median)")
+    ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Self
 
-from .methods import METHODS, Method
+from .methods import METHODS, Method, plain_copy_s
 from .state import SyntheticState
-from .targets import Target, iter_files
+from .targets import Target, is_remote, iter_files
 
 
 @dataclass
@@ -34,7 +34,12 @@ class Measurement:
     load_s: float | None = None
     stored_bytes: int | None = None
     files: int | None = None
-    cache: str | None = None  # how the read was made cold: drop_caches | fadvise | tmpfs | none (warm)
+    blocking_s: float | None = None  # async saves (and the plain copy): how long the caller was held
+    copy_s: float | None = None  # async saves: a plain copy of the same bytes, timed just before the save
+    procs: int = 1  # ranks saving/loading at once (--procs): times are the max over ranks
+    rank_min_save_gbps: float | None = None  # --procs: the slowest rank's own GB/s (MLPerf's min over ranks)
+    rank_min_load_gbps: float | None = None
+    cache: str | None = None  # how the read was made cold: drop_caches | fadvise | tmpfs | s3 | none (warm)
     resident_after_drop: float | None = None  # fraction of the files' pages still cached (mincore)
     save_peak_rss_mib: float | None = None  # peak RSS during the call, above RSS before it
     load_peak_rss_mib: float | None = None
@@ -61,6 +66,12 @@ class Summary:
     load_gbps: float | None
     save_vs_raw: float | None = None
     load_vs_raw: float | None = None
+    blocking_s: float | None = None
+    blocking_vs_copy: float | None = None  # aim: <= 1.5 (median of blocking / the paired plain copy)
+    blocking_vs_dcp_async: float | None = None  # aim: <= 0.5
+    procs: int = 1
+    rank_min_save_gbps: float | None = None
+    rank_min_load_gbps: float | None = None
     cache: str = ""
     resident_after_drop: float | None = None
     stored_bytes: int | None = None
@@ -119,18 +130,28 @@ def measure(method: Method, state: SyntheticState, target: Target, repeat: int, 
     m = Measurement(state.name, method.name, target.name, repeat, state.nbytes, state.count)
     directory = target.workdir(f"{state.name}-{method.name}")
     try:
+        if method.paired_copy:
+            m.copy_s = plain_copy_s(state)
         with PeakRSS() as rss:
             t0 = time.perf_counter()
-            method.save(state, directory)
-            m.save_s = time.perf_counter() - t0
+            extra = method.save(state, directory) or {}
+            m.save_s = extra.get("time_s", time.perf_counter() - t0)
+        m.blocking_s = extra.get("blocking_s")
         m.save_peak_rss_mib = rss.extra_mib
-        sizes = [p.stat().st_size for p in iter_files(directory)]
-        m.stored_bytes, m.files = sum(sizes), len(sizes)
-        m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)
+        if not method.storage:
+            m.target, m.cache = "memory", "memory"
+        elif is_remote(directory):
+            sizes = [d["size"] for d in directory.fs.find(directory.path, detail=True).values()]
+            m.stored_bytes, m.files = sum(sizes), len(sizes)
+            m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)
+        else:
+            sizes = [p.stat().st_size for p in iter_files(directory)]
+            m.stored_bytes, m.files = sum(sizes), len(sizes)
+            m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)
         with PeakRSS() as rss:
             t0 = time.perf_counter()
             loaded = method.load(directory)
-            m.load_s = time.perf_counter() - t0
+            m.load_s = time.perf_counter() - t0 if method.storage else None  # the copy has no load
         m.load_peak_rss_mib = rss.extra_mib
         problem = state.verify(loaded)
         del loaded
@@ -153,8 +174,22 @@ class Plan:
     cache_mode: str = "auto"
     io_threads: int = 16
 
+    def cells(self, names: list[str]) -> list[tuple[int, str]]:
+        """(target index, method) pairs to run for one state: storage methods on every target that supports
+        them, in-memory baselines (the plain copy) once, on the first target."""
+        out = []
+        for i, target in enumerate(self.targets):
+            for name in names:
+                cls = METHODS[name]
+                if not cls.storage:
+                    if i == 0:
+                        out.append((i, name))
+                elif cls.remote or not is_remote(target.root):
+                    out.append((i, name))
+        return out
+
     def count(self) -> int:
-        return self.repeats * len(self.targets) * sum(len(methods) for _, methods in self.runs)
+        return self.repeats * sum(len(self.cells(methods)) for _, methods in self.runs)
 
 
 def run(plan: Plan, progress: Callable[[int, int, Measurement], None] | None = None) -> list[Measurement]:
@@ -163,12 +198,11 @@ def run(plan: Plan, progress: Callable[[int, int, Measurement], None] | None = N
     total = plan.count()
     for repeat in range(plan.repeats):
         for state, names in plan.runs:
-            for target in plan.targets:
-                for name in names:
-                    m = measure(methods[name], state, target, repeat, plan.cache_mode)
-                    results.append(m)
-                    if progress:
-                        progress(len(results), total, m)
+            for i, name in plan.cells(names):
+                m = measure(methods[name], state, plan.targets[i], repeat, plan.cache_mode)
+                results.append(m)
+                if progress:
+                    progress(len(results), total, m)
     return results
 
 
@@ -202,6 +236,10 @@ def summarize(results: list[Measurement]) -> list[Summary]:
                 load_s,
                 nbytes / save_s / 1e9 if save_s else None,
                 nbytes / load_s / 1e9 if load_s else None,
+                blocking_s=_median([m.blocking_s for m in good]),
+                procs=ms[0].procs,
+                rank_min_save_gbps=_median([m.rank_min_save_gbps for m in good]),
+                rank_min_load_gbps=_median([m.rank_min_load_gbps for m in good]),
                 cache="+".join(caches),
                 resident_after_drop=_median([m.resident_after_drop for m in good]),
                 stored_bytes=_median([m.stored_bytes for m in good]),  # type: ignore[arg-type]
@@ -217,6 +255,22 @@ def summarize(results: list[Measurement]) -> list[Summary]:
             s.save_vs_raw = s.save_gbps / r.save_gbps
         if r and r.load_gbps and s.load_gbps:
             s.load_vs_raw = s.load_gbps / r.load_gbps
+    copy = {s.state: s for s in out if s.method == "copy"}
+    by_key = groups
+    dcp_async = {(s.state, s.target): s for s in out if s.method == "dcp-async"}
+    for s in out:
+        if s.blocking_s is None or s.method == "copy":
+            continue
+        c, d = copy.get(s.state), dcp_async.get((s.state, s.target))
+        paired = [
+            m.blocking_s / m.copy_s for m in by_key[(s.state, s.method, s.target)] if m.ok and m.blocking_s and m.copy_s
+        ]
+        if paired:
+            s.blocking_vs_copy = statistics.median(paired)
+        elif c and c.blocking_s:
+            s.blocking_vs_copy = s.blocking_s / c.blocking_s
+        if d and d.blocking_s:
+            s.blocking_vs_dcp_async = s.blocking_s / d.blocking_s
     return out
 
 

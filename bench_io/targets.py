@@ -1,10 +1,15 @@
-"""Where the benchmark writes (tmpfs, local disk; S3 later), and how each target is made cold before a read.
+"""Where the benchmark writes (tmpfs, local disk, S3), and how each target is made cold before a read.
 
 MLPerf Storage's rule: a read must not be served from the page cache filled by the write before it. As root
 we write 1 to /proc/sys/vm/drop_caches (clean page cache, system wide); otherwise posix_fadvise(DONTNEED) on
 every file (clean pages only, which fsync guarantees). Either way we then ask mincore how much of the files
 is still resident, and report that with the method, so a warm read is never passed off as a cold one.
 On tmpfs the page cache *is* the storage: nothing can be dropped, and the report says so.
+
+S3: with no endpoint given, a `moto_server` subprocess on 127.0.0.1 (its own process, so the server does not
+share the benchmark's GIL) makes the command run anywhere; `--endpoint-url` / AWS_ENDPOINT_URL and the AWS
+credentials in the environment point it at a real S3 or MinIO. An object store has no page cache to drop:
+every read goes over the network ("s3" in the cache column).
 """
 
 from __future__ import annotations
@@ -13,10 +18,16 @@ import ctypes
 import mmap
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CACHE_MODES = ("auto", "drop_caches", "fadvise", "none")
 
@@ -176,5 +187,142 @@ def disk_target(disk_dir: str | None) -> Target:
     return _scratch(disk_dir or "/var/tmp", "disk", volatile=False)
 
 
-# name -> factory(--dir); a later issue adds s3 (a moto server on loopback, or a real endpoint)
-TARGETS: dict[str, Callable[[str | None], Target]] = {"tmpfs": tmpfs_target, "disk": disk_target}
+# ------------------------------------------------------------------------------------------------- S3
+
+
+@dataclass(frozen=True)
+class RemoteDir:
+    """A 'directory' (key prefix) in an object store: what methods get instead of a Path on the s3 target."""
+
+    url: str  # s3://bucket/prefix
+    storage_options: dict[str, Any]
+
+    def __truediv__(self, name: str) -> RemoteDir:
+        return RemoteDir(f"{self.url.rstrip('/')}/{name}", self.storage_options)
+
+    @property
+    def path(self) -> str:
+        """bucket/prefix, the form s3fs's methods take."""
+        return self.url.split("://", 1)[1]
+
+    @property
+    def fs(self) -> Any:
+        return s3_filesystem(self.storage_options)
+
+
+def s3_filesystem(storage_options: dict[str, Any]) -> Any:
+    """An s3fs filesystem with a connection pool big enough for many requests in flight (fsspec caches it)."""
+    import s3fs
+
+    options = dict(storage_options)
+    config = dict(options.pop("config_kwargs", {}) or {})
+    config.setdefault("max_pool_connections", 64)
+    return s3fs.S3FileSystem(use_listings_cache=False, config_kwargs=config, **options)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """moto's S3 server as a subprocess on 127.0.0.1 (not a thread: it would share our GIL)."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        exe = Path(sys.executable).with_name("moto_server")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
+        self.proc = subprocess.Popen(
+            [*cmd, "-H", "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {self.proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.close()
+        raise RuntimeError("moto_server did not start within 30 s")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class S3Target(Target):
+    """A fresh prefix in a bucket; `root` is a RemoteDir. Owns the embedded server when it started one."""
+
+    server: MotoServer | None = None
+    bucket_owned: bool = False
+
+    def workdir(self, label: str) -> RemoteDir:  # type: ignore[override]
+        self._count += 1
+        return self.root / f"{self._count:04d}-{label}"  # type: ignore[operator, return-value]
+
+    def make_cold(self, directory: Any, mode: str) -> tuple[str, float | None]:
+        return "s3", None
+
+    def remove(self, directory: Any) -> None:
+        try:
+            directory.fs.rm(directory.path, recursive=True)
+        except (FileNotFoundError, OSError):
+            pass
+
+    def close(self) -> None:
+        try:
+            root: RemoteDir = self.root  # type: ignore[assignment]
+            self.remove(root)
+            if self.bucket_owned:
+                root.fs.rmdir(root.path.split("/", 1)[0])
+        except Exception as e:  # noqa: BLE001 -- cleanup of a scratch bucket must not hide the figures
+            print(f"bench_io: could not remove {self.root}: {e}", file=sys.stderr)
+        finally:
+            if self.server is not None:
+                self.server.close()
+
+
+def s3_target(disk_dir: str | None, endpoint_url: str | None = None, bucket: str | None = None) -> Target:
+    """The s3 target: `endpoint_url` (or AWS_ENDPOINT_URL) with the AWS environment's credentials, or an
+    embedded moto server when neither is given. A scratch bucket is made (and removed) unless `bucket` is named."""
+    endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+    server = None
+    options: dict[str, Any] = {}
+    if endpoint_url is None:
+        server = MotoServer()
+        endpoint_url = server.url
+        options.update(key="testing", secret="testing")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")  # botocore wants one; moto takes any
+    options["endpoint_url"] = endpoint_url
+    owned = bucket is None
+    bucket = bucket or f"bench-io-{uuid.uuid4().hex[:12]}"
+    try:
+        fs = s3_filesystem(options)
+        if owned:
+            fs.mkdir(bucket)
+    except Exception:
+        if server is not None:
+            server.close()
+        raise
+    root = RemoteDir(f"s3://{bucket}/bench_io-{uuid.uuid4().hex[:8]}", options)
+    t = S3Target("s3", root, f"s3 ({'moto, embedded' if server else endpoint_url})", volatile=False)  # type: ignore[arg-type]
+    t.server, t.bucket_owned = server, owned
+    return t
+
+
+def is_remote(directory: object) -> bool:
+    return isinstance(directory, RemoteDir)
+
+
+# name -> factory(--dir, **s3 options)
+TARGETS: dict[str, Callable[..., Target]] = {"tmpfs": tmpfs_target, "disk": disk_target, "s3": s3_target}
+DEFAULT_TARGETS = ("tmpfs", "disk", "s3")

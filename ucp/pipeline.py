@@ -4,11 +4,13 @@ A save is a `SavePlan` (which objects this process writes, each chunk's values b
 `SavePipeline` in one of three modes:
 
 - "sync": chunks are encoded straight from the live tensors; `submit` returns once the step is committed.
-- "async": the caller's thread copies every chunk into staging memory (copy i+1 overlaps the encode and
-  write of i) and returns as soon as that snapshot is complete; writes and the commit go on in the
-  background. Training may then change the tensors.
-- "lazy": the snapshot copy itself runs in the background, while the next forward/backward runs; only code
-  that changes the saved tensors (the optimizer step) calls `handle.wait_snapshot()` first.
+- "async": the caller's thread copies every chunk into staging memory and returns as soon as that snapshot
+  is complete; writes and the commit go on in the background. Training may then change the tensors. The
+  writes start when the copy ends (writer threads would slow the copy down by holding the GIL), or earlier,
+  overlapping the copy, when a bounded staging pool is full.
+- "lazy": the snapshot copy itself runs in the background, while the next forward/backward runs, and the
+  write of each chunk starts as soon as it is copied (copy i+1 overlaps the encode and write of i); only
+  code that changes the saved tensors (the optimizer step) calls `handle.wait_snapshot()` first.
 
 One save is in flight at a time: `submit` first waits for the previous save and raises its error, so a
 failed background write is never silent. Staging memory is a pool of buffers reused from save to save
@@ -171,12 +173,12 @@ class SavePipeline:
         start = time.perf_counter()
         handle = SaveHandle(plan.step, mode)
         if mode == "sync":
-            handle._record = self._run(plan, handle, stage=False)
+            handle._record = self._run(plan, handle)
         elif mode == "async":
-            writes = self._snapshot(plan, handle)
+            writes = self._snapshot(plan, handle, overlap=False)
             handle._future = self.background.submit(self._complete, plan, writes)
         else:
-            handle._future = self.background.submit(lambda: self._complete(plan, self._snapshot(plan, handle)))
+            handle._future = self.background.submit(lambda: self._complete(plan, self._snapshot(plan, handle, overlap=True)))
         handle.blocking_s = time.perf_counter() - start
         self._inflight = handle if handle._future is not None else None
         return handle
@@ -190,9 +192,8 @@ class SavePipeline:
 
     # -- stages
 
-    def _run(self, plan: SavePlan, handle: SaveHandle, stage: bool) -> CommitRecord | None:
-        writes = self._snapshot(plan, handle) if stage else self._write_from_source(plan, handle)
-        return self._complete(plan, writes)
+    def _run(self, plan: SavePlan, handle: SaveHandle) -> CommitRecord | None:
+        return self._complete(plan, self._write_from_source(plan, handle))
 
     def _metadata_writes(self, plan: SavePlan) -> list[cf.Future]:
         prefix = step_dirname(plan.step)
@@ -208,12 +209,16 @@ class SavePipeline:
         handle.snapshot_done.set()
         return futures
 
-    def _snapshot(self, plan: SavePlan, handle: SaveHandle) -> list[cf.Future]:
-        """Copy every chunk into staging and queue its write as soon as it is copied (small ones in batches)."""
+    def _snapshot(self, plan: SavePlan, handle: SaveHandle, overlap: bool) -> list[cf.Future]:
+        """Copy every chunk into staging; queue the writes as chunks are copied (`overlap`, small ones in
+        batches), or all at once when the copy is done. Writer threads running during the copy hold the GIL
+        often enough to make the copy several times slower, so the async mode, where training waits for the
+        copy, defers them; it still hands over what it has whenever the staging pool is full."""
         start = time.perf_counter()
-        futures = self._metadata_writes(plan)
+        futures: list[cf.Future] = []
         batch: list[functools.partial] = []
         batch_bytes = 0
+
         def flush() -> None:
             nonlocal batch, batch_bytes
             if batch:
@@ -221,19 +226,25 @@ class SavePipeline:
             batch, batch_bytes = [], 0
 
         try:
+            if overlap:
+                futures += self._metadata_writes(plan)
             for job in plan.chunks:
                 staged = self._stage(job.source(), before_waiting=flush)
                 batch.append(functools.partial(self._write_chunk, plan, job, staged))
                 batch_bytes += staged.values.numel() * staged.values.element_size()
-                if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_CALLS:
+                if overlap and (batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_CALLS):
                     flush()
-            flush()
         except BaseException:
             _cancel(futures)
             raise
         finally:
             handle.snapshot_s = time.perf_counter() - start
             handle.snapshot_done.set()
+        if overlap:
+            flush()
+            return futures
+        futures += self._metadata_writes(plan)
+        futures += submit_batched(self.writers, batch)
         return futures
 
     def _stage(self, values: torch.Tensor, before_waiting: Callable[[], None]) -> _Staged:

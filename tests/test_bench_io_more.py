@@ -1,0 +1,106 @@
+"""bench_io extensions: the S3 target (embedded moto server), async saves and DCP side by side, the plain-copy
+floor, --procs, and the reshard benchmark's read amplification."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench_io import methods, state, targets
+
+REPO = Path(__file__).resolve().parents[1]
+NEW = ("ucp-async", "dcp", "dcp-async")
+
+
+def _run(args: list[str], timeout: int = 150) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench_io", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_quick_run_with_s3_and_the_new_methods(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    methods_ = ",".join(("raw", "ucp", *NEW, "copy"))
+    # 1 MiB: few tensors, since every request to the embedded server costs milliseconds
+    args = ["--quick", "--size", "1MiB", "--targets", "tmpfs,s3", "--methods", methods_, "--small-tensors", "0"]
+    args += ["--json", str(out)]
+    proc = _run([*args, "--png", str(tmp_path / "r.png")])
+    assert "blk/copy" in proc.stdout
+    doc = json.loads(out.read_text())
+    medians = {(m["method"], m["target"]): m for m in doc["medians"]}
+    for target in ("tmpfs", "s3"):
+        for name in ("raw", "ucp", *NEW):
+            m = medians[(name, target)]
+            assert m["save_gbps"] > 0 and m["load_gbps"] > 0 and not m["errors"], m
+        for name in ("ucp-async", "dcp-async"):
+            assert medians[(name, target)]["blocking_s"] > 0
+        assert medians[("ucp-async", target)]["blocking_vs_copy"] > 0
+        assert medians[("ucp-async", target)]["blocking_vs_dcp_async"] > 0
+    assert medians[("ucp", "s3")]["cache"] == "s3"
+    assert medians[("copy", "memory")]["blocking_s"] > 0
+    assert doc["config"]["targets"]["s3"]["fstype"].startswith("s3 (moto")
+    assert all(r["error"] is None for r in doc["results"])
+
+
+def test_procs_2(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    _run(["--quick", "--procs", "2", "--targets", "tmpfs", "--methods", "raw,ucp-async", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    for m in doc["medians"]:
+        assert m["procs"] == 2 and m["save_gbps"] > 0 and m["load_gbps"] > 0, m
+        assert 0 < m["rank_min_save_gbps"] and 0 < m["rank_min_load_gbps"]
+    assert doc["medians"][0]["nbytes"] > 3 << 20  # both ranks' shares (2 x 2 MiB)
+
+
+def test_reshard_tiny_amplification(tmp_path: Path) -> None:
+    out = tmp_path / "rs.json"
+    args = ["reshard", "--size", "2MiB", "--target", "tmpfs", "--inner-bytes", "2KiB", "--object-bytes", "16KiB"]
+    proc = _run([*args, "--json", str(out)])
+    assert "amplif." in proc.stdout
+    doc = json.loads(out.read_text())
+    layouts = {r["layout"] for r in doc["ranks"]}
+    assert len(layouts) == 3
+    for r in doc["ranks"]:
+        assert r["verified"] is True, r
+        assert 1.0 <= r["amplification"] <= 1.25, r
+        assert r["load_gbps"] > 0 and r["raw_gbps"] > 0
+
+
+def test_s3_target_round_trips_the_single_object_methods() -> None:
+    t = targets.s3_target(None)
+    try:
+        s = state.make_state("t", state.transformer_specs(64 << 10) + state.small_specs(3), seed=5)
+        for name, cls in methods.METHODS.items():
+            if not cls.remote or not cls.storage or name in ("raw", "ucp", *NEW):  # those: the quick run
+                continue
+            d = t.workdir(name)
+            m = cls(io_threads=4)
+            m.save(s, d)
+            assert s.verify(m.load(d)) is None, name
+            t.remove(d)
+            assert not d.fs.find(d.path), name
+    finally:
+        t.close()
+    assert t.server is not None and t.server.proc.poll() is not None  # the embedded server is stopped
+
+
+@pytest.mark.parametrize("size", [8 << 20, 256 << 20])
+def test_reshard_config_fits_and_divides(size: int) -> None:
+    from bench_io.reshard import size_config
+    from ucp.reshard import DEFAULT_STATES
+
+    config, nbytes = size_config(size, DEFAULT_STATES)
+    assert nbytes <= size
+    assert config.num_key_value_heads % 4 == 0 and config.num_hidden_layers % 2 == 0
+    assert config.num_local_experts % 2 == 0
