@@ -63,6 +63,20 @@ def fit_block(
     return tuple(block)
 
 
+# Inner chunks cut a writer's part of the split dimension at least this finely, so that a layout with up to
+# this many times the writer's TP degree still reads whole inner chunks.
+SPLIT_REFINEMENT = 4
+
+
+def _finer(periods: Sequence[int | None] | None, split_dim: int | None) -> list[int | None] | None:
+    if periods is None or split_dim is None or not periods[split_dim]:
+        return None if periods is None else list(periods)
+    refined = list(periods)
+    p = refined[split_dim]
+    refined[split_dim] = next(p // k for k in range(SPLIT_REFINEMENT, 0, -1) if p % k == 0)
+    return refined
+
+
 def choose_chunks(
     shape: tuple[int, ...],
     itemsize: int,
@@ -78,7 +92,7 @@ def choose_chunks(
     order = None
     if split_dim is not None:
         order = [d for d in reversed(range(len(shape))) if d != split_dim] + [split_dim]
-    inner = fit_block(shape, itemsize, policy.inner_bytes, periods, order)
+    inner = fit_block(shape, itemsize, policy.inner_bytes, _finer(periods, split_dim), order)
     grid = tuple(-(-max(s, 1) // i) for s, i in zip(shape, inner))
     grid_periods = [p // i if p else None for p, i in zip(periods, inner)] if periods else None
     per_object = fit_block(grid, math.prod(inner) * itemsize, policy.object_bytes, grid_periods, order)

@@ -452,7 +452,8 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
             metas.append(meta)
             needed_metas[path] = meta
         stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
-        tensor = torch.zeros(lt.shape, dtype=stored)
+        covered = sum(p.numel for p in lt.pieces) == math.prod(lt.shape)
+        tensor = torch.empty(lt.shape, dtype=stored) if covered else torch.zeros(lt.shape, dtype=stored)  # padding: 0
         _put(local, lt.key, tensor)
         for p, meta in zip(lt.pieces, metas):
             view = piece_view(tensor, p)
