@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Re-make every figure in docs/BENCHMARKS.md, one after another (run it on a quiet machine: ~25 minutes on 2 cores).
+# Results go to docs/figures/ (JSON and PNG); the tables in BENCHMARKS.md are copied from what this prints.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=docs/figures
+mkdir -p "$out"
+# Format v1 and the async data path: 1 GiB state, tmpfs and local disk, every method side by side (issues 2, 5).
+python -m bench_io --size 1GiB --repeats 3 --targets tmpfs,disk \
+    --json "$out/io-1gib.json" --png "$out/io-1gib.png" | tee "$out/io-1gib.txt"
+# The same against an S3 server (embedded moto on 127.0.0.1: per-request cost, not a real store's bandwidth).
+python -m bench_io --size 256MiB --repeats 3 --targets s3 --small-tensors 0 \
+    --json "$out/io-s3.json" --png "$out/io-s3.png" | tee "$out/io-s3.txt"
+# Resharding at load: a >= 2 GiB Mixtral-shaped state (the model is sized down to whole heads: ask a little more) saved as tp2pp2dp2zero1, loaded in other layouts (issue 3).
+python -m bench_io reshard --size 2200MiB --json "$out/reshard-2gib.json" | tee "$out/reshard-2gib.txt"
+# Writer threads against a writer process (issue 5).
+python -m bench_io gil --size 256MiB --repeats 2 --json "$out/gil.json" | tee "$out/gil.txt"
+# Data loaders: tokens/s per rank from tmpfs and S3 against raw reads of the same bytes (issue 4).
+python -m bench_io.dataloader_bench --size-mb 128 --seq-len 2048 --global-batch 64 --dp-size 8 --batches 50 \
+    --repeats 3 --out "$out/dataloader.json" | tee "$out/dataloader.txt"
+# The trainer: checkpoint overhead, blocking time, time to the first step after a resume (issue 7).
+python scripts/trainer_bench.py --out "$out/trainer.json" | tee "$out/trainer.txt"
