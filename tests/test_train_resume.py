@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from trainer import launch
 from trainer.parallel.mesh import parse_layout
 from ucp import commit
 from ucp.storage import open_storage
@@ -32,48 +29,20 @@ TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
 N = 3  # steps before and after the checkpoint
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start(layout: str, steps: int, metrics: Path, *extra: str) -> tuple[list[subprocess.Popen], Path]:
+    """Start `python -m trainer` as the ranks of `layout`, as torchrun would; output goes to log files."""
+    logs = metrics.parent / f"logs-{metrics.stem}"
+    argv = ["-m", "trainer", "--config", str(TINY), "--layout", layout, "--steps", str(steps),
+            "--metrics-file", str(metrics), *extra]
+    return launch.start(argv, parse_layout(layout).world_size, logs), logs
 
 
-def start(layout: str, steps: int, metrics: Path, *extra: str) -> list[subprocess.Popen]:
-    """Start `python -m trainer` as the ranks of `layout`, as torchrun would; output goes to files."""
-    world, port = parse_layout(layout).world_size, str(_free_port())
-    procs = []
-    for rank in range(world):
-        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                            "OMP_NUM_THREADS": "1"}
-        log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - read after the process ends, closed with it
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(TINY), "--layout", layout,
-                                 "--steps", str(steps), "--metrics-file", str(metrics), *extra],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        proc.log = log  # type: ignore[attr-defined]
-        procs.append(proc)
-    return procs
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 240) -> None:
+def finish(started: tuple[list[subprocess.Popen], Path], timeout: float = 240) -> None:
+    procs, logs = started
     try:
-        for proc in procs:
-            proc.wait(timeout=timeout)
-    finally:
-        kill(procs)
-    if any(proc.returncode != 0 for proc in procs):
-        logs = []
-        for proc in procs:
-            proc.log.seek(0)
-            logs.append(proc.log.read()[-3000:])
-        pytest.fail("trainer failed:\n" + "\n".join(logs))
-
-
-def kill(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+        launch.wait(procs, logs, timeout)
+    except RuntimeError as e:
+        pytest.fail(f"trainer failed: {e}")
 
 
 def records(metrics: Path) -> tuple[list[dict], list[dict]]:
@@ -83,7 +52,7 @@ def records(metrics: Path) -> tuple[list[dict], list[dict]]:
 
 
 def train(layout: str, steps: int, tmp: Path, *extra: str) -> tuple[list[dict], list[dict]]:
-    metrics = tmp / f"{layout}-{_free_port()}.jsonl"
+    metrics = tmp / f"{layout}-{launch.free_port()}.jsonl"
     finish(start(layout, steps, metrics, *extra))
     return records(metrics)
 
@@ -145,7 +114,7 @@ def test_resume_in_the_same_layout_is_bitwise_exact(tmp):
 def test_killed_run_resumes_from_its_last_committed_step(tmp):
     layout, interval, last = "tp2pp1", 2, 12
     root, metrics = Path(tmp) / "ckpt-killed", Path(tmp) / "killed.jsonl"
-    procs = start(layout, 1000, metrics, "--ckpt", str(root), "--save-interval", str(interval))
+    procs, _ = start(layout, 1000, metrics, "--ckpt", str(root), "--save-interval", str(interval))
     storage = open_storage(str(root))
     try:
         deadline = time.monotonic() + 180
@@ -154,7 +123,7 @@ def test_killed_run_resumes_from_its_last_committed_step(tmp):
             time.sleep(0.1)
         procs[1].send_signal(signal.SIGKILL)  # a rank dies mid-run, as on a node failure; the others with it
     finally:
-        kill(procs)
+        launch.kill(procs)
     committed = commit.committed_steps(storage)
     before, _ = records(metrics)
     assert committed and committed[-1] < 1000 and committed == list(range(interval, committed[-1] + 1, interval))

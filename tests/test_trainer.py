@@ -7,14 +7,9 @@ MASTER_ADDR, MASTER_PORT), on CPU with gloo, and compare the losses they write t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,47 +25,16 @@ from trainer.parallel.tensor import padded_vocab_size, shard_gate_up, shard_qkv,
 from trainer.weights import canonical_shapes, init_from_seed, initial_atom, load_canonical
 from ucp.errors import LayoutError
 
+from .launch import free_port, spawn
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
 STEPS = 10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(argv: list[str], world: int, timeout: float = 180) -> None:
-    """Run `python *argv` as `world` ranks of one process group, as torchrun would; fail with their output."""
-    port = str(_free_port())
-    with contextlib.ExitStack() as stack:
-        procs, logs = [], []
-        for rank in range(world):
-            env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                                "OMP_NUM_THREADS": "1"}
-            # Output goes to files, not pipes: a rank writing into a full pipe nobody reads would stall.
-            logs.append(stack.enter_context(tempfile.TemporaryFile(mode="w+")))
-            procs.append(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=logs[-1],
-                                          stderr=subprocess.STDOUT, text=True))
-        try:
-            for proc in procs:
-                proc.wait(timeout=timeout)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if any(proc.returncode != 0 for proc in procs):
-            for log in logs:
-                log.seek(0)
-            pytest.fail(f"{argv} failed:\n" + "\n".join(log.read()[-3000:] for log in logs))
-
-
 def launch(layout: str, tmp: Path, *extra: str, steps: int = STEPS) -> list[dict]:
     """Train in `layout` on as many local processes as it needs; return rank 0's metrics records."""
-    metrics = tmp / f"{layout}-{os.getpid()}-{_free_port()}.jsonl"
+    metrics = tmp / f"{layout}-{os.getpid()}-{free_port()}.jsonl"
     spawn(["-m", "trainer", "--config", str(TINY), "--layout", layout, "--steps", str(steps),
            "--metrics-file", str(metrics), *extra], parse_layout(layout).world_size)
     return [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -1,5 +1,5 @@
 """Start the ranks of a layout as local processes, the way torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, ...),
-and stop them as a failure would (SIGKILL). Used by the demo and scripts/trainer_bench.py."""
+and stop them as a failure would (SIGKILL). Used by the demo, scripts/trainer_bench.py and the tests."""
 
 from __future__ import annotations
 
@@ -19,18 +19,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(argv: list[str], world: int, log_dir: Path, rank0_to_terminal: bool = False) -> list[subprocess.Popen]:
+def start(argv: list[str], world: int, log_dir: Path, rank0_to_terminal: bool = False,
+          env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """`python *argv` as ranks 0..world-1 of one process group; rank r's output goes to log_dir/rank{r}.log."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     procs = []
     for rank in range(world):
-        env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        rank_env = os.environ | (env or {}) | {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        }
         with open(log_dir / f"rank{rank}.log", "w") as log:
             out = None if rank == 0 and rank0_to_terminal else log
-            procs.append(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env, stdout=out,
+            procs.append(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=rank_env, stdout=out,
                                           stderr=subprocess.STDOUT))
     return procs
 
