@@ -26,7 +26,9 @@ from ucp.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
-N = 3  # steps before and after the checkpoint
+N = 10  # steps before and after the checkpoint, as the issue asks
+INTERVAL = 4  # the first half saves at 4, 8 and its last step N
+SAVED = [*range(INTERVAL, N, INTERVAL), N]
 
 
 def start(layout: str, steps: int, metrics: Path, *extra: str) -> tuple[list[subprocess.Popen], Path]:
@@ -67,13 +69,13 @@ def reference(layout: str, tmp: str) -> tuple[tuple[float, float], ...]:
 
 @functools.cache
 def first_half(layout: str, tmp: str) -> Path:
-    """A checkpoint root holding steps 2 and N of a run in `layout` (save interval 2)."""
+    """A checkpoint root holding the steps of a run of N steps in `layout` saved every INTERVAL and at its end."""
     root = Path(tmp) / f"ckpt-{layout}"
-    steps, events = train(layout, N, Path(tmp), "--ckpt", str(root), "--save-interval", "2")
+    steps, events = train(layout, N, Path(tmp), "--ckpt", str(root), "--save-interval", str(INTERVAL))
     assert [r["step"] for r in steps] == list(range(1, N + 1))
     saved = [e for e in events if e["event"] == "checkpoint"]
-    assert [e["step"] for e in saved] == [2, N] and all(e["mode"] == "async" and e["blocking_s"] >= 0 for e in saved)
-    assert commit.committed_steps(open_storage(str(root))) == [2, N]
+    assert [e["step"] for e in saved] == SAVED and all(e["mode"] == "async" and e["blocking_s"] >= 0 for e in saved)
+    assert commit.committed_steps(open_storage(str(root))) == SAVED
     return root
 
 
@@ -90,7 +92,7 @@ def resume(saved_in: str, layout: str, tmp: str) -> tuple[list[dict], list[dict]
     (resumed,) = [e for e in events if e["event"] == "resume"]
     assert resumed["from_step"] == N and resumed["saved_layout"] == saved_in and resumed["layout"] == layout
     assert resumed["time_to_first_step_s"] > 0
-    assert commit.committed_steps(open_storage(str(root))) == [2, N, 2 * N]  # the last step is always saved
+    assert commit.committed_steps(open_storage(str(root))) == [*SAVED, 2 * N]  # the last step is always saved
     return steps, events
 
 
