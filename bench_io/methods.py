@@ -244,10 +244,9 @@ class Ucp(Method):
         return flatten(ucp.load(url, step=0, storage_options=options))
 
 
-def plain_copy_s(state: SyntheticState) -> float:
+def timed_copy(state: SyntheticState) -> tuple[float, dict[str, torch.Tensor]]:
     """Seconds to copy_ every tensor of `state` into preallocated, pre-faulted tensors (the floor for an async
-    save's blocking time). The runner times it right before each async save (outside the save's timing and
-    RSS), so that the ratio pairs two figures taken under the same machine load."""
+    save's blocking time), and the copies."""
     dest = {p: torch.empty_like(t) for p, t in state.flat.items()}
     for t in dest.values():
         if t.numel():
@@ -255,9 +254,13 @@ def plain_copy_s(state: SyntheticState) -> float:
     t0 = time.perf_counter()
     for p, t in state.flat.items():
         dest[p].copy_(t)
-    elapsed = time.perf_counter() - t0
-    del dest
-    return elapsed
+    return time.perf_counter() - t0, dest
+
+
+def plain_copy_s(state: SyntheticState) -> float:
+    """`timed_copy`'s seconds. The runner times it right before each async save (outside the save's timing and
+    RSS), so that the ratio pairs two figures taken under the same machine load."""
+    return timed_copy(state)[0]
 
 
 @register
@@ -486,15 +489,7 @@ class PlainCopy(Method):
     remote = True
 
     def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
-        dest = {p: torch.empty_like(t) for p, t in state.flat.items()}
-        for t in dest.values():
-            if t.numel():
-                t.view(-1).view(torch.uint8)[::4096].zero_()  # fault the pages in, outside the timing
-        t0 = time.perf_counter()
-        for p, t in state.flat.items():
-            dest[p].copy_(t)
-        elapsed = time.perf_counter() - t0
-        self._dest = dest
+        elapsed, self._dest = timed_copy(state)
         return {"blocking_s": elapsed, "time_s": elapsed}
 
     def load(self, directory: Any) -> dict[str, torch.Tensor]:

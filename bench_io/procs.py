@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .methods import METHODS, plain_copy_s
-from .runner import Measurement, PeakRSS, Plan
-from .targets import Target, is_remote, iter_files
+from .runner import Measurement, PeakRSS, Plan, record_stored
+from .targets import Target, is_remote
 
 
 @dataclass
@@ -136,16 +136,7 @@ def measure(pool: RankPool, name: str, target: Target, repeat: int, cache_mode: 
         copies = [r["copy_s"] for r in saves if r.get("copy_s") is not None]
         m.copy_s = max(copies) if copies else None
         m.save_peak_rss_mib = sum(r["rss"] or 0 for r in saves)  # all ranks together
-        if not method.storage:
-            m.target = m.cache = "memory"
-        elif is_remote(directory):
-            sizes = [d["size"] for d in directory.fs.find(directory.path, detail=True).values()]
-            m.stored_bytes, m.files = sum(sizes), len(sizes)
-            m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)
-        else:
-            sizes = [p.stat().st_size for p in iter_files(directory)]
-            m.stored_bytes, m.files = sum(sizes), len(sizes)
-            m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)
+        record_stored(m, method, target, directory, cache_mode)
         loads = pool.phase("load", name, directory)
         errors = [r["error"] for r in loads if "error" in r]
         if errors:

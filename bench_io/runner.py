@@ -138,16 +138,7 @@ def measure(method: Method, state: SyntheticState, target: Target, repeat: int, 
             m.save_s = extra.get("time_s", time.perf_counter() - t0)
         m.blocking_s = extra.get("blocking_s")
         m.save_peak_rss_mib = rss.extra_mib
-        if not method.storage:
-            m.target, m.cache = "memory", "memory"
-        elif is_remote(directory):
-            sizes = [d["size"] for d in directory.fs.find(directory.path, detail=True).values()]
-            m.stored_bytes, m.files = sum(sizes), len(sizes)
-            m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)
-        else:
-            sizes = [p.stat().st_size for p in iter_files(directory)]
-            m.stored_bytes, m.files = sum(sizes), len(sizes)
-            m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)
+        record_stored(m, method, target, directory, cache_mode)
         with PeakRSS() as rss:
             t0 = time.perf_counter()
             loaded = method.load(directory)
@@ -276,3 +267,16 @@ def summarize(results: list[Measurement]) -> list[Summary]:
 
 def as_dicts(items: list[Any]) -> list[dict[str, Any]]:
     return [asdict(i) for i in items]
+
+
+def record_stored(m: Measurement, method: Method, target: Target, directory: Any, cache_mode: str) -> None:
+    """What a save left in storage (bytes, files), then make it cold for the load (and say how)."""
+    if not method.storage:
+        m.target = m.cache = "memory"
+        return
+    if is_remote(directory):
+        sizes = [d["size"] for d in directory.fs.find(directory.path, detail=True).values()]
+    else:
+        sizes = [p.stat().st_size for p in iter_files(directory)]
+    m.stored_bytes, m.files = sum(sizes), len(sizes)
+    m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)

@@ -51,7 +51,7 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         m, d, layout, c = cfg.model, cfg.data, mesh.layout, mesh.coords
         if layout.vpp != 1:
-            raise NotImplementedError("virtual pipeline stages (vpp > 1) are not implemented")
+            raise ValueError("the reference trainer runs one model chunk per stage: vpp > 1 is not supported (ucp checkpoints support it)")
 
         stage_layers = split_layers(m.num_layers, layout.pp, cfg.train.stage_layers)[c.pp]
         spec = StageSpec(layers=stage_layers, first=mesh.is_first_stage, last=mesh.is_last_stage,

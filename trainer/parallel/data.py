@@ -124,7 +124,7 @@ class DistributedAdamW:
                  tied_embeddings: bool, is_expert):
         zero = mesh.layout.zero
         if zero > 1:
-            raise NotImplementedError(f"zero{zero} is not implemented (ZeRO-0 and ZeRO-1 are)")
+            raise ValueError(f"the reference trainer runs zero0 and zero1, not zero{zero} (ucp checkpoints hold ZeRO 0-3)")
         self.mesh, self.cfg, self.tied = mesh, cfg, tied_embeddings
         self.step = 0
         self.buffers = {
