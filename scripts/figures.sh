@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-make every figure in docs/BENCHMARKS.md, one after another (run it on a quiet machine: ~25 minutes on 2 cores).
+# Re-make every figure in docs/BENCHMARKS.md, one after another (run it on a quiet machine: ~30 minutes on 2 cores).
 # Results go to docs/figures/ (JSON and PNG); the tables in BENCHMARKS.md are copied from what this prints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,3 +20,5 @@ python -m bench_io.dataloader_bench --size-mb 128 --seq-len 2048 --global-batch 
     --repeats 3 --out "$out/dataloader.json" | tee "$out/dataloader.txt"
 # The trainer: checkpoint overhead, blocking time, time to the first step after a resume (issue 7).
 python scripts/trainer_bench.py --out "$out/trainer.json" | tee "$out/trainer.txt"
+# Weights-only cold start of an SFT/RL job against safetensors, local and S3 (issue 6).
+python -m ucp.interop.bench_coldstart --size-gib 1 --s3 | tee "$out/coldstart.txt"
