@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import reshard
 
         return reshard.main(argv[1:])
+    if argv[:1] == ["coldstart"]:
+        from . import coldstart
+
+        return coldstart.main(argv[1:])
     if argv[:1] == ["gil"]:
         from . import gil
 

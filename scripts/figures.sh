@@ -21,4 +21,4 @@ python -m bench_io.dataloader_bench --size-mb 128 --seq-len 2048 --global-batch 
 # The trainer: checkpoint overhead, blocking time, time to the first step after a resume (issue 7).
 python scripts/trainer_bench.py --out "$out/trainer.json" | tee "$out/trainer.txt"
 # Weights-only cold start of an SFT/RL job against safetensors, local and S3 (issue 6).
-python -m ucp.interop.bench_coldstart --size-gib 1 --s3 | tee "$out/coldstart.txt"
+python -m bench_io coldstart --size-gib 1 --s3 | tee "$out/coldstart.txt"

@@ -1,6 +1,6 @@
 """Cold start: time from nothing to filled parameters, ucp against safetensors, local and S3.
 
-    python -m ucp.interop.bench_coldstart --size-gib 1 [--s3] [--repeats 3]
+    python -m bench_io coldstart --size-gib 1 [--s3] [--repeats 3]
 
 Writes one bf16 Mixtral-shaped model of about --size-gib as a ucp checkpoint (saved from tp2pp2, as a
 pretraining job would) and as Hugging Face safetensors, then times, with the page cache of every file dropped
@@ -17,7 +17,6 @@ Prints a table: seconds (median of the repeats), bytes read from storage, and th
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -31,6 +30,8 @@ from ucp.distributed import ShardedModel, VirtualWorld
 from ucp.families import MixtralConfig, canonical_atoms
 from ucp.layout import parse_layout
 from ucp.reshard import shard
+
+from .targets import MotoServer, drop_page_cache
 
 
 @dataclass
@@ -71,16 +72,6 @@ def write_sources(cfg: MixtralConfig, root: Path, ucp_url: str, storage_options:
     hf = root / "hf"
     export_hf(ucp_url, hf, storage_options=storage_options, max_shard_bytes=512 << 20)
     return hf
-
-
-def drop_cache(root: Path) -> None:
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def timed(fn: Callable[[], int], repeats: int, before: Callable[[], None]) -> tuple[float, int]:
@@ -134,7 +125,7 @@ def safetensors_s3(fs, prefix: str) -> Callable[[], int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0)
-    p.add_argument("--s3", action="store_true", help="also measure against a moto S3 server on 127.0.0.1")
+    p.add_argument("--s3", action="store_true", help="also measure against an embedded S3 server (moto) on 127.0.0.1")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     args = p.parse_args(argv)
@@ -148,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{params * 2 / 2**30:.2f} GiB bf16; ucp saved from tp2pp2; repeats: {args.repeats} (median)")
         rows = []
         def cold() -> None:
-            drop_cache(root)
+            drop_page_cache(root, "fadvise")
 
         for method, fn in (("ucp load_weights tp1", ucp_load(url, "tp1", None)),
                            ("ucp load_weights tp2 r0", ucp_load(url, "tp2", None)),
@@ -163,26 +154,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _s3_rows(cfg: MixtralConfig, root: Path, hf: Path, repeats: int) -> list[Row]:
-    import socket
-
     import s3fs
-    from moto.server import ThreadedMotoServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = MotoServer()
     try:
-        options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "bench", "secret": "bench"}
+        options = {"endpoint_url": server.url, "key": "bench", "secret": "bench"}
         fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
         fs.mkdir("coldstart")
         url = "s3://coldstart/ucp"
         fs.put(str(root / "ucp"), "coldstart/ucp", recursive=True)
         fs.put(str(hf), "coldstart/hf", recursive=True)
+
         def nothing() -> None:  # the server keeps objects in memory: no cache to drop
             return None
 
@@ -190,7 +172,7 @@ def _s3_rows(cfg: MixtralConfig, root: Path, hf: Path, repeats: int) -> list[Row
                 Row("ucp load_weights tp2 r0", "s3", *timed(ucp_load(url, "tp2", options), repeats, nothing)),
                 Row("safetensors download+load", "s3", *timed(safetensors_s3(fs, "coldstart/hf"), repeats, nothing))]
     finally:
-        server.stop()
+        server.close()
 
 
 if __name__ == "__main__":
