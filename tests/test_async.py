@@ -1,15 +1,23 @@
-"""Async and lazy saves: the snapshot is consistent, errors surface, staging memory is bounded and reused."""
+"""Async and lazy saves: the snapshot is consistent, errors surface, staging memory is bounded and reused.
+
+The tests that hold or fail writes with a Storage subclass run on writer threads (a subclass's behaviour stays
+in this process); the writer process is held and failed for real: SIGSTOP/SIGKILL, a directory in the way.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
 import torch
 
 import ucp
-from ucp.pipeline import StagingPool
+from ucp.staging import StagingPool
 from ucp.storage import LocalStorage
+from ucp.writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
+from ucp.writer_process import WriterProcessError
 
 from .helpers import assert_same_state
 
@@ -35,7 +43,7 @@ class SlowStorage(LocalStorage):
 
 
 def manager_with(storage: LocalStorage, **kwargs) -> ucp.CheckpointManager:
-    manager = ucp.CheckpointManager(storage.root, options=OPTIONS, **kwargs)
+    manager = ucp.CheckpointManager(storage.root, options=OPTIONS, writer="threads", **kwargs)
     manager.storage = storage
     return manager
 
@@ -107,29 +115,132 @@ def test_a_failed_background_write_is_never_silent(tmp_path, mode):
     manager.close()
 
 
-def test_staging_memory_is_bounded_and_reused(tmp_path):
+WRITERS = ["threads", "process"] if PROCESS_WRITER_SUPPORTED else ["threads"]
+needs_process_writer = pytest.mark.skipif(not PROCESS_WRITER_SUPPORTED, reason="the writer process needs Linux memfd")
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_staging_memory_is_bounded_and_reused(tmp_path, writer):
     chunk_bytes = 64 * 1024
-    manager = ucp.CheckpointManager(str(tmp_path), options=OPTIONS, mode="async", staging_bytes=3 * chunk_bytes)
+    manager = ucp.CheckpointManager(str(tmp_path), options=OPTIONS, mode="async", staging_bytes=3 * chunk_bytes, writer=writer)
+    arenas = None
     for step in (1, 2, 3):
-        manager.save(step, make_state(step))
+        handle = manager.save(step, make_state(step))
         manager.wait()
+        assert handle.writer == writer
         assert 0 < manager.pipeline.staging.allocated_bytes <= 3 * chunk_bytes
+        arenas = arenas or list(manager.pipeline.staging.arenas)
+        assert manager.pipeline.staging.arenas == arenas, "the same memory serves every save"
     assert manager.steps() == [1, 2, 3]
     assert_same_state(make_state(3), manager.restore())
     manager.close()
 
 
-def test_staging_pool_reuses_buffers_and_refuses_oversized_chunks():
+def test_staging_pool_reuses_arenas_and_refuses_oversized_chunks():
     pool = StagingPool(capacity=1000)
-    a = pool.acquire(600, pinned=False)
+    a, b = pool.acquire(300), pool.acquire(300)
+    assert b.offset >= a.offset + 300 and b.memory.data_ptr() != a.memory.data_ptr()
+    assert pool.acquire(600, wait=False) is None, "full until the arena's slots are released"
     pool.release(a)
-    assert pool.acquire(600, pinned=False).data_ptr() == a.data_ptr()
+    pool.release(b)
+    c = pool.acquire(600)
+    assert c.memory.data_ptr() == a.memory.data_ptr() and pool.allocated_bytes == 1000
     with pytest.raises(ucp.UcpError, match="smaller than one chunk"):
-        pool.acquire(2000, pinned=False)
+        pool.acquire(2000)
 
 
 def test_unknown_mode_is_refused(tmp_path):
     manager = ucp.CheckpointManager(str(tmp_path))
     with pytest.raises(ucp.UcpError, match="save mode"):
         manager.save(1, make_state(), mode="eventually")
+    manager.close()
+
+
+# ------------------------------------------------------------------------------------ the writer process
+
+
+def process_manager(url: str, **kwargs) -> ucp.CheckpointManager:
+    manager = ucp.CheckpointManager(url, options=OPTIONS, mode="async", writer="process", **kwargs)
+    assert manager.pipeline._process is not None, "an async manager starts its writer process at once"
+    return manager
+
+
+@needs_process_writer
+def test_writer_process_writes_the_snapshot_while_training_changes_the_tensors(tmp_path):
+    manager = process_manager(str(tmp_path))
+    manager.storage.stats.write_log = []
+    writer_pid = manager.pipeline._process.pid
+    os.kill(writer_pid, signal.SIGSTOP)  # nothing gets written until we let it
+    try:
+        state = make_state()
+        expected = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": 0}
+        handle = manager.save(1, state)
+        assert handle.writer == "process" and not handle.done()
+        for t in state["model"].values():
+            t.add_(1.0)
+    finally:
+        os.kill(writer_pid, signal.SIGCONT)
+    assert manager.wait().step == 1
+    assert_same_state(expected, manager.restore())
+    chunk_keys = [k for k in manager.storage.stats.write_log if "/c." in k]
+    assert len(chunk_keys) >= len(state["model"]) and len(set(chunk_keys)) == len(chunk_keys), "the child's writes are counted here"
+    manager.close()
+
+
+@needs_process_writer
+def test_a_failed_write_in_the_writer_process_surfaces_and_commits_nothing(tmp_path):
+    manager = process_manager(str(tmp_path))
+    writer_pid = manager.pipeline._process.pid
+    os.kill(writer_pid, signal.SIGSTOP)
+    try:
+        manager.save(1, make_state())  # (a save first clears what an earlier try left at its step)
+        (tmp_path / "step_00000001" / "model" / "w0" / "c.0.0").mkdir(parents=True)  # a directory where a chunk goes
+    finally:
+        os.kill(writer_pid, signal.SIGCONT)
+    with pytest.raises(IsADirectoryError):
+        manager.wait()
+    assert manager.steps() == []
+    manager.save(2, make_state(2))
+    manager.wait()
+    assert manager.steps() == [2]
+    assert_same_state(make_state(2), manager.restore())
+    manager.close()
+
+
+@needs_process_writer
+def test_a_killed_writer_process_fails_the_save_and_the_next_save_restarts_it(tmp_path):
+    manager = process_manager(str(tmp_path))
+    first_pid = manager.pipeline._process.pid
+    os.kill(first_pid, signal.SIGSTOP)
+    manager.save(1, make_state(1))
+    os.kill(first_pid, signal.SIGKILL)
+    with pytest.raises(WriterProcessError, match=r"writer process \(pid \d+\) died"):
+        manager.wait()
+    assert manager.steps() == []
+    handle = manager.save(2, make_state(2))
+    manager.wait()
+    assert handle.writer == "process" and manager.pipeline._process.pid != first_pid
+    assert manager.steps() == [2]
+    assert_same_state(make_state(2), manager.restore())
+    manager.close()
+
+
+@needs_process_writer
+def test_writer_process_saves_to_s3(s3_bucket):
+    bucket, options = s3_bucket
+    manager = ucp.CheckpointManager(f"s3://{bucket}/run", options=OPTIONS, mode="lazy", writer="process", storage_options=options)
+    handle = manager.save(1, make_state(1))
+    handle.wait_snapshot()
+    manager.wait()
+    assert handle.writer == "process" and manager.steps() == [1]
+    assert_same_state(make_state(1), manager.restore())
+    manager.close()
+
+
+def test_memory_storage_stays_on_writer_threads():
+    manager = ucp.CheckpointManager("memory://ucp-async-test", options=OPTIONS, mode="async")
+    handle = manager.save(1, make_state(1))
+    manager.wait()
+    assert handle.writer == "threads"
+    assert_same_state(make_state(1), manager.restore())
     manager.close()

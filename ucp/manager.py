@@ -10,7 +10,7 @@ from . import commit
 from .checkpoint import CheckpointReader, SaveOptions, plan_save
 from .commit import CommitRecord
 from .distributed import Comm, LoadReport, ShardedModel, extra_state, load_sharded, plan_sharded_save
-from .pipeline import Mode, SaveHandle, SavePipeline, SavePlan
+from .pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
 from .storage import Storage, open_storage
 
 
@@ -21,7 +21,9 @@ class CheckpointManager:
     model)` on every rank) and, on start, `manager.restore()` / `restore_sharded()`. `mode` is "sync" (save
     returns once committed), "async" (save returns once a snapshot is taken; call `wait()` or just save
     again) or "lazy" (the snapshot too runs in the background: call `handle.wait_snapshot()` before changing
-    the saved tensors). One save is in flight at a time: a new save waits for the previous one and raises its
+    the saved tensors). Async and lazy saves are encoded and written by a writer process (`writer="process"`,
+    the default on Linux: it keeps checksums and IO calls off the trainer's GIL) or by writer threads
+    (`writer="threads"`). One save is in flight at a time: a new save waits for the previous one and raises its
     error. The manager keeps the last `keep_last` committed steps (all when None) and deletes what
     interrupted saves left behind. In a parallel job pass `comm` (e.g. `TorchComm(dist.new_group(backend=
     "gloo"))`): rank 0 does the cleanup and the commits.
@@ -36,6 +38,7 @@ class CheckpointManager:
         options: SaveOptions | None = None,
         mode: Mode = "sync",
         staging_bytes: int | None = None,
+        writer: Writer = DEFAULT_WRITER,
         comm: Comm | None = None,
     ):
         if keep_last is not None and keep_last < 1:
@@ -46,7 +49,9 @@ class CheckpointManager:
         self.mode = mode
         self.comm = comm
         self.storage: Storage = open_storage(root_url, storage_options, fsync=self.options.fsync)
-        self.pipeline = SavePipeline(self.options.io_threads, staging_bytes)
+        self.pipeline = SavePipeline(self.options.io_threads, staging_bytes, writer)
+        if mode != "sync":
+            self.pipeline.start_writer()  # it imports while the trainer sets up, not at the first save
         if self.is_coordinator:
             self.gc()
         if comm is not None:
@@ -114,7 +119,7 @@ class CheckpointManager:
         return self.pipeline.wait()
 
     def close(self) -> None:
-        """Finish the save in flight and stop the writer threads."""
+        """Finish the save in flight and stop the writers (threads and process)."""
         self.pipeline.close()
 
     def __enter__(self) -> Self:

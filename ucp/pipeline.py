@@ -1,30 +1,37 @@
-"""The save data path: snapshot into staging buffers, encode, many writes in flight, commit.
+"""The save data path: snapshot into staging memory, encode, many writes in flight, commit.
 
 A save is a `SavePlan` (which objects this process writes, each chunk's values behind a callable) run by a
 `SavePipeline` in one of three modes:
 
-- "sync": chunks are encoded straight from the live tensors; `submit` returns once the step is committed.
-- "async": the caller's thread copies every chunk into staging memory and returns as soon as that snapshot
-  is complete; writes and the commit go on in the background. Training may then change the tensors. The
-  writes start when the copy ends (writer threads would slow the copy down by holding the GIL), or earlier,
-  overlapping the copy, when a bounded staging pool is full.
+- "sync": chunks are encoded straight from the live tensors by writer threads; `submit` returns once the step
+  is committed.
+- "async": the caller's thread copies every chunk into staging memory and returns as soon as that snapshot is
+  complete; writes and the commit go on in the background. Training may then change the tensors. The writes
+  start when the copy ends (a writer running during the copy would compete with it), or earlier, overlapping
+  the copy, when a bounded staging pool is full.
 - "lazy": the snapshot copy itself runs in the background, while the next forward/backward runs, and the
   write of each chunk starts as soon as it is copied (copy i+1 overlaps the encode and write of i); only
   code that changes the saved tensors (the optimizer step) calls `handle.wait_snapshot()` first.
 
+Who encodes and writes the staged chunks of an async or lazy save: a writer process (`ucp.writer_process`,
+the default where the platform has memfd, Linux) that maps the staging memory, so that checksums, encoding
+and IO calls do not hold the trainer's GIL; or writer threads in this process (`writer="threads"`, and for
+storages that live in this process, such as memory:// or a Storage subclass).
+
 One save is in flight at a time: `submit` first waits for the previous save and raises its error, so a
-failed background write is never silent. Staging memory is a pool of buffers reused from save to save
-(pinned host memory, filled on a side CUDA stream, when the tensors are on a GPU), bounded by
-`staging_bytes`: when it is full, the snapshot waits for writes to free buffers.
+failed background write is never silent. Staging memory is a pool of arenas reused from save to save
+(`ucp.staging`; pinned host memory, filled on a side CUDA stream, when CUDA is available), bounded by
+`staging_bytes`: when it is full, the snapshot waits for writes to free memory.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -34,13 +41,19 @@ from . import codec
 from .commit import CommitRecord
 from .errors import UcpError
 from .format import ZARR_JSON, AtomMeta, dumps, group_json, step_dirname
+from .staging import Arena, Slot, StagingPool, host_arena, shared_arena
 from .storage import Storage
-from .workpool import submit_batched, wait_all
+from .workpool import chain, wait_all
+from .writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
+from .writer_process import ChunkRef, WriterProcess
 
 Mode = Literal["sync", "async", "lazy"]
-_BATCH_BYTES = 4 << 20  # staged chunks are handed to the writers in batches of about this size...
-_BATCH_CALLS = 64  # ...or this many, so that small objects do not pay one pool task each
+Writer = Literal["process", "threads"]
 MODES = ("sync", "async", "lazy")
+WRITERS = ("process", "threads")
+DEFAULT_WRITER: Writer = "process" if PROCESS_WRITER_SUPPORTED else "threads"
+_BATCH_BYTES = 4 << 20  # chunks go to the writers in batches of about this size...
+_BATCH_CALLS = 64  # ...or this many, so that small objects do not pay one task (or message) each
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,9 @@ class ChunkJob:
     meta: AtomMeta
     index: tuple[int, ...]
     source: Callable[[], torch.Tensor]
+
+    def key(self, step: int) -> str:
+        return f"{step_dirname(step)}/{self.meta.path}/{self.meta.chunk_key(self.index)}"
 
 
 @dataclass
@@ -65,61 +81,44 @@ class SavePlan:
     chunks: list[ChunkJob]
     finish: Callable[[], CommitRecord | None]
 
-
-class StagingPool:
-    """Host buffers reused across saves, at most `capacity` bytes in all (None: as many as a save needs)."""
-
-    def __init__(self, capacity: int | None = None):
-        self.capacity = capacity
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
-        self._allocated = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int, pinned: bool, wait: bool = True) -> torch.Tensor | None:
-        """A buffer of `nbytes`; when the pool is full, wait for a release (or return None if not `wait`)."""
-        if self.capacity is not None and nbytes > self.capacity:
-            raise UcpError(f"staging capacity {self.capacity} bytes is smaller than one chunk object ({nbytes} bytes)")
-        with self._cond:
-            while True:
-                free = self._free.get((nbytes, pinned))
-                if free:
-                    return free.pop()
-                if self.capacity is None or self._allocated + nbytes <= self.capacity:
-                    self._allocated += nbytes
-                    break
-                if not self._drop_one_free_buffer():
-                    if not wait:
-                        return None
-                    self._cond.wait()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-
-    def _drop_one_free_buffer(self) -> bool:
-        for key, buffers in self._free.items():
-            if buffers:
-                buffers.pop()
-                self._allocated -= key[0]
-                return True
-        return False
-
-    def release(self, buffer: torch.Tensor) -> None:
-        with self._cond:
-            self._free.setdefault((buffer.numel(), buffer.is_pinned()), []).append(buffer)
-            self._cond.notify_all()
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self._allocated
+    def documents(self) -> list[tuple[str, Callable[[], dict]]]:
+        """The zarr.json of every atom and group this process writes."""
+        prefix = step_dirname(self.step)
+        docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in self.metadata]
+        return docs + [(f"{prefix}/{g}/{ZARR_JSON}", group_json) for g in self.groups]
 
 
 @dataclass
 class _Staged:
-    values: torch.Tensor
-    buffer: torch.Tensor | None = None
+    """A chunk to write: its values in a staging slot (with the CUDA event that marks the copy done), or, in
+    sync mode, no slot: the values are taken from the job's source when written."""
+
+    job: ChunkJob
+    values: torch.Tensor | None = None
+    slot: Slot | None = None
     ready: torch.cuda.Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.values is not None:
+            return self.values.numel() * self.values.element_size()
+        return math.prod(self.job.meta.chunk_shape) * self.job.meta.itemsize
 
     def wait_ready(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
+
+
+def _batches(staged: Sequence[_Staged]) -> list[Sequence[_Staged]]:
+    out, start, nbytes = [], 0, 0
+    for i, s in enumerate(staged):
+        nbytes += s.nbytes
+        if nbytes >= _BATCH_BYTES or i + 1 - start >= _BATCH_CALLS:
+            out.append(staged[start : i + 1])
+            start, nbytes = i + 1, 0
+    if start < len(staged):
+        out.append(staged[start:])
+    return out
 
 
 @dataclass
@@ -128,6 +127,7 @@ class SaveHandle:
 
     step: int
     mode: str
+    writer: str = "threads"
     blocking_s: float = 0.0
     snapshot_s: float = 0.0
     snapshot_done: threading.Event = field(default_factory=threading.Event)
@@ -151,15 +151,114 @@ class SaveHandle:
         return self._record
 
 
-class SavePipeline:
-    """Runs save plans: a writer thread pool, a reused staging pool, and one background save at a time."""
+# ------------------------------------------------------------------------------- who encodes and writes
 
-    def __init__(self, io_threads: int = 16, staging_bytes: int | None = None):
-        self.writers = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="ucp-write")
+
+class _ThreadWrites:
+    """One save's writes by writer threads of this process."""
+
+    def __init__(self, pool: cf.ThreadPoolExecutor, staging: StagingPool, plan: SavePlan):
+        self.pool, self.staging, self.plan = pool, staging, plan
+
+    def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
+        calls = [functools.partial(self.plan.storage.write, key, [data]) for key, data in documents]
+        return [self.pool.submit(chain(calls[i : i + _BATCH_CALLS])) for i in range(0, len(calls), _BATCH_CALLS)]
+
+    def write_chunks(self, staged: Sequence[_Staged]) -> list[cf.Future]:
+        futures = []
+        for batch in _batches(staged):
+            future = self.pool.submit(chain([functools.partial(self._write, s) for s in batch]))
+            future.add_done_callback(functools.partial(_release, self.staging, batch))  # also when cancelled
+            futures.append(future)
+        return futures
+
+    def _write(self, staged: _Staged) -> None:
+        staged.wait_ready()
+        values = staged.values if staged.values is not None else staged.job.source()
+        job = staged.job
+        self.plan.storage.write(job.key(self.plan.step), codec.encode(job.meta, job.index, values))
+
+    def flush(self) -> None:
+        """Nothing to do: the plan's own finish flushes this process's storage."""
+
+    def close(self) -> None:
+        pass
+
+
+class _ProcessWrites:
+    """One save's writes by the writer process; what it wrote is counted in the plan storage's stats."""
+
+    def __init__(self, process: WriterProcess, staging: StagingPool, plan: SavePlan):
+        self.process, self.staging, self.plan = process, staging, plan
+        self.sid = process.open_storage(plan.storage.for_writer_process())
+
+    def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
+        return [self._counted(self.process.write_documents(self.sid, documents))]
+
+    def write_chunks(self, staged: Sequence[_Staged]) -> list[cf.Future]:
+        futures = []
+        for batch in _batches(staged):
+            refs = []
+            for s in batch:
+                s.wait_ready()  # the child cannot wait on a CUDA event
+                assert s.slot is not None and s.values is not None
+                refs.append(ChunkRef(s.job.key(self.plan.step), s.job.meta, s.job.index, s.slot.arena.id,
+                                     s.slot.offset, s.values.dtype, tuple(s.values.shape)))
+            done = functools.partial(_release, self.staging, batch, None)
+            futures.append(self._counted(self.process.write_chunks(self.sid, refs, done)))
+        return futures
+
+    def _counted(self, future: cf.Future) -> cf.Future:
+        def count(f: cf.Future) -> None:
+            if f.exception() is None:
+                for key, nbytes in f.result():
+                    self.plan.storage.stats.record_write(key, nbytes)
+
+        future.add_done_callback(count)
+        return future
+
+    def flush(self) -> None:
+        self.process.flush(self.sid).result()
+
+    def close(self) -> None:
+        self.process.close_storage(self.sid)
+
+
+def _release(staging: StagingPool, batch: Sequence[_Staged], _future: cf.Future | None) -> None:
+    for s in batch:
+        if s.slot is not None:
+            staging.release(s.slot)
+
+
+# ---------------------------------------------------------------------------------------- the pipeline
+
+
+class SavePipeline:
+    """Runs save plans: writers (a process or threads), a reused staging pool, one background save at a time."""
+
+    def __init__(self, io_threads: int = 16, staging_bytes: int | None = None, writer: Writer = DEFAULT_WRITER):
+        if writer not in WRITERS:
+            raise UcpError(f"writer must be one of {WRITERS}, got {writer!r}")
+        if writer == "process" and not PROCESS_WRITER_SUPPORTED:
+            raise UcpError("a writer process needs Linux (memfd shared memory); use writer='threads'")
+        self.io_threads = io_threads
+        self.writer = writer
+        self.threads = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="ucp-write")
         self.background = cf.ThreadPoolExecutor(1, thread_name_prefix="ucp-save")
-        self.staging = StagingPool(staging_bytes)
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        if writer == "process":
+            self.staging = StagingPool(staging_bytes, self._shared_arena, self._unmap_arena)
+        else:
+            pinned = self._side_stream is not None
+            self.staging = StagingPool(staging_bytes, functools.partial(host_arena, pinned=pinned))
+        self._process: WriterProcess | None = None
+        self._process_lock = threading.RLock()
         self._inflight: SaveHandle | None = None
+
+    def start_writer(self) -> None:
+        """Start the writer process now (it takes a second or two to import), not at the first save."""
+        if self.writer == "process":
+            self._writer_process()
 
     def wait(self) -> CommitRecord | None:
         """Wait for the save in flight, if any; raises its error."""
@@ -171,14 +270,16 @@ class SavePipeline:
             raise UcpError(f"save mode must be one of {MODES}, got {mode!r}")
         self.wait()
         start = time.perf_counter()
-        handle = SaveHandle(plan.step, mode)
+        writes = self._writes_for(plan, mode)
+        handle = SaveHandle(plan.step, mode, "process" if isinstance(writes, _ProcessWrites) else "threads")
         if mode == "sync":
-            handle._record = self._run(plan, handle)
+            handle.snapshot_done.set()
+            handle._record = self._complete(plan, writes, self._write_all(plan, writes, [_Staged(j) for j in plan.chunks]))
         elif mode == "async":
-            writes = self._snapshot(plan, handle, overlap=False)
-            handle._future = self.background.submit(self._complete, plan, writes)
+            staged = self._snapshot(plan, writes, handle, overlap=False)
+            handle._future = self.background.submit(self._write_and_complete, plan, writes, staged)
         else:
-            handle._future = self.background.submit(lambda: self._complete(plan, self._snapshot(plan, handle, overlap=True)))
+            handle._future = self.background.submit(self._lazy, plan, writes, handle)
         handle.blocking_s = time.perf_counter() - start
         self._inflight = handle if handle._future is not None else None
         return handle
@@ -187,106 +288,119 @@ class SavePipeline:
         try:
             self.wait()
         finally:
-            self.writers.shutdown(wait=True)
+            self.threads.shutdown(wait=True)
             self.background.shutdown(wait=True)
+            if self._process is not None:
+                self._process.close()
+                self._process = None
+            self.staging.close()
+
+    # -- writers
+
+    def _writes_for(self, plan: SavePlan, mode: Mode) -> _ThreadWrites | _ProcessWrites:
+        if mode != "sync" and self.writer == "process" and plan.storage.for_writer_process() is not None:
+            return _ProcessWrites(self._writer_process(), self.staging, plan)
+        return _ThreadWrites(self.threads, self.staging, plan)
+
+    def _writer_process(self) -> WriterProcess:
+        """The writer process, (re)started if needed; a new one maps every arena of the pool."""
+        with self._process_lock:
+            if self._process is None or not self._process.alive:
+                if self._process is not None:
+                    self._process.close(timeout=5)
+                self._process = WriterProcess(self.io_threads)
+                for arena in self.staging.arenas:
+                    self._process.map_arena(arena)
+            return self._process
+
+    def _shared_arena(self, arena_id: int, size: int) -> Arena:
+        arena = shared_arena(arena_id, size, pin_for_cuda=self._side_stream is not None)
+        self._writer_process().map_arena(arena)  # (a process started just now mapped only the older arenas)
+        return arena
+
+    def _unmap_arena(self, arena: Arena) -> None:
+        if self._process is not None:
+            self._process.unmap_arena(arena)
 
     # -- stages
 
-    def _run(self, plan: SavePlan, handle: SaveHandle) -> CommitRecord | None:
-        return self._complete(plan, self._write_from_source(plan, handle))
+    def _write_all(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, staged: list[_Staged]) -> list[cf.Future]:
+        documents = [(key, dumps(doc())) for key, doc in plan.documents()]
+        return writes.write_documents(documents) + writes.write_chunks(staged)
 
-    def _metadata_writes(self, plan: SavePlan) -> list[cf.Future]:
-        prefix = step_dirname(plan.step)
-        docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in plan.metadata]
-        docs += [(f"{prefix}/{g}/{ZARR_JSON}", group_json) for g in plan.groups]
-        return submit_batched(self.writers, [functools.partial(_write_json, plan.storage, key, doc) for key, doc in docs])
+    def _write_and_complete(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites,
+                            snapshot: tuple[list[cf.Future], list[_Staged]]) -> CommitRecord | None:
+        futures, staged = snapshot
+        return self._complete(plan, writes, futures + self._write_all(plan, writes, staged))
 
-    def _write_from_source(self, plan: SavePlan, handle: SaveHandle) -> list[cf.Future]:
-        """Sync mode: encode straight from the live tensors (no copy)."""
-        futures = self._metadata_writes(plan)
-        writes = [functools.partial(self._write_chunk, plan, job, None) for job in plan.chunks]
-        futures += submit_batched(self.writers, writes)
-        handle.snapshot_done.set()
-        return futures
+    def _lazy(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, handle: SaveHandle) -> CommitRecord | None:
+        documents = writes.write_documents([(key, dumps(doc())) for key, doc in plan.documents()])
+        futures, staged = self._snapshot(plan, writes, handle, overlap=True)
+        return self._complete(plan, writes, documents + futures + writes.write_chunks(staged))
 
-    def _snapshot(self, plan: SavePlan, handle: SaveHandle, overlap: bool) -> list[cf.Future]:
-        """Copy every chunk into staging; queue the writes as chunks are copied (`overlap`, small ones in
-        batches), or all at once when the copy is done. Writer threads running during the copy hold the GIL
-        often enough to make the copy several times slower, so the async mode, where training waits for the
-        copy, defers them; it still hands over what it has whenever the staging pool is full."""
+    def _snapshot(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, handle: SaveHandle,
+                  overlap: bool) -> tuple[list[cf.Future], list[_Staged]]:
+        """Copy every chunk into staging. Returns the writes already handed over and the staged chunks not yet
+        handed over. With `overlap`, chunks are handed over in batches as they are copied; without, only when
+        the staging pool is full (a writer running during the copy slows the copy the caller waits for)."""
         start = time.perf_counter()
         futures: list[cf.Future] = []
-        batch: list[functools.partial] = []
+        batch: list[_Staged] = []
         batch_bytes = 0
 
-        def flush() -> None:
+        def hand_over() -> None:
             nonlocal batch, batch_bytes
             if batch:
-                futures.extend(submit_batched(self.writers, batch, per_task=len(batch)))
+                futures.extend(writes.write_chunks(batch))
             batch, batch_bytes = [], 0
 
         try:
-            if overlap:
-                futures += self._metadata_writes(plan)
             for job in plan.chunks:
-                staged = self._stage(job.source(), before_waiting=flush)
-                batch.append(functools.partial(self._write_chunk, plan, job, staged))
-                batch_bytes += staged.values.numel() * staged.values.element_size()
+                staged = self._stage(job, before_waiting=hand_over)
+                batch.append(staged)
+                batch_bytes += staged.nbytes
                 if overlap and (batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_CALLS):
-                    flush()
+                    hand_over()
         except BaseException:
+            _release(self.staging, batch, None)
             _cancel(futures)
+            writes.close()
             raise
         finally:
             handle.snapshot_s = time.perf_counter() - start
             handle.snapshot_done.set()
-        if overlap:
-            flush()
-            return futures
-        futures += self._metadata_writes(plan)
-        futures += submit_batched(self.writers, batch)
-        return futures
+        return futures, batch
 
-    def _stage(self, values: torch.Tensor, before_waiting: Callable[[], None]) -> _Staged:
-        """Copy `values` into a staging buffer; if the pool is full, hand queued writes to the writers
-        (`before_waiting`) so that they can free buffers, then wait."""
-        pinned = values.is_cuda and self._side_stream is not None
+    def _stage(self, job: ChunkJob, before_waiting: Callable[[], None]) -> _Staged:
+        """Copy the job's values into a staging slot; if the pool is full, hand queued chunks to the writers
+        (`before_waiting`) so that they can free memory, then wait."""
+        values = job.source()
         nbytes = values.numel() * values.element_size()
-        buffer = self.staging.acquire(nbytes, pinned, wait=False)
-        if buffer is None:
+        slot = self.staging.acquire(nbytes, wait=False)
+        if slot is None:
             before_waiting()
-            buffer = self.staging.acquire(nbytes, pinned)
-        staged = buffer.view(values.dtype).view(values.shape)
-        if not pinned:
+            slot = self.staging.acquire(nbytes)
+        staged = slot.memory.view(values.dtype).view(values.shape)
+        if not (values.is_cuda and self._side_stream is not None):
             staged.copy_(values)
-            return _Staged(staged, buffer)
+            return _Staged(job, staged, slot)
         self._side_stream.wait_stream(torch.cuda.current_stream(values.device))
         with torch.cuda.stream(self._side_stream):
             staged.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return _Staged(staged, buffer, event)
+        return _Staged(job, staged, slot, event)
 
-    def _write_chunk(self, plan: SavePlan, job: ChunkJob, staged: _Staged | None) -> None:
-        staged = staged or _Staged(job.source())
+    def _complete(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, futures: list[cf.Future]) -> CommitRecord | None:
         try:
-            staged.wait_ready()
-            key = f"{step_dirname(plan.step)}/{job.meta.path}/{job.meta.chunk_key(job.index)}"
-            plan.storage.write(key, codec.encode(job.meta, job.index, staged.values))
+            wait_all(futures)
+            writes.flush()
         finally:
-            if staged.buffer is not None:
-                self.staging.release(staged.buffer)
-
-    def _complete(self, plan: SavePlan, writes: list[cf.Future]) -> CommitRecord | None:
-        wait_all(writes)
+            writes.close()
         return plan.finish()
-
-
-def _write_json(storage: Storage, key: str, doc: Callable[[], dict]) -> None:
-    storage.write(key, [dumps(doc())])
 
 
 def _cancel(futures: list[cf.Future]) -> None:
     for f in futures:
         f.cancel()
-    cf.wait(futures)  # let running writes end before the caller reuses their buffers
+    cf.wait(futures)  # let running writes end before the caller reuses their memory

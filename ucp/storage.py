@@ -7,6 +7,7 @@ amplification is measured, and can record every key it writes (`stats.write_log`
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import threading
@@ -103,6 +104,11 @@ class Storage(ABC):
 
     def root_exists(self) -> bool:
         return True
+
+    def for_writer_process(self) -> Storage | None:
+        """This storage, if a copy of it in another process (unpickled there) writes the same objects; None
+        where writes must stay in this process."""
+        return None
 
 
 class LocalStorage(Storage):
@@ -222,6 +228,13 @@ class LocalStorage(Storage):
     def root_exists(self) -> bool:
         return os.path.isdir(self.root)
 
+    def for_writer_process(self) -> Storage | None:
+        # a subclass may add behaviour (a test's failure injection) that a copy elsewhere would lack
+        return self if type(self) is LocalStorage else None
+
+    def __reduce__(self) -> tuple:
+        return (functools.partial(LocalStorage, fsync=self.fsync), (self.root,))
+
 
 class FsspecStorage(Storage):
     """Any fsspec filesystem: memory://, s3:// (s3fs), ... One request per object write or range read."""
@@ -271,6 +284,13 @@ class FsspecStorage(Storage):
         if self.fs.protocol in ("s3", "s3a") or "s3" in (self.fs.protocol or ()):
             return True  # object stores have no directories: an empty prefix is simply empty
         return bool(self.fs.exists(self.root))
+
+    def for_writer_process(self) -> Storage | None:
+        in_memory = "memory" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        return self if type(self) is FsspecStorage and not in_memory else None
+
+    def __reduce__(self) -> tuple:
+        return (FsspecStorage, (self.fs, self.root, self.url))
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsync: bool = True) -> Storage:

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 Call = Callable[[], object]
 
 
-def _chain(calls: Sequence[Call]) -> Call:
+def chain(calls: Sequence[Call]) -> Call:
+    """One call that runs `calls` in order."""
     def run() -> None:
         for call in calls:
             call()
@@ -23,7 +24,7 @@ def submit_batched(pool: cf.ThreadPoolExecutor, calls: Sequence[Call], per_task:
         per_task = max(1, len(calls) // (8 * pool._max_workers))
     if per_task == 1:
         return [pool.submit(call) for call in calls]
-    return [pool.submit(_chain(calls[i : i + per_task])) for i in range(0, len(calls), per_task)]
+    return [pool.submit(chain(calls[i : i + per_task])) for i in range(0, len(calls), per_task)]
 
 
 def wait_all(futures: Sequence[cf.Future]) -> None:

@@ -1,0 +1,298 @@
+"""A writer process: encodes and writes an async save's staged chunks outside the trainer's interpreter.
+
+Writer threads in the training process share its GIL: while they checksum, encode and issue writes, the
+training loop's Python waits for the lock (`python -m bench_io gil`: a training-like loop ran 4.4x slower during
+a save with writer threads, 1.6x with a writer process). So async and lazy saves hand their staged chunks to a
+child process instead: the staging arenas are shared memory (memfd) that both processes map, and a chunk is
+sent as a reference (arena, offset, dtype, shape) plus its atom's metadata; the child encodes it straight from
+the shared pages and writes it with its own IO threads. The training process keeps the commit (it may need the
+job's collectives), after the child has flushed (made its directory entries durable).
+
+The child is started as a fresh `python -c` that runs `main` here (not multiprocessing's spawn, which would re-import
+the trainer's main module), talks over a Unix socket pair (arena fds passed with SCM_RIGHTS), ignores SIGINT
+(the parent decides), and exits when the parent closes the socket or dies. Linux only (memfd); elsewhere the
+pipeline keeps writer threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import itertools
+import math
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import codec
+from .errors import UcpError
+from .format import AtomMeta
+from .staging import Arena, map_shared_arena
+from .storage import Storage
+from .workpool import submit_batched
+
+SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+
+
+class WriterProcessError(UcpError):
+    """The writer process could not be started or exited while a save was in flight."""
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk object to write, by reference to its staged values in a shared arena."""
+
+    key: str
+    meta: AtomMeta
+    index: tuple[int, ...]
+    arena: int
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+Written = list[tuple[str, int]]  # (key, bytes) of each object a request wrote
+
+
+# ------------------------------------------------------------------------------------- the training side
+
+
+class WriterProcess:
+    """The training process's handle on one writer child. Requests return futures whose result is the list of
+    objects written; they are marked running at once, so they cannot be cancelled while the child may still
+    read their staged chunks."""
+
+    def __init__(self, io_threads: int):
+        ours, theirs = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "import sys, ucp.writer_process as w; w.main(sys.argv[1:])",
+                 str(theirs.fileno()), str(io_threads)],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+            )
+        except OSError as e:
+            ours.close()
+            raise WriterProcessError(f"cannot start the writer process: {e}") from e
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, tuple[cf.Future, Callable[[], None]]] = {}
+        self._pending_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._failure: str | None = None
+        self._receiver = threading.Thread(target=self._receive, name="ucp-writer-replies", daemon=True)
+        self._receiver.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._failure is None and self._proc.poll() is None
+
+    # -- arenas and storages
+
+    def map_arena(self, arena: Arena) -> None:
+        assert arena.fd is not None, "only shared arenas can be mapped by the writer process"
+        with self._send_lock:
+            self._send(("arena", arena.id, arena.size))
+            reduction.send_handle(self._conn, arena.fd, self._proc.pid)
+
+    def unmap_arena(self, arena: Arena) -> None:
+        with self._send_lock:
+            self._send(("drop", arena.id), quiet=True)
+
+    def open_storage(self, storage: Storage) -> int:
+        """Register a copy of `storage` in the child (one per save: its flush covers that save's writes)."""
+        sid = next(self._ids)
+        with self._send_lock:
+            self._send(("storage", sid, storage))
+        return sid
+
+    def close_storage(self, sid: int) -> None:
+        with self._send_lock:
+            self._send(("forget", sid), quiet=True)
+
+    # -- requests
+
+    def write_chunks(self, sid: int, chunks: Sequence[ChunkRef], on_done: Callable[[], None]) -> cf.Future:
+        """Encode and write `chunks`; `on_done` runs (here) once the child no longer reads their arenas."""
+        return self._request("chunks", sid, list(chunks), on_done)
+
+    def write_documents(self, sid: int, documents: Sequence[tuple[str, bytes]]) -> cf.Future:
+        return self._request("documents", sid, list(documents))
+
+    def flush(self, sid: int) -> cf.Future:
+        return self._request("flush", sid, None)
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._send_lock:
+            self._send(None, quiet=True)
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._conn.close()
+        self._receiver.join(timeout)
+
+    def _request(self, kind: str, sid: int, payload: Any, on_done: Callable[[], None] | None = None) -> cf.Future:
+        future: cf.Future = cf.Future()
+        future.set_running_or_notify_cancel()
+        req = next(self._ids)
+        with self._pending_lock:
+            self._pending[req] = (future, on_done or _nothing)
+        with self._send_lock:
+            self._send((kind, req, sid, payload))
+        return future
+
+    def _send(self, message: Any, quiet: bool = False) -> None:
+        """Send under the caller's lock; a dead child fails the pending requests (and this one, unless quiet)."""
+        if self._failure is None:
+            try:
+                self._conn.send(message)
+                return
+            except OSError as e:
+                self._fail(f"the writer process (pid {self._proc.pid}) died ({e}) while a save was in flight")
+        if not quiet:
+            raise WriterProcessError(self._failure)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                _, req, error, written = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._pending_lock:
+                future, on_done = self._pending.pop(req)
+            on_done()
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(written)
+        code = self._proc.wait()
+        self._fail(f"the writer process (pid {self._proc.pid}) died (exit code {code}) while a save was in flight")
+
+    def _fail(self, reason: str) -> None:
+        """Fail every pending request: their staged chunks are released (the child no longer reads them)."""
+        self._failure = self._failure or reason
+        with self._pending_lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for future, on_done in pending:
+            on_done()
+            future.set_exception(WriterProcessError(self._failure))
+
+
+def _nothing() -> None:
+    pass
+
+
+# ------------------------------------------------------------------------------------------ the child
+
+
+class _Server:
+    """The child's loop: map arenas, keep storages, run requests on IO threads, reply when each is done."""
+
+    def __init__(self, conn: Connection, io_threads: int):
+        self.conn = conn
+        self.pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="ucp-writer")
+        self.arenas: dict[int, Arena] = {}
+        self.storages: dict[int, Storage] = {}
+        self._reply_lock = threading.Lock()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except EOFError:
+                break
+            if message is None:
+                break
+            kind = message[0]
+            if kind == "arena":
+                _, arena_id, size = message
+                self.arenas[arena_id] = map_shared_arena(arena_id, reduction.recv_handle(self.conn), size)
+            elif kind == "drop":
+                self.arenas.pop(message[1], None)
+            elif kind == "storage":
+                self.storages[message[1]] = message[2]
+            elif kind == "forget":
+                self.storages.pop(message[1], None)
+            else:
+                self._start(*message)
+        self.pool.shutdown(wait=True)
+
+    def _start(self, kind: str, req: int, sid: int, payload: Any) -> None:
+        storage = self.storages[sid]
+        written: Written = []
+        if kind == "chunks":
+            calls = [functools.partial(self._write_chunk, storage, ref, written) for ref in payload]
+        elif kind == "documents":
+            calls = [functools.partial(_write_document, storage, key, data, written) for key, data in payload]
+        else:
+            calls = [storage.flush]
+        self._reply_when_done(req, submit_batched(self.pool, calls), written)
+
+    def _write_chunk(self, storage: Storage, ref: ChunkRef, written: Written) -> None:
+        nbytes = ref.meta.itemsize * math.prod(ref.shape)
+        values = self.arenas[ref.arena].memory[ref.offset : ref.offset + nbytes].view(ref.dtype).view(ref.shape)
+        parts = codec.encode(ref.meta, ref.index, values)
+        storage.write(ref.key, parts)
+        written.append((ref.key, sum(memoryview(p).nbytes for p in parts)))
+
+    def _reply_when_done(self, req: int, futures: list[cf.Future], written: Written) -> None:
+        remaining = len(futures)
+        lock = threading.Lock()
+
+        def one_done(_: cf.Future | None) -> None:
+            nonlocal remaining
+            with lock:
+                remaining -= 1
+                if remaining > 0:
+                    return
+            error = next((f.exception() for f in futures if f.exception() is not None), None)
+            self._reply(req, error, written)
+
+        if not futures:
+            remaining = 1
+            one_done(None)
+        for f in futures:
+            f.add_done_callback(one_done)
+
+    def _reply(self, req: int, error: BaseException | None, written: Written) -> None:
+        if error is not None:
+            try:
+                pickle.dumps(error)
+            except Exception:  # noqa: BLE001 -- an exception that cannot cross processes is described instead
+                error = UcpError(f"{type(error).__name__}: {error}")
+        with self._reply_lock:
+            self.conn.send(("done", req, error, written))
+
+
+def _write_document(storage: Storage, key: str, data: bytes, written: Written) -> None:
+    storage.write(key, [data])
+    written.append((key, len(data)))
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
+    torch.set_num_threads(1)
+    fd, io_threads = int(argv[0]), int(argv[1])
+    _Server(Connection(fd), io_threads).serve()
+
