@@ -1,18 +1,18 @@
 """`python -m bench_io.gil` (or `python -m bench_io gil`): does a writer *process* beat writer *threads*?
 
 An async save's writer threads share the trainer's GIL: while they checksum, encode and issue writes, the
-training loop's Python (op dispatch, autograd, the optimizer) waits for the lock. A writer process, fed through
-shared memory, takes the GIL out of the picture at the cost of a copy into shared memory and a process.
+training loop's Python (op dispatch, autograd, the optimizer) waits for the lock. A writer process that maps the
+staging memory (ucp.writer_process) takes the GIL out of the picture at the cost of a process.
 
 The experiment, on a training-like loop (a small MLP's forward, backward and SGD step on CPU: many small torch
 ops, dominated by Python and dispatch, as a GPU trainer's host side is; torch on 1 intra-op thread):
 
 1. alone: the loop's steps/s with nothing else running;
-2. threads: ucp CheckpointManager(mode="async").save of the state (~--size) in the background (ucp's writer
-   threads, in this process), the loop running until the commit;
-3. process: the same bytes saved by a separate writer process (spawned once, warm) with ucp.save, from
-   tensors in shared memory (share_memory_()): the trainer's snapshot is a copy_ into those shared tensors,
-   then a message; the loop runs until the child reports the commit.
+2. threads: CheckpointManager(mode="async", writer="threads").save of the state (~--size): the snapshot, then
+   encoding and writes by writer threads in this process, the loop running until the commit;
+3. process: the same with writer="process" (the default): the snapshot goes to shared staging arenas, a
+   writer process encodes and writes, the loop runs until the commit.
+Both managers are warm (one untimed save each first), as a trainer's manager is after its first checkpoint.
 
 Reported: the loop's slowdown (steps/s alone / steps/s during the save), its p50 / p99 step time, the save's
 blocking time and its end-to-end time. Medians over --repeats.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import shutil
 import statistics
 import sys
@@ -76,46 +75,6 @@ def _stats(times: list[float], wall: float) -> dict[str, float]:
     }
 
 
-def _writer(shared: dict[str, Any], io_threads: int, conn: Any) -> None:
-    """The writer process: saves the shared tensors whenever told, reports the time."""
-    import ucp
-
-    torch.set_num_threads(1)
-    options = ucp.SaveOptions(fsync=True, io_threads=io_threads)
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        url, step = msg
-        t0 = time.perf_counter()
-        try:
-            ucp.save(shared, url, step=step, options=options)
-            conn.send({"save_s": time.perf_counter() - t0})
-        except Exception as e:  # noqa: BLE001
-            conn.send({"error": f"{type(e).__name__}: {e}"})
-
-
-def _share_like(tree: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out[k] = _share_like(v)
-        elif isinstance(v, torch.Tensor):
-            out[k] = torch.empty_like(v).share_memory_()
-        else:
-            out[k] = v
-    return out
-
-
-def _copy_into(dst: dict[str, Any], src: dict[str, Any]) -> None:
-    for k, v in src.items():
-        if isinstance(v, dict):
-            _copy_into(dst[k], v)
-        elif isinstance(v, torch.Tensor):
-            dst[k].copy_(v)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .__main__ import parse_size
 
@@ -144,68 +103,31 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
     for _ in range(50):
         step()  # warm
     root = Path(tempfile.mkdtemp(prefix="bench_io-gil-", dir=args.dir or "/var/tmp"))
-    ctx = mp.get_context("spawn")
-    shared = _share_like(state.tree)
-    parent, child = ctx.Pipe()
-    writer = ctx.Process(target=_writer, args=(shared, args.io_threads, child), daemon=True)
-    writer.start()
-    assert parent.recv() == "ready"
     options = ucp.SaveOptions(fsync=True, io_threads=args.io_threads)
     rows: dict[str, list[dict[str, float]]] = {"alone": [], "threads": [], "process": []}
-    # one manager for the whole run, as a trainer keeps one: its staging pool and threads are warm after the
-    # first save, which is untimed (and so is the writer process's first save)
-    manager = ucp.CheckpointManager(str(root / "threads"), mode="async", options=options)
+    managers = {w: ucp.CheckpointManager(str(root / w), mode="async", options=options, writer=w) for w in ("threads", "process")}
     try:
-        manager.save(10_000, state.tree)
-        manager.wait()
-        _copy_into(shared, state.tree)
-        parent.send((str(root / "process-warmup"), 0))
-        if "error" in (reply := parent.recv()):
-            raise RuntimeError(f"writer process: {reply['error']}")
+        for manager in managers.values():
+            manager.save(0, state.tree)  # warm: staging allocated, writer process started
+            manager.wait()
         for r in range(args.repeats):
-            # alone
             t0 = time.perf_counter()
             times = run_steps(step, lambda t0=t0: time.perf_counter() - t0 >= args.alone_s)
             rows["alone"].append(_stats(times, time.perf_counter() - t0))
             log(f"r{r} alone:   {rows['alone'][-1]['steps_per_s']:.0f} steps/s")
-
-            # writer threads: ucp's async save in this process
-            t0 = time.perf_counter()
-            handle = manager.save(r, state.tree)
-            t1 = time.perf_counter()
-            times = run_steps(step, handle.done)
-            manager.wait()
-            wall = time.perf_counter() - t1
-            e2e = time.perf_counter() - t0
-            rows["threads"].append({**_stats(times, wall), "blocking_s": t1 - t0, "save_s": e2e})
-            log(
-                f"r{r} threads: {rows['threads'][-1]['steps_per_s']:.0f} steps/s, save {e2e:.2f} s, blocking {t1 - t0:.3f} s"
-            )
-
-            # writer process, fed by shared memory
-            t0 = time.perf_counter()
-            _copy_into(shared, state.tree)
-            parent.send((str(root / f"process-{r}"), 0))
-            t1 = time.perf_counter()
-            times = run_steps(step, parent.poll)
-            reply = parent.recv()
-            wall = time.perf_counter() - t1
-            e2e = time.perf_counter() - t0
-            if "error" in reply:
-                raise RuntimeError(f"writer process: {reply['error']}")
-            rows["process"].append(
-                {**_stats(times, wall), "blocking_s": t1 - t0, "save_s": e2e, "child_save_s": reply["save_s"]}
-            )
-            log(
-                f"r{r} process: {rows['process'][-1]['steps_per_s']:.0f} steps/s, save {e2e:.2f} s, blocking {t1 - t0:.3f} s"
-            )
-            shutil.rmtree(root / f"process-{r}", ignore_errors=True)
+            for writer, manager in managers.items():
+                t0 = time.perf_counter()
+                handle = manager.save(r + 1, state.tree)
+                t1 = time.perf_counter()
+                times = run_steps(step, handle.done)
+                manager.wait()
+                wall = time.perf_counter() - t1
+                e2e = time.perf_counter() - t0
+                rows[writer].append({**_stats(times, wall), "blocking_s": t1 - t0, "save_s": e2e})
+                log(f"r{r} {writer}: {rows[writer][-1]['steps_per_s']:.0f} steps/s, save {e2e:.2f} s, blocking {t1 - t0:.3f} s")
     finally:
-        manager.close()
-        parent.send(None)
-        writer.join(30)
-        if writer.is_alive():
-            writer.terminate()
+        for manager in managers.values():
+            manager.close()
         shutil.rmtree(root, ignore_errors=True)
 
     def med(mode: str, key: str) -> float | None:

@@ -275,7 +275,8 @@ class UcpAsync(Ucp):
 
     name = "ucp-async"
     paired_copy = True
-    description = "CheckpointManager(mode='async').save: blocking time (snapshot) and end-to-end time to commit"
+    description = "CheckpointManager(mode='async').save (writer process): blocking time (snapshot) and end-to-end time to commit"
+    writer = "process"
 
     def __init__(self, io_threads: int = DEFAULT_IO_THREADS):
         super().__init__(io_threads)
@@ -287,7 +288,7 @@ class UcpAsync(Ucp):
         url, options = self._url(directory)
         manager = ucp.CheckpointManager(url, mode="async", options=self.options, storage_options=options)
         if self._pipeline is None:
-            self._pipeline = SavePipeline(self.options.io_threads)
+            self._pipeline = SavePipeline(self.options.io_threads, writer=self.writer)
         manager.pipeline.close()
         manager.pipeline = self._pipeline
         t0 = time.perf_counter()
@@ -295,6 +296,15 @@ class UcpAsync(Ucp):
         blocking = time.perf_counter() - t0
         manager.wait()
         return {"blocking_s": blocking, "blocking_reported_s": handle.blocking_s}
+
+
+@register
+class UcpAsyncThreads(UcpAsync):
+    """The same async save with writer threads in this process instead of the writer process."""
+
+    name = "ucp-async-threads"
+    description = "CheckpointManager(mode='async', writer='threads').save: blocking time and end-to-end time"
+    writer = "threads"
 
 
 # ---------------------------------------------------------------------------------------------------- torch

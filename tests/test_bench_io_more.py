@@ -1,5 +1,5 @@
 """bench_io extensions: the S3 target (embedded moto server), async saves and DCP side by side, the plain-copy
-floor, --procs, and the reshard benchmark's read amplification."""
+floor, --procs, writer threads against the writer process, and the reshard benchmark's read amplification."""
 
 from __future__ import annotations
 
@@ -61,6 +61,15 @@ def test_procs_2(tmp_path: Path) -> None:
         assert m["procs"] == 2 and m["save_gbps"] > 0 and m["load_gbps"] > 0, m
         assert 0 < m["rank_min_save_gbps"] and 0 < m["rank_min_load_gbps"]
     assert doc["medians"][0]["nbytes"] > 3 << 20  # both ranks' shares (2 x 2 MiB)
+
+
+def test_gil_compares_the_writer_threads_and_the_writer_process(tmp_path: Path) -> None:
+    out = tmp_path / "gil.json"
+    proc = _run(["gil", "--size", "4MiB", "--repeats", "1", "--alone-s", "0.2", "--dir", str(tmp_path), "--json", str(out)])
+    assert "less slowdown of the loop: writer" in proc.stdout
+    summary = json.loads(out.read_text())["summary"]
+    for writer in ("threads", "process"):
+        assert summary[writer]["save_s"] > 0 and summary[writer]["slowdown"] > 0 and summary[writer]["steps_per_s"] > 0
 
 
 def test_reshard_tiny_amplification(tmp_path: Path) -> None:
