@@ -201,7 +201,7 @@ class CheckpointReader:
         return f"{self.prefix}/{meta.path}/{name}"
 
     def check_atom_metadata(self, meta: AtomMeta) -> None:
-        """The atom's zarr.json must exist and agree with the committed manifest."""
+        """The atom's zarr.json must exist and agree with the committed manifest (what other Zarr readers see)."""
         try:
             raw = self.storage.read(self._atom_key(meta, ZARR_JSON))
         except FileNotFoundError:
@@ -215,25 +215,16 @@ class CheckpointReader:
         codec.read_object(self.storage, self._atom_key(meta, key), meta, index, codec.full_region(out), where)
 
     def read_atoms(self, paths: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Read whole atoms, every chunk verified; many objects in flight."""
+        """Read whole atoms, every chunk verified; many objects in flight.
+
+        Reads are planned from the committed manifest alone (its checksum is in the commit marker), so an atom's
+        own zarr.json, which only other Zarr readers need, is not read here: `ucp verify` checks that it agrees."""
         metas = [self.atoms[p] for p in paths]
         out = {m.path: torch.empty(m.shape, dtype=dtypes.torch_dtype(m.dtype)) for m in metas}
-        # An atom's metadata is checked before its data is read, so data is never interpreted through a
-        # description that disagrees with the commit: in the same task for single-object atoms (most of them),
-        # in a first pass for the few atoms whose objects are read in parallel.
-        single = [m for m in metas if math.prod(m.grid) <= 1]
-        several = [m for m in metas if math.prod(m.grid) > 1]
+        tasks = [functools.partial(self.read_chunk_into, m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)]
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            run_tasks(pool, [functools.partial(self.check_atom_metadata, m) for m in several])
-            tasks = [functools.partial(self._read_whole_single, m, out[m.path]) for m in single]
-            tasks += [functools.partial(self.read_chunk_into, m, i, out[m.path]) for m in several for i in chunk_indices(m.grid)]
             run_tasks(pool, tasks)
         return out
-
-    def _read_whole_single(self, meta: AtomMeta, out: torch.Tensor) -> None:
-        self.check_atom_metadata(meta)
-        for index in chunk_indices(meta.grid):  # none for an empty atom
-            self.read_chunk_into(meta, index, out)
 
     def load_state(self) -> dict[str, Any]:
         return tree.unflatten(self.manifest.tree, self.read_atoms(tree.tree_atoms(self.manifest.tree)))

@@ -438,7 +438,6 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
     shapes = canonical_atoms(model.config)
     local: dict[str, Any] = {}
     jobs: list[Callable[[], None]] = []
-    needed_metas: dict[str, AtomMeta] = {}
     bytes_needed = 0
     for lt in plan:
         metas = []
@@ -450,7 +449,6 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
             meta = reader.atoms[path]
             _check_atom(meta, shapes[p.atom][0])
             metas.append(meta)
-            needed_metas[path] = meta
         stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
         covered = sum(p.numel for p in lt.pieces) == math.prod(lt.shape)
         tensor = torch.empty(lt.shape, dtype=stored) if covered else torch.zeros(lt.shape, dtype=stored)  # padding: 0
@@ -460,7 +458,6 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
             bytes_needed += view.numel() * view.element_size()
             jobs += [lambda m=meta, i=i, v=view, b=p.atom_box: _read_region(reader, m, i, b, v) for i in _chunks_touching(meta, p.atom_box)]
     with cf.ThreadPoolExecutor(reader.io_threads) as pool:
-        run_tasks(pool, [lambda m=m: reader.check_atom_metadata(m) for m in needed_metas.values()])
         before = reader.storage.stats.bytes_read
         run_tasks(pool, jobs)
         read = reader.storage.stats.bytes_read - before
