@@ -34,14 +34,18 @@ from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .storage import Storage, open_storage
 from .workpool import run_tasks
 
-DEFAULT_IO_THREADS = 16
+DEFAULT_IO_THREADS = 16  # requests in flight on local files (object stores: Storage.default_io_threads)
 
 
 @dataclass(frozen=True)
 class SaveOptions:
     chunking: ChunkingPolicy = field(default_factory=ChunkingPolicy)
-    io_threads: int = DEFAULT_IO_THREADS
+    io_threads: int | None = None  # requests in flight; None: the storage's default (16 local, 64 object stores)
     fsync: bool = True  # local files: fsync every object and new directory before the commit
+
+
+def io_threads_for(options: SaveOptions, storage: Storage) -> int:
+    return options.io_threads or storage.default_io_threads
 
 
 def default_role(path: str) -> str:
@@ -164,7 +168,7 @@ def save(
     options = options or SaveOptions()
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
     plan = plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes)
-    pipeline = SavePipeline(options.io_threads)
+    pipeline = SavePipeline(io_threads_for(options, storage))
     try:
         record = pipeline.submit(plan, "sync").result()
     finally:
@@ -179,7 +183,7 @@ def save(
 class CheckpointReader:
     """One committed step, opened for reading: its manifest, and verified reads of its atoms."""
 
-    def __init__(self, storage: Storage, step: int | str | None = "latest", *, io_threads: int = DEFAULT_IO_THREADS):
+    def __init__(self, storage: Storage, step: int | str | None = "latest", *, io_threads: int | None = None):
         self.storage = storage
         self.step, self.record = commit.resolve_step(storage, step)
         self.prefix = step_dirname(self.step)
@@ -191,7 +195,7 @@ class CheckpointReader:
         missing = set(tree.tree_atoms(self.manifest.tree)) - set(self.manifest.atoms)
         if missing:
             raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
-        self.io_threads = io_threads
+        self.io_threads = io_threads or storage.default_io_threads
 
     @property
     def atoms(self) -> dict[str, AtomMeta]:

@@ -33,6 +33,7 @@ from .checkpoint import (
     commit_step,
     ensure_root,
     group_paths,
+    io_threads_for,
     plan_atoms,
     prepare_step,
 )
@@ -363,7 +364,7 @@ def save_sharded(
     options = options or SaveOptions()
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
     plan = plan_sharded_save(local_state, storage, step=step, model=model, comm=comm, extra=extra, options=options)
-    pipeline = SavePipeline(options.io_threads)
+    pipeline = SavePipeline(io_threads_for(options, storage))
     try:
         return pipeline.submit(plan, "sync").result()
     finally:
@@ -386,7 +387,7 @@ class VirtualWorld:
         savers = [RankSaver(s, model, r, storage, step, options) for r, s in enumerate(local_states)]
         outgoing = [s.outgoing() for s in savers]
         manifest, extra_chunks = manifest_for(model, savers[0].metas, extra or {}, step, options.chunking)
-        pipeline = SavePipeline(options.io_threads)
+        pipeline = SavePipeline(io_threads_for(options, storage))
         try:
             for rank, saver in enumerate(savers):
                 plan = saver.plan({peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, lambda: None)

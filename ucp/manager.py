@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from . import commit
-from .checkpoint import CheckpointReader, SaveOptions, plan_save
+from .checkpoint import CheckpointReader, SaveOptions, io_threads_for, plan_save
 from .commit import CommitRecord
 from .distributed import Comm, LoadReport, ShardedModel, extra_state, load_sharded, plan_sharded_save
 from .pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
@@ -49,7 +49,7 @@ class CheckpointManager:
         self.mode = mode
         self.comm = comm
         self.storage: Storage = open_storage(root_url, storage_options, fsync=self.options.fsync)
-        self.pipeline = SavePipeline(self.options.io_threads, staging_bytes, writer)
+        self.pipeline = SavePipeline(io_threads_for(self.options, self.storage), staging_bytes, writer)
         if mode != "sync":
             self.pipeline.start_writer()  # it imports while the trainer sets up, not at the first save
         if self.is_coordinator:

@@ -73,6 +73,7 @@ class Storage(ABC):
     url: str
     stats: IOStats
     whole_object_reads = False  # True where a request costs more than the bytes it moves (object stores)
+    default_io_threads = 16  # requests in flight when the caller does not say
 
     @abstractmethod
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
@@ -240,6 +241,7 @@ class FsspecStorage(Storage):
     """Any fsspec filesystem: memory://, s3:// (s3fs), ... One request per object write or range read."""
 
     whole_object_reads = True
+    default_io_threads = 64  # an object store's latency is hidden by many requests (s3fs's pool is 64 connections)
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
         self.fs = fs
