@@ -6,6 +6,7 @@ in this process); the writer process is held and failed for real: SIGSTOP/SIGKIL
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -159,6 +160,17 @@ def test_unknown_mode_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------ the writer process
 
 
+@contextlib.contextmanager
+def writer_stopped(manager: ucp.CheckpointManager):
+    """SIGSTOP the manager's writer process for the block: nothing is written until it ends."""
+    pid = manager.pipeline._process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def process_manager(url: str, **kwargs) -> ucp.CheckpointManager:
     manager = ucp.CheckpointManager(url, options=OPTIONS, mode="async", writer="process", **kwargs)
     assert manager.pipeline._process is not None, "an async manager starts its writer process at once"
@@ -169,17 +181,13 @@ def process_manager(url: str, **kwargs) -> ucp.CheckpointManager:
 def test_writer_process_writes_the_snapshot_while_training_changes_the_tensors(tmp_path):
     manager = process_manager(str(tmp_path))
     manager.storage.stats.write_log = []
-    writer_pid = manager.pipeline._process.pid
-    os.kill(writer_pid, signal.SIGSTOP)  # nothing gets written until we let it
-    try:
+    with writer_stopped(manager):
         state = make_state()
         expected = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": 0}
         handle = manager.save(1, state)
         assert handle.writer == "process" and not handle.done()
         for t in state["model"].values():
             t.add_(1.0)
-    finally:
-        os.kill(writer_pid, signal.SIGCONT)
     assert manager.wait().step == 1
     assert_same_state(expected, manager.restore())
     chunk_keys = [k for k in manager.storage.stats.write_log if "/c." in k]
@@ -190,13 +198,9 @@ def test_writer_process_writes_the_snapshot_while_training_changes_the_tensors(t
 @needs_process_writer
 def test_a_failed_write_in_the_writer_process_surfaces_and_commits_nothing(tmp_path):
     manager = process_manager(str(tmp_path))
-    writer_pid = manager.pipeline._process.pid
-    os.kill(writer_pid, signal.SIGSTOP)
-    try:
+    with writer_stopped(manager):
         manager.save(1, make_state())  # (a save first clears what an earlier try left at its step)
         (tmp_path / "step_00000001" / "model" / "w0" / "c.0.0").mkdir(parents=True)  # a directory where a chunk goes
-    finally:
-        os.kill(writer_pid, signal.SIGCONT)
     with pytest.raises(IsADirectoryError):
         manager.wait()
     assert manager.steps() == []
@@ -210,10 +214,9 @@ def test_a_failed_write_in_the_writer_process_surfaces_and_commits_nothing(tmp_p
 @needs_process_writer
 def test_a_killed_writer_process_fails_the_save_and_the_next_save_restarts_it(tmp_path):
     manager = process_manager(str(tmp_path))
-    first_pid = manager.pipeline._process.pid
-    os.kill(first_pid, signal.SIGSTOP)
-    manager.save(1, make_state(1))
-    os.kill(first_pid, signal.SIGKILL)
+    with writer_stopped(manager) as first_pid:
+        manager.save(1, make_state(1))
+        os.kill(first_pid, signal.SIGKILL)
     with pytest.raises(WriterProcessError, match=r"writer process \(pid \d+\) died"):
         manager.wait()
     assert manager.steps() == []
