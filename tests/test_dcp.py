@@ -102,7 +102,7 @@ def run_two_ranks(tmp: Path, mode: str, ckpt: Path, ref: Path) -> None:
 
 def test_import_fsdp2_dcp_checkpoint(tmp_path):
     run_two_ranks(tmp_path, "save", tmp_path / "dcp", tmp_path / "ref.pt")
-    report = import_dcp(tmp_path / "dcp", str(tmp_path / "u"))
+    report = import_dcp(tmp_path / "dcp", str(tmp_path / "u"), memory_budget=64 << 10)  # many groups of DCP tensors
     assert report.atoms == len(canonical_atoms(tiny_config()))
     assert report.optim_states == ("exp_avg", "exp_avg_sq")
     assert any(s.startswith("optim.state.") and s.endswith(".step") for s in report.skipped)

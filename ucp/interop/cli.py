@@ -15,6 +15,7 @@ import argparse
 from typing import Any
 
 from ucp.cli import parse_storage_options
+from ucp.interop.streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS
 
 
 def _bytes(text: str) -> int:
@@ -41,6 +42,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _streaming(p: argparse.ArgumentParser) -> None:
+    """The options of every conversion: tensors stream through within a memory budget, many reads and writes at once."""
+    p.add_argument("--memory-budget", type=_bytes, default=DEFAULT_MEMORY_BUDGET, help="peak tensor memory (default 4GiB)")
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel reads and writes (default 8)")
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from ucp.interop.megatron import convert
 
@@ -51,7 +58,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"converted {report.atoms} atoms ({report.bytes_written / 2**20:.1f} MiB) "
           f"from {report.source} to {report.destination}")
     if report.dropped:
-        print(f"not carried (model weights only): {', '.join(report.dropped)}")
+        print(f"not carried: {', '.join(report.dropped)}")
     return 0
 
 
@@ -61,13 +68,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         from ucp.interop.hf import export_hf
 
         report = export_hf(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options,
-                           max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
+                           max_shard_bytes=args.max_shard_size, memory_budget=args.memory_budget, workers=args.workers,
+                           progress=not args.no_progress)
         print(f"wrote {report.tensors} tensors in {report.files} safetensors files "
               f"({report.bytes_written / 2**20:.1f} MiB) to {args.dir}")
     else:
         from ucp.interop.dcp import export_dcp
 
-        report = export_dcp(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options)
+        report = export_dcp(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options,
+                            memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
         print(f"wrote {report.tensors} tensors ({report.bytes_written / 2**20:.1f} MiB) as a DCP checkpoint to {args.dir}")
     return 0
 
@@ -77,11 +86,13 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.from_ == "hf":
         from ucp.interop.hf import import_hf
 
-        report = import_hf(args.src, args.url, step=args.step, dtype=args.dtype, storage_options=options)
+        report = import_hf(args.src, args.url, step=args.step, dtype=args.dtype, storage_options=options,
+                           memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
     else:
         from ucp.interop.dcp import import_dcp
 
-        report = import_dcp(args.src, args.url, config=args.config, step=args.step, dtype=args.dtype, storage_options=options)
+        report = import_dcp(args.src, args.url, config=args.config, step=args.step, dtype=args.dtype, storage_options=options,
+                            memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
     print(f"imported {report.atoms} atoms ({report.bytes_read / 2**20:.1f} MiB) as step {report.step} of {args.url}")
     return 0
 
@@ -97,8 +108,7 @@ def register(subparsers: Any) -> None:
                    help="true vocabulary size, when the Megatron args only know the padded one")
     p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
     p.add_argument("--step", type=int, default=None, help="ucp step to write or read (default: the iteration / latest)")
-    p.add_argument("--memory-budget", type=_bytes, default=4 << 30, help="peak tensor memory (default 4GiB)")
-    p.add_argument("--workers", type=int, default=8, help="parallel reads and writes (default 8)")
+    _streaming(p)
     _common(p)
     p.set_defaults(func=cmd_convert)
 
@@ -109,6 +119,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument("--step", type=_step, default="latest", help="step to export (default: latest)")
     p.add_argument("--max-shard-size", type=_bytes, default=1 << 30, help="largest safetensors file (default 1GiB)")
+    _streaming(p)
     _common(p)
     p.set_defaults(func=cmd_export)
 
@@ -119,5 +130,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument("--config", default=None, help="DCP only: the model's Hugging Face config.json (default: SRC/config.json)")
+    _streaming(p)
     _common(p)
     p.set_defaults(func=cmd_import)

@@ -4,7 +4,8 @@ A DCP checkpoint is per-rank `.distcp` blobs plus one pickled `.metadata`. DCP i
 with plain `pickle.load`; ucp never does: the metadata is read with an unpickler that only resolves the DCP
 metadata dataclasses, torch.Size, dtypes and paths (the tensor data is read through torch.load with
 weights_only=True by DCP's own reader). DCP reassembles DTensor / FSDP2 shards by overlapping chunks, so a
-no-process-group load of full tensors gives the atoms directly.
+no-process-group load of full tensors gives the atoms directly; loading only some entries at a time keeps the
+import within a memory budget. The export is DCP's own writer, handed each atom only when it writes it.
 
 Tensor names: a DCP state dict of a Hugging Face Mixtral module (optionally nested under "model"), with
 either expert naming. Optimizer state saved as torch's `get_optimizer_state_dict` writes it
@@ -15,8 +16,10 @@ exp_avg and exp_avg_sq); 0-d entries (step) and param_groups are left behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
+import math
 import pathlib
 import pickle
 import re
@@ -28,18 +31,24 @@ from typing import Any
 
 import torch
 
-from ucp import commit
-from ucp.checkpoint import open_checkpoint
-from ucp.distributed import ShardedModel, VirtualWorld, atom_path, model_config_of
+from ucp import dtypes
+from ucp.checkpoint import CheckpointReader, open_checkpoint
+from ucp.distributed import AtomKey, ShardedModel, atom_path, model_config_of
 from ucp.families import MixtralConfig, canonical_atoms
-from ucp.format import step_dirname
 from ucp.interop.dtypes import parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.hf import ucp_config_from_hf
 from ucp.interop.staging import staged_dir
+from ucp.interop.streaming import (
+    DEFAULT_MEMORY_BUDGET,
+    DEFAULT_WORKERS,
+    group_limit,
+    nbytes,
+    pack,
+    progress_bar,
+    save_atoms,
+)
 from ucp.layout import Layout
-from ucp.reshard import shard
-from ucp.storage import open_storage
 
 METADATA = ".metadata"
 _META_MODULE = "torch.distributed.checkpoint.metadata"
@@ -203,52 +212,55 @@ def _config(config: MixtralConfig | str | Path | None, root: Path) -> MixtralCon
     return ucp_config_from_hf(json.loads(path.read_text()), str(path))[0]
 
 
-def import_dcp(src_dir: str | Path, url: str, *, config: MixtralConfig | str | Path | None = None, step: int = 0,
-               dtype: str | torch.dtype | None = None, storage_options: dict[str, Any] | None = None) -> DcpImportReport:
-    """A DCP checkpoint of a Mixtral model (written by dcp.save from any world size, DTensor/FSDP2 shards or
-    plain tensors) becomes a ucp checkpoint in layout tp1pp1 that any layout can load: the parameters (cast to
-    `dtype` if given) and, where present for every parameter, the per-element optimizer states (as stored)."""
+def _check_shapes(targets: list[_Target], config: MixtralConfig, where: str) -> None:
+    """Every atom a DCP tensor gives has the shape the config implies (from the metadata alone)."""
+    expected = canonical_atoms(config)
+    for t in targets:
+        for atom, part in _split(t, torch.empty(t.shape, device="meta"), config).items():
+            if tuple(part.shape) != expected[atom][0]:
+                what = "parameter" if t.state is None else t.state
+                raise InteropError(f"{where}: {what} of {atom} has shape {list(part.shape)}, the config implies {list(expected[atom][0])}")
+
+
+def _load_targets(root: Path, metadata: Any, targets: list[_Target], config: MixtralConfig) -> dict[AtomKey, torch.Tensor]:
+    """Some DCP tensors, reassembled by DCP's own reader (only these entries are read), split into atoms."""
     import torch.distributed.checkpoint as dcp
 
+    with _quiet():
+        full = {t.fqn: torch.empty(t.shape, dtype=metadata.state_dict_metadata[t.fqn].properties.dtype) for t in targets}
+        dcp.load(full, storage_reader=_safe_reader(root), no_dist=True)
+    return {(atom, t.state): part for t in targets for atom, part in _split(t, full.pop(t.fqn), config).items()}
+
+
+def _first_dtype(metadata: Any, targets: list[_Target], state: str | None) -> torch.dtype:
+    return next(metadata.state_dict_metadata[t.fqn].properties.dtype for t in targets if t.state == state)
+
+
+def import_dcp(src_dir: str | Path, url: str, *, config: MixtralConfig | str | Path | None = None, step: int = 0,
+               dtype: str | torch.dtype | None = None, storage_options: dict[str, Any] | None = None,
+               memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = DEFAULT_WORKERS,
+               progress: bool = False) -> DcpImportReport:
+    """A DCP checkpoint of a Mixtral model (written by dcp.save from any world size, DTensor/FSDP2 shards or
+    plain tensors) becomes a ucp checkpoint in layout tp1pp1 that any layout can load: the parameters (cast to
+    `dtype` if given) and, where present for every parameter, the per-element optimizer states (as stored).
+    Names and shapes are checked from the metadata first; DCP's reader then loads the tensors in groups that
+    fit `memory_budget` (a DCP tensor is loaded whole: fused experts are one tensor per layer)."""
     root = Path(src_dir)
     metadata = read_metadata(root)
     cfg = _config(config, root)
     targets, skipped = plan_import(metadata, cfg, str(root))
-    with _quiet():
-        full = {t.fqn: torch.empty(t.shape, dtype=metadata.state_dict_metadata[t.fqn].properties.dtype) for t in targets}
-        dcp.load(full, storage_reader=_safe_reader(root), no_dist=True)
-    cast = parse_dtype(dtype)
-    params: dict[str, torch.Tensor] = {}
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    for t in targets:
-        for atom, tensor in _split(t, full.pop(t.fqn), cfg).items():
-            if t.state is None:
-                params[atom] = tensor.to(cast) if cast else tensor
-            else:
-                optim.setdefault(atom, {})[t.state] = tensor
-    expected = canonical_atoms(cfg)
-    for name, (shape, _) in expected.items():
-        for what, tensor in [("parameter", params[name]), *optim.get(name, {}).items()]:
-            if tuple(tensor.shape) != shape:
-                raise InteropError(f"{root}: {what} of {name} has shape {list(tensor.shape)}, the config implies {list(shape)}")
-    states = tuple(sorted({s for per_atom in optim.values() for s in per_atom}))
-    full_state: dict[str, Any] = {"model": {n: params[n].contiguous() for n in expected}}
-    if states:
-        full_state["optimizer"] = {"state": {n: {s: optim[n][s].contiguous() for s in states} for n in expected}}
-    nbytes = sum(t.numel() * t.element_size() for t in full_state["model"].values())
-    nbytes += sum(t.numel() * t.element_size() for per in optim.values() for t in per.values())
-    local = shard(full_state, cfg, Layout(), 0, states)
-    del full_state, params, optim
-    storage = open_storage(url, storage_options)
+    _check_shapes(targets, cfg, str(root))
+    states = tuple(sorted({t.state for t in targets if t.state is not None}))
+    dtype_of = {None: parse_dtype(dtype) or _first_dtype(metadata, targets, None)}
+    dtype_of.update({s: _first_dtype(metadata, targets, s) for s in states})
+    by_fqn = {t.fqn: t for t in targets}
+    sizes = {t.fqn: math.prod(t.shape) * metadata.state_dict_metadata[t.fqn].properties.dtype.itemsize for t in targets}
+    groups = pack(sizes, group_limit(memory_budget))
+    loads = [functools.partial(_load_targets, root, metadata, [by_fqn[f] for f in g], cfg) for g in groups]
     extra = {"source": {"format": "dcp", "path": str(root.absolute())}}
-    try:
-        VirtualWorld(1).save([local], url, step=step, model=ShardedModel(cfg, Layout(), optim_states=states), extra=extra,
-                             storage=storage)
-    except BaseException:
-        if commit.read_marker(storage, step) is None:
-            storage.delete(step_dirname(step))
-        raise
-    return DcpImportReport(step, len(expected), nbytes, states, tuple(skipped))
+    written = save_atoms(url, loads, step=step, model=ShardedModel(cfg, Layout(), optim_states=states), dtype_of=dtype_of,
+                         extra=extra, storage_options=storage_options, workers=workers, progress=progress)
+    return DcpImportReport(step, len(canonical_atoms(cfg)), written, states, tuple(skipped))
 
 
 # ----------------------------------------------------------------------------------------------- export
@@ -260,10 +272,30 @@ class DcpExportReport:
     bytes_written: int
 
 
+def _atom_reading_planner(reader: CheckpointReader, cast: torch.dtype | None, bar: Any) -> Any:
+    """A DCP save planner for a state dict of placeholder (meta) tensors: DCP's writer asks for each tensor
+    when it writes it, and only then is the atom read (and cast)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class AtomReadingPlanner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            path = atom_path(index.fqn, None)
+            tensor = reader.read_atoms([path])[path]
+            bar.update(nbytes(tensor))
+            return tensor.to(cast) if cast is not None else tensor
+
+    return AtomReadingPlanner()
+
+
 def export_dcp(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None = None, step: int | str = "latest",
-               storage_options: dict[str, Any] | None = None) -> DcpExportReport:
+               storage_options: dict[str, Any] | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET,
+               workers: int = DEFAULT_WORKERS, progress: bool = False) -> DcpExportReport:
     """Write a ucp checkpoint's parameters as a DCP checkpoint: a flat state dict of full tensors under their
-    canonical (Hugging Face) names, which DCP loads into any world size and any sharding (DTensor / FSDP2)."""
+    canonical (Hugging Face) names, which DCP loads into any world size and any sharding (DTensor / FSDP2).
+
+    DCP's own writer writes one file per tensor (its `single_file_per_rank=False` layout; one file per rank
+    would hold every tensor of the file in memory until it is written), reading each atom as it goes, with as
+    many tensors in flight as `memory_budget` allows for the largest."""
     import torch.distributed.checkpoint as dcp
 
     reader = open_checkpoint(url, step, storage_options=storage_options)
@@ -273,8 +305,14 @@ def export_dcp(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None
     if missing:
         raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
     cast = parse_dtype(dtype)
-    tensors = reader.read_atoms([atom_path(n, None) for n in names])
-    state = {n: (tensors.pop(atom_path(n, None)).to(cast) if cast else tensors.pop(atom_path(n, None))) for n in names}
-    with staged_dir(out_dir) as tmp, _quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
-    return DcpExportReport(len(state), sum(t.numel() * t.element_size() for t in state.values()))
+    metas = {n: reader.atoms[atom_path(n, None)] for n in names}
+    out_dtype = {n: cast or dtypes.torch_dtype(m.dtype) for n, m in metas.items()}
+    placeholders = {n: torch.empty(m.shape, dtype=out_dtype[n], device="meta") for n, m in metas.items()}
+    in_flight = max(max(m.nbytes, nbytes(placeholders[n])) for n, m in metas.items()) * 2  # the read, and its cast
+    threads = max(1, min(workers, memory_budget // in_flight))
+    written = sum(nbytes(t) for t in placeholders.values())
+    with staged_dir(out_dir) as tmp, _quiet(), progress_bar(sum(m.nbytes for m in metas.values()), "export dcp", progress) as bar:
+        # staged_dir fsyncs every file before it publishes the directory
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, sync_files=False, thread_count=threads)
+        dcp.save(placeholders, storage_writer=writer, planner=_atom_reading_planner(reader, cast, bar), no_dist=True)
+    return DcpExportReport(len(placeholders), written)

@@ -9,29 +9,42 @@ form on disk; import accepts both.
 
 HF fields ucp's MixtralConfig does not model (rms_norm_eps, rope parameters, token ids, ...) travel in the
 checkpoint's extra state under "hf_config", so an import followed by an export gives back the same config.
+
+Both directions stream within a memory budget (`ucp.interop.streaming`): import reads atoms a group at a time out
+of the safetensors files; export writes each file tensor by tensor (`SafetensorsWriter`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
-from ucp.checkpoint import open_checkpoint
-from ucp.distributed import ShardedModel, VirtualWorld, atom_path, extra_state, model_config_of
+from ucp.checkpoint import CheckpointReader, open_checkpoint
+from ucp.distributed import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
 from ucp.families import MixtralConfig, canonical_atoms
-from ucp.format import step_dirname
 from ucp.interop.dtypes import parse_dtype, short_name
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.staging import staged_dir
+from ucp.interop.streaming import (
+    DEFAULT_MEMORY_BUDGET,
+    DEFAULT_WORKERS,
+    group_limit,
+    nbytes,
+    pack,
+    pipelined,
+    progress_bar,
+    save_atoms,
+)
 from ucp.layout import Layout
-from ucp.reshard import shard
-from ucp.storage import open_storage
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -99,35 +112,64 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[MixtralConfig, 
 
 # ---------------------------------------------------------------------------------------------- export
 
-
-def _plan_files(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Consecutive atoms packed into files of at most max_bytes (an atom larger than that gets a file alone)."""
-    files: list[list[str]] = [[]]
-    used = 0
-    for name, n in sizes.items():
-        if files[-1] and used + n > max_bytes:
-            files.append([])
-            used = 0
-        files[-1].append(name)
-        used += n
-    return [f for f in files if f]
+# safetensors' dtype names (the header's "dtype" field)
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                       torch.bool: "BOOL"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
+class SafetensorsWriter:
+    """One safetensors file written tensor by tensor, so that only the tensors being written are in memory
+    (safetensors' own save needs them all at once). The header (names, dtypes, shapes, byte ranges) is known
+    up front; the layout is safetensors': the header's length as 8 little-endian bytes, the JSON header padded
+    with spaces to a multiple of 8, then each tensor's bytes in header order."""
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled)
+    def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str]):
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape in specs:
+            end = offset + math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            offset = end
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path, self.specs, self.written = path, list(specs), 0
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by __exit__)
+        self.file.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The next tensor of the header, in order."""
+        if (name, tensor.dtype, tuple(tensor.shape)) != self.specs[self.written]:
+            raise AssertionError(f"{self.path}: got {name} {tensor.dtype}{list(tensor.shape)}, expected {self.specs[self.written]}")
+        self.file.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self.written += 1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self.file.close()
+        if exc_type is None and self.written != len(self.specs):
+            raise AssertionError(f"{self.path}: {len(self.specs) - self.written} tensors never written")
+
+
+def _read_cast(reader: CheckpointReader, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tensors = reader.read_atoms([atom_path(n, None) for n in names])
+    return {n: tensors.pop(atom_path(n, None)).to(dtype) for n in names}
 
 
 def export_hf(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None = None, step: int | str = "latest",
               storage_options: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+              memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = DEFAULT_WORKERS,
               progress: bool = False) -> ExportReport:
-    """Write the parameters of a ucp checkpoint as a Hugging Face Mixtral directory (config.json, sharded
-    safetensors and their index). Memory holds one safetensors file at a time; the directory appears whole
-    or not at all. `dtype` casts every tensor (default: the stored dtype)."""
-    from safetensors.torch import save_file
-
+    """Write the parameters of a ucp checkpoint as a Hugging Face Mixtral directory (config.json, safetensors
+    files of at most `max_shard_bytes` and their index). Tensors stream through in groups that fit
+    `memory_budget` (`workers` reads at once; each file is written tensor by tensor, the next group read
+    meanwhile); the directory appears whole or not at all. `dtype` casts every tensor (default: as stored)."""
     reader = open_checkpoint(url, step, storage_options=storage_options)
+    reader.io_threads = workers
     config = model_config_of(reader)
     if not isinstance(config, MixtralConfig):
         raise SourceMismatchError(f"{url} holds a {type(config).__name__} model; the HF export writes Mixtral")
@@ -139,23 +181,26 @@ def export_hf(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None 
         raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
     stored = {m.dtype for m in metas.values()}
     out_dtype = target or _torch_dtype_of(stored.pop() if len(stored) == 1 else "float32")
-    itemsize = torch.empty((), dtype=out_dtype).element_size()
-    sizes = {n: m.nbytes // m.itemsize * itemsize for n, m in metas.items()}
-    files = _plan_files(sizes, max_shard_bytes)
+    sizes = {n: m.nbytes // m.itemsize * out_dtype.itemsize for n, m in metas.items()}
+    files = pack(sizes, max_shard_bytes)
+    limit = group_limit(memory_budget)
     hf_extra = _hf_extra(reader)
     weight_map: dict[str, str] = {}
-    written = 0
-    with staged_dir(out_dir) as tmp, _progress(sum(sizes.values()), "export hf", progress) as bar:
-        for k, group in enumerate(files):
+    with staged_dir(out_dir) as tmp, progress_bar(sum(sizes.values()), "export hf", progress) as bar:
+        for k, file_names in enumerate(files):
             fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-            tensors = reader.read_atoms([atom_path(n, None) for n in group])
-            out = {n: tensors[atom_path(n, None)].to(out_dtype).contiguous() for n in group}
-            del tensors
-            save_file(out, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(group, fname))
-            written += sum(t.numel() * t.element_size() for t in out.values())
-            bar.update(sum(sizes[n] for n in group))
-            del out
+            specs = [(n, out_dtype, metas[n].shape) for n in file_names]
+            with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as out:
+
+                def write(tensors: dict[str, torch.Tensor], out: SafetensorsWriter = out) -> None:
+                    for name, t in tensors.items():
+                        out.write(name, t)
+                        bar.update(nbytes(t))
+
+                groups = pack({n: max(metas[n].nbytes, sizes[n]) for n in file_names}, limit)  # read, then cast
+                pipelined([functools.partial(_read_cast, reader, g, out_dtype) for g in groups], write)
+            weight_map.update(dict.fromkeys(file_names, fname))
+        written = sum(sizes.values())
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config_from_ucp(config, hf_extra, out_dtype), indent=2) + "\n")
@@ -215,8 +260,28 @@ def open_hf(src_dir: str | Path) -> HfSource:
     return HfSource(root, config, extra, weight_map)
 
 
-def _iter_tensors(src: HfSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical name, tensor) of every stored tensor, file by file, fused expert tensors split per expert."""
+@dataclass(frozen=True)
+class StoredAtom:
+    """Where one atom lies in an HF checkpoint: a tensor of a file, or one expert's part of a fused tensor."""
+
+    file: str
+    name: str  # the stored tensor
+    index: tuple[int | slice, ...]  # the atom's part of it; () for the whole tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def part(self, index: tuple[int | slice, ...]) -> StoredAtom:
+        """The atom that is `index` of this whole stored tensor."""
+        return dataclasses.replace(self, index=index, shape=tuple(torch.empty(self.shape, device="meta")[index].shape))
+
+
+def _stored_atoms(src: HfSource) -> Iterator[tuple[str, StoredAtom]]:
+    """(canonical name, where it lies) for every stored tensor, file by file, fused expert tensors split per
+    expert. Reads the files' headers only."""
     from safetensors import safe_open
 
     by_file: dict[str, list[str]] = {}
@@ -228,66 +293,81 @@ def _iter_tensors(src: HfSource) -> Iterator[tuple[str, torch.Tensor]]:
             for name in names:
                 if _IGNORED.match(name):
                     continue
+                header = f.get_slice(name)
+                dtype = _TORCH_DTYPES.get(header.get_dtype())
+                if dtype is None:
+                    raise InteropError(f"{src.root / fname}: tensor {name} has dtype {header.get_dtype()}, which ucp does not import")
+                whole = StoredAtom(fname, name, (), tuple(header.get_shape()), dtype)
                 if m := _ROUTER.fullmatch(name):
-                    yield f"model.layers.{m[1]}.block_sparse_moe.gate.weight", f.get_tensor(name)
+                    yield f"model.layers.{m[1]}.block_sparse_moe.gate.weight", whole
                 elif m := _FUSED.fullmatch(name):
-                    t = f.get_tensor(name)
+                    if len(whole.shape) != 3:
+                        raise InteropError(f"{src.root}: tensor {name} has shape {list(whole.shape)}, but fused experts are 3-d")
                     base = f"model.layers.{m[1]}.block_sparse_moe.experts."
-                    for x in range(t.shape[0]):
+                    for x in range(whole.shape[0]):
                         if m[2] == "gate_up_proj":
-                            yield f"{base}{x}.w1.weight", t[x, :ffn]
-                            yield f"{base}{x}.w3.weight", t[x, ffn:]
+                            yield f"{base}{x}.w1.weight", whole.part((x, slice(0, ffn)))
+                            yield f"{base}{x}.w3.weight", whole.part((x, slice(ffn, None)))
                         else:
-                            yield f"{base}{x}.w2.weight", t[x]
+                            yield f"{base}{x}.w2.weight", whole.part((x,))
                 else:
-                    yield name, f.get_tensor(name)
+                    yield name, whole
 
 
-def read_hf_atoms(src: HfSource, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every canonical atom of the model, checked against the config (names and shapes), in canonical order."""
+def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
+    """Where every canonical atom of the model lies, in file order, checked against the config (names and
+    shapes) from the files' headers, before any tensor is read."""
     expected = {n: shape for n, (shape, _) in canonical_atoms(src.config).items()}
-    atoms: dict[str, torch.Tensor] = {}
+    located: dict[str, StoredAtom] = {}
     unexpected = []
-    for name, t in _iter_tensors(src):
+    for name, stored in _stored_atoms(src):
         if name not in expected:
             if name == "lm_head.weight" and src.config.tie_word_embeddings:
                 continue  # a tied copy saved anyway: the embedding is the atom
             unexpected.append(name)
             continue
-        if tuple(t.shape) != expected[name]:
-            raise InteropError(f"{src.root}: tensor {name} has shape {list(t.shape)}, but config.json implies {list(expected[name])}")
-        atoms[name] = t.to(dtype) if dtype is not None else t
+        if stored.shape != expected[name]:
+            raise InteropError(f"{src.root}: tensor {name} has shape {list(stored.shape)}, but config.json implies {list(expected[name])}")
+        located[name] = stored
     if unexpected:
         raise SourceMismatchError(f"{src.root} holds tensors a Mixtral model does not have: {unexpected[:5]}"
                                   f"{' ...' if len(unexpected) > 5 else ''}")
-    missing = [n for n in expected if n not in atoms]
+    missing = [n for n in expected if n not in located]
     if missing:
         raise InteropError(f"{src.root} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                            f"({len(missing)} of {len(expected)} missing)")
-    return {n: atoms[n].contiguous() for n in expected}
+    return located
+
+
+def read_stored_atoms(root: Path, atoms: dict[str, StoredAtom]) -> dict[AtomKey, torch.Tensor]:
+    """The values of some atoms, each copied out of its file's mapping (which closes with the file, so that
+    the file's pages stop counting as this process's memory)."""
+    from safetensors import safe_open
+
+    out: dict[AtomKey, torch.Tensor] = {}
+    for fname in dict.fromkeys(s.file for s in atoms.values()):
+        with safe_open(str(root / fname), framework="pt") as f:
+            for name, s in atoms.items():
+                if s.file == fname:
+                    out[(name, None)] = (f.get_slice(s.name)[s.index] if s.index else f.get_tensor(s.name)).clone()
+    return out
 
 
 def import_hf(src_dir: str | Path, url: str, *, step: int = 0, dtype: str | torch.dtype | None = None,
-              storage_options: dict[str, Any] | None = None) -> ImportReport:
+              storage_options: dict[str, Any] | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET,
+              workers: int = DEFAULT_WORKERS, progress: bool = False) -> ImportReport:
     """Write an HF Mixtral checkpoint as a weights-only ucp checkpoint (layout tp1pp1, no optimizer state) that
     any layout can load with ucp.distributed.load_sharded or ucp.interop.weights.load_weights.
 
-    Everything is read and checked before anything is written; a failed write leaves no committed step."""
+    Names and shapes are checked before anything is written; the tensors then stream through in groups that
+    fit `memory_budget`. A failed write leaves no committed step."""
     src = open_hf(src_dir)
-    atoms = read_hf_atoms(src, parse_dtype(dtype))
-    layout = Layout()
-    model = ShardedModel(src.config, layout, optim_states=())
-    local = shard({"model": atoms}, src.config, layout, 0, ())
-    nbytes = sum(t.numel() * t.element_size() for t in atoms.values())
-    del atoms
-    storage = open_storage(url, storage_options)
+    located = locate_hf_atoms(src)
+    param_dtype = parse_dtype(dtype) or next(iter(located.values())).dtype
+    groups = pack({n: s.nbytes for n, s in located.items()}, group_limit(memory_budget))
+    loads = [functools.partial(read_stored_atoms, src.root, {n: located[n] for n in g}) for g in groups]
     extra = {"hf_config": src.hf_extra, "source": {"format": "huggingface", "path": str(src.root.absolute())}}
-    try:
-        VirtualWorld(1).save([local], url, step=step, model=model, extra=extra, storage=storage)
-    except BaseException:
-        from ucp import commit
-
-        if commit.read_marker(storage, step) is None:
-            storage.delete(step_dirname(step))  # never committed: leave nothing behind
-        raise
-    return ImportReport(step, len(canonical_atoms(src.config)), nbytes)
+    written = save_atoms(url, loads, step=step, model=ShardedModel(src.config, Layout(), optim_states=()),
+                         dtype_of={None: param_dtype}, extra=extra, storage_options=storage_options, workers=workers,
+                         progress=progress)
+    return ImportReport(step, len(located), written)

@@ -1,0 +1,136 @@
+"""Conversions that stream within a memory budget: the tensors move in groups, the next group is read while the
+current one is written, and nothing ever holds the whole model.
+
+`--memory-budget` bounds the tensor memory of a conversion. Two groups are alive at once (one being read, one
+being written), and a group may briefly take twice its size while it is read (a mapped file's pages and the
+copy) or cast, so a group holds at most a quarter of the budget. A single tensor larger than that is a group
+of its own: the budget can never go below the largest tensor a format stores whole.
+
+`save_atoms` writes a weights (and optimizer state) checkpoint in layout tp1pp1 (every atom whole on one rank,
+as `VirtualWorld(1).save` would write it) one group of atoms at a time; the step becomes visible only at its
+commit, after every group is durable.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ucp import commit, dtypes
+from ucp.checkpoint import SaveOptions, chunk_jobs, commit_step, ensure_root, group_paths, prepare_step
+from ucp.distributed import AtomKey, ShardedModel, atom_metas, manifest_for
+from ucp.format import AtomMeta, step_dirname
+from ucp.pipeline import ChunkJob, SavePipeline, SavePlan
+from ucp.storage import Storage, open_storage
+
+DEFAULT_MEMORY_BUDGET = 4 << 30
+DEFAULT_WORKERS = 8
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+
+def group_limit(memory_budget: int) -> int:
+    """The most tensor bytes one group may hold (see the module docstring for the factor of four)."""
+    return max(1, memory_budget // 4)
+
+
+def pack(sizes: Mapping[K, int], limit: int) -> list[list[K]]:
+    """Consecutive keys packed into groups of at most `limit` bytes (a key larger than that gets a group alone)."""
+    groups: list[list[K]] = [[]]
+    used = 0
+    for key, n in sizes.items():
+        if groups[-1] and used + n > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(key)
+        used += n
+    return [g for g in groups if g]
+
+
+def pipelined(loads: Sequence[Callable[[], T]], consume: Callable[[T], None]) -> None:
+    """consume(load()) for each load in order, the next load running in a background thread meanwhile: at most
+    two results are alive at once (the one consumed and the one being loaded)."""
+    if not loads:
+        return
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="ucp-prefetch") as pool:
+        pending = pool.submit(loads[0])
+        for i in range(len(loads)):
+            current = pending.result()  # drops the previous result
+            if i + 1 < len(loads):
+                pending = pool.submit(loads[i + 1])
+            consume(current)
+            del current
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _write(pipeline: SavePipeline, storage: Storage, step: int, metadata: list[AtomMeta], groups: list[str],
+           chunks: list[ChunkJob]) -> None:
+    """Write array metadata, group metadata and chunk objects: a sync save of part of a step, without commit."""
+    pipeline.submit(SavePlan(storage, step, metadata, groups, chunks, _nothing), "sync")
+
+
+def save_atoms(url: str, groups: Sequence[Callable[[], dict[AtomKey, torch.Tensor]]], *, step: int, model: ShardedModel,
+               dtype_of: Mapping[str | None, torch.dtype], extra: dict[str, Any],
+               storage_options: dict[str, Any] | None = None, workers: int = DEFAULT_WORKERS,
+               progress: bool = False) -> int:
+    """Write step `step` of `url` in layout tp1pp1 from `groups`: callables that each load some of the model's
+    atoms ({(atom, optimizer state or None): full tensor}), together every atom of `model` exactly once. Values
+    are cast to `dtype_of[state]`. A group is read while the previous one is written; a failure leaves no
+    committed step (and removes what was written). Returns the atom bytes written."""
+    if model.layout.world_size != 1:
+        raise ValueError(f"save_atoms writes layout tp1pp1, not {model.layout}")
+    options = SaveOptions(io_threads=workers)
+    metas = atom_metas(model, {s: dtypes.zarr_name(d) for s, d in dtype_of.items()}, options.chunking)
+    manifest, extra_chunks = manifest_for(model, metas, extra, step, options.chunking)
+    storage = open_storage(url, storage_options, fsync=options.fsync)
+    pipeline = SavePipeline(options.io_threads)
+    written: set[AtomKey] = set()
+    bar = progress_bar(sum(m.nbytes for m in metas.values()), "write atoms", progress)
+
+    def write_group(tensors: dict[AtomKey, torch.Tensor]) -> None:
+        for key, t in tensors.items():
+            meta = metas.get(key)
+            if meta is None or key in written or tuple(t.shape) != meta.shape:
+                raise AssertionError(f"atom {key} is unknown, repeated or misshapen")  # the callers check sources first
+        by_path = {metas[k].path: t.to(dtypes.torch_dtype(metas[k].dtype)).contiguous() for k, t in tensors.items()}
+        group_metas = [metas[k] for k in tensors]
+        _write(pipeline, storage, step, group_metas, [], chunk_jobs(group_metas, by_path))
+        written.update(tensors)
+        bar.update(sum(m.nbytes for m in group_metas))
+
+    try:
+        prepare_step(storage, step)
+        ensure_root(storage)
+        model_paths = {m.path for m in metas.values()}
+        extra_metas = [m for path, m in manifest.atoms.items() if path not in model_paths]
+        _write(pipeline, storage, step, extra_metas, group_paths(manifest.atoms.values()), extra_chunks)
+        pipelined(groups, write_group)
+        if written != set(metas):
+            raise AssertionError(f"atoms never written: {sorted(set(metas) - written)[:5]}")
+        storage.flush()
+        commit_step(storage, manifest)
+    except BaseException:
+        if commit.read_marker(storage, step) is None:
+            storage.delete(step_dirname(step))  # never committed: leave nothing behind
+        raise
+    finally:
+        pipeline.close()
+        bar.close()
+    return sum(m.nbytes for m in metas.values())
