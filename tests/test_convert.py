@@ -4,170 +4,89 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import ucp
 from ucp import cli as ucp_cli
+from ucp.distributed import ShardedModel, extra_state, load_sharded
 from ucp.families import canonical_atoms
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
-from ucp.reshard import shard
+from ucp.interop.megatron_optimizer import read_optimizer
+from ucp.reshard import DEFAULT_STATES, shard
 
-from .launch import free_port
+from .launch import spawn
 from .test_hf import random_full_state, save_in_layout, tiny_config
 
-# Runs in a subprocess (torch.distributed and Megatron's parallel state are process-global): builds a tiny
-# Megatron-Core GPT MoE model on CPU with the local layer spec, then either saves it as Megatron-LM's torch
-# checkpoint (tp1) or loads a rank file into it with a strict load_state_dict; writes its logits either way.
-MEGATRON_WORKER = r'''
-import argparse, os, sys, warnings
-warnings.filterwarnings("ignore")
-import torch, torch.nn.functional as F
-import torch.distributed as dist
 
-mode, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3]
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", sys.argv[4] if len(sys.argv) > 4 else "29541")
-torch.cuda.current_device = lambda: "cpu"  # megatron moves RoPE inv_freq to the current CUDA device
-dist.init_process_group("gloo", rank=0, world_size=1)
-from megatron.core import parallel_state
-import contextlib
-from megatron.core.tensor_parallel import random as mrandom
-mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # dropout is 0: no CUDA RNG needed
-parallel_state.initialize_model_parallel(1, 1)
-from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.moe import moe_utils
-moe_utils.te_general_gemm = None  # without Transformer Engine the name is never bound
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
-
-V, H, FFN, L, HEADS, KV, E = 100, 32, 64, 2, 4, 2, 4
-cfg = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, num_query_groups=KV, ffn_hidden_size=FFN,
-    num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=F.silu,
-    normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False, use_cpu_initialization=True,
-    moe_token_dispatcher_type="allgather", params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
-spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm")
-torch.manual_seed(0)
-model = GPTModel(cfg, spec, vocab_size=128, max_sequence_length=64, position_embedding_type="rope",
-                 rotary_base=10000, share_embeddings_and_output_weights=False).eval()
-path = os.path.join(ckpt, "iter_0000010", "mp_rank_00", "model_optim_rng.pt")
-if mode == "save":
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-        model.embedding.word_embeddings.weight[V:] = 0  # padding rows
-        model.output_layer.weight[V:] = 0
-    args = argparse.Namespace(num_layers=L, hidden_size=H, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_attention_heads=HEADS, group_query_attention=True, num_query_groups=KV, kv_channels=None, num_experts=E,
-        moe_router_topk=2, swiglu=True, add_bias_linear=False, normalization="RMSNorm", norm_epsilon=1e-5,
-        position_embedding_type="rope", rotary_base=10000, untie_embeddings_and_output_weights=True, vocab_size=V,
-        padded_vocab_size=128, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, expert_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-        params_dtype=torch.float32, max_position_embeddings=64)
-    os.makedirs(os.path.dirname(path))
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 10, "model": model.state_dict(),
-                "rng_state": [{"random_rng_state": None, "np_rng_state": __import__("numpy").random.get_state(),
-                               "torch_rng_state": torch.get_rng_state()}]}, path)
-    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("10")
-else:
-    state = torch.load(path, weights_only=False)
-    model.load_state_dict(state["model"], strict=True)
-tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
-pos = torch.arange(12).unsqueeze(0).expand(2, -1)
-mask = torch.triu(torch.ones(1, 1, 12, 12, dtype=torch.bool), diagonal=1)
-with torch.no_grad():
-    logits = model(tokens, pos, mask)
-torch.save({"tokens": tokens, "logits": logits[..., :V].contiguous()}, out)
-print("ok", tuple(logits.shape))
-'''
+def run_megatron(mode: str, ckpt: Path, out: Path, world: int = 1) -> None:
+    """tests/megatron_worker.py in a world of its own (torch.distributed and Megatron's parallel state are
+    process-global): builds Megatron-Core's own model and optimizer on CPU, saves or loads rank files."""
+    spawn(["tests/megatron_worker.py", mode, str(ckpt), str(out)], world, timeout=300, env={"PYTHONWARNINGS": "ignore"})
 
 
-# Two gloo ranks: Megatron-Core's GPTModel with tensor_model_parallel_size=2 loads its rank's file strictly and
-# writes the gathered logits (parallel_output=False), to compare with the tp1 model's.
-MEGATRON_TP2_WORKER = r'''
-import os, sys, warnings
-warnings.filterwarnings("ignore")
-import torch, torch.nn.functional as F
-import torch.distributed as dist
+def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    """Nested dicts (in any key order), lists and tuples of tensors, arrays and plain values: same structure,
+    types and bits."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, list(a), b if not isinstance(b, dict) else list(b))
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
 
 
-def main(rank, world, port, ckpt, out):
-    torch.cuda.current_device = lambda: "cpu"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    import contextlib
-    from megatron.core.tensor_parallel import random as mrandom
-    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.moe import moe_utils
-    moe_utils.te_general_gemm = None
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    V, H, FFN, L, HEADS, KV, E = 100, 32, 64, 2, 4, 2, 4
-    cfg = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, num_query_groups=KV, ffn_hidden_size=FFN,
-        num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False, use_cpu_initialization=True,
-        moe_token_dispatcher_type="allgather", params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=2)
-    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm")
-    model = GPTModel(cfg, spec, vocab_size=256, max_sequence_length=64, position_embedding_type="rope",
-                     rotary_base=10000, share_embeddings_and_output_weights=False, parallel_output=False).eval()
-    state = torch.load(os.path.join(ckpt, "iter_0000010", f"mp_rank_{rank:02d}", "model_optim_rng.pt"), weights_only=False)
-    model.load_state_dict(state["model"], strict=True)
-    ref = torch.load(out + ".ref", weights_only=True)
-    tokens = ref["tokens"]
-    pos = torch.arange(12).unsqueeze(0).expand(2, -1)
-    mask = torch.triu(torch.ones(1, 1, 12, 12, dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        logits = model(tokens, pos, mask)
-    if rank == 0:
-        torch.save({"logits": logits[..., :V].contiguous()}, out)
-    dist.barrier()
-    dist.destroy_process_group()
+def megatron_file(ckpt: Path, name: str, iteration: int = 10) -> dict:
+    return load_rank_file(ckpt / f"iter_{iteration:07d}" / name / RANK_FILE)
 
 
-if __name__ == "__main__":
-    import torch.multiprocessing as mp
-    ckpt, out, port = sys.argv[1:4]
-    mp.spawn(main, args=(2, port, ckpt, out), nprocs=2)
-    print("ok")
-'''
-
-
-def run_megatron(tmp: Path, mode: str, ckpt: Path, out: Path) -> dict:
-    script = tmp / "megatron_worker.py"
-    script.write_text(MEGATRON_WORKER)
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(out), str(free_port())],
-                          capture_output=True, text=True, timeout=300, env=env, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+def optimizer_by_name(url: Path, layout: str, rank: int, states: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """A Megatron rank's optimizer state by parameter name, read from a ucp checkpoint as ucp's trainer reads it."""
+    local, _ = load_sharded(ucp.open_checkpoint(str(url)), ShardedModel(tiny_config(), parse_megatron_layout(layout), states), rank)
+    return local["optimizer"]["state"]["model"]
 
 
 @pytest.fixture(scope="module")
 def megatron_tp1(tmp_path_factory):
+    """A tp1 checkpoint of Megatron-Core's model after one step of its own optimizer (fp32: FP32Optimizer), and
+    the worker's record: logits, and each parameter's optimizer state found by parameter object."""
     pytest.importorskip("megatron.core")
     tmp = tmp_path_factory.mktemp("megatron")
-    ref = run_megatron(tmp, "save", tmp / "tp1", tmp / "logits.pt")
-    return tmp, tmp / "tp1", ref
+    run_megatron("save", tmp / "tp1", tmp / "saved.pt")
+    return tmp / "tp1", torch.load(tmp / "saved.pt", weights_only=True)
 
 
-def test_megatron_checkpoint_to_ucp_gives_megatrons_logits_in_transformers(megatron_tp1, tmp_path):
+def test_megatron_checkpoint_to_ucp_gives_megatrons_logits_and_optimizer(megatron_tp1, tmp_path):
     transformers = pytest.importorskip("transformers")
     from ucp.interop.hf import export_hf
 
-    _, src, ref = megatron_tp1
+    src, ref = megatron_tp1
     report = convert(str(src), str(tmp_path / "u"), from_layout="tp1", to_layout="universal")
     assert report.dropped == ("rng_state",)
     reader = ucp.open_checkpoint(str(tmp_path / "u"))
     assert reader.step == 10 and reader.atoms["model/model.embed_tokens.weight"].shape == (100, 32)
+    # Adam's moments sit where ucp's trainer keeps them, under the parameter Megatron's optimizer holds them for
+    assert reader.manifest.tree["dict"]["optim_states"]["value"] == ["exp_avg", "exp_avg_sq"]
+    states = optimizer_by_name(tmp_path / "u", "tp1", 0, DEFAULT_STATES)
+    assert sorted(states) == sorted(ref["optim"]) and ref["optim"]["output_layer.weight"]["exp_avg"].abs().sum() > 0
+    assert_bitwise_equal(states, ref["optim"])
+    extra = extra_state(reader)
+    assert extra["optimizer_step"] == 1 and extra["megatron_optimizer"]["kind"] == "fp32"
+    assert extra["opt_param_scheduler"] == megatron_file(src, "mp_rank_00")["opt_param_scheduler"]
     export_hf(str(tmp_path / "u"), tmp_path / "hf")
     model = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -177,58 +96,113 @@ def test_megatron_checkpoint_to_ucp_gives_megatrons_logits_in_transformers(megat
 
 
 def test_reshard_tp1_to_tp2pp2ep2_and_back_loads_in_megatron(megatron_tp1, tmp_path):
-    tmp, src, ref = megatron_tp1
+    src, ref = megatron_tp1
     mid, back = tmp_path / "tp2pp2ep2", tmp_path / "tp1"
-    convert(str(src), str(mid), from_layout="tp1", to_layout="tp2pp2ep2", memory_budget=1 << 20)
+    report = convert(str(src), str(mid), from_layout="tp1", to_layout="tp2pp2ep2", memory_budget=1 << 20)
+    assert report.dropped == ("rng_state",)  # per rank: no meaning in another layout
     layout = parse_megatron_layout("tp2pp2ep2")
     names = sorted(p.name for p in (mid / "iter_0000010").iterdir())
     assert names == sorted(rank_files(layout)) and "mp_rank_01_001_001" in names
     assert (mid / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     # every target file is exactly ucp's shard of the atoms (which the test above ties to Megatron's modules)
     convert(str(src), str(tmp_path / "u"), from_layout="tp1", to_layout="universal")
-    atoms = {p.removeprefix("model/"): t for p, t in ucp.open_checkpoint(str(tmp_path / "u")).read_atoms(
-        [f"model/{n}" for n in canonical_atoms(tiny_config())]).items()}
+    cfg = tiny_config()
+    atoms = list(canonical_atoms(cfg))
+    read = ucp.open_checkpoint(str(tmp_path / "u")).read_atoms(
+        [f"model/{n}" for n in atoms] + [f"optimizer/state/{n}/{s}" for n in atoms for s in DEFAULT_STATES])
+    full = {"model": {n: read[f"model/{n}"] for n in atoms},
+            "optimizer": {"state": {n: {s: read[f"optimizer/state/{n}/{s}"] for s in DEFAULT_STATES} for n in atoms}}}
+    source = megatron_file(src, "mp_rank_00")
     for name, rank in rank_files(layout).items():
-        data = load_rank_file(mid / "iter_0000010" / name / RANK_FILE)
+        data = megatron_file(mid, name)
         assert data["args"].tensor_model_parallel_size == 2 and data["args"].expert_model_parallel_size == 2
-        want = shard({"model": atoms}, tiny_config(), layout, rank, ())["model"]
+        assert data["iteration"] == 10 and data["opt_param_scheduler"] == source["opt_param_scheduler"]
+        assert "rng_state" not in data
+        want = shard(full, cfg, layout, rank, DEFAULT_STATES)
         got = {n: t for n, t in data["model"].items() if not n.endswith("_extra_state")}
-        assert list(got) == list(want), name
-        for n in want:
-            assert torch.equal(got[n], want[n]), (name, n)
-        assert all(n.removesuffix(".weight") + "._extra_state" in data["model"] for n in want if "linear" in n)
+        assert list(got) == list(want["model"]), name
+        for n in want["model"]:
+            assert torch.equal(got[n], want["model"][n]), (name, n)
+        assert all(n.removesuffix(".weight") + "._extra_state" in data["model"] for n in got if "linear" in n)
+        optim, _ = read_optimizer(data["optimizer"], cfg, layout, rank, name)
+        assert isinstance(data["optimizer"], list) and len(data["optimizer"]) == 2  # EP: dense and expert optimizers
+        assert_bitwise_equal(optim, want["optimizer"]["state"], name)
     convert(str(mid), str(back), from_layout="tp2pp2ep2", to_layout="tp1")
-    again = run_megatron(tmp, "load", back, tmp_path / "logits.pt")
+    assert_bitwise_equal(megatron_file(back, "mp_rank_00")["optimizer"], source["optimizer"])
+    # Megatron's own model and optimizer load the round trip: same logits, same state per parameter, same LR
+    run_megatron("load", back, tmp_path / "loaded.pt")
+    again = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert torch.equal(again["tokens"], ref["tokens"])
     torch.testing.assert_close(again["logits"], ref["logits"], rtol=0, atol=0)
+    assert_bitwise_equal(again["optim"], ref["optim"])
+    assert again["lr"] == ref["lr"]
 
 
 def test_tp2_files_load_into_megatrons_own_tp2_model_with_the_same_logits(megatron_tp1, tmp_path):
-    """TP slicing (fused QKV per query group, gate/up, vocab padding to 128*T) checked by Megatron itself."""
-    _, src, ref = megatron_tp1
+    """TP slicing (fused QKV per query group, gate/up, vocab padding to 128*T) of weights and optimizer state,
+    checked by Megatron itself."""
+    src, ref = megatron_tp1
     convert(str(src), str(tmp_path / "tp2"), from_layout="tp1", to_layout="tp2")
-    torch.save(ref, tmp_path / "logits.pt.ref")
-    script = tmp_path / "tp2_worker.py"
-    script.write_text(MEGATRON_TP2_WORKER)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "tp2"), str(tmp_path / "logits.pt"), str(free_port())],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_megatron("tp2", tmp_path / "tp2", tmp_path / "logits.pt", world=2)
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)["logits"]
     err = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
     assert err <= 1e-5
+    # each tp2 rank's optimizer, as Megatron loaded it, holds the TP slices of the tp1 optimizer's state
+    convert(str(src), str(tmp_path / "u"), from_layout="tp1", to_layout="universal")
+    for rank in range(2):
+        loaded = torch.load(f"{tmp_path / 'logits.pt'}.{rank}", weights_only=True)["optim"]
+        assert_bitwise_equal(loaded, optimizer_by_name(tmp_path / "u", "tp2", rank, DEFAULT_STATES), f"rank {rank}")
+
+
+def test_bf16_expert_parallel_optimizer_round_trips_and_loads_in_megatron(tmp_path):
+    """Float16OptimizerWithFloat16Params with EP 2: a dense and an expert optimizer, fp32 master weights. The
+    worker saves tp1ep2, converts it to tp2pp2ep2 and back, and loads the result into Megatron's optimizer."""
+    pytest.importorskip("megatron.core")
+    run_megatron("ep2", tmp_path, tmp_path / "ep2.pt", world=2)
+    names = rank_files(parse_megatron_layout("tp1ep2"))
+    sources = {name: megatron_file(tmp_path / "src", name) for name in names}
+    for name, rank in names.items():
+        assert_bitwise_equal(megatron_file(tmp_path / "back", name)["optimizer"], sources[name]["optimizer"], name)
+        out = torch.load(f"{tmp_path / 'ep2.pt'}.{rank}", weights_only=True)
+        assert out["saved"]["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]["exp_avg"].abs().sum() > 0
+        assert_bitwise_equal(out["loaded"], out["saved"], name)
+        assert out["lr"][0] == out["lr"][1]
+    # Megatron -> ucp: moments and master weights under the names Megatron's optimizer holds them for
+    assert convert(str(tmp_path / "src"), str(tmp_path / "u"), from_layout="tp1ep2", to_layout="universal").dropped == ("rng_state",)
+    for name, rank in names.items():
+        saved = torch.load(f"{tmp_path / 'ep2.pt'}.{rank}", weights_only=True)["saved"]
+        assert_bitwise_equal(optimizer_by_name(tmp_path / "u", "tp1ep2", rank, (*DEFAULT_STATES, "master")), saved, name)
+    # ... and back to Megatron: the same optimizer entries, scheduler and iteration, no RNG state
+    assert convert(str(tmp_path / "u"), str(tmp_path / "m"), from_layout="universal", to_layout="tp1ep2").dropped == ()
+    for name in names:
+        data = megatron_file(tmp_path / "m", name)
+        assert_bitwise_equal(data["optimizer"], sources[name]["optimizer"], name)
+        assert data["opt_param_scheduler"] == sources[name]["opt_param_scheduler"] and data["iteration"] == 10
+        assert "rng_state" not in data
+
+
+def test_rng_state_is_carried_into_the_same_layout_only(megatron_tp1, tmp_path):
+    src, _ = megatron_tp1
+    assert convert(str(src), str(tmp_path / "same"), from_layout="tp1", to_layout="tp1").dropped == ()
+    source, same = megatron_file(src, "mp_rank_00"), megatron_file(tmp_path / "same", "mp_rank_00")
+    assert_bitwise_equal(same["rng_state"], source["rng_state"])
+    assert_bitwise_equal(same["optimizer"], source["optimizer"])
+    assert same["opt_param_scheduler"] == source["opt_param_scheduler"]
+    assert convert(str(src), str(tmp_path / "ep"), from_layout="tp1", to_layout="tp1ep2").dropped == ("rng_state",)
+    assert all("rng_state" not in megatron_file(tmp_path / "ep", n) for n in rank_files(parse_megatron_layout("tp1ep2")))
 
 
 def test_universal_to_megatron_with_tied_embeddings_and_virtual_stages(tmp_path):
     cfg = tiny_config(num_hidden_layers=4, tie_word_embeddings=True)
-    full = random_full_state(cfg, states=())
+    full = random_full_state(cfg)  # with Adam state as ucp's trainer writes it: nothing says how Megatron groups it
     save_in_layout(full, cfg, "tp1", str(tmp_path / "u"), step=4)
-    convert(str(tmp_path / "u"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2pp2vpp2ep2")
+    report = convert(str(tmp_path / "u"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2pp2vpp2ep2")
+    assert report.dropped == ("optimizer",)
     layout = parse_megatron_layout("tp2pp2vpp2ep2")
     for name, rank in rank_files(layout).items():
-        data = load_rank_file(tmp_path / "m" / "iter_0000004" / name / RANK_FILE)
+        data = megatron_file(tmp_path / "m", name, iteration=4)
         want = shard(full, cfg, layout, rank, ())
-        assert [k for k in data if k.startswith("model")] == ["model0", "model1"]
+        assert [k for k in data if k.startswith("model")] == ["model0", "model1"] and "optimizer" not in data
         for chunk in ("model0", "model1"):
             got = {n: t for n, t in data[chunk].items() if not n.endswith("_extra_state")}
             assert list(got) == list(want[chunk])
@@ -240,6 +214,47 @@ def test_universal_to_megatron_with_tied_embeddings_and_virtual_stages(tmp_path)
     got = back.read_atoms([f"model/{n}" for n in full["model"]])
     for n, t in full["model"].items():
         assert torch.equal(got[f"model/{n}"], t), n
+
+
+def test_an_optimizer_before_its_first_step_keeps_its_param_groups(megatron_tp1, tmp_path):
+    src, _ = megatron_tp1
+    ckpt = tmp_path / "m"
+    shutil.copytree(src, ckpt)
+    good = megatron_file(ckpt, "mp_rank_00")
+    fresh = dict(good["optimizer"], state={})  # torch keeps no per-parameter entry before the first step
+    _replace(dict(good, optimizer=fresh), ckpt / "iter_0000010" / "mp_rank_00" / RANK_FILE)
+    convert(str(ckpt), str(tmp_path / "tp2"), from_layout="tp1", to_layout="tp2")
+    convert(str(tmp_path / "tp2"), str(tmp_path / "u"), from_layout="tp2", to_layout="universal")
+    assert not [p for p in ucp.open_checkpoint(str(tmp_path / "u")).atoms if p.startswith("optimizer/")]
+    convert(str(tmp_path / "u"), str(tmp_path / "back"), from_layout="universal", to_layout="tp1")
+    assert_bitwise_equal(megatron_file(tmp_path / "back", "mp_rank_00")["optimizer"], fresh)
+
+
+def test_optimizer_state_ucp_cannot_map_is_refused(megatron_tp1, tmp_path):
+    src, _ = megatron_tp1
+    ckpt = tmp_path / "m"
+    shutil.copytree(src, ckpt)
+    path = ckpt / "iter_0000010" / "mp_rank_00" / RANK_FILE
+    good = megatron_file(ckpt, "mp_rank_00")
+    dst = tmp_path / "out"
+    # a param group Megatron builds only with other overrides (a decoupled LR): its indices cannot be named
+    groups = [dict(g) for g in good["optimizer"]["param_groups"]]
+    groups[0]["is_decoupled_lr"] = True
+    _replace(dict(good, optimizer=dict(good["optimizer"], param_groups=groups)), path)
+    with pytest.raises(InteropError, match=r"mp_rank_00/model_optim_rng.pt: optimizer param groups .* not Megatron-Core's standard"):
+        convert(str(ckpt), str(dst), from_layout="tp1", to_layout="tp2")
+    # a moment whose shape is not its parameter's
+    state = {i: dict(s) for i, s in good["optimizer"]["state"].items()}
+    state[1]["exp_avg"] = torch.zeros(3)
+    _replace(dict(good, optimizer=dict(good["optimizer"], state=state)), path)
+    with pytest.raises(InteropError, match=r"optimizer state of model/decoder.layers.0.self_attention.linear_proj.weight\['exp_avg'\] is \[3\]"):
+        convert(str(ckpt), str(dst), from_layout="tp1", to_layout="tp2")
+    # a distributed optimizer's state is refused, naming the file
+    _replace(good, path)
+    (path.parent / "distrib_optim.pt").write_bytes(b"")
+    with pytest.raises(InteropError, match=r"mp_rank_00/distrib_optim.pt: a distributed optimizer's state"):
+        convert(str(ckpt), str(dst), from_layout="tp1", to_layout="universal")
+    assert not dst.exists()
 
 
 def _replace(data: dict, path: Path) -> None:

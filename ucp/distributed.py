@@ -45,7 +45,7 @@ from .format import AtomMeta, StepManifest
 from .layout import Layout, parse_layout
 from .partition import PartitionSpec, tp_shard
 from .pipeline import ChunkJob, SavePipeline, SavePlan
-from .reshard import DEFAULT_STATES, LocalTensor, Piece, Transfer, chunk_write_plan, local_plan, owned_pieces
+from .reshard import DEFAULT_STATES, LocalTensor, Piece, Transfer, chunk_write_plan, local_plan, owned_pieces, put_local
 from .storage import Storage, open_storage
 from .workpool import run_tasks
 
@@ -115,7 +115,8 @@ def atom_metas(model: ShardedModel, dtype_of: Mapping[str | None, str], policy: 
     return _atom_metas_cached(type(model.config), config_json, model.layout.tp, model.optim_states, dtype_items, policy)
 
 
-def _get(local_state: Mapping[str, Any], key: tuple[str, ...]) -> torch.Tensor:
+def local_tensor(local_state: Mapping[str, Any], key: tuple[str, ...]) -> torch.Tensor:
+    """The tensor at a LocalTensor key of a rank's local state (docs/LOCAL_STATE.md), or a StateError naming it."""
     node: Any = local_state
     for k in key:
         if not isinstance(node, Mapping) or k not in node:
@@ -142,7 +143,7 @@ def _local_dtypes(local_state: Mapping[str, Any], plan: list[LocalTensor]) -> di
     out: dict[str | None, str] = {}
     for lt in plan:
         if lt.state not in out:
-            out[lt.state] = dtypes.zarr_name(_get(local_state, lt.key).dtype)
+            out[lt.state] = dtypes.zarr_name(local_tensor(local_state, lt.key).dtype)
     return out
 
 
@@ -202,7 +203,7 @@ class RankSaver:
         # (atom, state) -> [(atom box, view of the local data holding it)] for the pieces this rank writes
         self.owned: dict[AtomKey, list[tuple[Box, torch.Tensor]]] = {}
         for lt in owned_pieces(model.config, model.layout, rank, model.optim_states):
-            tensor = _get(local_state, lt.key).detach().to("cpu")
+            tensor = local_tensor(local_state, lt.key).detach().to("cpu")
             for p in lt.pieces:
                 self.owned.setdefault((p.atom, lt.state), []).append((p.atom_box, piece_view(tensor, p)))
         self.transfers = chunk_write_plan(model.config, model.layout, rank, lambda a, _s: self.metas[(a, None)].chunk_shape, model.optim_states)
@@ -453,7 +454,7 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
         stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
         covered = sum(p.numel for p in lt.pieces) == math.prod(lt.shape)
         tensor = torch.empty(lt.shape, dtype=stored) if covered else torch.zeros(lt.shape, dtype=stored)  # padding: 0
-        _put(local, lt.key, tensor)
+        put_local(local, lt.key, tensor)
         for p, meta in zip(lt.pieces, metas):
             view = piece_view(tensor, p)
             bytes_needed += view.numel() * view.element_size()
@@ -467,16 +468,10 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
     return local, LoadReport(bytes_needed, read)
 
 
-def _put(tree_: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
-    for k in key[:-1]:
-        tree_ = tree_.setdefault(k, {})
-    tree_[key[-1]] = value
-
-
 def _cast_params(local: dict[str, Any], plan: list[LocalTensor], dtype: torch.dtype) -> dict[str, Any]:
     for lt in plan:
         if lt.state is None:
-            _put(local, lt.key, _get(local, lt.key).to(dtype))
+            put_local(local, lt.key, local_tensor(local, lt.key).to(dtype))
     return local
 
 

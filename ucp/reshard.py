@@ -480,7 +480,8 @@ def _get(tree: Mapping[str, Any], key: tuple[str, ...], what: str) -> Any:
     return node
 
 
-def _put(tree: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
+def put_local(tree: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
+    """Set `value` at a LocalTensor key (nested dicts, made as needed)."""
     for k in key[:-1]:
         tree = tree.setdefault(k, {})
     tree[key[-1]] = value
@@ -510,7 +511,7 @@ def shard(full_state: Mapping[str, Any], config: Any, layout: Layout, rank: int,
                 out[to_slices(p.local_box)] = block
             else:
                 out[p.flat_offset:p.flat_offset + p.numel] = block.reshape(-1)
-        _put(local, lt.key, out)
+        put_local(local, lt.key, out)
     return local
 
 

@@ -9,6 +9,10 @@ Conversion never assembles the model: every target tensor is filled piece by pie
 that hold the same atom box (`ucp.reshard.local_plan` gives both sides' boxes), with source files memory-
 mapped, and target files written a few at a time within the memory budget. Files are untrusted input: they
 are unpickled with `weights_only=True` and an allowlist of the few non-tensor types Megatron stores.
+
+The non-distributed optimizer's state reshards the same way (its per-parameter tensors are ucp local optimizer
+states, see megatron_optimizer.py); the scheduler and the iteration are global and go to every file; the RNG
+states are per rank and are carried only into the same layout.
 """
 
 from __future__ import annotations
@@ -30,18 +34,20 @@ import torch
 from ucp import commit
 from ucp.boxes import Box, intersect, to_slices
 from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.distributed import ShardedModel, VirtualWorld, load_sharded, model_config_of, piece_view
+from ucp.distributed import ShardedModel, VirtualWorld, load_sharded, local_tensor, model_config_of, piece_view
 from ucp.errors import CheckpointNotFoundError, LayoutError, UcpError
 from ucp.families import MixtralConfig
 from ucp.format import step_dirname
 from ucp.interop.errors import InteropError, SourceMismatchError
+from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer, write_optimizer
 from ucp.interop.staging import staged_dir
 from ucp.layout import Layout
-from ucp.reshard import LocalTensor, local_plan, owned_pieces
+from ucp.reshard import LocalTensor, local_plan, owned_pieces, put_local
 from ucp.storage import Storage, open_storage
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # the distributed optimizer's state, beside the rank file
 CHECKPOINT_VERSION = 3.0
 UNIVERSAL = "universal"
 # Megatron-Core linear layers carry an `_extra_state` entry (None with the local spec, FP8 metadata with TE);
@@ -223,13 +229,28 @@ class MegatronSource:
     hf: dict[str, Any]
     files: dict[int, dict[str, Any]]  # ucp rank -> unpickled (memory-mapped) rank file
     paths: dict[int, Path]
-    dropped: tuple[str, ...] = ()
+    optimizer: OptimizerMeta | None = None  # None: the files hold no optimizer state
+    optim_state: dict[int, LocalOptimState] = field(default_factory=dict)  # ucp rank -> its local optimizer state
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        """The per-parameter optimizer states the files hold (ucp names), () without optimizer."""
+        return self.optimizer.states if self.optimizer is not None else ()
+
+    @property
+    def scheduler(self) -> Any:
+        """Megatron's opt_param_scheduler state (global: every rank saves the same), or None."""
+        return self.files[0].get("opt_param_scheduler")
 
     def local_state(self, rank: int) -> dict[str, Any]:
-        """The ucp local state of a rank: its model chunk dicts without Megatron's _extra_state entries."""
+        """The ucp local state of a rank: its model chunk dicts without Megatron's _extra_state entries, and its
+        optimizer state when the files hold one."""
         data = self.files[rank]
-        return {k: {n: t for n, t in data[k].items() if not n.endswith("._extra_state")}
-                for k in data if k == "model" or re.fullmatch(r"model\d+", k)}
+        local: dict[str, Any] = {k: {n: t for n, t in data[k].items() if not n.endswith("._extra_state")}
+                                 for k in data if k == "model" or re.fullmatch(r"model\d+", k)}
+        if self.optimizer is not None:
+            local["optimizer"] = {"state": self.optim_state[rank]}
+        return local
 
 
 def _iteration(root: Path, iteration: int | None) -> tuple[int, Path]:
@@ -288,11 +309,30 @@ def open_megatron(src: str | Path, layout: str | Layout, *, iteration: int | Non
                            f"{' ...' if len(missing) > 4 else ''} of the {len(expected)} that {megatron_name(want)} has")
     config, hf = config_from_args(args, str(probe), vocab_size)
     paths = {rank: iter_dir / name / RANK_FILE for name, rank in expected.items()}
+    distributed = [p.parent / DISTRIB_OPTIM_FILE for p in paths.values() if (p.parent / DISTRIB_OPTIM_FILE).exists()]
+    if distributed:
+        raise InteropError(f"{distributed[0]}: a distributed optimizer's state, which ucp does not convert (its flat "
+                           f"buffers depend on DP and bucketing); save with the non-distributed optimizer, or convert "
+                           f"the weights only from a copy without {DISTRIB_OPTIM_FILE}")
     files = {rank: (first if path == probe else load_rank_file(path)) for rank, path in paths.items()}
-    dropped = tuple(sorted({k for f in files.values() for k in f if k in ("optimizer", "rng_state", "opt_param_scheduler")}))
-    source = MegatronSource(root, it, want, config, args, hf, files, paths, dropped)
+    source = MegatronSource(root, it, want, config, args, hf, files, paths)
     _check_shapes(source)
+    _read_optimizer(source)
     return source
+
+
+def _read_optimizer(source: MegatronSource) -> None:
+    """Map every rank's "optimizer" entry to ucp local optimizer state (all ranks have one, or none)."""
+    has = {rank for rank, f in source.files.items() if f.get("optimizer") is not None}
+    if not has:
+        return
+    if len(has) != len(source.files):
+        lacking = source.paths[min(set(source.files) - has)]
+        raise InteropError(f"{lacking} has no 'optimizer' entry, but other rank files have one")
+    for rank in sorted(source.files):
+        state, meta = read_optimizer(source.files[rank]["optimizer"], source.config, source.layout, rank, str(source.paths[rank]))
+        source.optim_state[rank] = state
+        source.optimizer = meta if source.optimizer is None else source.optimizer.merge(meta, str(source.paths[rank]))
 
 
 def _check_shapes(source: MegatronSource) -> None:
@@ -321,23 +361,23 @@ def _check_shapes(source: MegatronSource) -> None:
 class _PieceIndex:
     """For each (atom, state), the source regions holding it: (atom box, view of the source tensor)."""
 
-    regions: dict[str, list[tuple[Box, torch.Tensor]]] = field(default_factory=dict)
+    regions: dict[tuple[str, str | None], list[tuple[Box, torch.Tensor]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, source: MegatronSource) -> _PieceIndex:
         index = cls()
         for rank in source.files:
             local = source.local_state(rank)
-            for lt in owned_pieces(source.config, source.layout, rank, ()):  # every atom element exactly once
-                tensor = local[lt.key[0]][lt.key[1]]
+            for lt in owned_pieces(source.config, source.layout, rank, source.states):  # every element exactly once
+                tensor = local_tensor(local, lt.key)
                 for p in lt.pieces:
-                    index.regions.setdefault(p.atom, []).append((p.atom_box, piece_view(tensor, p)))
+                    index.regions.setdefault((p.atom, lt.state), []).append((p.atom_box, piece_view(tensor, p)))
         return index
 
     def fill(self, lt: LocalTensor, out: torch.Tensor) -> None:
         for p in lt.pieces:
             dst = piece_view(out, p)
-            for box, view in self.regions[p.atom]:
+            for box, view in self.regions[(p.atom, lt.state)]:
                 part = intersect(box, p.atom_box)
                 if part is not None:
                     dst[to_slices(_relative(part, p.atom_box))] = view[to_slices(_relative(part, box))]
@@ -347,8 +387,10 @@ def _relative(box: Box, origin: Box) -> Box:
     return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
-def _rank_bytes(config: MixtralConfig, layout: Layout, rank: int, itemsize: int) -> int:
-    return sum(torch.Size(lt.shape).numel() * itemsize for lt in local_plan(config, layout, rank, ()))
+def _rank_bytes(config: MixtralConfig, layout: Layout, rank: int, states: tuple[str, ...],
+                itemsize: Mapping[str | None, int]) -> int:
+    """Bytes of a rank's local tensors (parameters and optimizer states), `itemsize` per state (None: params)."""
+    return sum(torch.Size(lt.shape).numel() * itemsize[lt.state] for lt in local_plan(config, layout, rank, states))
 
 
 def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -361,34 +403,67 @@ def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
-def _write_megatron(dst: str | Path, config: MixtralConfig, layout: Layout, iteration: int, args: argparse.Namespace,
-                    local_of: Callable[[int], dict[str, Any]], itemsize: int, memory_budget: int, workers: int,
-                    progress: bool) -> tuple[int, int]:
-    """Write every rank file of `layout`, a few at a time within the memory budget; DST appears only when whole."""
+@dataclass
+class _TargetFiles:
+    """What the rank files of a target layout hold besides each rank's local tensors."""
+
+    config: MixtralConfig
+    layout: Layout
+    args: argparse.Namespace
+    iteration: int
+    optimizer: OptimizerMeta | None = None
+    scheduler: Any = None  # opt_param_scheduler: global, the same in every file
+    rng: dict[str, Any] | None = None  # rank directory -> rng_state: only when the layout is the source's own
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        return self.optimizer.states if self.optimizer is not None else ()
+
+    def content(self, name: str, rank: int, local: dict[str, Any]) -> dict[str, Any]:
+        data: dict[str, Any] = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.iteration}
+        data.update({k: _with_extra_state(v) for k, v in local.items() if k != "optimizer"})
+        if self.optimizer is not None:
+            state = local.get("optimizer", {}).get("state", {})  # none before the optimizer's first step
+            data["optimizer"] = write_optimizer(state, self.optimizer, self.config, self.layout, rank)
+        if self.scheduler is not None:
+            data["opt_param_scheduler"] = self.scheduler
+        if self.rng is not None:
+            data["rng_state"] = self.rng[name]
+        return data
+
+
+def _write_megatron(dst: str | Path, target: _TargetFiles, local_of: Callable[[int], dict[str, Any]],
+                    itemsize: Mapping[str | None, int], memory_budget: int, workers: int, progress: bool) -> tuple[int, int]:
+    """Write every rank file of the target layout, a few at a time within the memory budget; DST appears only
+    when whole. Returns (files, bytes of tensors written)."""
     from tqdm import tqdm
 
-    files = rank_files(layout)
-    biggest = max(_rank_bytes(config, layout, r, itemsize) for r in files.values())
+    files = rank_files(target.layout)
+    biggest = max(_rank_bytes(target.config, target.layout, r, target.states, itemsize) for r in files.values())
     parallel = max(1, min(workers, memory_budget // max(biggest, 1)))
     written = 0
     with staged_dir(dst) as tmp, tqdm(total=len(files), desc="write rank files", unit="file", disable=not progress) as bar:
-        iter_dir = tmp / f"iter_{iteration:07d}"
+        iter_dir = tmp / f"iter_{target.iteration:07d}"
 
         def one(name: str, rank: int) -> int:
             local = local_of(rank)
-            data: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-            data.update({k: _with_extra_state(v) for k, v in local.items()})
             (iter_dir / name).mkdir(parents=True)
-            torch.save(data, iter_dir / name / RANK_FILE)
+            torch.save(target.content(name, rank, local), iter_dir / name / RANK_FILE)
             bar.update(1)
-            return sum(t.numel() * t.element_size() for chunk in local.values() for t in chunk.values())
+            return _tensor_bytes(local)
 
         with cf.ThreadPoolExecutor(parallel) as pool:
             futures = [pool.submit(one, n, r) for n, r in files.items()]
             for f in cf.as_completed(futures):
                 written += f.result()
-        (tmp / TRACKER).write_text(f"{iteration}\n")  # last: Megatron finds the iteration only once it is whole
+        (tmp / TRACKER).write_text(f"{target.iteration}\n")  # last: Megatron finds the iteration only once it is whole
     return len(files), written
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    return sum(_tensor_bytes(v) for v in tree.values()) if isinstance(tree, dict) else 0
 
 
 # ------------------------------------------------------------------------------------------- convert
@@ -401,7 +476,7 @@ class ConvertReport:
     atoms: int
     files: int
     bytes_written: int
-    dropped: tuple[str, ...] = ()  # source entries not carried (e.g. "optimizer", "rng_state")
+    dropped: tuple[str, ...] = ()  # source entries not carried (e.g. "rng_state" into another layout)
 
 
 class _ProgressStorage(Storage):
@@ -449,6 +524,22 @@ def _jsonable(args: Any) -> dict[str, Any]:
     return out
 
 
+def _universal_extra(source: MegatronSource) -> dict[str, Any]:
+    """The JSON (and small tensors) a Megatron -> ucp conversion stores beside the atoms. `optimizer_step` is
+    where ucp's trainer keeps the optimizer's step counter; `megatron_optimizer` holds what writing the optimizer
+    entry back needs (kind, per-parameter entries, param-group hyperparameters, grad scaler)."""
+    extra: dict[str, Any] = {"hf_config": source.hf, "megatron_args": _jsonable(source.args),
+                             "source": {"format": "megatron", "path": str(source.root.absolute()),
+                                        "iteration": source.iteration, "layout": megatron_name(source.layout)}}
+    if source.scheduler is not None:
+        extra["opt_param_scheduler"] = source.scheduler
+    if source.optimizer is not None:
+        extra["megatron_optimizer"] = source.optimizer.to_json()
+        if source.optimizer.step is not None:
+            extra["optimizer_step"] = source.optimizer.step
+    return extra
+
+
 def _to_universal(source: MegatronSource, url: str, step: int, storage_options: dict[str, Any] | None, workers: int,
                   progress: bool) -> ConvertReport:
     """Every source rank file is a rank of one distributed save: each atom chunk is written once, straight from
@@ -459,75 +550,95 @@ def _to_universal(source: MegatronSource, url: str, step: int, storage_options: 
     from ucp.families import canonical_atoms
 
     states = [source.local_state(r) for r in range(source.layout.world_size)]
-    model = ShardedModel(source.config, source.layout, optim_states=())
+    model = ShardedModel(source.config, source.layout, optim_states=source.states)
     inner = open_storage(url, storage_options)
-    extra = {"hf_config": source.hf, "source": {"format": "megatron", "path": str(source.root.absolute()),
-                                                "iteration": source.iteration, "layout": megatron_name(source.layout)},
-             "megatron_args": _jsonable(source.args)}
-    total = sum(t.numel() * t.element_size() for s in states for c in s.values() for t in c.values()) // max(source.layout.tp, 1)
+    total = sum(_tensor_bytes(s) for s in states) // max(source.layout.tp, 1)
     with tqdm(total=total, desc="write atoms", unit="B", unit_scale=True, disable=not progress) as bar:
         storage = _ProgressStorage(inner, bar)
         try:
-            VirtualWorld(source.layout.world_size).save(states, url, step=step, model=model, extra=extra, storage=storage,
-                                                        options=SaveOptions(io_threads=workers))
+            VirtualWorld(source.layout.world_size).save(states, url, step=step, model=model, extra=_universal_extra(source),
+                                                        storage=storage, options=SaveOptions(io_threads=workers))
         except BaseException:
             if commit.read_marker(inner, step) is None:
                 inner.delete(step_dirname(step))
             raise
-    return ConvertReport(str(source.root), url, len(canonical_atoms(source.config)), 0, inner.stats.bytes_written, source.dropped)
+    dropped = ("rng_state",) if "rng_state" in source.files[0] else ()  # per rank: no layout-free form
+    return ConvertReport(str(source.root), url, len(canonical_atoms(source.config)), 0, inner.stats.bytes_written, dropped)
 
 
 def convert(src: str, dst: str, *, from_layout: str, to_layout: str, step: int | None = None, iteration: int | None = None,
             memory_budget: int = 4 << 30, workers: int = 8, storage_options: dict[str, Any] | None = None,
             progress: bool = False, vocab_size: int | None = None) -> ConvertReport:
     """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
-    or from (`from_layout="universal"`) a ucp checkpoint. The model weights are carried; source optimizer, RNG and
-    scheduler entries are reported in `dropped`."""
-    from ucp.families import canonical_atoms
-
+    or from (`from_layout="universal"`) a ucp checkpoint. Carried: model weights, the non-distributed optimizer's
+    state, opt_param_scheduler and the iteration; rng_state only into the source's own layout. What is not
+    carried is listed in `dropped`."""
     if from_layout == UNIVERSAL and to_layout == UNIVERSAL:
         raise UcpError("--from universal --to universal: nothing to convert (ucp checkpoints load in any layout)")
     if from_layout == UNIVERSAL:
-        reader = _open_universal(src, step, storage_options)
-        config = model_config_of(reader)
-        if not isinstance(config, MixtralConfig):
-            raise SourceMismatchError(f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral")
-        target = parse_megatron_layout(to_layout)
-        local_plan(config, target, 0, ())  # the layout fits the model, before anything is written
-        hf = _extra(reader).get("hf_config")
-        args = args_for(config, target, hf=hf if isinstance(hf, dict) else None)
-        itemsize = max(m.itemsize for m in reader.atoms.values())
-
-        def from_atoms(rank: int) -> dict[str, Any]:
-            local, _ = load_sharded(reader, ShardedModel(config, target, optim_states=()), rank)
-            return local
-
-        files, written = _write_megatron(dst, config, target, reader.step, args, from_atoms, itemsize, memory_budget,
-                                         workers, progress)
-        dropped = ("optimizer",) if any(p.startswith("optimizer/") for p in reader.atoms) else ()
-        return ConvertReport(src, str(dst), len(canonical_atoms(config)), files, written, dropped)
-
+        return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress)
     source = open_megatron(src, from_layout, iteration=iteration, vocab_size=vocab_size)
     if to_layout == UNIVERSAL:
         return _to_universal(source, dst, source.iteration if step is None else step, storage_options, workers, progress)
-    target = parse_megatron_layout(to_layout)
-    local_plan(source.config, target, 0, ())
+    return _reshard(source, dst, parse_megatron_layout(to_layout), memory_budget, workers, progress)
+
+
+def _reshard(source: MegatronSource, dst: str, layout: Layout, memory_budget: int, workers: int, progress: bool) -> ConvertReport:
+    """Megatron -> Megatron: each target tensor (parameter or optimizer state) filled from the source regions."""
+    from ucp.families import canonical_atoms
+
+    local_plan(source.config, layout, 0, ())  # the layout fits the model, before anything is written
     index = _PieceIndex.of(source)
-    dtype = next(iter(source.local_state(0)["model" if source.layout.vpp == 1 else "model0"].values())).dtype
+    dtypes = {lt.state: local_tensor(source.local_state(0), lt.key).dtype for lt in local_plan(source.config, source.layout, 0, source.states)}
 
     def from_source(rank: int) -> dict[str, Any]:
         local: dict[str, Any] = {}
-        for lt in local_plan(source.config, target, rank, ()):
-            out = torch.zeros(lt.shape, dtype=dtype)
+        for lt in local_plan(source.config, layout, rank, source.states):
+            out = torch.zeros(lt.shape, dtype=dtypes[lt.state])
             index.fill(lt, out)
-            local.setdefault(lt.key[0], {})[lt.key[1]] = out
+            put_local(local, lt.key, out)
         return local
 
-    args = args_for(source.config, target, base=source.args)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    files, written = _write_megatron(dst, source.config, target, source.iteration, args, from_source, itemsize,
-                                     memory_budget, workers, progress)
-    return ConvertReport(src, str(dst), len(canonical_atoms(source.config)), files, written, source.dropped)
+    # RNG states are per rank: a file of the same layout is the same rank, any other has no source to take them from
+    has_rng = all("rng_state" in f for f in source.files.values())
+    same = megatron_name(layout) == megatron_name(source.layout)
+    rng = {name: source.files[r]["rng_state"] for name, r in rank_files(layout).items()} if has_rng and same else None
+    target = _TargetFiles(source.config, layout, args_for(source.config, layout, base=source.args), source.iteration,
+                          source.optimizer, source.scheduler, rng)
+    itemsize = {s: torch.empty((), dtype=d).element_size() for s, d in dtypes.items()}
+    files, written = _write_megatron(dst, target, from_source, itemsize, memory_budget, workers, progress)
+    dropped = ("rng_state",) if has_rng and not same else ()
+    return ConvertReport(str(source.root), str(dst), len(canonical_atoms(source.config)), files, written, dropped)
+
+
+def _from_universal(src: str, dst: str, to_layout: str, step: int | None, storage_options: dict[str, Any] | None,
+                    memory_budget: int, workers: int, progress: bool) -> ConvertReport:
+    """ucp -> Megatron: each target rank's local state read straight from the atoms. The optimizer entry is
+    written when the checkpoint came from Megatron with one (its `megatron_optimizer` says how to build it);
+    optimizer state without it (e.g. from ucp's trainer: no Megatron param groups to rebuild) is dropped."""
+    from ucp.families import canonical_atoms
+
+    reader = _open_universal(src, step, storage_options)
+    config = model_config_of(reader)
+    if not isinstance(config, MixtralConfig):
+        raise SourceMismatchError(f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral")
+    layout = parse_megatron_layout(to_layout)
+    local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written
+    extra = _extra(reader)
+    hf = extra.get("hf_config")
+    meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
+    target = _TargetFiles(config, layout, args_for(config, layout, hf=hf if isinstance(hf, dict) else None), reader.step,
+                          meta, extra.get("opt_param_scheduler"))
+    model = ShardedModel(config, layout, optim_states=target.states)
+
+    def from_atoms(rank: int) -> dict[str, Any]:
+        local, _ = load_sharded(reader, model, rank)
+        return local
+
+    itemsize = dict.fromkeys((None, *target.states), max(m.itemsize for m in reader.atoms.values()))
+    files, written = _write_megatron(dst, target, from_atoms, itemsize, memory_budget, workers, progress)
+    dropped = ("optimizer",) if meta is None and any(p.startswith("optimizer/") for p in reader.atoms) else ()
+    return ConvertReport(src, str(dst), len(canonical_atoms(config)), files, written, dropped)
 
 
 def _open_universal(src: str, step: int | None, storage_options: dict[str, Any] | None) -> CheckpointReader:
