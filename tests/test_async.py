@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ucp
+from ucp import staging
 from ucp.staging import StagingPool
 from ucp.storage import LocalStorage
 from ucp.writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
@@ -148,6 +149,18 @@ def test_staging_pool_reuses_arenas_and_refuses_oversized_chunks():
     assert c.memory.data_ptr() == a.memory.data_ptr() and pool.allocated_bytes == 1000
     with pytest.raises(ucp.UcpError, match="smaller than one chunk"):
         pool.acquire(2000)
+
+
+def test_staging_pool_gives_up_empty_arenas_for_a_larger_chunk(monkeypatch):
+    monkeypatch.setattr(staging, "ARENA_BYTES", 400)
+    dropped = []
+    pool = StagingPool(capacity=1000, on_drop=dropped.append)
+    a, b = pool.acquire(300), pool.acquire(300)
+    assert a.arena is not b.arena and pool.allocated_bytes == 800
+    pool.release(a)
+    pool.release(b)
+    c = pool.acquire(700)  # fits only once both empty arenas are given up
+    assert dropped == [a.arena, b.arena] and pool.arenas == [c.arena] and pool.allocated_bytes == 700
 
 
 def test_unknown_mode_is_refused(tmp_path):
