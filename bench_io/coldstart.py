@@ -8,7 +8,10 @@ before each run (posix_fadvise DONTNEED, no root needed):
 
 - ucp, tp1: every parameter of the model (`load_weights(url, "tp1", 0)`);
 - ucp, tp2 rank 0: what one rank of a tp2 job reads (half the matrices);
-- safetensors: `safetensors.torch.load_file` of every file (local), or download + `safetensors.torch.load` (S3).
+- safetensors: `safetensors.torch.load_file` of every file (local), or download + `safetensors.torch.load` (S3),
+  each tensor then copied once. `load_file` maps a file lazily (its pages are read when first touched) and a job's
+  `load_state_dict` copies every tensor into its parameters, so the copy is what makes the parameters filled; ucp's
+  load_weights returns tensors already read and filled.
 
 With --s3 the same files go to a moto S3 server on 127.0.0.1 (in process), and S3 rows are added.
 Prints a table: seconds (median of the repeats), bytes read from storage, and the effective rate.
@@ -99,7 +102,8 @@ def safetensors_local(hf: Path) -> Callable[[], int]:
     def run() -> int:
         n = 0
         for f in sorted(hf.glob("*.safetensors")):
-            load_file(str(f))
+            for t in load_file(str(f)).values():
+                t.clone()  # filled: the bytes read, as load_state_dict's copy into the parameters would
             n += f.stat().st_size
         return n
 
@@ -116,7 +120,8 @@ def safetensors_s3(fs, prefix: str) -> Callable[[], int]:
         with cf.ThreadPoolExecutor(8) as pool:
             blobs = list(pool.map(fs.cat_file, files))
         for b in blobs:
-            load(b)
+            for t in load(b).values():
+                t.clone()
         return sum(len(b) for b in blobs)
 
     return run
