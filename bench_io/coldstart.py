@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for method, fn in (("ucp load_weights tp1", ucp_load(url, "tp1", None)),
                            ("ucp load_weights tp2 r0", ucp_load(url, "tp2", None)),
-                           ("safetensors load_file", safetensors_local(hf))):
+                           ("safetensors load_file+copy", safetensors_local(hf))):
             rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
         if args.s3:
             rows += _s3_rows(cfg, root, hf, args.repeats)
@@ -175,7 +175,7 @@ def _s3_rows(cfg: MixtralConfig, root: Path, hf: Path, repeats: int) -> list[Row
 
         return [Row("ucp load_weights tp1", "s3", *timed(ucp_load(url, "tp1", options), repeats, nothing)),
                 Row("ucp load_weights tp2 r0", "s3", *timed(ucp_load(url, "tp2", options), repeats, nothing)),
-                Row("safetensors download+load", "s3", *timed(safetensors_s3(fs, "coldstart/hf"), repeats, nothing))]
+                Row("safetensors get+load+copy", "s3", *timed(safetensors_s3(fs, "coldstart/hf"), repeats, nothing))]
     finally:
         server.close()
 
