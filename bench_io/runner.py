@@ -8,7 +8,6 @@ verify against the saved state (untimed) -> delete. Throughput is tensor payload
 
 from __future__ import annotations
 
-import ctypes
 import os
 import statistics
 import threading
@@ -16,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Self
+
+from ucp import heap
 
 from .methods import METHODS, Method, plain_copy_s
 from .state import SyntheticState
@@ -80,22 +81,13 @@ class Summary:
     errors: list[str] = field(default_factory=list)
 
 
-def _malloc_trim() -> None:
-    """Hand freed heap back to the OS (glibc), so that RSS before a call counts live memory only and the
-    peak above it is what the call itself needed."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class PeakRSS:
     """Samples this process's RSS in a thread (every few ms) to catch the peak of a call."""
 
     PERIOD_S = 0.005
 
     def __init__(self) -> None:
-        _malloc_trim()
+        heap.trim()  # RSS before a call counts live memory only, so the peak above it is the call's own
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._stop = threading.Event()
         self.start = self.peak = self._rss()

@@ -16,6 +16,7 @@ import ucp
 from ucp import cli as ucp_cli
 from ucp.distributed import ShardedModel, extra_state, load_sharded
 from ucp.families import canonical_atoms
+from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
 from ucp.interop.megatron_optimizer import read_optimizer
@@ -258,7 +259,7 @@ def test_optimizer_state_ucp_cannot_map_is_refused(megatron_tp1, tmp_path):
 
 
 def _replace(data: dict, path: Path) -> None:
-    """Write a new file in place of a memory-mapped one (a new inode: overwriting a mapped file is a bus error)."""
+    """Write a new file in place of a rank file (a new inode, as a real rewrite would make)."""
     tmp = path.with_suffix(".new")
     torch.save(data, tmp)
     os.replace(tmp, path)
@@ -306,15 +307,15 @@ def test_bad_megatron_sources_are_clear_errors_and_leave_nothing(megatron_tp2, t
 
 def test_a_failed_conversion_leaves_nothing_at_dst(megatron_tp2, tmp_path, monkeypatch):
     calls = []
-    real = torch.save
+    real = torch_file.save
 
-    def failing(obj, f, *a, **k):
+    def failing(obj, f):
         calls.append(f)
         if len(calls) == 2:
             raise OSError("disk full")
-        return real(obj, f, *a, **k)
+        return real(obj, f)
 
-    monkeypatch.setattr(torch, "save", failing)
+    monkeypatch.setattr(torch_file, "save", failing)
     with pytest.raises(OSError, match="disk full"):
         convert(str(megatron_tp2), str(tmp_path / "out"), from_layout="tp2", to_layout="tp1pp2", workers=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "u"]
@@ -328,3 +329,32 @@ def test_cli_convert(megatron_tp2, tmp_path, capsys):
     assert ucp_cli.main(["convert", str(megatron_tp2), str(tmp_path / "x"), "--from", "tp2pp2", "--to", "tp1"]) == 1
     assert "args say tp2pp1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_torch_file_save_loads_like_torch_save(tmp_path):
+    """torch_file.save writes what torch.save writes for the same dict (Deferred tensors produced on the way),
+    and TorchFile reads each tensor back alone, views included."""
+    base = torch.arange(24, dtype=torch.bfloat16).view(4, 6)
+    produced = []
+
+    def ones() -> torch.Tensor:
+        produced.append(1)
+        return torch.ones(3, 2)
+
+    common = {"view": base[1:3, ::2], "base": base, "step": torch.tensor(3.0), "args": argparse.Namespace(lr=0.1),
+              "none": None, "nested": [{"ids": torch.arange(5)}, (1, "x")]}
+    torch_file.save({**common, "deferred": torch_file.Deferred((3, 2), torch.float32, ones)}, tmp_path / "ours.pt")
+    torch.save({**common, "deferred": torch.ones(3, 2)}, tmp_path / "torch.pt")
+    assert produced == [1]
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        ours = torch.load(tmp_path / "ours.pt", weights_only=True)
+        theirs = torch.load(tmp_path / "torch.pt", weights_only=True)
+        lazy = torch_file.TorchFile(tmp_path / "ours.pt")
+    assert_bitwise_equal(ours, theirs)
+    assert ours["view"].untyped_storage().data_ptr() == ours["base"].untyped_storage().data_ptr()  # one storage, as torch's
+    assert lazy.obj["base"].device.type == "meta" and lazy.obj["args"] == common["args"]
+    for name in ("view", "base", "step", "deferred"):
+        assert_bitwise_equal(lazy.read(lazy.obj[name]), theirs[name], name)
+    assert_bitwise_equal(lazy.read(lazy.obj["nested"][0]["ids"]), theirs["nested"][0]["ids"])
+    with pytest.raises(ValueError, match="promised torch.float32"):
+        torch_file.save({"bad": torch_file.Deferred((2,), torch.float32, lambda: torch.ones(3))}, tmp_path / "bad.pt")

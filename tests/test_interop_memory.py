@@ -1,11 +1,12 @@
-"""Interop commands stream within --memory-budget: the peak RSS of `ucp import` / `ucp export` (a real CLI
-process each) barely moves when the model grows fourfold, and the output is still right."""
+"""Interop commands stream within --memory-budget: the peak RSS of `ucp import` / `ucp export` / `ucp convert`
+(a real CLI process each) barely moves when the model grows fourfold, and the output is still right."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import torch
 import ucp
 from ucp.families import MixtralConfig, canonical_atoms
 from ucp.interop.hf import hf_config_from_ucp
+from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
+from ucp.reshard import shard
 
 from .test_hf import save_in_layout
 
@@ -37,6 +40,8 @@ class Model:
     ucp: Path  # ucp checkpoint (step 1, written from tp1)
     hf: Path  # Hugging Face directory: per-expert safetensors in two files, index, config.json
     dcp: Path  # DCP checkpoint of the flat state dict, with config.json
+    megatron: Path  # Megatron-LM torch checkpoint in layout tp2 (iteration 1), converted from `ucp`
+    config: MixtralConfig
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +69,8 @@ def build(root: Path, layers: int) -> Model:
     (hf / "config.json").write_text(config_json)
     dcp.save(atoms, checkpoint_id=str(root / "dcp"), no_dist=True)
     (root / "dcp" / "config.json").write_text(config_json)
-    return Model(atoms, root / "ucp", hf, root / "dcp")
+    convert(str(root / "ucp"), str(root / "megatron"), from_layout="universal", to_layout="tp2")
+    return Model(atoms, root / "ucp", hf, root / "dcp", root / "megatron", cfg)
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +122,29 @@ def check_dcp_export(out: Path, model: Model) -> None:
     assert_atoms(got, model.atoms)
 
 
+def check_megatron(layout: str) -> Callable[[Path, Model], None]:
+    """Every rank file of `layout` holds exactly the model's local tensors (`_extra_state` entries aside)."""
+
+    def check(out: Path, model: Model) -> None:
+        parsed = parse_megatron_layout(layout)
+        for name, rank in rank_files(parsed).items():
+            data = load_rank_file(out / "iter_0000001" / name / RANK_FILE)
+            want = shard({"model": model.atoms}, model.config, parsed, rank, ())
+            for chunk, tensors in want.items():
+                got = {n: t for n, t in data[chunk].items() if not n.endswith("._extra_state")}
+                assert_atoms(got, tensors)
+
+    return check
+
+
 COMMANDS = {
     "import-hf": (lambda m, dst: ["import", str(m.hf), str(dst)], check_import),
     "import-dcp": (lambda m, dst: ["import", str(m.dcp), str(dst), "--from", "dcp"], check_import),
     "export-hf": (lambda m, dst: ["export", str(m.ucp), "--to", "hf", str(dst), "--max-shard-size", "64MiB"], check_hf_export),
     "export-dcp": (lambda m, dst: ["export", str(m.ucp), "--to", "dcp", str(dst)], check_dcp_export),
+    "convert-tp2-universal": (lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "universal"], check_import),
+    "convert-universal-tp2": (lambda m, dst: ["convert", str(m.ucp), str(dst), "--from", "universal", "--to", "tp2"], check_megatron("tp2")),
+    "convert-tp2-tp1ep2": (lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "tp1ep2"], check_megatron("tp1ep2")),
 }
 
 

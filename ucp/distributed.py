@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -428,7 +428,8 @@ def model_config_of(reader: CheckpointReader) -> Any:
     return family.config_cls.from_json(doc)
 
 
-def _check_atom(meta: AtomMeta, shape: tuple[int, ...]) -> None:
+def check_atom(meta: AtomMeta, shape: tuple[int, ...]) -> None:
+    """The stored atom has the shape the model config gives it."""
     if meta.shape != shape:
         raise FormatError(f"atom {meta.path!r} has shape {list(meta.shape)} in the checkpoint, but the model config needs {list(shape)}")
 
@@ -449,16 +450,14 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
                 what = "optimizer state" if lt.state else "parameter"
                 raise FormatError(f"step {reader.step} has no atom {path!r} ({what} {p.atom} needed by rank {rank} of {model.layout})")
             meta = reader.atoms[path]
-            _check_atom(meta, shapes[p.atom][0])
+            check_atom(meta, shapes[p.atom][0])
             metas.append(meta)
         stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
         covered = sum(p.numel for p in lt.pieces) == math.prod(lt.shape)
         tensor = torch.empty(lt.shape, dtype=stored) if covered else torch.zeros(lt.shape, dtype=stored)  # padding: 0
         put_local(local, lt.key, tensor)
-        for p, meta in zip(lt.pieces, metas):
-            view = piece_view(tensor, p)
-            bytes_needed += view.numel() * view.element_size()
-            jobs += [lambda m=meta, i=i, v=view, b=p.atom_box: _read_region(reader, m, i, b, v) for i in _chunks_touching(meta, p.atom_box)]
+        bytes_needed += sum(p.numel for p in lt.pieces) * tensor.element_size()
+        jobs += piece_reads(reader, lt, metas, tensor)
     with cf.ThreadPoolExecutor(reader.io_threads) as pool:
         before = reader.storage.stats.bytes_read
         run_tasks(pool, jobs)
@@ -481,6 +480,16 @@ def _chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
     for r in ranges:
         out = [(*prefix, i) for prefix in out for i in r]
     return out
+
+
+def piece_reads(reader: CheckpointReader, lt: LocalTensor, metas: Sequence[AtomMeta], tensor: torch.Tensor) -> list[Callable[[], None]]:
+    """The reads that fill `tensor` (local tensor `lt`, in the atoms' stored dtype) from the chunks its pieces
+    overlap; `metas` are the pieces' atoms. Each read is one stored object; run them in any order, at once."""
+    reads: list[Callable[[], None]] = []
+    for p, meta in zip(lt.pieces, metas):
+        view = piece_view(tensor, p)
+        reads += [functools.partial(_read_region, reader, meta, i, p.atom_box, view) for i in _chunks_touching(meta, p.atom_box)]
+    return reads
 
 
 def _read_region(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor) -> None:

@@ -5,10 +5,12 @@ naming: fused QKV per query group, gate/up in linear_fc1, padded vocabulary), so
 is the local state of ucp rank (tp=t, dp=e, pp=p) in the layout tp{T}pp{P}ep{E}dp{E}: DP replicas other than the
 expert ones are not saved by Megatron, and dp=E is the smallest DP that holds every expert rank.
 
-Conversion never assembles the model: every target tensor is filled piece by piece from the source tensors
-that hold the same atom box (`ucp.reshard.local_plan` gives both sides' boxes), with source files memory-
-mapped, and target files written a few at a time within the memory budget. Files are untrusted input: they
-are unpickled with `weights_only=True` and an allowlist of the few non-tensor types Megatron stores.
+Conversion never holds the model, nor a whole rank file: every target tensor is filled piece by piece from the
+source tensors that hold the same atom box (`ucp.reshard.local_plan` gives both sides' boxes), each source
+tensor read from its file only when needed (torch_file.TorchFile) and dropped after, and each target file is
+written tensor by tensor (torch_file.save), a few files at a time within the memory budget. Files are untrusted
+input: they are unpickled with torch's weights-only unpickler and an allowlist of the few non-tensor types
+Megatron stores.
 
 The non-distributed optimizer's state reshards the same way (its per-parameter tensors are ucp local optimizer
 states, see megatron_optimizer.py); the scheduler and the iteration are global and go to every file; the RNG
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import enum
+import functools
 import io
+import math
 import pickle
 import re
 import sys
@@ -31,19 +35,30 @@ from typing import Any
 
 import torch
 
-from ucp import commit
+from ucp import dtypes
 from ucp.boxes import Box, intersect, to_slices
 from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.distributed import ShardedModel, VirtualWorld, load_sharded, local_tensor, model_config_of, piece_view
-from ucp.errors import CheckpointNotFoundError, LayoutError, UcpError
-from ucp.families import MixtralConfig
-from ucp.format import step_dirname
+from ucp.distributed import (
+    AtomKey,
+    ShardedModel,
+    atom_path,
+    check_atom,
+    local_tensor,
+    model_config_of,
+    piece_reads,
+    piece_view,
+)
+from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
+from ucp.families import MixtralConfig, canonical_atoms
+from ucp.format import AtomMeta
+from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer, write_optimizer
 from ucp.interop.staging import staged_dir
+from ucp.interop.streaming import group_limit, pack, save_atoms
+from ucp.interop.torch_file import Deferred, TorchFile
 from ucp.layout import Layout
-from ucp.reshard import LocalTensor, local_plan, owned_pieces, put_local
-from ucp.storage import Storage, open_storage
+from ucp.reshard import LocalTensor, Piece, local_plan, owned_pieces, put_local
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -92,20 +107,50 @@ def _allowlist() -> list[Any]:
     return allowed
 
 
-def load_rank_file(path: Path) -> dict[str, Any]:
-    """Unpickle one rank file with weights_only=True (tensors memory-mapped, nothing else executed)."""
+def _is_chunk(key: Any) -> bool:
+    """A model chunk's entry of a rank file: "model", or "model0", "model1", ... with virtual pipelining."""
+    return isinstance(key, str) and (key == "model" or re.fullmatch(r"model\d+", key) is not None)
+
+
+def _per_element(path: tuple[Any, ...], t: torch.Tensor) -> bool:
+    """Whether a tensor at `path` of a rank file is per-element state (weights, optimizer states, master weights),
+    whose size grows with the model; everything else (0-d steps, grad scaler, RNG states) is small."""
+    return _is_chunk(path[0]) or (path[0] == "optimizer" and t.dim() > 0 and "grad_scaler" not in path)
+
+
+def _resolve(tree: Any, file: TorchFile, lazy: Callable[[tuple[Any, ...], torch.Tensor], bool], path: tuple[Any, ...] = ()) -> Any:
+    """`tree` with every meta tensor that `lazy` does not keep read from `file`."""
+    if isinstance(tree, torch.Tensor):
+        return file.read(tree) if tree.device.type == "meta" and not lazy(path, tree) else tree
+    if isinstance(tree, dict):
+        return type(tree)((k, _resolve(v, file, lazy, (*path, k))) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
+        return type(tree)(_resolve(v, file, lazy, (*path, i)) for i, v in enumerate(tree))
+    return tree
+
+
+def open_rank_file(path: Path) -> tuple[dict[str, Any], TorchFile]:
+    """Unpickle one rank file with weights_only=True (nothing outside the allowlist is executed). The per-element
+    tensors stay meta tensors, read on demand with `TorchFile.read`; the rest is read now."""
     try:
         with torch.serialization.safe_globals(_allowlist()):
-            data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            file = TorchFile(path)
+        data = _resolve(file.obj, file, _per_element) if isinstance(file.obj, dict) else file.obj
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
         unsupported = next((line for line in first if "Unsupported global" in line), first[0] if first else "")
         raise InteropError(f"{path}: refused to unpickle a type outside the allowlist ({unsupported.strip()})") from None
-    except (RuntimeError, EOFError, OSError) as e:
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise InteropError(f"{path} is not a readable torch checkpoint: {e}") from None
-    if not isinstance(data, dict) or not any(k.startswith("model") for k in data):
+    if not isinstance(data, dict) or not any(_is_chunk(k) for k in data):
         raise InteropError(f"{path} holds no 'model' state dict (keys: {sorted(data) if isinstance(data, dict) else type(data).__name__})")
-    return data
+    return data, file
+
+
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """One rank file read whole, like torch.load(weights_only=True) with the allowlist."""
+    data, file = open_rank_file(path)
+    return _resolve(data, file, lambda _path, _t: False)
 
 
 # ------------------------------------------------------------------------------------------- layouts
@@ -219,7 +264,8 @@ def _real_enum(e: ForeignEnum) -> Any:
 
 @dataclass
 class MegatronSource:
-    """A Megatron torch checkpoint opened for reading: layout, model config, and the memory-mapped rank files."""
+    """A Megatron torch checkpoint opened for reading: layout, model config, and the rank files, whose per-element
+    tensors are meta tensors until `read` fetches them (so no file is ever wholly in memory)."""
 
     root: Path
     iteration: int
@@ -227,8 +273,9 @@ class MegatronSource:
     config: MixtralConfig
     args: Any
     hf: dict[str, Any]
-    files: dict[int, dict[str, Any]]  # ucp rank -> unpickled (memory-mapped) rank file
+    files: dict[int, dict[str, Any]]  # ucp rank -> unpickled rank file (per-element tensors on the meta device)
     paths: dict[int, Path]
+    readers: dict[int, TorchFile]
     optimizer: OptimizerMeta | None = None  # None: the files hold no optimizer state
     optim_state: dict[int, LocalOptimState] = field(default_factory=dict)  # ucp rank -> its local optimizer state
 
@@ -247,10 +294,15 @@ class MegatronSource:
         optimizer state when the files hold one."""
         data = self.files[rank]
         local: dict[str, Any] = {k: {n: t for n, t in data[k].items() if not n.endswith("._extra_state")}
-                                 for k in data if k == "model" or re.fullmatch(r"model\d+", k)}
+                                 for k in data if _is_chunk(k)}
         if self.optimizer is not None:
             local["optimizer"] = {"state": self.optim_state[rank]}
         return local
+
+    def read(self, rank: int, key: tuple[str, ...]) -> torch.Tensor:
+        """The values of a rank's local tensor (a LocalTensor key), read from its file."""
+        tree = {"optimizer": {"state": self.optim_state.get(rank, {})}} if key[0] == "optimizer" else self.files[rank]
+        return self.readers[rank].read(local_tensor(tree, key))
 
 
 def _iteration(root: Path, iteration: int | None) -> tuple[int, Path]:
@@ -291,7 +343,7 @@ def open_megatron(src: str | Path, layout: str | Layout, *, iteration: int | Non
     probe = iter_dir / min(present) / RANK_FILE
     if not probe.is_file():
         raise InteropError(f"missing rank file {probe}")
-    first = load_rank_file(probe)
+    first, first_reader = open_rank_file(probe)
     args = first.get("args")
     saved = tuple(_arg(args, k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                "expert_model_parallel_size", "virtual_pipeline_model_parallel_size"))
@@ -314,8 +366,9 @@ def open_megatron(src: str | Path, layout: str | Layout, *, iteration: int | Non
         raise InteropError(f"{distributed[0]}: a distributed optimizer's state, which ucp does not convert (its flat "
                            f"buffers depend on DP and bucketing); save with the non-distributed optimizer, or convert "
                            f"the weights only from a copy without {DISTRIB_OPTIM_FILE}")
-    files = {rank: (first if path == probe else load_rank_file(path)) for rank, path in paths.items()}
-    source = MegatronSource(root, it, want, config, args, hf, files, paths)
+    opened = {rank: ((first, first_reader) if path == probe else open_rank_file(path)) for rank, path in paths.items()}
+    source = MegatronSource(root, it, want, config, args, hf, {r: d for r, (d, _) in opened.items()}, paths,
+                            {r: f for r, (_, f) in opened.items()})
     _check_shapes(source)
     _read_optimizer(source)
     return source
@@ -357,40 +410,65 @@ def _check_shapes(source: MegatronSource) -> None:
 # ------------------------------------------------------------------------------------------- filling targets
 
 
+@dataclass(frozen=True)
+class _Region:
+    """Where a source file holds part of an atom: the atom box, and the piece of which rank's local tensor."""
+
+    box: Box
+    rank: int
+    key: tuple[str, ...]  # LocalTensor key in the rank's local state
+    piece: Piece
+
+
+SourceCache = dict[tuple[int, tuple[str, ...]], torch.Tensor]  # (rank, key) -> source tensor read from its file
+
+
 @dataclass
 class _PieceIndex:
-    """For each (atom, state), the source regions holding it: (atom box, view of the source tensor)."""
+    """For each (atom, state), the source regions holding it. Filling reads the source tensors it needs from
+    their files into a cache the caller drops when done (one target tensor, or one group of atoms)."""
 
-    regions: dict[tuple[str, str | None], list[tuple[Box, torch.Tensor]]] = field(default_factory=dict)
+    source: MegatronSource
+    regions: dict[tuple[str, str | None], list[_Region]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, source: MegatronSource) -> _PieceIndex:
-        index = cls()
+        index = cls(source)
         for rank in source.files:
-            local = source.local_state(rank)
             for lt in owned_pieces(source.config, source.layout, rank, source.states):  # every element exactly once
-                tensor = local_tensor(local, lt.key)
                 for p in lt.pieces:
-                    index.regions.setdefault((p.atom, lt.state), []).append((p.atom_box, piece_view(tensor, p)))
+                    index.regions.setdefault((p.atom, lt.state), []).append(_Region(p.atom_box, rank, lt.key, p))
         return index
 
-    def fill(self, lt: LocalTensor, out: torch.Tensor) -> None:
+    def fill_box(self, atom: str, state: str | None, box: Box, dst: torch.Tensor, cache: SourceCache) -> None:
+        """Copy the elements of `box` of an atom (state) into `dst`, shaped like the box."""
+        for region in self.regions[(atom, state)]:
+            part = intersect(region.box, box)
+            if part is None:
+                continue
+            at = (region.rank, region.key)
+            if at not in cache:
+                cache[at] = self.source.read(*at)
+            view = piece_view(cache[at], region.piece)
+            dst[to_slices(_relative(part, box))] = view[to_slices(_relative(part, region.box))]
+
+    def local(self, lt: LocalTensor, dtype: torch.dtype) -> torch.Tensor:
+        """A target rank's local tensor, read from the source files (padding zero)."""
+        out = torch.zeros(lt.shape, dtype=dtype)
+        cache: SourceCache = {}
         for p in lt.pieces:
-            dst = piece_view(out, p)
-            for box, view in self.regions[(p.atom, lt.state)]:
-                part = intersect(box, p.atom_box)
-                if part is not None:
-                    dst[to_slices(_relative(part, p.atom_box))] = view[to_slices(_relative(part, box))]
+            self.fill_box(p.atom, lt.state, p.atom_box, piece_view(out, p), cache)
+        return out
+
+    def atom(self, atom: str, state: str | None, shape: tuple[int, ...], dtype: torch.dtype, cache: SourceCache) -> torch.Tensor:
+        """A whole atom (or one optimizer state of it), read from the source files."""
+        out = torch.empty(shape, dtype=dtype)
+        self.fill_box(atom, state, tuple((0, n) for n in shape), out, cache)
+        return out
 
 
 def _relative(box: Box, origin: Box) -> Box:
     return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
-
-
-def _rank_bytes(config: MixtralConfig, layout: Layout, rank: int, states: tuple[str, ...],
-                itemsize: Mapping[str | None, int]) -> int:
-    """Bytes of a rank's local tensors (parameters and optimizer states), `itemsize` per state (None: params)."""
-    return sum(torch.Size(lt.shape).numel() * itemsize[lt.state] for lt in local_plan(config, layout, rank, states))
 
 
 def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -432,38 +510,48 @@ class _TargetFiles:
         return data
 
 
-def _write_megatron(dst: str | Path, target: _TargetFiles, local_of: Callable[[int], dict[str, Any]],
-                    itemsize: Mapping[str | None, int], memory_budget: int, workers: int, progress: bool) -> tuple[int, int]:
-    """Write every rank file of the target layout, a few at a time within the memory budget; DST appears only
-    when whole. Returns (files, bytes of tensors written)."""
+Produce = Callable[[int, LocalTensor], torch.Tensor]  # (target rank, local tensor) -> its values
+
+
+def _deferred_local(target: _TargetFiles, rank: int, produce: Produce, dtype_of: Callable[[LocalTensor], torch.dtype]) -> dict[str, Any]:
+    """A target rank's local state whose tensors are produced only when their records are written."""
+    local: dict[str, Any] = {}
+    for lt in local_plan(target.config, target.layout, rank, target.states):
+        put_local(local, lt.key, Deferred(lt.shape, dtype_of(lt), functools.partial(produce, rank, lt)))
+    return local
+
+
+def _write_megatron(dst: str | Path, target: _TargetFiles, produce: Produce, dtype_of: Callable[[LocalTensor], torch.dtype],
+                    memory_budget: int, workers: int, progress: bool) -> tuple[int, int]:
+    """Write every rank file of the target layout, tensor by tensor (torch_file.save); DST appears only when
+    whole. A file being written holds one target tensor and the source tensors it is made from, so as many files
+    are written at once as groups of the largest tensor fit in the budget (streaming.group_limit).
+    Returns (files, bytes of tensors written)."""
     from tqdm import tqdm
 
     files = rank_files(target.layout)
-    biggest = max(_rank_bytes(target.config, target.layout, r, target.states, itemsize) for r in files.values())
-    parallel = max(1, min(workers, memory_budget // max(biggest, 1)))
-    written = 0
+    locals_ = {rank: _deferred_local(target, rank, produce, dtype_of) for rank in files.values()}
+    biggest = max(d.nbytes for local in locals_.values() for d in _deferred(local))
+    parallel = max(1, min(workers, group_limit(memory_budget) // max(biggest, 1)))
     with staged_dir(dst) as tmp, tqdm(total=len(files), desc="write rank files", unit="file", disable=not progress) as bar:
         iter_dir = tmp / f"iter_{target.iteration:07d}"
 
-        def one(name: str, rank: int) -> int:
-            local = local_of(rank)
+        def one(name: str, rank: int) -> None:
             (iter_dir / name).mkdir(parents=True)
-            torch.save(target.content(name, rank, local), iter_dir / name / RANK_FILE)
+            torch_file.save(target.content(name, rank, locals_[rank]), iter_dir / name / RANK_FILE)
             bar.update(1)
-            return _tensor_bytes(local)
 
         with cf.ThreadPoolExecutor(parallel) as pool:
-            futures = [pool.submit(one, n, r) for n, r in files.items()]
-            for f in cf.as_completed(futures):
-                written += f.result()
+            for f in cf.as_completed([pool.submit(one, n, r) for n, r in files.items()]):
+                f.result()
         (tmp / TRACKER).write_text(f"{target.iteration}\n")  # last: Megatron finds the iteration only once it is whole
-    return len(files), written
+    return len(files), sum(d.nbytes for local in locals_.values() for d in _deferred(local))
 
 
-def _tensor_bytes(tree: Any) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    return sum(_tensor_bytes(v) for v in tree.values()) if isinstance(tree, dict) else 0
+def _deferred(tree: Any) -> list[Deferred]:
+    if isinstance(tree, Deferred):
+        return [tree]
+    return [d for v in tree.values() for d in _deferred(v)] if isinstance(tree, dict) else []
 
 
 # ------------------------------------------------------------------------------------------- convert
@@ -477,39 +565,6 @@ class ConvertReport:
     files: int
     bytes_written: int
     dropped: tuple[str, ...] = ()  # source entries not carried (e.g. "rng_state" into another layout)
-
-
-class _ProgressStorage(Storage):
-    """A storage that advances a progress bar by the bytes written through it."""
-
-    def __init__(self, inner: Storage, bar: Any):
-        self.inner, self.bar = inner, bar
-        self.url, self.stats, self.whole_object_reads = inner.url, inner.stats, inner.whole_object_reads
-
-    def write(self, key, parts):  # type: ignore[no-untyped-def]
-        self.inner.write(key, parts)
-        self.bar.update(sum(len(memoryview(p).cast("B")) for p in parts))
-
-    def read(self, key, start=0, end=None):  # type: ignore[no-untyped-def]
-        return self.inner.read(key, start, end)
-
-    def read_into(self, key, offset, buffers):  # type: ignore[no-untyped-def]
-        return self.inner.read_into(key, offset, buffers)
-
-    def exists(self, key):  # type: ignore[no-untyped-def]
-        return self.inner.exists(key)
-
-    def listdir(self, key=""):  # type: ignore[no-untyped-def]
-        return self.inner.listdir(key)
-
-    def delete(self, key):  # type: ignore[no-untyped-def]
-        self.inner.delete(key)
-
-    def flush(self) -> None:
-        self.inner.flush()
-
-    def root_exists(self) -> bool:
-        return self.inner.root_exists()
 
 
 def _jsonable(args: Any) -> dict[str, Any]:
@@ -540,30 +595,32 @@ def _universal_extra(source: MegatronSource) -> dict[str, Any]:
     return extra
 
 
-def _to_universal(source: MegatronSource, url: str, step: int, storage_options: dict[str, Any] | None, workers: int,
-                  progress: bool) -> ConvertReport:
-    """Every source rank file is a rank of one distributed save: each atom chunk is written once, straight from
-    the memory-mapped source tensors."""
-    from tqdm import tqdm
+def _source_dtypes(source: MegatronSource) -> dict[str | None, torch.dtype]:
+    """The dtype of the parameters and of each optimizer state in the source files (those of rank 0)."""
+    local = source.local_state(0)
+    return {lt.state: local_tensor(local, lt.key).dtype for lt in local_plan(source.config, source.layout, 0, source.states)}
 
-    from ucp.checkpoint import SaveOptions
-    from ucp.families import canonical_atoms
 
-    states = [source.local_state(r) for r in range(source.layout.world_size)]
-    model = ShardedModel(source.config, source.layout, optim_states=source.states)
-    inner = open_storage(url, storage_options)
-    total = sum(_tensor_bytes(s) for s in states) // max(source.layout.tp, 1)
-    with tqdm(total=total, desc="write atoms", unit="B", unit_scale=True, disable=not progress) as bar:
-        storage = _ProgressStorage(inner, bar)
-        try:
-            VirtualWorld(source.layout.world_size).save(states, url, step=step, model=model, extra=_universal_extra(source),
-                                                        storage=storage, options=SaveOptions(io_threads=workers))
-        except BaseException:
-            if commit.read_marker(inner, step) is None:
-                inner.delete(step_dirname(step))
-            raise
+def _to_universal(source: MegatronSource, url: str, step: int, storage_options: dict[str, Any] | None,
+                  memory_budget: int, workers: int, progress: bool) -> ConvertReport:
+    """Megatron -> ucp, written in layout tp1pp1 by `streaming.save_atoms`: atoms move in groups within the
+    budget, each atom filled from the source regions holding it; a group's source tensors are read from their
+    files and dropped with the group."""
+    index = _PieceIndex.of(source)
+    dtype_of = _source_dtypes(source)
+    shapes = {name: tuple(shape) for name, (shape, _) in canonical_atoms(source.config).items()}
+    sizes = {(a, s): math.prod(shape) * dtype_of[s].itemsize for a, shape in shapes.items() for s in (None, *source.states)}
+
+    def load(keys: list[AtomKey]) -> dict[AtomKey, torch.Tensor]:
+        cache: SourceCache = {}
+        return {(a, s): index.atom(a, s, shapes[a], dtype_of[s], cache) for a, s in keys}
+
+    written = save_atoms(url, [functools.partial(load, keys) for keys in pack(sizes, group_limit(memory_budget))],
+                         step=step, model=ShardedModel(source.config, Layout(), optim_states=source.states),
+                         dtype_of=dtype_of, extra=_universal_extra(source), storage_options=storage_options,
+                         workers=workers, progress=progress)
     dropped = ("rng_state",) if "rng_state" in source.files[0] else ()  # per rank: no layout-free form
-    return ConvertReport(str(source.root), url, len(canonical_atoms(source.config)), 0, inner.stats.bytes_written, dropped)
+    return ConvertReport(str(source.root), url, len(shapes), 0, written, dropped)
 
 
 def convert(src: str, dst: str, *, from_layout: str, to_layout: str, step: int | None = None, iteration: int | None = None,
@@ -579,34 +636,24 @@ def convert(src: str, dst: str, *, from_layout: str, to_layout: str, step: int |
         return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress)
     source = open_megatron(src, from_layout, iteration=iteration, vocab_size=vocab_size)
     if to_layout == UNIVERSAL:
-        return _to_universal(source, dst, source.iteration if step is None else step, storage_options, workers, progress)
+        return _to_universal(source, dst, source.iteration if step is None else step, storage_options, memory_budget,
+                             workers, progress)
     return _reshard(source, dst, parse_megatron_layout(to_layout), memory_budget, workers, progress)
 
 
 def _reshard(source: MegatronSource, dst: str, layout: Layout, memory_budget: int, workers: int, progress: bool) -> ConvertReport:
     """Megatron -> Megatron: each target tensor (parameter or optimizer state) filled from the source regions."""
-    from ucp.families import canonical_atoms
-
     local_plan(source.config, layout, 0, ())  # the layout fits the model, before anything is written
     index = _PieceIndex.of(source)
-    dtypes = {lt.state: local_tensor(source.local_state(0), lt.key).dtype for lt in local_plan(source.config, source.layout, 0, source.states)}
-
-    def from_source(rank: int) -> dict[str, Any]:
-        local: dict[str, Any] = {}
-        for lt in local_plan(source.config, layout, rank, source.states):
-            out = torch.zeros(lt.shape, dtype=dtypes[lt.state])
-            index.fill(lt, out)
-            put_local(local, lt.key, out)
-        return local
-
+    dtype_of = _source_dtypes(source)
     # RNG states are per rank: a file of the same layout is the same rank, any other has no source to take them from
     has_rng = all("rng_state" in f for f in source.files.values())
     same = megatron_name(layout) == megatron_name(source.layout)
     rng = {name: source.files[r]["rng_state"] for name, r in rank_files(layout).items()} if has_rng and same else None
     target = _TargetFiles(source.config, layout, args_for(source.config, layout, base=source.args), source.iteration,
                           source.optimizer, source.scheduler, rng)
-    itemsize = {s: torch.empty((), dtype=d).element_size() for s, d in dtypes.items()}
-    files, written = _write_megatron(dst, target, from_source, itemsize, memory_budget, workers, progress)
+    files, written = _write_megatron(dst, target, lambda _rank, lt: index.local(lt, dtype_of[lt.state]),
+                                     lambda lt: dtype_of[lt.state], memory_budget, workers, progress)
     dropped = ("rng_state",) if has_rng and not same else ()
     return ConvertReport(str(source.root), str(dst), len(canonical_atoms(source.config)), files, written, dropped)
 
@@ -616,8 +663,6 @@ def _from_universal(src: str, dst: str, to_layout: str, step: int | None, storag
     """ucp -> Megatron: each target rank's local state read straight from the atoms. The optimizer entry is
     written when the checkpoint came from Megatron with one (its `megatron_optimizer` says how to build it);
     optimizer state without it (e.g. from ucp's trainer: no Megatron param groups to rebuild) is dropped."""
-    from ucp.families import canonical_atoms
-
     reader = _open_universal(src, step, storage_options)
     config = model_config_of(reader)
     if not isinstance(config, MixtralConfig):
@@ -629,16 +674,36 @@ def _from_universal(src: str, dst: str, to_layout: str, step: int | None, storag
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
     target = _TargetFiles(config, layout, args_for(config, layout, hf=hf if isinstance(hf, dict) else None), reader.step,
                           meta, extra.get("opt_param_scheduler"))
-    model = ShardedModel(config, layout, optim_states=target.states)
-
-    def from_atoms(rank: int) -> dict[str, Any]:
-        local, _ = load_sharded(reader, model, rank)
-        return local
-
-    itemsize = dict.fromkeys((None, *target.states), max(m.itemsize for m in reader.atoms.values()))
-    files, written = _write_megatron(dst, target, from_atoms, itemsize, memory_budget, workers, progress)
+    atom_meta = _atom_metas(reader, config, layout, target.states)
+    dtype_of = {state: dtypes.torch_dtype(meta.dtype) for (_, state), meta in reversed(atom_meta.items())}  # the first atom's
+    files, written = _write_megatron(dst, target, lambda _rank, lt: _read_local(reader, atom_meta, lt, dtype_of[lt.state]),
+                                     lambda lt: dtype_of[lt.state], memory_budget, workers, progress)
     dropped = ("optimizer",) if meta is None and any(p.startswith("optimizer/") for p in reader.atoms) else ()
     return ConvertReport(src, str(dst), len(canonical_atoms(config)), files, written, dropped)
+
+
+def _atom_metas(reader: CheckpointReader, config: MixtralConfig, layout: Layout,
+                states: tuple[str, ...]) -> dict[AtomKey, AtomMeta]:
+    """The stored atoms every rank of `layout` needs, checked to exist with the config's shapes."""
+    shapes = canonical_atoms(config)
+    out: dict[AtomKey, AtomMeta] = {}
+    for atom, (shape, _) in shapes.items():
+        for state in (None, *states):
+            path = atom_path(atom, state)
+            if path not in reader.atoms:
+                raise FormatError(f"step {reader.step} has no atom {path!r}, which the {megatron_name(layout)} files need")
+            check_atom(reader.atoms[path], tuple(shape))
+            out[(atom, state)] = reader.atoms[path]
+    return out
+
+
+def _read_local(reader: CheckpointReader, atom_meta: Mapping[AtomKey, AtomMeta], lt: LocalTensor, dtype: torch.dtype) -> torch.Tensor:
+    """One local tensor of a target rank, read from the atom chunks it overlaps (load_sharded, for one tensor;
+    padding zero)."""
+    out = torch.zeros(lt.shape, dtype=dtype)
+    for read in piece_reads(reader, lt, [atom_meta[(p.atom, lt.state)] for p in lt.pieces], out):
+        read()
+    return out
 
 
 def _open_universal(src: str, step: int | None, storage_options: dict[str, Any] | None) -> CheckpointReader:

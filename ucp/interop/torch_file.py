@@ -1,0 +1,166 @@
+"""torch.save / torch.load files a tensor at a time, so that a file never needs to be wholly in memory.
+
+A torch.save file is a zip archive (torch/serialization.py `_save`): `data.pkl`, the object pickled with every
+tensor storage replaced by a persistent id ("storage", storage type, key, location, numel), then the records
+`.format_version`, `.storage_alignment`, `byteorder`, and one uncompressed, aligned record `data/<key>` per
+storage (the writer adds `version` and the serialization id on close).
+
+`save` writes the same records, but a tensor may be a `Deferred` placeholder: the pickle needs only its dtype
+and shape, and its values are produced just before its record is written and freed right after.
+
+`TorchFile` is the reading side: `data.pkl` is unpickled by torch's weights-only unpickler (the caller's
+`torch.serialization.safe_globals` apply, as in `torch.load(weights_only=True)`), with every tensor on the meta
+device; `read` then fetches one tensor's bytes from its record with a positioned read into a fresh tensor.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import sys
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import _weights_only_unpickler
+
+from ucp import heap
+
+PICKLE_PROTOCOL = 2  # torch.save's default
+
+
+@dataclass(frozen=True, eq=False)
+class Deferred:
+    """A tensor whose values `produce()` returns only when `save` writes its record (C-contiguous on load)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    produce: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+@dataclass(frozen=True, eq=False)
+class _DeferredStorage:
+    """What a Deferred tensor's pickle names as its storage (the pickler turns it into a persistent id)."""
+
+    tensor: Deferred
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickler (same persistent ids, same keys in order of first use), plus Deferred tensors,
+    pickled as a real tensor would be: `_rebuild_tensor_v2` of a storage of their own."""
+
+    def __init__(self, buffer: io.BytesIO):
+        super().__init__(buffer, protocol=PICKLE_PROTOCOL)
+        self.keys: dict[tuple[str, int], str] = {}  # storage identity -> record key
+        self.storages: dict[str, torch.UntypedStorage | Deferred] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Deferred):
+            args = (_DeferredStorage(obj), 0, tuple(obj.shape), _contiguous_strides(obj.shape), False, collections.OrderedDict())
+            return torch._utils._rebuild_tensor_v2, args
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _DeferredStorage):
+            identity, storage, dtype, numel = ("deferred", id(obj.tensor)), obj.tensor, obj.tensor.dtype, torch.Size(obj.tensor.shape).numel()
+        elif isinstance(obj, torch.storage.TypedStorage):
+            if obj._untyped_storage.device.type != "cpu":
+                raise ValueError(f"torch_file.save writes CPU tensors, not {obj._untyped_storage.device}")
+            identity, storage, dtype, numel = ("storage", obj._untyped_storage._cdata), obj._untyped_storage, obj.dtype, obj._size()
+        elif torch.is_storage(obj):
+            raise ValueError("torch_file.save writes tensors, not bare untyped storages")
+        else:
+            return None
+        key = self.keys.setdefault(identity, str(len(self.keys)))
+        self.storages[key] = storage
+        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+        return ("storage", storage_type, key, "cpu", numel)
+
+
+def save(obj: Any, path: str | Path) -> None:
+    """torch.save(obj, path), with `Deferred` tensors produced one at a time while their records are written."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    pickler.dump(obj)
+    data = buffer.getvalue()
+    with torch.serialization._open_zipfile_writer(str(path)) as writer:  # torch.save's own writer and alignment
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", len("1"))
+        alignment = str(torch.serialization._get_storage_alignment())
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, storage in pickler.storages.items():
+            if isinstance(storage, Deferred):
+                _write_deferred(writer, f"data/{key}", storage)
+            else:
+                writer.write_record(f"data/{key}", storage, storage.nbytes())
+
+
+def _write_deferred(writer: Any, name: str, d: Deferred) -> None:
+    t = d.produce()
+    if tuple(t.shape) != tuple(d.shape) or t.dtype != d.dtype or t.device.type != "cpu":
+        raise ValueError(f"{name}: produced a {t.dtype} {list(t.shape)} tensor on {t.device}, promised {d.dtype} {list(d.shape)} on cpu")
+    t = t.contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != d.nbytes:
+        t = t.clone()  # a view into a larger storage: write only its own bytes
+    writer.write_record(name, t.untyped_storage(), d.nbytes)
+    del t
+    heap.trim()  # the freed tensor's pages, or a file's worth of them can stay resident
+
+
+class TorchFile:
+    """A torch.save file opened for reading tensor by tensor: `obj` holds meta tensors, `read` fills one."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        reader = torch._C.PyTorchFileReader(str(self.path))
+        if reader.has_record("byteorder") and reader.get_record("byteorder").decode() != sys.byteorder:
+            raise ValueError(f"{self.path} was written on a {reader.get_record('byteorder').decode()}-endian machine")
+        self._offsets = {name: reader.get_record_offset(name) for name in reader.get_all_records() if name.startswith("data/")}
+        with zipfile.ZipFile(self.path) as z:  # record sizes (names are "<archive>/data/N")
+            self._sizes = {info.filename.partition("/")[2]: info.file_size for info in z.infolist()}
+        self._keys: dict[int, tuple[str, torch.UntypedStorage]] = {}  # meta storage -> its record key (kept alive)
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(reader.get_record("data.pkl")), encoding="utf-8")
+        unpickler.persistent_load = self._persistent_load  # type: ignore[method-assign]
+        self.obj = unpickler.load()
+
+    def _persistent_load(self, pid: tuple[Any, ...]) -> torch.storage.TypedStorage:
+        _, storage_type, key, _location, numel = pid
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if self._sizes.get(f"data/{key}") != numel * dtype.itemsize:
+            raise ValueError(f"{self.path}: storage {key} of {numel} {dtype} elements has no record of that size")
+        storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+        self._keys[storage._cdata] = (key, storage)
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """The values of meta tensor `t` of `obj`, read from its record into a fresh CPU tensor."""
+        key, _ = self._keys[t.untyped_storage()._cdata]
+        offset = t.storage_offset() * t.element_size()
+        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        raw = torch.empty(span * t.element_size(), dtype=torch.uint8)
+        view, position = memoryview(raw.numpy()), self._offsets[f"data/{key}"] + offset
+        with open(self.path, "rb", buffering=0) as f:
+            while view:  # one pread returns at most ~2 GiB
+                got = os.preadv(f.fileno(), [view], position)
+                if got == 0:
+                    raise EOFError(f"{self.path}: record data/{key} is truncated")
+                view, position = view[got:], position + got
+        return raw.view(t.dtype).as_strided(t.shape, t.stride())
