@@ -19,7 +19,6 @@ from ucp import staging
 from ucp.staging import StagingPool
 from ucp.storage import LocalStorage
 from ucp.writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
-from ucp.writer_process import WriterProcessError
 
 from .helpers import assert_same_state
 
@@ -230,7 +229,7 @@ def test_a_killed_writer_process_fails_the_save_and_the_next_save_restarts_it(tm
     with writer_stopped(manager) as first_pid:
         manager.save(1, make_state(1))
         os.kill(first_pid, signal.SIGKILL)
-    with pytest.raises(WriterProcessError, match=r"writer process \(pid \d+\) died"):
+    with pytest.raises(ucp.WriterProcessError, match=r"writer process \(pid \d+\) died"):
         manager.wait()
     assert manager.steps() == []
     handle = manager.save(2, make_state(2))

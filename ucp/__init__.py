@@ -14,6 +14,7 @@ from .errors import (
     StepExistsError,
     UcpError,
     UnsupportedVersionError,
+    WriterProcessError,
 )
 from .manager import CheckpointManager
 from .training_state import restore_training_state, training_state
@@ -31,6 +32,7 @@ __all__ = [
     "StepExistsError",
     "UcpError",
     "UnsupportedVersionError",
+    "WriterProcessError",
     "load",
     "open_checkpoint",
     "register_bfloat16_with_zarr",

@@ -31,3 +31,7 @@ class StateError(UcpError):
 
 class StepExistsError(UcpError):
     """A save targets a step that is already committed (committed steps are never overwritten)."""
+
+
+class WriterProcessError(UcpError):
+    """The writer process of async saves could not be started or died while a save was in flight."""

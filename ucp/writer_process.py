@@ -37,17 +37,13 @@ from typing import Any
 import torch
 
 from . import codec
-from .errors import UcpError
+from .errors import UcpError, WriterProcessError
 from .format import AtomMeta
 from .staging import Arena, map_shared_arena
 from .storage import Storage
 from .workpool import submit_batched
 
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
-
-
-class WriterProcessError(UcpError):
-    """The writer process could not be started or exited while a save was in flight."""
 
 
 @dataclass(frozen=True)
