@@ -127,7 +127,7 @@ def write_png(path: str | Path, summaries: list[Summary], title: str) -> None:
             ys = [getattr(by_key[(m, target)], f"{op}_gbps") or 0.0 if (m, target) in by_key else 0.0 for m in methods]
             bars = ax.bar(xs, ys, width, label=target)
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
-        ax.set_xticks(range(len(methods)), methods)
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
         ax.set_title(op)
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("GB/s (median)")
@@ -136,7 +136,7 @@ def write_png(path: str | Path, summaries: list[Summary], title: str) -> None:
     labels = [f"{s.method}\n{s.target}" for s in blocking]
     bars = ax.bar(range(len(blocking)), [s.blocking_s for s in blocking], 0.7, color="tab:red")
     ax.bar_label(bars, fmt="%.3f", fontsize=7)
-    ax.set_xticks(range(len(blocking)), labels, fontsize=7)
+    ax.set_xticks(range(len(blocking)), labels, fontsize=7, rotation=30, ha="right")
     ax.set_title("async save: blocking s (copy = floor)")
     ax.set_ylabel("seconds (median)")
     ax.grid(axis="y", alpha=0.3)
