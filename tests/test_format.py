@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
+import crc32c
 import pytest
 import torch
 
 import ucp
 from ucp.chunking import ChunkingPolicy, choose_chunks
 from ucp.format import AtomMeta
+from ucp.inspection import verify
 
 from .helpers import assert_same_state
 
@@ -81,6 +84,29 @@ def test_chunks_follow_policy_and_sharded_atoms_hold_inner_chunks(tmp_path):
     objects = sorted(n for n in os.listdir(tmp_path / "step_00000000" / "w") if n.startswith("c."))
     assert len(objects) == -(-shape[0] // chunk[0])
     assert torch.equal(ucp.load(str(tmp_path))["w"], t)
+
+
+def test_shards_whose_inner_chunks_are_stored_in_another_order_still_read(tmp_path):
+    """The sharding codec lets a writer place inner chunks anywhere its index says; ucp reads its own dense layout
+    in one request, and must notice another layout by the index and read by it."""
+    policy = ChunkingPolicy(object_bytes=400_000, inner_bytes=100_000)
+    t = torch.randn(1000, 300)
+    ucp.save({"w": t}, str(tmp_path), options=ucp.SaveOptions(chunking=policy, fsync=False))
+    meta = ucp.open_checkpoint(str(tmp_path)).atoms["w"]
+    path = tmp_path / "step_00000000" / "w" / meta.chunk_key((0, 0))
+    data = path.read_bytes()
+    n = meta.inner_grid[0] * meta.inner_grid[1]
+    index_len = n * 16 + 4
+    entries = struct.unpack(f"<{2 * n}Q", data[: n * 16])
+    pieces = [data[entries[2 * i] : entries[2 * i] + entries[2 * i + 1]] for i in range(n)]
+    offsets, pos = [0] * n, index_len
+    for i in reversed(range(n)):  # the same inner chunks, stored last to first
+        offsets[i], pos = pos, pos + len(pieces[i])
+    index = struct.pack(f"<{2 * n}Q", *(v for i in range(n) for v in (offsets[i], len(pieces[i]))))
+    body = b"".join(pieces[i] for i in reversed(range(n)))
+    path.write_bytes(index + struct.pack("<I", crc32c.crc32c(index)) + body)
+    assert torch.equal(ucp.load(str(tmp_path))["w"], t)
+    assert verify(ucp.open_checkpoint(str(tmp_path))).ok
 
 
 def test_every_plain_chunk_carries_a_crc32c(tmp_path):

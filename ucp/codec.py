@@ -176,46 +176,84 @@ def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ..
     """Read, verify and deliver the stored chunks of one object that `dest_for` wants.
 
     `dest_for(box)` gets the array region a stored chunk holds and returns (destination view of the wanted part,
-    offset of that part inside the chunk), or None to skip the chunk. A plain object is one read. A shard is a
-    read of its index, then one scatter read over the wanted inner chunks (gaps land in scratch); where each
-    request is costly (`storage.whole_object_reads`) and every inner chunk is wanted, it is one read.
+    offset of that part inside the chunk), or None to skip the chunk. A plain object is one read. A shard whose
+    inner chunks are all wanted is one read too, laid out as ucp writes shards (index, then the inner chunks back
+    to back in C order) and checked against its index, falling back to the general path if the index says
+    otherwise. Otherwise a shard is a read of its index, then one scatter read over the wanted inner chunks (gaps
+    land in scratch); where each request is costly (`storage.whole_object_reads`) and every inner chunk is
+    wanted, it is one whole-object read.
     """
     chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
-    stored = meta.stored_chunk_bytes()
-    whole: memoryview | None = None
     try:
         if meta.inner_chunk_shape is None:
             wanted = dest_for(meta.chunk_box(outer))
-            if wanted is None:
-                return
-            extents = [(0, ChunkSink(wanted[0], chunk_shape, wanted[1]))]
-        else:
-            boxes = [b for b in _inner_boxes(meta, outer) if b is not None]
-            if storage.whole_object_reads and all(dest_for(b) is not None for b in boxes):
-                whole = storage.read(key)
-            index_bytes = whole if whole is not None else storage.read(key, 0, index_nbytes(meta))
-            extents = []
-            for inner in sorted(parse_index(meta, outer, index_bytes, where), key=lambda c: c.offset):
-                wanted = dest_for(inner.box)
-                if wanted is not None:
-                    extents.append((inner.offset, ChunkSink(wanted[0], chunk_shape, wanted[1])))
-            if not extents:
-                return
-        start, end = extents[0][0], extents[-1][0] + stored + CRC_BYTES
-        buffers: list[memoryview] = []
-        pos = start
-        for offset, sink in extents:
-            if offset > pos:
-                buffers.append(memoryview(bytearray(offset - pos)))  # a gap we do not need
-            buffers += sink.buffers()
-            pos = offset + stored + CRC_BYTES
-        buffers.append(memoryview(bytearray(1)))  # a sentinel: catches objects longer than their metadata says
-        got = scatter_into(whole[start:], buffers) if whole is not None else storage.read_into(key, start, buffers)
+            if wanted is not None:
+                _read_extents(storage, key, meta, [(0, ChunkSink(wanted[0], chunk_shape, wanted[1]))], None, where)
+            return
+        boxes = [b for b in _inner_boxes(meta, outer) if b is not None]
+        all_wanted = all(dest_for(b) is not None for b in boxes)
+        if all_wanted and not storage.whole_object_reads and _read_dense_shard(storage, key, meta, outer, boxes, dest_for, where):
+            return
+        whole = storage.read(key) if all_wanted and storage.whole_object_reads else None
+        index_bytes = whole if whole is not None else storage.read(key, 0, index_nbytes(meta))
+        extents = []
+        for inner in sorted(parse_index(meta, outer, index_bytes, where), key=lambda c: c.offset):
+            wanted = dest_for(inner.box)
+            if wanted is not None:
+                extents.append((inner.offset, ChunkSink(wanted[0], chunk_shape, wanted[1])))
+        if extents:
+            _read_extents(storage, key, meta, extents, whole, where)
     except FileNotFoundError:
         raise IntegrityError(f"{where} is missing") from None
+
+
+def _read_extents(storage: Storage, key: str, meta: AtomMeta, extents: list[tuple[int, ChunkSink]],
+                  whole: memoryview | None, where: str) -> None:
+    """One scatter read of the stored chunks at `extents` (offset, sink; ascending) into their sinks (or a copy
+    out of `whole`, the object already read), then their checksums."""
+    stored = meta.stored_chunk_bytes()
+    start, end = extents[0][0], extents[-1][0] + stored + CRC_BYTES
+    buffers: list[memoryview] = []
+    pos = start
+    for offset, sink in extents:
+        if offset > pos:
+            buffers.append(memoryview(bytearray(offset - pos)))  # a gap we do not need
+        buffers += sink.buffers()
+        pos = offset + stored + CRC_BYTES
+    buffers.append(memoryview(bytearray(1)))  # a sentinel: catches objects longer than their metadata says
+    got = scatter_into(whole[start:], buffers) if whole is not None else storage.read_into(key, start, buffers)
+    _check_length(meta, start, got, end, where)
+    for _, sink in extents:
+        sink.finish(where)
+
+
+def _check_length(meta: AtomMeta, start: int, got: int, end: int, where: str) -> None:
     if got < end - start:
         raise IntegrityError(f"{where}: truncated object ({start + got} bytes, expected at least {end})")
     if meta.inner_chunk_shape is None and got > end - start:
         raise IntegrityError(f"{where}: object is longer than its chunk ({start + got}+ bytes, expected {end})")
-    for _, sink in extents:
+
+
+def _read_dense_shard(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ...], boxes: list[Box],
+                      dest_for: DestFn, where: str) -> bool:
+    """Read a shard whose inner chunks are all wanted in one request, assuming ucp's layout (index, then the
+    present inner chunks back to back in C order). True when done; False when the verified index places the
+    chunks elsewhere: nothing was verified, and the caller's read by the index rewrites every destination."""
+    chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
+    step = meta.stored_chunk_bytes() + CRC_BYTES
+    first = index_nbytes(meta)
+    index = memoryview(bytearray(first))
+    sinks = []
+    for box in boxes:
+        wanted = dest_for(box)
+        assert wanted is not None
+        sinks.append(ChunkSink(wanted[0], chunk_shape, wanted[1]))
+    buffers = [index, *(b for sink in sinks for b in sink.buffers()), memoryview(bytearray(1))]
+    got = storage.read_into(key, 0, buffers)
+    listed = parse_index(meta, outer, index[: min(got, first)], where)
+    if [c.offset for c in listed] != [first + i * step for i in range(len(boxes))]:
+        return False
+    _check_length(meta, 0, got, first + len(boxes) * step, where)
+    for sink in sinks:
         sink.finish(where)
+    return True
