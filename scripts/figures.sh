@@ -15,6 +15,8 @@ python -m bench_io --size 256MiB --repeats 3 --targets s3 --small-tensors 0 --io
     --json "$out/io-s3.json" --png "$out/io-s3.png" | tee "$out/io-s3.txt"
 # Resharding at load: a >= 2 GiB Mixtral-shaped state (the model is sized down to whole heads: ask a little more) saved as tp2pp2dp2zero1, loaded in other layouts (issue 3).
 python -m bench_io reshard --size 2200MiB --json "$out/reshard-2gib.json" | tee "$out/reshard-2gib.txt"
+# Async blocking time against a plain copy, alone on a quiet machine (issue 5).
+python scripts/async_blocking.py | tee "$out/async-blocking.txt"
 # Writer threads against a writer process (issue 5).
 python -m bench_io gil --size 256MiB --repeats 2 --json "$out/gil.json" | tee "$out/gil.txt"
 # Data loaders: tokens/s per rank from tmpfs and S3 against raw reads of the same bytes (issue 4).
