@@ -225,15 +225,17 @@ def test_a_failed_write_in_the_writer_process_surfaces_and_commits_nothing(tmp_p
 
 @needs_process_writer
 def test_a_killed_writer_process_fails_the_save_and_the_next_save_restarts_it(tmp_path):
-    manager = process_manager(str(tmp_path))
+    chunk_bytes = 64 * 1024
+    manager = process_manager(str(tmp_path), staging_bytes=16 * chunk_bytes)  # one save fits; a leak would not
     with writer_stopped(manager) as first_pid:
         manager.save(1, make_state(1))
         os.kill(first_pid, signal.SIGKILL)
     with pytest.raises(ucp.WriterProcessError, match=r"writer process \(pid \d+\) died"):
         manager.wait()
     assert manager.steps() == []
+    assert [a.live for a in manager.pipeline.staging.arenas] == [0] * len(manager.pipeline.staging.arenas)
     handle = manager.save(2, make_state(2))
-    manager.wait()
+    assert handle.result(timeout=60).step == 2
     assert handle.writer == "process" and manager.pipeline._process.pid != first_pid
     assert manager.steps() == [2]
     assert_same_state(make_state(2), manager.restore())

@@ -41,7 +41,7 @@ from . import codec
 from .commit import CommitRecord
 from .errors import UcpError
 from .format import ZARR_JSON, AtomMeta, dumps, group_json, step_dirname
-from .staging import Arena, Slot, StagingPool, host_arena, shared_arena
+from .staging import Arena, Slot, StagingPool, close_arena, host_arena, shared_arena
 from .storage import Storage
 from .workpool import chain, wait_all
 from .writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
@@ -97,6 +97,7 @@ class _Staged:
     values: torch.Tensor | None = None
     slot: Slot | None = None
     ready: torch.cuda.Event | None = None
+    job_device: torch.device | None = None  # the GPU the values were copied from
 
     @property
     def nbytes(self) -> int:
@@ -165,10 +166,17 @@ class _ThreadWrites:
         return [self.pool.submit(chain(calls[i : i + _BATCH_CALLS])) for i in range(0, len(calls), _BATCH_CALLS)]
 
     def write_chunks(self, staged: Sequence[_Staged]) -> list[cf.Future]:
+        """Queue the writes; from here on the staged chunks are theirs: each slot is released once its write
+        ends, fails or is cancelled, and at once if the write cannot be queued."""
         futures = []
-        for batch in _batches(staged):
-            future = self.pool.submit(chain([functools.partial(self._write, s) for s in batch]))
-            future.add_done_callback(functools.partial(_release, self.staging, batch))  # also when cancelled
+        batches = _batches(staged)
+        for i, batch in enumerate(batches):
+            try:
+                future = self.pool.submit(chain([functools.partial(self._write, s) for s in batch]))
+            except BaseException:
+                _release_all(self.staging, batches[i:])
+                raise
+            future.add_done_callback(functools.partial(_release, self.staging, batch))
             futures.append(future)
         return futures
 
@@ -196,17 +204,30 @@ class _ProcessWrites:
         return [self._counted(self.process.write_documents(self.sid, documents))]
 
     def write_chunks(self, staged: Sequence[_Staged]) -> list[cf.Future]:
+        """Send the writes; from here on the staged chunks are theirs (as in `_ThreadWrites.write_chunks`): each
+        batch's slots are released once the child no longer reads them, or at once if it cannot be sent."""
         futures = []
-        for batch in _batches(staged):
-            refs = []
-            for s in batch:
-                s.wait_ready()  # the child cannot wait on a CUDA event
-                assert s.slot is not None and s.values is not None
-                refs.append(ChunkRef(s.job.key(self.plan.step), s.job.meta, s.job.index, s.slot.arena.id,
-                                     s.slot.offset, s.values.dtype, tuple(s.values.shape)))
-            done = functools.partial(_release, self.staging, batch, None)
-            futures.append(self._counted(self.process.write_chunks(self.sid, refs, done)))
+        batches = _batches(staged)
+        for i, batch in enumerate(batches):
+            try:
+                refs = [self._ref(s) for s in batch]
+            except BaseException:
+                _release_all(self.staging, batches[i:])
+                raise
+            try:
+                future = self.process.write_chunks(self.sid, refs, functools.partial(_release, self.staging, batch, None))
+            except BaseException:
+                _release_all(self.staging, batches[i + 1 :])  # (the failed batch was released by write_chunks)
+                raise
+            futures.append(self._counted(future))
         return futures
+
+    def _ref(self, staged: _Staged) -> ChunkRef:
+        staged.wait_ready()  # the child cannot wait on a CUDA event
+        assert staged.slot is not None and staged.values is not None
+        job = staged.job
+        return ChunkRef(job.key(self.plan.step), job.meta, job.index, staged.slot.arena.id, staged.slot.offset,
+                        staged.values.dtype, tuple(staged.values.shape))
 
     def _counted(self, future: cf.Future) -> cf.Future:
         def count(f: cf.Future) -> None:
@@ -228,6 +249,11 @@ def _release(staging: StagingPool, batch: Sequence[_Staged], _future: cf.Future 
     for s in batch:
         if s.slot is not None:
             staging.release(s.slot)
+
+
+def _release_all(staging: StagingPool, batches: Sequence[Sequence[_Staged]]) -> None:
+    for batch in batches:
+        _release(staging, batch, None)
 
 
 # ---------------------------------------------------------------------------------------- the pipeline
@@ -274,10 +300,10 @@ class SavePipeline:
         handle = SaveHandle(plan.step, mode, "process" if isinstance(writes, _ProcessWrites) else "threads")
         if mode == "sync":
             handle.snapshot_done.set()
-            handle._record = self._complete(plan, writes, self._write_all(plan, writes, [_Staged(j) for j in plan.chunks]))
+            handle._record = self._write_rest(plan, writes, [], [_Staged(j) for j in plan.chunks])
         elif mode == "async":
-            staged = self._snapshot(plan, writes, handle, overlap=False)
-            handle._future = self.background.submit(self._write_and_complete, plan, writes, staged)
+            futures, staged = self._snapshot(plan, writes, handle, overlap=False)
+            handle._future = self.background.submit(self._write_rest, plan, writes, futures, staged)
         else:
             handle._future = self.background.submit(self._lazy, plan, writes, handle)
         handle.blocking_s = time.perf_counter() - start
@@ -315,7 +341,11 @@ class SavePipeline:
 
     def _shared_arena(self, arena_id: int, size: int) -> Arena:
         arena = shared_arena(arena_id, size, pin_for_cuda=self._side_stream is not None)
-        self._writer_process().map_arena(arena)  # (a process started just now mapped only the older arenas)
+        try:
+            self._writer_process().map_arena(arena)  # (a process started just now mapped only the older arenas)
+        except BaseException:
+            close_arena(arena)
+            raise
         return arena
 
     def _unmap_arena(self, arena: Arena) -> None:
@@ -324,19 +354,25 @@ class SavePipeline:
 
     # -- stages
 
-    def _write_all(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, staged: list[_Staged]) -> list[cf.Future]:
-        documents = [(key, dumps(doc())) for key, doc in plan.documents()]
-        return writes.write_documents(documents) + writes.write_chunks(staged)
-
-    def _write_and_complete(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites,
-                            snapshot: tuple[list[cf.Future], list[_Staged]]) -> CommitRecord | None:
-        futures, staged = snapshot
-        return self._complete(plan, writes, futures + self._write_all(plan, writes, staged))
+    def _write_rest(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, futures: list[cf.Future],
+                    staged: list[_Staged]) -> CommitRecord | None:
+        """After the snapshot: hand over the chunks not yet handed over and the zarr.json documents, wait for
+        every write, commit. On a failure the writes already handed over end before the error is raised."""
+        try:
+            futures = futures + writes.write_chunks(staged)  # the chunks are the writes' from here, even if this raises
+            futures += writes.write_documents([(key, dumps(doc())) for key, doc in plan.documents()])
+        except BaseException:
+            _cancel(futures)
+            writes.close()
+            raise
+        return self._complete(plan, writes, futures)
 
     def _lazy(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, handle: SaveHandle) -> CommitRecord | None:
-        documents = writes.write_documents([(key, dumps(doc())) for key, doc in plan.documents()])
-        futures, staged = self._snapshot(plan, writes, handle, overlap=True)
-        return self._complete(plan, writes, documents + futures + writes.write_chunks(staged))
+        try:
+            futures, staged = self._snapshot(plan, writes, handle, overlap=True)
+        finally:
+            handle.snapshot_done.set()  # (also set by _snapshot; here too, so that no failure leaves a waiter)
+        return self._write_rest(plan, writes, futures, staged)
 
     def _snapshot(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, handle: SaveHandle,
                   overlap: bool) -> tuple[list[cf.Future], list[_Staged]]:
@@ -350,17 +386,23 @@ class SavePipeline:
 
         def hand_over() -> None:
             nonlocal batch, batch_bytes
-            if batch:
-                futures.extend(writes.write_chunks(batch))
-            batch, batch_bytes = [], 0
+            handed, batch, batch_bytes = batch, [], 0  # the writes own them now, even if write_chunks raises
+            if handed:
+                futures.extend(writes.write_chunks(handed))
 
+        devices: set[torch.device] = set()
         try:
             for job in plan.chunks:
                 staged = self._stage(job, before_waiting=hand_over)
                 batch.append(staged)
                 batch_bytes += staged.nbytes
+                if staged.ready is not None:
+                    devices.add(staged.job_device)
                 if overlap and (batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_CALLS):
                     hand_over()
+            for device in devices:
+                # work queued after the snapshot (the optimizer step) must not change a tensor before its copy ran
+                torch.cuda.current_stream(device).wait_stream(self._side_stream)
         except BaseException:
             _release(self.staging, batch, None)
             _cancel(futures)
@@ -380,16 +422,20 @@ class SavePipeline:
         if slot is None:
             before_waiting()
             slot = self.staging.acquire(nbytes)
-        staged = slot.memory.view(values.dtype).view(values.shape)
-        if not (values.is_cuda and self._side_stream is not None):
-            staged.copy_(values)
-            return _Staged(job, staged, slot)
-        self._side_stream.wait_stream(torch.cuda.current_stream(values.device))
-        with torch.cuda.stream(self._side_stream):
-            staged.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        return _Staged(job, staged, slot, event)
+        try:
+            staged = slot.memory.view(values.dtype).view(values.shape)
+            if not (values.is_cuda and self._side_stream is not None):
+                staged.copy_(values)
+                return _Staged(job, staged, slot)
+            self._side_stream.wait_stream(torch.cuda.current_stream(values.device))
+            with torch.cuda.stream(self._side_stream):
+                staged.copy_(values, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            return _Staged(job, staged, slot, event, values.device)
+        except BaseException:
+            self.staging.release(slot)
+            raise
 
     def _complete(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, futures: list[cf.Future]) -> CommitRecord | None:
         try:

@@ -30,6 +30,7 @@ class Arena:
     id: int
     memory: torch.Tensor
     fd: int | None = None
+    registered: bool = False  # page-locked for CUDA with cudaHostRegister (undone when the arena is closed)
     used: int = 0
     live: int = 0
 
@@ -64,7 +65,7 @@ def shared_arena(arena_id: int, size: int, pin_for_cuda: bool = False) -> Arena:
         raise
     if pin_for_cuda:  # page-locked, so that device-to-host copies into it are asynchronous (untested here: no GPU)
         torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), size, 0)
-    return Arena(arena_id, memory, fd)
+    return Arena(arena_id, memory, fd, registered=pin_for_cuda)
 
 
 def map_shared_arena(arena_id: int, fd: int, size: int) -> Arena:
@@ -77,6 +78,9 @@ def map_shared_arena(arena_id: int, fd: int, size: int) -> Arena:
 
 def close_arena(arena: Arena) -> None:
     """Drop our reference; the mapping goes when the last tensor viewing it does."""
+    if arena.registered:
+        torch.cuda.cudart().cudaHostUnregister(arena.memory.data_ptr())
+        arena.registered = False
     if arena.fd is not None:
         os.close(arena.fd)
         arena.fd = None

@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -128,7 +129,8 @@ class WriterProcess:
     # -- requests
 
     def write_chunks(self, sid: int, chunks: Sequence[ChunkRef], on_done: Callable[[], None]) -> cf.Future:
-        """Encode and write `chunks`; `on_done` runs (here) once the child no longer reads their arenas."""
+        """Encode and write `chunks`; `on_done` runs (here) exactly once, when the child no longer reads their
+        arenas: at its reply, when the child dies, or at once if the request cannot be sent (then this raises)."""
         return self._request("chunks", sid, list(chunks), on_done)
 
     def write_documents(self, sid: int, documents: Sequence[tuple[str, bytes]]) -> cf.Future:
@@ -154,8 +156,15 @@ class WriterProcess:
         req = next(self._ids)
         with self._pending_lock:
             self._pending[req] = (future, on_done or _nothing)
-        with self._send_lock:
-            self._send((kind, req, sid, payload))
+        try:
+            with self._send_lock:
+                self._send((kind, req, sid, payload))
+        except BaseException:
+            with self._pending_lock:
+                entry = self._pending.pop(req, None)  # (None: a failure already settled it)
+            if entry is not None:
+                entry[1]()
+            raise
         return future
 
     def _send(self, message: Any, quiet: bool = False) -> None:
@@ -175,9 +184,15 @@ class WriterProcess:
                 _, req, error, written = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception as e:  # noqa: BLE001 -- an unreadable reply: no request can be trusted to finish
+                self._proc.kill()
+                self._fail(f"the writer process (pid {self._proc.pid}) sent a reply that cannot be read ({e!r})")
+                break
             with self._pending_lock:
-                future, on_done = self._pending.pop(req)
+                future, on_done = self._pending.pop(req, (None, _nothing))
             on_done()
+            if future is None:
+                continue
             if error is not None:
                 future.set_exception(error)
             else:
@@ -210,7 +225,11 @@ class _Server:
         self.pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="ucp-writer")
         self.arenas: dict[int, Arena] = {}
         self.storages: dict[int, Storage] = {}
-        self._reply_lock = threading.Lock()
+        # Replies go out from their own thread: the loop that reads requests must never block on a send (the
+        # parent may be sending to us while its reply reader waits for staging memory), or both could wait.
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_replies, name="ucp-writer-replies", daemon=True)
+        self._sender.start()
 
     def serve(self) -> None:
         while True:
@@ -233,6 +252,12 @@ class _Server:
             else:
                 self._start(*message)
         self.pool.shutdown(wait=True)
+        self._replies.put(None)
+        self._sender.join()
+
+    def _send_replies(self) -> None:
+        while (reply := self._replies.get()) is not None:
+            self.conn.send(reply)
 
     def _start(self, kind: str, req: int, sid: int, payload: Any) -> None:
         storage = self.storages[sid]
@@ -274,11 +299,10 @@ class _Server:
     def _reply(self, req: int, error: BaseException | None, written: Written) -> None:
         if error is not None:
             try:
-                pickle.dumps(error)
+                pickle.loads(pickle.dumps(error))
             except Exception:  # noqa: BLE001 -- an exception that cannot cross processes is described instead
                 error = UcpError(f"{type(error).__name__}: {error}")
-        with self._reply_lock:
-            self.conn.send(("done", req, error, written))
+        self._replies.put(("done", req, error, written))
 
 
 def _write_document(storage: Storage, key: str, data: bytes, written: Written) -> None:
