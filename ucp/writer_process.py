@@ -17,11 +17,11 @@ pipeline keeps writer threads.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import functools
 import itertools
 import math
 import os
-import pickle
 import queue
 import signal
 import socket
@@ -299,7 +299,7 @@ class _Server:
     def _reply(self, req: int, error: BaseException | None, written: Written) -> None:
         if error is not None:
             try:
-                pickle.loads(pickle.dumps(error))
+                copy.deepcopy(error)  # rebuilt from its reduce tuple, as the parent will rebuild it
             except Exception:  # noqa: BLE001 -- an exception that cannot cross processes is described instead
                 error = UcpError(f"{type(error).__name__}: {error}")
         self._replies.put(("done", req, error, written))
