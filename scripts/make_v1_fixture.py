@@ -2,13 +2,20 @@
 
 Usage (at the last v1 commit): python scripts/make_v1_fixture.py tests/fixtures/v1
 """
-import hashlib, json, math, sys
-import torch, ucp
+import hashlib
+import json
+import sys
+
+import torch
+
+import ucp
 from ucp.distributed import ShardedModel, VirtualWorld
 from ucp.layout import parse_layout
 from ucp.reshard import shard
+
 sys.path.insert(0, ".")
 from ucp.families import MixtralConfig, canonical_atoms
+
 STATES = ("exp_avg", "exp_avg_sq")
 CONFIG = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, num_local_experts=2, make_vocab_size_divisible_by=8)
@@ -36,4 +43,5 @@ VirtualWorld(2).save([shard(full, CONFIG, layout, r, STATES) for r in range(2)],
 def digest(t): return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 expected = {"single": {k: [str(v.dtype), list(v.shape), digest(v.reshape(-1))] for k, v in state["model"].items()},
             "sharded": {k: digest(v.reshape(-1)) for k, v in full["model"].items()}, "config": CONFIG.to_json()}
-json.dump(expected, open(f"{out}/expected.json", "w"), indent=1, sort_keys=True)
+with open(f"{out}/expected.json", "w") as f:
+    json.dump(expected, f, indent=1, sort_keys=True)

@@ -1,9 +1,9 @@
 """Run by test_crash.py in a subprocess: save step 1, then start saving step 2 and freeze at a given stage.
 
-The freeze is injected by wrapping the storage's write (the code under test is otherwise untouched):
+The freeze is injected by wrapping the storage (the code under test is otherwise untouched):
   chunks         after a few chunk objects of step 2 are written
   before_commit  all data and the manifest are written, the commit marker is not
-  during_commit  half of the commit marker's bytes are written (a torn write)
+  during_commit  the commit marker's temporary file is written and durable, not yet linked to its name
 The parent kills this process with SIGKILL once it prints READY.
 """
 
@@ -35,25 +35,29 @@ def main(root: str, stage: str) -> None:
     manager = ucp.CheckpointManager(root, options=options)
     manager.save(1, state(1))
 
-    original = LocalStorage.write
+    write, write_file, create_exclusive = LocalStorage.write, LocalStorage._write_file, LocalStorage.create_exclusive
     chunk_writes = 0
 
-    def write(self, key, parts):
+    def counting_write(self, key, parts):
         nonlocal chunk_writes
         if stage == "chunks" and "/c." in key:
             chunk_writes += 1
             if chunk_writes == 5:
                 freeze()
-        if key.endswith(COMMIT_MARKER):
-            if stage == "before_commit":
-                freeze()
-            if stage == "during_commit":
-                data = b"".join(bytes(p) for p in parts)
-                original(self, key, [data[: len(data) // 2]])
-                freeze()
-        return original(self, key, parts)
+        return write(self, key, parts)
 
-    LocalStorage.write = write
+    def frozen_create(self, key, data):
+        if stage == "before_commit" and key.endswith(COMMIT_MARKER):
+            freeze()
+        return create_exclusive(self, key, data)
+
+    def marker_temp(self, path, parts, flags):
+        done = write_file(self, path, parts, flags)
+        if stage == "during_commit" and COMMIT_MARKER in path and path.endswith(".tmp"):
+            freeze()
+        return done
+
+    LocalStorage.write, LocalStorage._write_file, LocalStorage.create_exclusive = counting_write, marker_temp, frozen_create
     manager.save(2, state(2))
     print("UNEXPECTED: the save finished", flush=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,3 +28,50 @@ def assert_same_state(a: Any, b: Any, path: str = "state") -> None:
         assert isinstance(b, float) and math.isnan(b), f"{path}: {b!r} is not nan"
     else:
         assert a == b and type(a) is type(b), f"{path}: {a!r} != {b!r}"
+
+
+def step_path(root: Any, step: int | str = "latest") -> Path:
+    """The directory of a committed step's Zarr group: the attempt that its commit marker names."""
+    import ucp
+
+    return Path(root) / ucp.open_checkpoint(str(root), step).prefix
+
+
+def reseal_manifest(root: Any, doc: dict, step: int | str = "latest") -> None:
+    """Write `doc` as a committed step's manifest and record its size and checksum in the commit marker, as a
+    writer (or an operator who edits both) would: what is left for a reader to catch is what the manifest says."""
+    import json
+
+    import crc32c
+
+    import ucp
+    from ucp.format import COMMIT_MARKER, dumps
+
+    reader = ucp.open_checkpoint(str(root), step)
+    data = dumps(doc)
+    (Path(root) / reader.prefix / "zarr.json").write_bytes(data)
+    marker_path = Path(root) / reader.prefix.rsplit("/", 1)[0] / COMMIT_MARKER if reader.record.attempt else Path(root) / reader.prefix / COMMIT_MARKER
+    marker = json.loads(marker_path.read_text())
+    marker.update(manifest_crc32c=crc32c.crc32c(data), manifest_bytes=len(data))
+    marker_path.unlink()
+    marker_path.write_bytes(dumps(marker))
+
+
+def reseal_object(root: Any, atom: str, index: tuple[int, ...], data: bytes, step: int | str = "latest") -> None:
+    """Replace a committed chunk object with `data` and record its size and checksum in the manifest (and the
+    manifest's in the marker), as another writer that wrote `data` would have."""
+    import json
+    import struct
+
+    import crc32c
+
+    import ucp
+    from ucp.codec import head_nbytes
+
+    reader = ucp.open_checkpoint(str(root), step)
+    meta = reader.atoms[atom]
+    (Path(root) / reader.prefix / atom / meta.chunk_key(index)).write_bytes(data)
+    crc = crc32c.crc32c(data[: head_nbytes(meta)]) if meta.inner_chunk_shape else struct.unpack("<I", data[-4:])[0]
+    doc = json.loads((Path(root) / reader.prefix / "zarr.json").read_text())
+    doc["attributes"]["ucp"]["atoms"][atom]["objects"][meta.object_number(index)] = [len(data), crc]
+    reseal_manifest(root, doc, step)

@@ -102,11 +102,11 @@ class FailingStorage(LocalStorage):
 def test_a_failed_background_write_is_never_silent(tmp_path, mode):
     manager = manager_with(FailingStorage(str(tmp_path), fsync=False), mode=mode)
     manager.save(1, make_state())
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ucp.StorageError, match="step 1 was not saved .*No space left"):
         manager.wait()
     assert manager.steps() == []
     manager.save(2, make_state())
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ucp.StorageError, match="step 2 was not saved .*No space left"):
         manager.save(3, make_state())  # the error of step 2 surfaces at the next save
     assert manager.steps() == []
     manager.storage = LocalStorage(str(tmp_path), fsync=False)
@@ -207,15 +207,31 @@ def test_writer_process_writes_the_snapshot_while_training_changes_the_tensors(t
     manager.close()
 
 
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Processes started inside inherit a limit on the size of a file they write (EFBIG past it, as ENOSPC on a
+    full disk); this process gets its own limit back on leaving."""
+    import resource
+
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (an ignored signal stays ignored across exec)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
 @needs_process_writer
 def test_a_failed_write_in_the_writer_process_surfaces_and_commits_nothing(tmp_path):
-    manager = process_manager(str(tmp_path))
-    with writer_stopped(manager):
-        manager.save(1, make_state())  # (a save first clears what an earlier try left at its step)
-        (tmp_path / "step_00000001" / "model" / "w0" / "c.0.0").mkdir(parents=True)  # a directory where a chunk goes
-    with pytest.raises(IsADirectoryError):
+    with file_size_limit(4096):  # the writer process starts here: its chunk writes fail, this process's do not
+        manager = process_manager(str(tmp_path))
+    manager.save(1, make_state())
+    with pytest.raises(ucp.StorageError, match="step 1 was not saved .*step_00000001/attempt-.*/c.* File too large"):
         manager.wait()
-    assert manager.steps() == []
+    assert manager.steps() == [] and not (tmp_path / "step_00000001").exists()
+    manager.pipeline._process.close()  # a writer without the limit next
     manager.save(2, make_state(2))
     manager.wait()
     assert manager.steps() == [2]

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 import ucp
-from ucp import commit
 from ucp.format import COMMIT_MARKER, dumps, step_dirname
 from ucp.storage import open_storage
 
-from .helpers import assert_same_state
+from .helpers import assert_same_state, reseal_manifest, step_path
 
 OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=16 * 1024, inner_bytes=4 * 1024), fsync=False)
 
@@ -39,7 +38,8 @@ def ckpt(tmp_path):
 
 
 def step_dir(root: Path) -> Path:
-    return root / step_dirname(3)
+    """The committed step 3's group (its attempt's directory)."""
+    return step_path(root, 3)
 
 
 def assert_cli_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -140,17 +140,18 @@ def test_hand_edited_manifest(ckpt):
 def test_newer_major_format_version(ckpt):
     root, _ = ckpt
     storage = open_storage(str(root))
-    manifest = step_dir(root) / "zarr.json"
-    doc = json.loads(manifest.read_text())
-    doc["attributes"]["ucp"]["format_version"] = "2.0"
-    data = dumps(doc)
-    manifest.write_bytes(data)
-    marker = json.loads((step_dir(root) / COMMIT_MARKER).read_text())
-    marker.update(format_version="2.0", manifest_crc32c=commit.manifest_checksum(data))
-    storage.write(f"{step_dirname(3)}/{COMMIT_MARKER}", [dumps(marker)])
-    with pytest.raises(ucp.UnsupportedVersionError, match="format 2.0.*reads major version 1"):
+    doc = json.loads((step_dir(root) / "zarr.json").read_text())
+    doc["attributes"]["ucp"]["format_version"] = "3.0"
+    reseal_manifest(root, doc, 3)
+    with pytest.raises(ucp.UnsupportedVersionError, match="format 3.0.*reads major version 2"):
         ucp.load(str(root))
-    assert_cli_error(run_cli("inspect", str(root)), "2.0")
+    marker = json.loads((root / step_dirname(3) / COMMIT_MARKER).read_text())
+    marker.update(format_version="3.0")
+    storage.delete(f"{step_dirname(3)}/{COMMIT_MARKER}")
+    storage.write(f"{step_dirname(3)}/{COMMIT_MARKER}", [dumps(marker)])
+    with pytest.raises(ucp.UnsupportedVersionError, match="format 3.0.*reads major version 2"):
+        ucp.load(str(root), step=3)
+    assert_cli_error(run_cli("inspect", str(root), "--step", "3"), "3.0")
 
 
 @pytest.mark.parametrize("key", ["../escape", "/abs", "a/b", "..", ".", "", "__reserved", "zarr.json", "back\\slash"])

@@ -15,7 +15,7 @@ from ucp.chunking import ChunkingPolicy, choose_chunks
 from ucp.format import AtomMeta
 from ucp.inspection import verify
 
-from .helpers import assert_same_state
+from .helpers import assert_same_state, reseal_object, step_path
 
 SMALL_CHUNKS = ucp.SaveOptions(chunking=ChunkingPolicy(object_bytes=64 * 1024, inner_bytes=8 * 1024), fsync=False)
 
@@ -78,10 +78,10 @@ def test_chunks_follow_policy_and_sharded_atoms_hold_inner_chunks(tmp_path):
 
     t = torch.randn(shape)
     ucp.save({"w": t}, str(tmp_path), options=ucp.SaveOptions(chunking=policy, fsync=False))
-    doc = json.loads((tmp_path / "step_00000000" / "w" / "zarr.json").read_text())
+    doc = json.loads((step_path(tmp_path) / "w" / "zarr.json").read_text())
     assert doc["codecs"][0]["name"] == "sharding_indexed"
     assert doc["codecs"][0]["configuration"]["codecs"][-1] == {"name": "crc32c"}
-    objects = sorted(n for n in os.listdir(tmp_path / "step_00000000" / "w") if n.startswith("c."))
+    objects = sorted(n for n in os.listdir(step_path(tmp_path) / "w") if n.startswith("c."))
     assert len(objects) == -(-shape[0] // chunk[0])
     assert torch.equal(ucp.load(str(tmp_path))["w"], t)
 
@@ -93,18 +93,19 @@ def test_shards_whose_inner_chunks_are_stored_in_another_order_still_read(tmp_pa
     t = torch.randn(1000, 300)
     ucp.save({"w": t}, str(tmp_path), options=ucp.SaveOptions(chunking=policy, fsync=False))
     meta = ucp.open_checkpoint(str(tmp_path)).atoms["w"]
-    path = tmp_path / "step_00000000" / "w" / meta.chunk_key((0, 0))
+    path = step_path(tmp_path) / "w" / meta.chunk_key((0, 0))
     data = path.read_bytes()
     n = meta.inner_grid[0] * meta.inner_grid[1]
-    index_len = n * 16 + 4
+    head_len = n * 16 + 4 + n * 4  # index, its checksum, the inner chunks' checksums (which stay in grid order)
     entries = struct.unpack(f"<{2 * n}Q", data[: n * 16])
     pieces = [data[entries[2 * i] : entries[2 * i] + entries[2 * i + 1]] for i in range(n)]
-    offsets, pos = [0] * n, index_len
+    offsets, pos = [0] * n, head_len
     for i in reversed(range(n)):  # the same inner chunks, stored last to first
         offsets[i], pos = pos, pos + len(pieces[i])
     index = struct.pack(f"<{2 * n}Q", *(v for i in range(n) for v in (offsets[i], len(pieces[i]))))
     body = b"".join(pieces[i] for i in reversed(range(n)))
-    path.write_bytes(index + struct.pack("<I", crc32c.crc32c(index)) + body)
+    table = data[n * 16 + 4 : head_len]
+    reseal_object(tmp_path, "w", (0, 0), index + struct.pack("<I", crc32c.crc32c(index)) + table + body)
     assert torch.equal(ucp.load(str(tmp_path))["w"], t)
     assert verify(ucp.open_checkpoint(str(tmp_path))).ok
 

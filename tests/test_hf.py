@@ -18,6 +18,8 @@ from ucp.interop.weights import load_weights
 from ucp.layout import parse_layout
 from ucp.reshard import DEFAULT_STATES, shard
 
+from .helpers import step_path
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -230,7 +232,7 @@ def test_export_never_leaves_a_partial_directory(tmp_path, monkeypatch):
         export_hf(str(tmp_path / "ckpt"), tmp_path / "busy")
     assert (tmp_path / "busy" / "x").read_text() == "keep"
     # a corrupt chunk of the last atom (in the last of several files) fails the export once earlier files are written
-    chunk = next((tmp_path / "ckpt" / "step_00000001" / "model" / "lm_head.weight").glob("c.*"))
+    chunk = next((step_path(tmp_path / "ckpt", 1) / "model" / "lm_head.weight").glob("c.*"))
     data = bytearray(chunk.read_bytes())
     data[-5] ^= 0xFF
     chunk.write_bytes(bytes(data))

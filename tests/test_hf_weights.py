@@ -10,6 +10,7 @@ from ucp.interop.weights import load_into_module, load_weights
 from ucp.layout import parse_layout
 from ucp.reshard import shard
 
+from .helpers import step_path
 from .test_hf import hf_reference_model, random_full_state, save_in_layout, tiny_config
 
 
@@ -20,7 +21,7 @@ def test_rl_worker_in_tp2_loads_from_a_tp1pp2dp2zero1_checkpoint(tmp_path):
     save_in_layout(full, cfg, "tp1pp2dp2zero1", url, step=7)
     import shutil
 
-    shutil.rmtree(tmp_path / "pretrain" / "step_00000007" / "optimizer")  # proof that nothing reads it
+    shutil.rmtree(step_path(tmp_path / "pretrain", 7) / "optimizer")  # proof that nothing reads it
     target = parse_layout("tp2")
     read = 0
     for rank in range(2):

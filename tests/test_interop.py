@@ -9,6 +9,7 @@ import torch
 
 import ucp
 
+from .helpers import step_path
 from .test_format import SMALL_CHUNKS, every_dtype_state
 
 
@@ -30,7 +31,7 @@ def written(tmp_path_factory):
     state = every_dtype_state()
     ucp.save(state, str(root), options=SMALL_CHUNKS)
     _, tensors = ucp.tree.flatten(state)
-    return root / "step_00000000", tensors
+    return step_path(root, 0), tensors
 
 
 def test_tensorstore_reads_every_atom_exactly(written):
@@ -55,5 +56,5 @@ def test_zarr_python_sees_the_step_as_a_group_with_the_manifest(written):
     zarr = pytest.importorskip("zarr")
     step_dir, _ = written
     group = zarr.open_group(str(step_dir), mode="r")
-    assert group.attrs["ucp"]["format_version"] == "1.0"
+    assert group.attrs["ucp"]["format_version"] == "2.0"
     assert "floats" in group and "float32" in group["floats"]

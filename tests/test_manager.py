@@ -22,29 +22,6 @@ def test_steps_latest_restore_and_retention(tmp_path):
         manager.restore(10)
 
 
-def _leftover(root, step: int):
-    directory = root / step_dirname(step) / "w"
-    directory.mkdir(parents=True)
-    (directory / "zarr.json").write_text("{}")
-    return root / step_dirname(step)
-
-
-def test_gc_removes_uncommitted_leftovers_only(tmp_path):
-    manager = ucp.CheckpointManager(str(tmp_path))
-    manager.save(1, {"w": torch.ones(2)})
-    manager.save(3, {"w": torch.ones(2)})
-    older, newer = _leftover(tmp_path, 2), _leftover(tmp_path, 4)
-    assert manager.steps() == [1, 3]
-    assert ucp.CheckpointManager(str(tmp_path)).steps() == [1, 3]  # a new manager collects on start...
-    assert not older.exists()
-    assert newer.exists()  # ...but not above the latest commit: that save may still be running elsewhere
-    manager.save(5, {"w": torch.zeros(2)})  # a commit collects what lies below it
-    assert not newer.exists() and manager.steps() == [1, 3, 5]
-    _leftover(tmp_path, 6)
-    assert manager.gc(all_uncommitted=True) == [6]
-    assert (tmp_path / step_dirname(1)).exists()
-
-
 def test_keep_last_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         ucp.CheckpointManager(str(tmp_path), keep_last=0)

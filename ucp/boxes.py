@@ -29,6 +29,11 @@ def translate(box: Box, delta: tuple[int, ...]) -> Box:
     return tuple((a + d, b + d) for (a, b), d in zip(box, delta, strict=True))
 
 
+def relative(box: Box, origin: Box) -> Box:
+    """`box` in the coordinates of `origin`'s corner (box lies inside origin)."""
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
 def to_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 

@@ -1,7 +1,8 @@
 """Save and load one step: plan the atoms, move the chunks (many in flight), commit, verify on read.
 
-Planning (which atoms, how they are chunked) is separate from storage (how bytes move, `ucp.storage`);
-the commit protocol lives in `ucp.commit`, the on-disk documents in `ucp.format`.
+Planning (which atoms, how they are chunked) is separate from storage (how bytes move, `ucp.storage`); a save
+runs as one attempt of the protocol in `ucp.session`, the commit lives in `ucp.commit`, the on-disk documents in
+`ucp.format`.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import torch
 from . import __version__, codec, commit, dtypes, tree
 from .boxes import Box, to_slices
 from .chunking import ChunkingPolicy, choose_chunks
-from .errors import FormatError, IntegrityError, StepExistsError
+from .errors import FormatError, IntegrityError, StateError
 from .format import (
-    FORMAT_VERSION,
+    MAX_DOCUMENT_BYTES,
     ZARR_JSON,
     AtomMeta,
+    ObjectSum,
     StepManifest,
     chunk_indices,
-    dumps,
+    is_attempt_dirname,
     loads,
-    step_dirname,
+    parse_step_dirname,
 )
 from .pipeline import ChunkJob, SavePipeline, SavePlan
+from .session import SaveSession
 from .storage import Storage, open_storage
 from .workpool import run_tasks
 
@@ -70,39 +73,25 @@ def plan_atoms(
         name = dtypes.zarr_name(t.dtype)
         chunk_shape, inner = choose_chunks(tuple(t.shape), t.element_size(), policy)
         attrs = {"role": default_role(path), **dict((attributes or {}).get(path, {}))}
-        metas.append(AtomMeta(path, tuple(t.shape), name, chunk_shape, inner, attrs))
+        metas.append(checked(AtomMeta(path, tuple(t.shape), name, chunk_shape, inner, attrs)))
     return metas
+
+
+def checked(meta: AtomMeta) -> AtomMeta:
+    """An atom to write, within the bounds that every reader holds metadata to (refused before any write)."""
+    try:
+        meta.validate()
+    except FormatError as e:
+        raise StateError(f"cannot save {e} (the format's bounds, docs/FORMAT.md section 8)") from None
+    return meta
 
 
 # ------------------------------------------------------------------------------------------------ write
 
 
-def commit_step(storage: Storage, manifest: StepManifest) -> commit.CommitRecord:
-    """Write the step's manifest, make everything durable, then write the commit marker."""
-    manifest_bytes = dumps(manifest.to_group_json())
-    storage.write(f"{step_dirname(manifest.step)}/{ZARR_JSON}", [manifest_bytes])
-    storage.flush()
-    nbytes = sum(a.nbytes for a in manifest.atoms.values())
-    return commit.write_marker(storage, manifest.step, manifest_bytes, len(manifest.atoms), nbytes)
-
-
-def ensure_root(storage: Storage) -> None:
-    """Make the root a Zarr group that says what it is (written once; identical content if raced)."""
-    if not storage.exists(ZARR_JSON):
-        doc = {"zarr_format": 3, "node_type": "group", "attributes": {"ucp": {"kind": "root", "format_version": FORMAT_VERSION}}}
-        storage.write(ZARR_JSON, [dumps(doc)])
-
-
 def next_step(storage: Storage) -> int:
     steps = commit.committed_steps(storage)
     return steps[-1] + 1 if steps else 0
-
-
-def prepare_step(storage: Storage, step: int) -> None:
-    """Refuse to overwrite a committed step; clear the leftovers of an interrupted save of the same step."""
-    if commit.read_marker(storage, step) is not None:
-        raise StepExistsError(f"step {step} is already committed at {storage.url}; committed steps are never overwritten")
-    storage.delete(step_dirname(step))
 
 
 def chunk_jobs(metas: Iterable[AtomMeta], tensors: Mapping[str, torch.Tensor]) -> list[ChunkJob]:
@@ -135,9 +124,7 @@ def plan_save(
     json_tree, tensors = tree.flatten(state)
     tensors = {p: t.detach() if t.is_cuda else t.detach().contiguous() for p, t in tensors.items()}
     metas = plan_atoms(tensors, options.chunking, atom_attributes)
-    step = next_step(storage) if step is None else int(step)
-    prepare_step(storage, step)
-    ensure_root(storage)
+    step = next_step(storage) if step is None else check_step(step)
     manifest = StepManifest(
         step=step,
         tree=json_tree,
@@ -146,7 +133,15 @@ def plan_save(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         writer=f"ucp {__version__}",
     )
-    return SavePlan(storage, step, metas, group_paths(metas), chunk_jobs(metas, tensors), lambda: commit_step(storage, manifest))
+    jobs = chunk_jobs(metas, tensors)
+    return SavePlan(SaveSession.begin(storage, step), metas, group_paths(metas), jobs, manifest)
+
+
+def check_step(step: object) -> int:
+    """A step number to save: a non-negative integer (step directories hold at least 8 digits, more if needed)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateError(f"a step must be a non-negative integer, got {step!r:.80}")
+    return step
 
 
 def save(
@@ -163,14 +158,15 @@ def save(
     """Save `state` (nested dict of tensors and JSON values) as step `step` of the checkpoint root `url`.
 
     `step=None` takes the step after the latest committed one (0 for an empty root). The step becomes
-    visible only when its commit marker is written, after all its data is durable.
+    visible only when its commit marker is created, after all its data is durable; if another save commits
+    the same step first, this one raises StepExistsError and removes what it wrote.
     """
     options = options or SaveOptions()
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
-    plan = plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes)
     pipeline = SavePipeline(io_threads_for(options, storage))
     try:
-        record = pipeline.submit(plan, "sync").result()
+        record = pipeline.submit(plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes),
+                                 "sync").result()
     finally:
         pipeline.close()
     assert record is not None
@@ -186,12 +182,15 @@ class CheckpointReader:
     def __init__(self, storage: Storage, step: int | str | None = "latest", *, io_threads: int | None = None):
         self.storage = storage
         self.step, self.record = commit.resolve_step(storage, step)
-        self.prefix = step_dirname(self.step)
+        self.prefix = self.record.prefix  # the committed attempt's directory (the step directory in format 1.0)
         where = f"{storage.url}/{self.prefix}/{ZARR_JSON}"
-        manifest_bytes = commit.read_manifest_bytes(storage, self.step, self.record)
+        manifest_bytes = commit.read_manifest_bytes(storage, self.record)
         self.manifest = StepManifest.from_group_json(loads(manifest_bytes, where), where)
         if self.manifest.step != self.step:
             raise FormatError(f"{where} describes step {self.manifest.step}, not {self.step}")
+        if self.manifest.format_version.split(".")[0] != self.record.format_version.split(".")[0]:
+            raise FormatError(f"{where} is format {self.manifest.format_version}, its commit marker {self.record.format_version}")
+        tree.check_root(self.manifest.tree)
         missing = set(tree.tree_atoms(self.manifest.tree)) - set(self.manifest.atoms)
         if missing:
             raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
@@ -207,16 +206,25 @@ class CheckpointReader:
     def check_atom_metadata(self, meta: AtomMeta) -> None:
         """The atom's zarr.json must exist and agree with the committed manifest (what other Zarr readers see)."""
         try:
-            raw = self.storage.read(self._atom_key(meta, ZARR_JSON))
+            raw = self.storage.read(self._atom_key(meta, ZARR_JSON), 0, MAX_DOCUMENT_BYTES + 1)
         except FileNotFoundError:
             raise IntegrityError(f"atom {meta.path!r} is missing from step {self.step} (no {meta.path}/{ZARR_JSON})") from None
-        meta.check_zarr_json(loads(bytes(raw), f"atom {meta.path!r} {ZARR_JSON}"))
+        meta.check_zarr_json(loads(raw, f"atom {meta.path!r} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
+
+    def recorded(self, meta: AtomMeta, index: tuple[int, ...]) -> ObjectSum | None:
+        """The size and checksum the commit recorded for chunk object `index` of `meta` (None in format 1.0)."""
+        objects = self.manifest.objects
+        return None if objects is None else objects[meta.path][meta.object_number(index)]
+
+    def read_object(self, meta: AtomMeta, index: tuple[int, ...], dest_for: codec.DestFn) -> None:
+        """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object."""
+        key = meta.chunk_key(index)
+        where = f"atom {meta.path!r} chunk {key} (step {self.step})"
+        codec.read_object(self.storage, self._atom_key(meta, key), meta, index, dest_for, where, self.recorded(meta, index))
 
     def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
         """Read, verify and decode one stored object into `out` (the full atom's tensor)."""
-        key = meta.chunk_key(index)
-        where = f"atom {meta.path!r} chunk {key} (step {self.step})"
-        codec.read_object(self.storage, self._atom_key(meta, key), meta, index, codec.full_region(out), where)
+        self.read_object(meta, index, codec.full_region(out))
 
     def read_atoms(self, paths: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read whole atoms, every chunk verified; many objects in flight.
@@ -224,7 +232,7 @@ class CheckpointReader:
         Reads are planned from the committed manifest alone (its checksum is in the commit marker), so an atom's
         own zarr.json, which only other Zarr readers need, is not read here: `ucp verify` checks that it agrees."""
         metas = [self.atoms[p] for p in paths]
-        out = {m.path: torch.empty(m.shape, dtype=dtypes.torch_dtype(m.dtype)) for m in metas}
+        out = {m.path: allocate(m) for m in metas}
         tasks = [functools.partial(self.read_chunk_into, m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)]
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
             run_tasks(pool, tasks)
@@ -240,13 +248,22 @@ class CheckpointReader:
         return sum(math.prod(m.grid) for m in self.atoms.values())
 
 
+def allocate(meta: AtomMeta, *, zero: bool = False) -> torch.Tensor:
+    """The tensor an atom is read into; a size the machine cannot give is a StateError naming the atom."""
+    try:
+        make = torch.zeros if zero else torch.empty
+        return make(meta.shape, dtype=dtypes.torch_dtype(meta.dtype))
+    except (RuntimeError, MemoryError) as e:
+        raise StateError(f"cannot allocate {meta.nbytes} bytes for atom {meta.path!r}: {e}") from None
+
+
 def open_checkpoint(
     url: str, step: int | str | None = "latest", *, storage_options: dict[str, Any] | None = None
 ) -> CheckpointReader:
     """Open a committed step for reading. `url` is a checkpoint root, or a step directory inside one."""
     root, _, last = url.rstrip("/").rpartition("/")
-    from .format import parse_step_dirname
-
+    if is_attempt_dirname(last):  # the committed attempt's group: its step directory names the step
+        root, _, last = root.rpartition("/")
     named = parse_step_dirname(last) if root else None
     if named is not None and step in (None, "latest"):
         url, step = root, named

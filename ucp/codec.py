@@ -2,9 +2,15 @@
 
 An object is either a plain chunk (the chunk's little-endian bytes, then its crc32c) or a shard
 (`sharding_indexed`, index at the start): an index of (offset, nbytes) uint64 pairs, one per inner chunk in
-C order, followed by the index's crc32c, then the inner chunks, each its bytes and its crc32c. Edge chunks
-are padded to the full chunk shape, as Zarr's regular grid requires; inner chunks wholly outside the array
-are absent (index entry all ones).
+C order, followed by the index's crc32c, then (format 2) a table of every inner chunk's crc32c, then the inner
+chunks, each its bytes and its crc32c. Edge chunks are padded to the full chunk shape, as Zarr's regular grid
+requires; inner chunks wholly outside the array are absent (index entry all ones, table entry 0).
+
+Every object has a checksum that the committed manifest records with its size (`ObjectSum`): a plain chunk's
+crc32c, or the crc32c of a shard's head (index, its crc32c and the table). A reader holds each object to it, so
+an object that is stale, moved or swapped fails as surely as a flipped bit, also when only some inner chunks of
+a shard are read: each one read must carry the checksum that the (verified) table lists for its place. Zarr
+readers locate inner chunks by the index alone and never read the table.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from . import dtypes
 from .boxes import Box, to_slices
 from .errors import IntegrityError
-from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, chunk_indices
+from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, ObjectSum, chunk_indices
 from .storage import Storage, scatter_into
 
 
@@ -45,7 +51,7 @@ def _tail_padded(part: torch.Tensor, full_shape: tuple[int, ...]) -> bool:
 
 def _chunk_parts(part: torch.Tensor, full_shape: tuple[int, ...]) -> list[memoryview | bytes]:
     """The bytes of `part` laid out in a chunk of `full_shape` (zero padding at the array's edge), then the
-    chunk's checksum. An edge chunk short of rows only gets a shared zero tail, not a padded copy."""
+    chunk's checksum (always the last part). An edge chunk short of rows only gets a shared zero tail."""
     if tuple(part.shape) == full_shape:
         data = dtypes.as_bytes(part.contiguous())
         return [data, _crc(data)]
@@ -57,6 +63,10 @@ def _chunk_parts(part: torch.Tensor, full_shape: tuple[int, ...]) -> list[memory
     padded[tuple(slice(0, n) for n in part.shape)] = part
     data = dtypes.as_bytes(padded)
     return [data, _crc(data)]
+
+
+def _nbytes(parts: Sequence[memoryview | bytes]) -> int:
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
 
 def _inner_boxes(meta: AtomMeta, outer: tuple[int, ...]) -> list[Box | None]:
@@ -73,30 +83,51 @@ def _inner_boxes(meta: AtomMeta, outer: tuple[int, ...]) -> list[Box | None]:
 
 
 def index_nbytes(meta: AtomMeta) -> int:
+    """Bytes of a shard's index with its checksum."""
     return math.prod(meta.inner_grid) * INDEX_ENTRY_BYTES + CRC_BYTES
 
 
-def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> list[memoryview | bytes]:
-    """The parts (to be written back to back) of the object for chunk `outer`, whose values are `chunk`
-    (the chunk's region of the array, clipped at the edge)."""
+def head_nbytes(meta: AtomMeta) -> int:
+    """Bytes of a shard's head: its index, the index's checksum and (format 2) the inner chunks' checksum table."""
+    return index_nbytes(meta) + (math.prod(meta.inner_grid) * CRC_BYTES if meta.crc_table else 0)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One object ready to write: its parts (back to back) and its checksum for the manifest."""
+
+    parts: list[memoryview | bytes]
+    sum: ObjectSum
+
+
+def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> Encoded:
+    """The object for chunk `outer`, whose values are `chunk` (the chunk's region of the array, clipped at the
+    edge), laid out as format 2 writes it."""
     if meta.inner_chunk_shape is None:
-        return _chunk_parts(chunk, meta.chunk_shape)
+        parts = _chunk_parts(chunk, meta.chunk_shape)
+        return Encoded(parts, (_nbytes(parts), struct.unpack("<I", parts[-1])[0]))
+    assert meta.crc_table, "ucp writes format 2 shards only"
     origin = tuple(a for a, _ in meta.chunk_box(outer))
     parts: list[memoryview | bytes] = []
     entries: list[int] = []
-    offset = index_nbytes(meta)
+    table: list[bytes] = []
+    offset = head_nbytes(meta)
     for box in _inner_boxes(meta, outer):
         if box is None:
             entries += [EMPTY_INDEX_ENTRY, EMPTY_INDEX_ENTRY]
+            table.append(bytes(CRC_BYTES))
             continue
         local = tuple((a - o, b - o) for (a, b), o in zip(box, origin))
         inner_parts = _chunk_parts(chunk[to_slices(local)], meta.inner_chunk_shape)
-        nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in inner_parts)
+        nbytes = _nbytes(inner_parts)
         parts += inner_parts
+        table.append(inner_parts[-1])  # type: ignore[arg-type]  # (the checksum part is bytes)
         entries += [offset, nbytes]
         offset += nbytes
     index = struct.pack(f"<{len(entries)}Q", *entries)
-    return [index, _crc(index), *parts]
+    head = [index, _crc(index), b"".join(table)]
+    head_sum = struct.unpack("<I", _crc(*head))[0]
+    return Encoded([*head, *parts], (offset, head_sum))
 
 
 # ------------------------------------------------------------------------------------------ decoding
@@ -104,27 +135,47 @@ def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> list[
 
 @dataclass(frozen=True)
 class InnerChunk:
-    """Where one inner chunk lies in its shard object, and which part of the array it holds."""
+    """Where one inner chunk lies in its shard object, which part of the array it holds, and the checksum the
+    shard's table lists for it (None for a format 1.0 shard, which has no table)."""
 
     box: Box
     offset: int
     nbytes: int
+    crc: bytes | None = None
 
 
-def _verify(payload: Sequence[memoryview | bytes | bytearray], stored_crc: memoryview | bytes | bytearray, where: str) -> None:
-    """Check the CRC-32C of the payload (its parts back to back) against the stored checksum."""
+def _verify(payload: Sequence[memoryview | bytes | bytearray], stored_crc: memoryview | bytes | bytearray, where: str,
+            recorded: bytes | None = None) -> None:
+    """Check the CRC-32C of the payload (its parts back to back) against the stored checksum and, where the
+    commit recorded one, that the stored checksum is the recorded one."""
     if _crc(*payload) != bytes(stored_crc):
         raise IntegrityError(f"{where}: checksum mismatch (crc32c), the stored bytes are damaged")
+    if recorded is not None and bytes(stored_crc) != recorded:
+        raise _not_recorded(where)
 
 
-def parse_index(meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview, where: str) -> list[InnerChunk]:
-    """Verify a shard's index and return the inner chunks it lists (boxes in array coordinates)."""
-    n = index_nbytes(meta)
-    if len(data) < n:
-        raise IntegrityError(f"{where}: truncated shard ({len(data)} bytes, its index alone needs {n})")
+def _not_recorded(where: str) -> IntegrityError:
+    return IntegrityError(f"{where}: the object is not the one the commit recorded (its checksum differs): it was "
+                          "moved, swapped, copied from another step or left by another save")
+
+
+def _crc_bytes(value: int) -> bytes:
+    return struct.pack("<I", value)
+
+
+def parse_index(meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview, where: str,
+                recorded: ObjectSum | None = None) -> list[InnerChunk]:
+    """Verify a shard's head (index and, in format 2, the checksum table, against the checksum the commit
+    recorded) and return the inner chunks it lists (boxes in array coordinates)."""
+    n, head = index_nbytes(meta), head_nbytes(meta)
+    if len(data) < head:
+        raise IntegrityError(f"{where}: truncated shard ({len(data)} bytes, its head alone needs {head})")
     raw = memoryview(data)[: n - CRC_BYTES]
     _verify([raw], memoryview(data)[n - CRC_BYTES : n], f"{where} (shard index)")
+    if recorded is not None and _crc(memoryview(data)[:head]) != _crc_bytes(recorded[1]):
+        raise _not_recorded(where)
     values = struct.unpack(f"<{len(raw) // 8}Q", raw)
+    table = bytes(memoryview(data)[n:head]) if meta.crc_table else None
     expected = meta.stored_chunk_bytes() + CRC_BYTES
     chunks: list[InnerChunk] = []
     for i, box in enumerate(_inner_boxes(meta, outer)):
@@ -133,9 +184,10 @@ def parse_index(meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview
             continue
         if offset == EMPTY_INDEX_ENTRY:
             raise IntegrityError(f"{where}: inner chunk {i} is missing from the shard index")
-        if nbytes != expected or offset < n:
+        if nbytes != expected or offset < head:
             raise IntegrityError(f"{where}: inner chunk {i} has a bad index entry (offset {offset}, {nbytes} bytes)")
-        chunks.append(InnerChunk(box, offset, nbytes))
+        crc = table[i * CRC_BYTES : (i + 1) * CRC_BYTES] if table is not None else None
+        chunks.append(InnerChunk(box, offset, nbytes, crc))
     return chunks
 
 
@@ -158,8 +210,9 @@ class ChunkSink:
     def buffers(self) -> list[memoryview]:
         return [self.data, self.tail, memoryview(self.crc)]
 
-    def finish(self, where: str) -> None:
-        _verify([self.data, self.tail], self.crc, where)
+    def finish(self, where: str, recorded: bytes | None) -> None:
+        """Verify the chunk (and that its checksum is the one recorded for its place), then deliver it."""
+        _verify([self.data, self.tail], self.crc, where, recorded)
         if self.scratch is not None:
             self.dest.copy_(self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))])
 
@@ -172,8 +225,10 @@ def full_region(out: torch.Tensor) -> DestFn:
     return lambda box: (out[to_slices(box)], tuple(0 for _ in box))
 
 
-def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ...], dest_for: DestFn, where: str) -> None:
-    """Read, verify and deliver the stored chunks of one object that `dest_for` wants.
+def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ...], dest_for: DestFn, where: str,
+                recorded: ObjectSum | None) -> None:
+    """Read, verify and deliver the stored chunks of one object that `dest_for` wants; `recorded` is the size and
+    checksum the commit recorded for the object (None for a format 1.0 step).
 
     `dest_for(box)` gets the array region a stored chunk holds and returns (destination view of the wanted part,
     offset of that part inside the chunk), or None to skip the chunk. A plain object is one read. A shard whose
@@ -188,34 +243,36 @@ def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ..
         if meta.inner_chunk_shape is None:
             wanted = dest_for(meta.chunk_box(outer))
             if wanted is not None:
-                _read_extents(storage, key, meta, [(0, ChunkSink(wanted[0], chunk_shape, wanted[1]))], None, where)
+                crc = None if recorded is None else _crc_bytes(recorded[1])
+                _read_extents(storage, key, meta, [(0, ChunkSink(wanted[0], chunk_shape, wanted[1]), crc)], None, where)
             return
         boxes = [b for b in _inner_boxes(meta, outer) if b is not None]
         all_wanted = all(dest_for(b) is not None for b in boxes)
-        if all_wanted and not storage.whole_object_reads and _read_dense_shard(storage, key, meta, outer, boxes, dest_for, where):
+        if (all_wanted and not storage.whole_object_reads
+                and _read_dense_shard(storage, key, meta, outer, boxes, dest_for, where, recorded)):
             return
         whole = storage.read(key) if all_wanted and storage.whole_object_reads else None
-        index_bytes = whole if whole is not None else storage.read(key, 0, index_nbytes(meta))
+        head = whole if whole is not None else storage.read(key, 0, head_nbytes(meta))
         extents = []
-        for inner in sorted(parse_index(meta, outer, index_bytes, where), key=lambda c: c.offset):
+        for inner in sorted(parse_index(meta, outer, head, where, recorded), key=lambda c: c.offset):
             wanted = dest_for(inner.box)
             if wanted is not None:
-                extents.append((inner.offset, ChunkSink(wanted[0], chunk_shape, wanted[1])))
+                extents.append((inner.offset, ChunkSink(wanted[0], chunk_shape, wanted[1]), inner.crc))
         if extents:
             _read_extents(storage, key, meta, extents, whole, where)
     except FileNotFoundError:
         raise IntegrityError(f"{where} is missing") from None
 
 
-def _read_extents(storage: Storage, key: str, meta: AtomMeta, extents: list[tuple[int, ChunkSink]],
+def _read_extents(storage: Storage, key: str, meta: AtomMeta, extents: list[tuple[int, ChunkSink, bytes | None]],
                   whole: memoryview | None, where: str) -> None:
-    """One scatter read of the stored chunks at `extents` (offset, sink; ascending) into their sinks (or a copy
-    out of `whole`, the object already read), then their checksums."""
+    """One scatter read of the stored chunks at `extents` (offset, sink, recorded checksum; ascending) into their
+    sinks (or a copy out of `whole`, the object already read), then their checksums."""
     stored = meta.stored_chunk_bytes()
     start, end = extents[0][0], extents[-1][0] + stored + CRC_BYTES
     buffers: list[memoryview] = []
     pos = start
-    for offset, sink in extents:
+    for offset, sink, _ in extents:
         if offset > pos:
             buffers.append(memoryview(bytearray(offset - pos)))  # a gap we do not need
         buffers += sink.buffers()
@@ -223,8 +280,8 @@ def _read_extents(storage: Storage, key: str, meta: AtomMeta, extents: list[tupl
     buffers.append(memoryview(bytearray(1)))  # a sentinel: catches objects longer than their metadata says
     got = scatter_into(whole[start:], buffers) if whole is not None else storage.read_into(key, start, buffers)
     _check_length(meta, start, got, end, where)
-    for _, sink in extents:
-        sink.finish(where)
+    for _, sink, crc in extents:
+        sink.finish(where, crc)
 
 
 def _check_length(meta: AtomMeta, start: int, got: int, end: int, where: str) -> None:
@@ -235,25 +292,25 @@ def _check_length(meta: AtomMeta, start: int, got: int, end: int, where: str) ->
 
 
 def _read_dense_shard(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ...], boxes: list[Box],
-                      dest_for: DestFn, where: str) -> bool:
-    """Read a shard whose inner chunks are all wanted in one request, assuming ucp's layout (index, then the
+                      dest_for: DestFn, where: str, recorded: ObjectSum | None) -> bool:
+    """Read a shard whose inner chunks are all wanted in one request, assuming ucp's layout (head, then the
     present inner chunks back to back in C order). True when done; False when the verified index places the
     chunks elsewhere: nothing was verified, and the caller's read by the index rewrites every destination."""
     chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
     step = meta.stored_chunk_bytes() + CRC_BYTES
-    first = index_nbytes(meta)
-    index = memoryview(bytearray(first))
+    first = head_nbytes(meta)
+    head = memoryview(bytearray(first))
     sinks = []
     for box in boxes:
         wanted = dest_for(box)
         assert wanted is not None
         sinks.append(ChunkSink(wanted[0], chunk_shape, wanted[1]))
-    buffers = [index, *(b for sink in sinks for b in sink.buffers()), memoryview(bytearray(1))]
+    buffers = [head, *(b for sink in sinks for b in sink.buffers()), memoryview(bytearray(1))]
     got = storage.read_into(key, 0, buffers)
-    listed = parse_index(meta, outer, index[: min(got, first)], where)
+    listed = parse_index(meta, outer, head[: min(got, first)], where, recorded)
     if [c.offset for c in listed] != [first + i * step for i in range(len(boxes))]:
         return False
     _check_length(meta, 0, got, first + len(boxes) * step, where)
-    for sink in sinks:
-        sink.finish(where)
+    for sink, inner in zip(sinks, listed):
+        sink.finish(where, inner.crc)
     return True

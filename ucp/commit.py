@@ -1,14 +1,18 @@
-"""The commit protocol: a step is visible only once its commit marker is written, after all its data.
+"""The commit protocol: a step is visible only once its commit marker exists, after all its data is durable.
 
-The marker `<step>/ucp-commit.json` is written last, whole, by one writer. It is valid only if it parses,
-names its own step, and carries the crc32c of the step's `zarr.json` (the manifest), so a torn or stale
-marker, or a manifest edited after the commit, is never taken for a committed checkpoint. No rename is
+The marker `step_N/ucp-commit.json` is created exclusively (`Storage.create_exclusive`: a hard link on POSIX, a
+conditional put on S3), so of several attempts to save one step exactly one commits; the others get
+`StepExistsError`. It names the attempt whose directory holds the step (`step_N/attempt-<id>/`) and carries the
+size and CRC-32C of that attempt's manifest (`zarr.json`), which in turn records the size and checksum of every
+object: a reader that trusts the marker can hold every byte it reads to what this commit wrote. No rename is
 involved, so the same protocol holds on object stores. Deleting a step removes the marker first.
+
+Format 1.0 steps (no attempts, the marker written without exclusion) are still read.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import struct
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -16,32 +20,50 @@ from typing import Any
 
 import crc32c
 
-from .errors import CheckpointNotFoundError, FormatError
+from .errors import CheckpointNotFoundError, FormatError, StepExistsError
 from .format import (
     COMMIT_MARKER,
     FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    MAX_MARKER_BYTES,
     ZARR_JSON,
     check_format_version,
     dumps,
+    is_attempt_dirname,
+    json_int,
+    loads,
     parse_step_dirname,
     step_dirname,
 )
 from .storage import Storage
 
+log = logging.getLogger("ucp")
+
 
 @dataclass(frozen=True)
 class CommitRecord:
+    """What a commit marker says: which attempt holds step `step`, and the checksum of its manifest."""
+
     step: int
     manifest_crc32c: int
     atoms: int
     nbytes: int
     committed_at: str
     format_version: str = FORMAT_VERSION
+    attempt: str | None = None  # None: a format 1.0 step, held by the step directory itself
+    manifest_nbytes: int | None = None
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of the committed step's Zarr group (its manifest and atoms)."""
+        return f"{step_dirname(self.step)}/{self.attempt}" if self.attempt else step_dirname(self.step)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,
             "step": self.step,
+            "attempt": self.attempt,
+            "manifest_bytes": self.manifest_nbytes,
             "manifest_crc32c": self.manifest_crc32c,
             "atoms": self.atoms,
             "bytes": self.nbytes,
@@ -49,42 +71,69 @@ class CommitRecord:
         }
 
 
+def marker_key(step: int) -> str:
+    return f"{step_dirname(step)}/{COMMIT_MARKER}"
+
+
 def manifest_checksum(manifest_bytes: bytes | memoryview) -> int:
     return crc32c.crc32c(manifest_bytes)
 
 
-def write_marker(storage: Storage, step: int, manifest_bytes: bytes, atoms: int, nbytes: int) -> CommitRecord:
-    """Commit a step whose data and manifest are already durable."""
+def commit(storage: Storage, step: int, attempt: str, manifest_bytes: bytes, atoms: int, nbytes: int) -> CommitRecord:
+    """Commit attempt `attempt` of `step`, whose data and manifest are already durable: create the marker, or
+    raise StepExistsError if another attempt committed the step first."""
     record = CommitRecord(
         step=step,
         manifest_crc32c=manifest_checksum(manifest_bytes),
         atoms=atoms,
         nbytes=nbytes,
         committed_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        attempt=attempt,
+        manifest_nbytes=len(manifest_bytes),
     )
-    storage.write(f"{step_dirname(step)}/{COMMIT_MARKER}", [dumps(record.to_json())])
-    storage.flush()
+    try:
+        storage.create_exclusive(marker_key(step), dumps(record.to_json()))
+    except FileExistsError:
+        raise StepExistsError(f"step {step} at {storage.url} was committed by another save meanwhile; "
+                              "committed steps are never overwritten") from None
     return record
 
 
 def read_marker(storage: Storage, step: int) -> CommitRecord | None:
-    """The step's commit record, or None when the step is not (validly) committed."""
+    """The step's commit record; None when the step has no marker. A marker that is not a valid one (torn by a
+    1.0 writer's crash, edited, not a regular file) is a FormatError naming it."""
+    key = marker_key(step)
+    where = f"{storage.url.rstrip('/')}/{key}"
     try:
-        raw = storage.read(f"{step_dirname(step)}/{COMMIT_MARKER}")
-        doc = json.loads(bytes(raw))
-        record = CommitRecord(
-            step=int(doc["step"]),
-            manifest_crc32c=int(doc["manifest_crc32c"]),
-            atoms=int(doc["atoms"]),
-            nbytes=int(doc["bytes"]),
-            committed_at=str(doc["committed_at"]),
-            format_version=str(doc["format_version"]),
-        )
-    except (FileNotFoundError, ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return None  # absent or torn: not committed
-    if record.step != step:
+        raw = storage.read(key, 0, MAX_MARKER_BYTES + 1)
+    except FileNotFoundError:
         return None
-    check_format_version(record.format_version, f"{storage.url}/{step_dirname(step)}")
+    doc = loads(raw, f"commit marker {where}", MAX_MARKER_BYTES)
+    if not isinstance(doc, dict):
+        raise FormatError(f"commit marker {where} is not a JSON object")
+    version = doc.get("format_version")
+    check_format_version(version, where)
+    attempt = doc.get("attempt")
+    if attempt is not None and not is_attempt_dirname(attempt):
+        raise FormatError(f"commit marker {where} names attempt {attempt!r:.80}, which is not an attempt directory name")
+    if attempt is None and not str(version).startswith("1."):
+        raise FormatError(f"commit marker {where} names no attempt (format {version} requires one)")
+    manifest_nbytes = doc.get("manifest_bytes")
+    committed_at = doc.get("committed_at")
+    if not isinstance(committed_at, str):
+        raise FormatError(f"commit marker {where}: committed_at must be a string")
+    record = CommitRecord(
+        step=json_int(doc.get("step"), f"commit marker {where}", "step"),
+        manifest_crc32c=json_int(doc.get("manifest_crc32c"), f"commit marker {where}", "manifest_crc32c", 0, 2**32 - 1),
+        atoms=json_int(doc.get("atoms"), f"commit marker {where}", "atoms"),
+        nbytes=json_int(doc.get("bytes"), f"commit marker {where}", "bytes"),
+        committed_at=committed_at,
+        format_version=version,  # type: ignore[arg-type]
+        attempt=attempt,
+        manifest_nbytes=None if attempt is None else json_int(manifest_nbytes, where, "manifest_bytes", 0, MAX_MANIFEST_BYTES),
+    )
+    if record.step != step:
+        raise FormatError(f"commit marker {where} names step {record.step}, not {step}")
     return record
 
 
@@ -95,7 +144,16 @@ def step_dirs(storage: Storage) -> list[int]:
 
 
 def committed_steps(storage: Storage) -> list[int]:
-    return [s for s in step_dirs(storage) if read_marker(storage, s) is not None]
+    """Steps with a valid commit marker, ascending. A step whose marker is damaged is left out (and logged): it
+    cannot be loaded, and it is never taken for a leftover to delete either."""
+    out = []
+    for step in step_dirs(storage):
+        try:
+            if read_marker(storage, step) is not None:
+                out.append(step)
+        except FormatError as e:
+            log.warning("step %d at %s is not counted as committed: %s", step, storage.url, e)
+    return out
 
 
 def resolve_step(storage: Storage, step: int | str | None) -> tuple[int, CommitRecord]:
@@ -104,33 +162,37 @@ def resolve_step(storage: Storage, step: int | str | None) -> tuple[int, CommitR
         raise CheckpointNotFoundError(f"no ucp checkpoint at {storage.url}: the path does not exist")
     all_steps = step_dirs(storage)
     if step in (None, "latest"):
-        committed = [s for s in all_steps if read_marker(storage, s) is not None]
+        committed = committed_steps(storage)
         if not committed:
             pending = f" (uncommitted steps present: {all_steps}; an interrupted save?)" if all_steps else ""
             raise CheckpointNotFoundError(f"no committed ucp checkpoint at {storage.url}{pending}")
         step = committed[-1]
-    try:
-        step = int(step)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise CheckpointNotFoundError(f"step must be an integer or 'latest', got {step!r}") from None
+    if isinstance(step, bool) or not isinstance(step, (int, str)) or not str(step).isdigit():
+        raise CheckpointNotFoundError(f"step must be a non-negative integer or 'latest', got {step!r:.80}")
+    step = int(step)
     record = read_marker(storage, step)
     if record is None:
         if step in all_steps:
             raise CheckpointNotFoundError(
                 f"step {step} at {storage.url} is not committed (its save did not finish); "
-                f"committed steps: {[s for s in all_steps if read_marker(storage, s) is not None]}"
+                f"committed steps: {committed_steps(storage)}"
             )
         raise CheckpointNotFoundError(f"no step {step} at {storage.url}; steps present: {all_steps}")
     return step, record
 
 
-def read_manifest_bytes(storage: Storage, step: int, record: CommitRecord) -> bytes:
-    """The step's zarr.json, checked against the checksum its commit recorded."""
-    where = f"{storage.url}/{step_dirname(step)}/{ZARR_JSON}"
+def read_manifest_bytes(storage: Storage, record: CommitRecord) -> bytes:
+    """The committed step's zarr.json, checked against the size and checksum its commit recorded."""
+    key = f"{record.prefix}/{ZARR_JSON}"
+    where = f"{storage.url.rstrip('/')}/{key}"
+    limit = record.manifest_nbytes if record.manifest_nbytes is not None else MAX_MANIFEST_BYTES
     try:
-        data = bytes(storage.read(f"{step_dirname(step)}/{ZARR_JSON}"))
+        data = bytes(storage.read(key, 0, limit + 1))
     except FileNotFoundError:
         raise FormatError(f"{where} is missing") from None
+    if len(data) > limit or (record.manifest_nbytes is not None and len(data) != record.manifest_nbytes):
+        raise FormatError(f"{where} was modified after the step was committed (it is not {limit} bytes long)"
+                          if record.manifest_nbytes is not None else f"{where} is larger than {limit} bytes")
     if manifest_checksum(data) != record.manifest_crc32c:
         raise FormatError(f"{where} was modified after the step was committed (crc32c {struct.pack('>I', manifest_checksum(data)).hex()} "
                           f"!= {struct.pack('>I', record.manifest_crc32c).hex()} recorded by the commit)")
@@ -139,17 +201,6 @@ def read_manifest_bytes(storage: Storage, step: int, record: CommitRecord) -> by
 
 def delete_step(storage: Storage, step: int) -> None:
     """Remove a step: the marker first, so it is never visible half-deleted."""
-    storage.delete(f"{step_dirname(step)}/{COMMIT_MARKER}")
+    storage.delete(marker_key(step))
     storage.flush()
     storage.delete(step_dirname(step))
-
-
-def collect_garbage(storage: Storage, below: int | None = None) -> list[int]:
-    """Delete uncommitted step directories (leftovers of interrupted saves) numbered below `below` (all of them
-    when None); returns their steps. A step above the latest commit may be a save still in progress elsewhere."""
-    removed = []
-    for step in step_dirs(storage):
-        if (below is None or step < below) and read_marker(storage, step) is None:
-            storage.delete(step_dirname(step))
-            removed.append(step)
-    return removed

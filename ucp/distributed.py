@@ -1,12 +1,13 @@
 """Distributed save and load: every rank writes the chunks it owns and reads only what its layout needs.
 
 Planning is local: each rank derives what it writes and reads from (model config, layout, rank) alone
-(`ucp.reshard`), so no rank gathers another's plan. Coordination is one fragment exchange (only where ZeRO
-ranges cut a chunk), a barrier, and the commit, which rank 0 writes once every rank's data is durable.
+(`ucp.reshard`), so no rank gathers another's plan. Coordination is the attempt id (broadcast), one fragment
+exchange (only where ZeRO ranges cut a chunk), and the end of the save attempt (`ucp.session`): the size and
+checksum of every object written go to rank 0, which commits once every rank's data is durable.
 
-The exchange and the barrier go through a small `Comm` interface: `TorchComm` runs over torch.distributed
-(gloo; checkpoint traffic is host memory even when training runs on NCCL), `VirtualWorld` runs every rank of
-a layout in one process (for tests, offline tools and benchmarks).
+Collectives go through a small `Comm` interface (`ucp.comm`): `TorchComm` runs over torch.distributed (gloo;
+checkpoint traffic is host memory even when training runs on NCCL); `VirtualWorld` runs every rank of a layout
+in one process (for tests, offline tools and benchmarks).
 """
 
 from __future__ import annotations
@@ -20,24 +21,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from . import __version__, codec, dtypes, tree
-from .boxes import Box, box_numel, box_shape, intersect, to_slices
+from . import __version__, dtypes, tree
+from .boxes import Box, box_numel, box_shape, intersect, relative, to_slices
 from .checkpoint import (
     CheckpointReader,
     SaveOptions,
+    checked,
     chunk_jobs,
-    commit_step,
-    ensure_root,
     group_paths,
     io_threads_for,
     plan_atoms,
-    prepare_step,
 )
 from .chunking import ChunkingPolicy, choose_chunks
+from .comm import Comm, LocalComm, TorchComm  # noqa: F401 -- LocalComm, TorchComm: re-exported for callers
 from .commit import CommitRecord
 from .errors import FormatError, LayoutError, StateError
 from .families import canonical_atoms, family_for
@@ -46,6 +46,7 @@ from .layout import Layout, parse_layout
 from .partition import PartitionSpec, tp_shard
 from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .reshard import DEFAULT_STATES, LocalTensor, Piece, Transfer, chunk_write_plan, local_plan, owned_pieces, put_local
+from .session import SaveSession
 from .storage import Storage, open_storage
 from .workpool import run_tasks
 
@@ -103,7 +104,7 @@ def _atom_metas_cached(
             if state is not None:
                 attrs.update(state=state, param=name)
             attrs.update(partition=spec.to_json(), family=family)
-            metas[(name, state)] = AtomMeta(atom_path(name, state), shape, dtype, chunk, inner, attrs)
+            metas[(name, state)] = checked(AtomMeta(atom_path(name, state), shape, dtype, chunk, inner, attrs))
     return metas
 
 
@@ -134,10 +135,6 @@ def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
     return tensor[piece.flat_offset : piece.flat_offset + piece.numel].view(box_shape(piece.atom_box))
 
 
-def _relative(box: Box, origin: Box) -> Box:
-    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
-
-
 def _local_dtypes(local_state: Mapping[str, Any], plan: list[LocalTensor]) -> dict[str | None, str]:
     """The dtype of the parameters and of each optimizer state, as this rank holds them."""
     out: dict[str | None, str] = {}
@@ -148,42 +145,7 @@ def _local_dtypes(local_state: Mapping[str, Any], plan: list[LocalTensor]) -> di
 
 
 # ----------------------------------------------------------------------------------------------- comm
-
-
-class Comm(Protocol):
-    """The collective operations a distributed save needs."""
-
-    rank: int
-    world_size: int
-
-    def exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, int]) -> dict[int, torch.Tensor]:
-        """Send each peer its uint8 buffer; receive from each peer in `incoming` a buffer of that many bytes."""
-
-    def barrier(self) -> None: ...
-
-
-class TorchComm:
-    """Comm over a torch.distributed process group (gloo: buffers stay in host memory)."""
-
-    def __init__(self, group: Any = None):
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-
-    def exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, int]) -> dict[int, torch.Tensor]:
-        received = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in incoming.items()}
-        global_rank = (lambda r: r) if self.group is None else (lambda r: self.dist.get_global_rank(self.group, r))
-        requests = [self.dist.irecv(buf, global_rank(peer), group=self.group) for peer, buf in sorted(received.items())]
-        requests += [self.dist.isend(buf, global_rank(peer), group=self.group) for peer, buf in sorted(outgoing.items())]
-        for request in requests:
-            request.wait()
-        return received
-
-    def barrier(self) -> None:
-        self.dist.barrier(group=self.group)
+# (Comm, TorchComm and LocalComm live in ucp.comm; imported above, so ucp.distributed.TorchComm keeps working)
 
 
 def _as_uint8(t: torch.Tensor) -> torch.Tensor:
@@ -196,8 +158,8 @@ def _as_uint8(t: torch.Tensor) -> torch.Tensor:
 class RankSaver:
     """One rank's part of a distributed save: what it sends, what it writes."""
 
-    def __init__(self, local_state: Mapping[str, Any], model: ShardedModel, rank: int, storage: Storage, step: int, options: SaveOptions):
-        self.model, self.rank, self.storage, self.step, self.options = model, rank, storage, step, options
+    def __init__(self, local_state: Mapping[str, Any], model: ShardedModel, rank: int, options: SaveOptions):
+        self.model, self.rank, self.options = model, rank, options
         plan = local_plan(model.config, model.layout, rank, model.optim_states)
         self.metas = atom_metas(model, _local_dtypes(local_state, plan), options.chunking)
         # (atom, state) -> [(atom box, view of the local data holding it)] for the pieces this rank writes
@@ -212,7 +174,7 @@ class RankSaver:
         """A box of an atom that lies inside one piece this rank owns."""
         for owned_box, view in self.owned[key]:
             if intersect(owned_box, box) == box:
-                return view[to_slices(_relative(box, owned_box))]
+                return view[to_slices(relative(box, owned_box))]
         raise AssertionError(f"rank {self.rank} does not hold {key} {box}")  # the plan guarantees it
 
     @staticmethod
@@ -249,16 +211,17 @@ class RankSaver:
         sources = [*self.owned.get(key, []), *fragments.get(key, [])]
         for src_box, view in sources:
             if intersect(src_box, box) == box:
-                return view[to_slices(_relative(box, src_box))]
+                return view[to_slices(relative(box, src_box))]
         out = torch.empty(box_shape(box), dtype=sources[0][1].dtype)
         for src_box, view in sources:
             part = intersect(src_box, box)
             if part is not None:
-                out[to_slices(_relative(part, box))] = view[to_slices(_relative(part, src_box))]
+                out[to_slices(relative(part, box))] = view[to_slices(relative(part, src_box))]
         return out
 
-    def plan(self, incoming: dict[int, torch.Tensor], finish: Callable[[], CommitRecord | None]) -> SavePlan:
-        """This rank's writes: its share of the atom metadata and every chunk it writes, whole."""
+    def plan(self, incoming: dict[int, torch.Tensor], session: SaveSession, manifest: StepManifest | None = None,
+             *, commit: bool = True) -> SavePlan:
+        """This rank's writes in `session`: its share of the atom metadata and every chunk it writes, whole."""
         fragments = self._received_fragments(incoming)
         chunks = []
         for atom, state, box in self.transfers.writes:
@@ -266,7 +229,7 @@ class RankSaver:
             index = tuple(a // c for (a, _), c in zip(box, meta.chunk_shape))
             chunks.append(ChunkJob(meta, index, functools.partial(self._chunk_values, (atom, state), box, fragments)))
         metadata = list(self.metas.values())[self.rank :: self.model.layout.world_size]
-        return SavePlan(self.storage, self.step, metadata, [], chunks, finish)
+        return SavePlan(session, metadata, [], chunks, manifest, commit)
 
 
 def manifest_for(model: ShardedModel, metas: Mapping[AtomKey, AtomMeta], extra: dict[str, Any], step: int, chunking: ChunkingPolicy) -> tuple[StepManifest, list[ChunkJob]]:
@@ -317,30 +280,18 @@ def plan_sharded_save(
     extra: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
 ) -> SavePlan:
-    """This rank's plan of a distributed save. Every rank calls it together: it exchanges the fragments of the
-    chunks that ZeRO ranges cut. The plan's `finish` makes the rank's data durable, waits for every rank,
-    and on rank 0 commits."""
+    """This rank's plan of a distributed save. Every rank calls it together: it starts the save attempt (rank 0
+    creates it, every rank learns it) and exchanges the fragments of the chunks that ZeRO ranges cut. When the
+    plan's writes are durable, its session gathers what every rank wrote and rank 0 commits (`ucp.session`)."""
     options = options or SaveOptions()
-    if comm.rank == 0:
-        prepare_step(storage, step)
-        ensure_root(storage)
-    comm.barrier()
-    saver = RankSaver(local_state, model, comm.rank, storage, step, options)
+    session = SaveSession.begin(storage, step, comm)
+    saver = RankSaver(local_state, model, comm.rank, options)
     incoming = comm.exchange(saver.outgoing(), saver.incoming_sizes())
-    manifest, extra_chunks = (None, [])
-    if comm.rank == 0:
-        manifest, extra_chunks = manifest_for(model, saver.metas, extra or {}, step, options.chunking)
-
-    def finish() -> CommitRecord | None:
-        storage.flush()
-        comm.barrier()  # every rank's data is durable
-        record = commit_step(storage, manifest) if manifest is not None else None
-        comm.barrier()
-        return record
-
-    plan = saver.plan(incoming, finish)
-    if manifest is not None:
-        _add_rank0_writes(plan, manifest, extra_chunks)
+    if comm.rank != 0:
+        return saver.plan(incoming, session)
+    manifest, extra_chunks = manifest_for(model, saver.metas, extra or {}, step, options.chunking)
+    plan = saver.plan(incoming, session, manifest)
+    _add_rank0_writes(plan, manifest, extra_chunks)
     return plan
 
 
@@ -383,22 +334,22 @@ class VirtualWorld:
              storage: Storage | None = None, options: SaveOptions | None = None, storage_options: dict[str, Any] | None = None) -> CommitRecord:
         options = options or SaveOptions()
         storage = storage or open_storage(url, storage_options, fsync=options.fsync)
-        prepare_step(storage, step)
-        ensure_root(storage)
-        savers = [RankSaver(s, model, r, storage, step, options) for r, s in enumerate(local_states)]
+        savers = [RankSaver(s, model, r, options) for r, s in enumerate(local_states)]
         outgoing = [s.outgoing() for s in savers]
         manifest, extra_chunks = manifest_for(model, savers[0].metas, extra or {}, step, options.chunking)
         pipeline = SavePipeline(io_threads_for(options, storage))
         try:
-            for rank, saver in enumerate(savers):
-                plan = saver.plan({peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, lambda: None)
-                if rank == 0:
-                    _add_rank0_writes(plan, manifest, extra_chunks)
-                pipeline.submit(plan, "sync")
+            with SaveSession.begin(storage, step) as session:  # one attempt for all ranks, removed if any fails
+                for rank, saver in enumerate(savers):
+                    plan = saver.plan({peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, session, commit=False)
+                    if rank == 0:
+                        _add_rank0_writes(plan, manifest, extra_chunks)
+                    pipeline.submit(plan, "sync")
+                record = session.finish(manifest)
         finally:
             pipeline.close()
-        storage.flush()
-        return commit_step(storage, manifest)
+        assert record is not None
+        return record
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -499,11 +450,9 @@ def _read_region(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...
         part = intersect(chunk_box, box)
         if part is None:
             return None
-        return view[to_slices(_relative(part, box))], tuple(a - c for (a, _), (c, _) in zip(part, chunk_box))
+        return view[to_slices(relative(part, box))], tuple(a - c for (a, _), (c, _) in zip(part, chunk_box))
 
-    key = meta.chunk_key(index)
-    where = f"atom {meta.path!r} chunk {key} (step {reader.step})"
-    codec.read_object(reader.storage, f"{reader.prefix}/{meta.path}/{key}", meta, index, dest_for, where)
+    reader.read_object(meta, index, dest_for)
 
 
 def extra_state(reader: CheckpointReader) -> dict[str, Any]:

@@ -35,3 +35,8 @@ class StepExistsError(UcpError):
 
 class WriterProcessError(UcpError):
     """The writer process of async saves could not be started or died while a save was in flight."""
+
+
+class StorageError(UcpError):
+    """A storage operation failed for a reason other than damaged data: no space, no permission, an unreachable
+    or refusing object store, a path that is not a regular file or that passes through a symbolic link."""

@@ -1,8 +1,13 @@
-"""What is on disk: names, the metadata documents, and the state tree (docs/FORMAT.md is the spec).
+"""What is on disk: names, the metadata documents, and the bounds a reader holds them to (docs/FORMAT.md).
 
-A checkpoint root holds one directory per step. A step is a Zarr v3 group whose `zarr.json` carries the
-ucp manifest (format version, step, layout, the state tree, every atom's description); each atom is a Zarr
-v3 array below it; the step's commit marker is written last.
+A checkpoint root holds one directory per step. Each save attempt of a step writes its own directory inside it
+(`step_N/attempt-<id>/`): a Zarr v3 group whose `zarr.json` carries the ucp manifest (format version, step,
+layout, the state tree, every atom's description and every object's size and checksum), with each atom a Zarr
+v3 array below it. The step's commit marker (`step_N/ucp-commit.json`) names the one attempt that committed.
+Format 1.0 steps (no attempts: the group is `step_N/` itself) are still read.
+
+Everything read from metadata is bounded here before anything is sized from it, so a hostile or damaged
+document gets a FormatError, never an allocation, an overflow or a Python error.
 """
 
 from __future__ import annotations
@@ -16,17 +21,33 @@ from typing import Any
 from . import dtypes
 from .errors import FormatError, UnsupportedVersionError
 
-FORMAT_VERSION = "1.0"
-FORMAT_MAJOR = 1
+FORMAT_VERSION = "2.0"
+FORMAT_MAJOR = 2
 ZARR_JSON = "zarr.json"
 COMMIT_MARKER = "ucp-commit.json"
+ATTEMPT_RECORD = "ucp-attempt.json"  # an attempt's owner (who saves it, until when), written first
 CRC_BYTES = 4  # the crc32c codec appends a 4-byte little-endian checksum
 INDEX_ENTRY_BYTES = 16  # sharding index: (offset, nbytes) as two little-endian uint64
 EMPTY_INDEX_ENTRY = 2**64 - 1
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_ATTEMPT_DIR = re.compile(r"^attempt-[0-9a-f]{32}$")
 # Names a state key may not take: they would collide with Zarr's or ucp's own files.
-RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER})
+RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD})
+
+# Bounds on what metadata may declare (docs/FORMAT.md section 8). Writers stay inside them; readers refuse more.
+MAX_NDIM = 32
+MAX_ATOM_BYTES = 1 << 46  # 64 TiB
+MAX_OBJECT_BYTES = 1 << 32  # one stored object (plain chunk or shard): 4 GiB
+MAX_OBJECTS_PER_ATOM = 1 << 24
+MAX_INNER_PER_OBJECT = 1 << 20
+MAX_MARKER_BYTES = 1 << 16  # a commit marker or an attempt record
+MAX_DOCUMENT_BYTES = 1 << 24  # an atom's or group's zarr.json
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_TREE_DEPTH = 64  # nesting of the state: dicts and lists (and JSON values) inside each other
+MAX_JSON_DEPTH = 2 * MAX_TREE_DEPTH + 32  # brackets inside each other in any document ucp parses
+MAX_KEY_BYTES = 255  # a state key is a file or object name
+MAX_ATOM_PATH_BYTES = 768  # leaves room for the root, step and attempt in a 1,024-byte S3 key
 
 
 def step_dirname(step: int) -> str:
@@ -38,10 +59,14 @@ def parse_step_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def is_attempt_dirname(name: object) -> bool:
+    return isinstance(name, str) and _ATTEMPT_DIR.match(name) is not None
+
+
 def check_format_version(version: object, where: str) -> None:
     """Refuse a newer major version (or a malformed one) with a clear error."""
-    if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+", version):
-        raise FormatError(f"{where}: format_version {version!r} is not of the form MAJOR.MINOR")
+    if not isinstance(version, str) or not re.fullmatch(r"[0-9]{1,6}\.[0-9]{1,6}", version):
+        raise FormatError(f"{where}: format_version {version!r:.80} is not of the form MAJOR.MINOR")
     major = int(version.split(".")[0])
     if major > FORMAT_MAJOR:
         raise UnsupportedVersionError(
@@ -55,11 +80,46 @@ def dumps(doc: Any) -> bytes:
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()  # compact: the C encoder
 
 
-def loads(data: bytes, where: str) -> Any:
+def loads(data: bytes | bytearray | memoryview, where: str, limit: int = MAX_MANIFEST_BYTES) -> Any:
+    """Parse a metadata document: at most `limit` bytes, nested at most MAX_JSON_DEPTH deep, strict JSON."""
+    if len(data) > limit:
+        raise FormatError(f"{where} is {len(data)} bytes, more than the {limit} a ucp document may take")
+    if _nesting(data) > MAX_JSON_DEPTH:
+        raise FormatError(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(bytes(data), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"{where} is not valid JSON ({e})") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def _nesting(data: bytes | bytearray | memoryview) -> int:
+    """The deepest bracket nesting of a JSON text (brackets inside strings counted too: an upper bound), found
+    without recursion, so that a deeply nested document is refused before the parser recurses into it."""
+    import numpy as np
+
+    raw = np.frombuffer(bytes(data), dtype=np.uint8)
+    opens = (raw == ord("[")) | (raw == ord("{"))
+    closes = (raw == ord("]")) | (raw == ord("}"))
+    if not opens.any():
+        return 0
+    return int(np.cumsum(opens.astype(np.int64) - closes.astype(np.int64)).max())
+
+
+def json_int(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> int:
+    """A JSON integer (not a bool, float or string) within [low, high], or a FormatError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise FormatError(f"{where}: {what} must be an integer in [{low}, {high}], got {value!r:.80}")
+    return value
+
+
+def json_ints(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise FormatError(f"{where}: {what} must be a list of at most {MAX_NDIM} integers, got {value!r:.80}")
+    return tuple(json_int(v, where, what, low, high) for v in value)
 
 
 # ---------------------------------------------------------------------------------------------- atoms
@@ -79,6 +139,8 @@ class AtomMeta:
     chunk_shape: tuple[int, ...]
     inner_chunk_shape: tuple[int, ...] | None = None
     attributes: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Format 2 shards carry a table of their inner chunks' checksums after the index (section 4); 1.0 shards do not.
+    crc_table: bool = field(default=True, compare=False)
 
     @property
     def itemsize(self) -> int:
@@ -108,30 +170,45 @@ class AtomMeta:
         return doc
 
     @classmethod
-    def from_manifest(cls, path: str, doc: Any) -> AtomMeta:
-        where = f"manifest entry of atom {path!r}"
-        try:
-            shape = tuple(int(s) for s in doc["shape"])
-            chunk_shape = tuple(int(c) for c in doc["chunk_shape"])
-            inner = doc.get("inner_chunk_shape")
-            inner_shape = None if inner is None else tuple(int(c) for c in inner)
-            meta = cls(path, shape, str(doc["dtype"]), chunk_shape, inner_shape, dict(doc.get("attributes", {})))
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"{where} is malformed ({e!r})") from None
+    def from_manifest(cls, path: str, doc: Any, crc_table: bool = True) -> AtomMeta:
+        where = f"manifest entry of atom {path!r:.200}"
+        if not isinstance(doc, dict):
+            raise FormatError(f"{where} is not a JSON object")
+        check_atom_path(path, where)
+        shape = json_ints(doc.get("shape"), where, "shape", 0, MAX_ATOM_BYTES)
+        chunk_shape = json_ints(doc.get("chunk_shape"), where, "chunk_shape", 1, MAX_ATOM_BYTES)
+        inner = doc.get("inner_chunk_shape")
+        inner_shape = None if inner is None else json_ints(inner, where, "inner_chunk_shape", 1, MAX_ATOM_BYTES)
+        dtype, attributes = doc.get("dtype"), doc.get("attributes", {})
+        if not isinstance(dtype, str) or not isinstance(attributes, dict):
+            raise FormatError(f"{where}: dtype must be a string and attributes an object")
+        meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table)
         meta.validate()
         return meta
 
     def validate(self) -> None:
-        where = f"atom {self.path!r}"
-        dtypes.torch_dtype(self.dtype)
-        if len(self.chunk_shape) != len(self.shape) or any(s < 0 for s in self.shape):
+        """Refuse a description that is inconsistent or exceeds the format's bounds, before anything is sized by it."""
+        where = f"atom {self.path!r:.200}"
+        try:
+            dtypes.torch_dtype(self.dtype)
+        except Exception as e:  # noqa: BLE001 -- whatever the dtype table says, it is a format problem here
+            raise FormatError(f"{where}: {e}") from None
+        if len(self.shape) > MAX_NDIM or len(self.chunk_shape) != len(self.shape) or any(s < 0 for s in self.shape):
             raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} does not fit shape {list(self.shape)}")
         if any(c < 1 for c in self.chunk_shape):
             raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} has a non-positive extent")
+        if self.nbytes > MAX_ATOM_BYTES:
+            raise FormatError(f"{where}: shape {list(self.shape)} declares {self.nbytes} bytes, more than the format's {MAX_ATOM_BYTES}")
+        if math.prod(self.chunk_shape) * self.itemsize > MAX_OBJECT_BYTES:
+            raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} declares objects larger than {MAX_OBJECT_BYTES} bytes")
+        if math.prod(self.grid) > MAX_OBJECTS_PER_ATOM:
+            raise FormatError(f"{where}: {math.prod(self.grid)} chunk objects, more than the format's {MAX_OBJECTS_PER_ATOM}")
         if self.inner_chunk_shape is not None:
             inner = self.inner_chunk_shape
             if len(inner) != len(self.shape) or any(i < 1 or c % i for c, i in zip(self.chunk_shape, inner)):
                 raise FormatError(f"{where}: inner_chunk_shape {list(inner)} does not divide {list(self.chunk_shape)}")
+            if math.prod(self.inner_grid) > MAX_INNER_PER_OBJECT:
+                raise FormatError(f"{where}: {math.prod(self.inner_grid)} inner chunks per shard, more than the format's {MAX_INNER_PER_OBJECT}")
 
     def zarr_json(self) -> dict[str, Any]:
         """The array's Zarr v3 metadata document."""
@@ -179,6 +256,17 @@ class AtomMeta:
         """Object key of the chunk at grid position `index`, relative to the atom's directory."""
         return ".".join(["c", *map(str, index)])
 
+    def object_key(self, prefix: str, index: tuple[int, ...]) -> str:
+        """Storage key of chunk object `index` of this atom in the step directory `prefix`."""
+        return f"{prefix}/{self.path}/{self.chunk_key(index)}"
+
+    def object_number(self, index: tuple[int, ...]) -> int:
+        """Position of chunk `index` in C order over the grid (its entry in the manifest's `objects`)."""
+        number = 0
+        for i, n in zip(index, self.grid):
+            number = number * n + i
+        return number
+
     def chunk_box(self, index: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         """The region [start, stop) per dimension of the array that chunk `index` holds (clipped at the edge)."""
         return tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(index, self.chunk_shape, self.shape))
@@ -187,6 +275,16 @@ class AtomMeta:
         """Bytes of data in one stored (unsharded or inner) chunk, padding included."""
         shape = self.inner_chunk_shape or self.chunk_shape
         return math.prod(shape) * self.itemsize
+
+
+def check_atom_path(path: object, where: str) -> str:
+    """An atom path: '/'-separated state keys, none empty, '.', '..' or longer than a file name may be."""
+    if not isinstance(path, str) or not path or len(path.encode(errors="replace")) > MAX_ATOM_PATH_BYTES:
+        raise FormatError(f"{where}: atom path {path!r:.100} is empty, not a string or longer than {MAX_ATOM_PATH_BYTES} bytes")
+    for name in path.split("/"):
+        if name in ("", ".", "..") or "\\" in name or "\x00" in name or len(name.encode(errors="replace")) > MAX_KEY_BYTES:
+            raise FormatError(f"{where}: atom path {path!r:.100} has a component that is not a plain name")
+    return path
 
 
 def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -200,9 +298,13 @@ def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
 # ------------------------------------------------------------------------------------------ step manifest
 
 
+ObjectSum = tuple[int, int]  # a stored object's (size in bytes, CRC-32C), as the writer recorded it (section 4)
+
+
 @dataclass
 class StepManifest:
-    """The ucp attributes of a step's root group."""
+    """The ucp attributes of a step's root group. `objects` gives, per atom, every chunk object's size and
+    checksum in C order over its grid (format 2; None for a 1.0 step, which did not record them)."""
 
     step: int
     tree: dict[str, Any]
@@ -211,8 +313,14 @@ class StepManifest:
     created_at: str = ""
     writer: str = ""
     format_version: str = FORMAT_VERSION
+    objects: dict[str, list[ObjectSum]] | None = None
 
     def to_group_json(self) -> dict[str, Any]:
+        atoms = {}
+        for path, atom in self.atoms.items():
+            atoms[path] = atom.to_manifest()
+            if self.objects is not None:
+                atoms[path]["objects"] = [list(o) for o in self.objects[path]]
         ucp_attrs = {
             "format_version": self.format_version,
             "step": self.step,
@@ -220,30 +328,51 @@ class StepManifest:
             "created_at": self.created_at,
             "writer": self.writer,
             "tree": self.tree,
-            "atoms": {path: atom.to_manifest() for path, atom in self.atoms.items()},
+            "atoms": atoms,
         }
         return {"zarr_format": 3, "node_type": "group", "attributes": {"ucp": ucp_attrs}}
 
     @classmethod
     def from_group_json(cls, doc: Any, where: str) -> StepManifest:
-        try:
-            attrs = doc["attributes"]["ucp"]
-        except (KeyError, TypeError):
-            raise FormatError(f"{where} is not a ucp step (its zarr.json has no 'ucp' attributes)") from None
-        check_format_version(attrs.get("format_version"), where)
-        try:
-            atoms = {p: AtomMeta.from_manifest(p, a) for p, a in attrs["atoms"].items()}
-            return cls(
-                step=int(attrs["step"]),
-                tree=attrs["tree"],
-                atoms=atoms,
-                layout=attrs.get("layout"),
-                created_at=attrs.get("created_at", ""),
-                writer=attrs.get("writer", ""),
-                format_version=attrs["format_version"],
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise FormatError(f"{where}: the ucp manifest is malformed ({e!r})") from None
+        attrs = doc.get("attributes") if isinstance(doc, dict) else None
+        attrs = attrs.get("ucp") if isinstance(attrs, dict) else None
+        if not isinstance(attrs, dict):
+            raise FormatError(f"{where} is not a ucp step (its zarr.json has no 'ucp' attributes)")
+        version = attrs.get("format_version")
+        check_format_version(version, where)
+        major = int(str(version).split(".")[0])
+        atoms_doc, tree = attrs.get("atoms"), attrs.get("tree")
+        if not isinstance(atoms_doc, dict) or not isinstance(tree, dict):
+            raise FormatError(f"{where}: the ucp manifest needs an 'atoms' object and a 'tree' object")
+        for name in ("layout", "created_at", "writer"):
+            if attrs.get(name) is not None and not isinstance(attrs[name], str):
+                raise FormatError(f"{where}: {name} must be a string")
+        atoms = {p: AtomMeta.from_manifest(p, a, crc_table=major >= 2) for p, a in atoms_doc.items()}
+        objects = {p: _object_sums(atoms[p], a.get("objects"), where) for p, a in atoms_doc.items()} if major >= 2 else None
+        return cls(
+            step=json_int(attrs.get("step"), where, "step"),
+            tree=tree,
+            atoms=atoms,
+            layout=attrs.get("layout"),
+            created_at=attrs.get("created_at") or "",
+            writer=attrs.get("writer") or "",
+            format_version=version,  # type: ignore[arg-type]
+            objects=objects,
+        )
+
+
+def _object_sums(meta: AtomMeta, doc: object, where: str) -> list[ObjectSum]:
+    """An atom's `objects` list: one [nbytes, crc32c] pair per chunk object (the grid's size was bounded first)."""
+    count = math.prod(meta.grid)
+    if not isinstance(doc, list) or len(doc) != count:
+        raise FormatError(f"{where}: atom {meta.path!r:.200} must list {count} objects as [nbytes, crc32c] pairs")
+    sums = []
+    for entry in doc:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise FormatError(f"{where}: atom {meta.path!r:.200} has an object entry that is not [nbytes, crc32c]")
+        sums.append((json_int(entry[0], where, "an object's nbytes", 0, MAX_OBJECT_BYTES + (1 << 24)),
+                     json_int(entry[1], where, "an object's crc32c", 0, 2**32 - 1)))
+    return sums
 
 
 def group_json() -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import json
 import math
 import warnings
 from dataclasses import dataclass
@@ -11,9 +13,10 @@ from typing import Any
 import torch
 
 from . import dtypes
-from .checkpoint import CheckpointReader
-from .errors import FormatError, IntegrityError
-from .format import chunk_indices
+from .boxes import box_shape, relative, to_slices
+from .checkpoint import CheckpointReader, group_paths
+from .errors import FormatError, IntegrityError, StorageError
+from .format import MAX_DOCUMENT_BYTES, ZARR_JSON, AtomMeta, chunk_indices, group_json, loads
 
 
 def describe(reader: CheckpointReader) -> dict[str, Any]:
@@ -82,21 +85,55 @@ class VerifyReport:
         return not self.problems
 
 
+def _check_document(reader: CheckpointReader, key: str, expected: dict[str, Any], what: str) -> None:
+    """A group's zarr.json must exist and say what ucp wrote (what other Zarr readers see of the hierarchy)."""
+    where = f"{reader.storage.url.rstrip('/')}/{key}"
+    try:
+        doc = loads(reader.storage.read(key, 0, MAX_DOCUMENT_BYTES + 1), where, MAX_DOCUMENT_BYTES)
+    except FileNotFoundError:
+        raise IntegrityError(f"{what} is missing ({where})") from None
+    if not isinstance(doc, dict) or any(doc.get(k) != v for k, v in expected.items()):
+        raise FormatError(f"{what} ({where}) is not the Zarr group document ucp wrote: {json.dumps(doc)[:200]}")
+
+
+def _check_root(reader: CheckpointReader) -> None:
+    _check_document(reader, ZARR_JSON, {"zarr_format": 3, "node_type": "group"}, "the root group's zarr.json")
+    doc = loads(reader.storage.read(ZARR_JSON, 0, MAX_DOCUMENT_BYTES + 1), ZARR_JSON, MAX_DOCUMENT_BYTES)
+    if not isinstance(doc.get("attributes"), dict) or (doc["attributes"].get("ucp") or {}).get("kind") != "root":
+        raise FormatError(f"the root group's zarr.json at {reader.storage.url} does not say it is a ucp root")
+
+
+def _check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...]) -> None:
+    """Read and check one object (into memory of its own size: verify never holds a whole atom), and (format 2)
+    that its size is the one its commit recorded."""
+    box = meta.chunk_box(index)
+    values = torch.empty(box_shape(box), dtype=dtypes.torch_dtype(meta.dtype))
+    reader.read_object(meta, index, lambda part: (values[to_slices(relative(part, box))], tuple(0 for _ in part)))
+    recorded = reader.recorded(meta, index)
+    if recorded is not None:
+        key = f"{reader.prefix}/{meta.path}/{meta.chunk_key(index)}"
+        if recorded[0] == 0 or len(reader.storage.read(key, recorded[0] - 1, recorded[0] + 1)) != 1:
+            raise IntegrityError(f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {reader.step}): the object "
+                                 f"is not {recorded[0]} bytes long, the size its commit recorded")
+
+
 def verify(reader: CheckpointReader) -> VerifyReport:
-    """Re-read every chunk of every atom and check every checksum; collect every problem, not just the first."""
+    """Re-read every object of every atom and check every checksum, each object's size and checksum against what
+    the commit recorded, every atom's and group's zarr.json, and the root's; collect every problem."""
     problems: list[str] = []
-    tasks = []
+    tasks = [functools.partial(_check_root, reader)]
+    tasks += [functools.partial(_check_document, reader, f"{reader.prefix}/{g}/{ZARR_JSON}", group_json(), f"group {g!r}'s zarr.json")
+              for g in group_paths(reader.atoms.values())]
     for meta in reader.atoms.values():
-        out = torch.empty(meta.shape, dtype=dtypes.torch_dtype(meta.dtype))
-        tasks.append(lambda m=meta: reader.check_atom_metadata(m))
-        tasks += [lambda m=meta, i=i, o=out: reader.read_chunk_into(m, i, o) for i in chunk_indices(meta.grid)]
+        tasks.append(functools.partial(reader.check_atom_metadata, meta))
+        tasks += [functools.partial(_check_object, reader, meta, i) for i in chunk_indices(meta.grid)]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         with cf.ThreadPoolExecutor(reader.io_threads) as pool:
             for future in [pool.submit(t) for t in tasks]:
                 try:
                     future.result()
-                except (IntegrityError, FormatError) as e:
+                except (IntegrityError, FormatError, StorageError) as e:
                     problems.append(str(e))
     chunks = sum(math.prod(m.grid) for m in reader.atoms.values())
     return VerifyReport(reader.step, len(reader.atoms), chunks, problems)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Self
 
-from . import commit
+from . import attempt, commit
 from .checkpoint import CheckpointReader, SaveOptions, io_threads_for, plan_save
 from .commit import CommitRecord
 from .distributed import Comm, LoadReport, ShardedModel, extra_state, load_sharded, plan_sharded_save
@@ -24,9 +24,10 @@ class CheckpointManager:
     the saved tensors). Async and lazy saves are encoded and written by a writer process (`writer="process"`,
     the default on Linux: it keeps checksums and IO calls off the trainer's GIL) or by writer threads
     (`writer="threads"`). One save is in flight at a time: a new save waits for the previous one and raises its
-    error. The manager keeps the last `keep_last` committed steps (all when None) and deletes what
-    interrupted saves left behind. In a parallel job pass `comm` (e.g. `TorchComm(dist.new_group(backend=
-    "gloo"))`): rank 0 does the cleanup and the commits.
+    error. The manager keeps the last `keep_last` committed steps (all when None) and, when it starts and
+    after each commit, removes the save attempts that no live process owns (`ucp.attempt`: interrupted saves,
+    the losers of a race, a killed job's). In a parallel job pass `comm` (e.g. `TorchComm(dist.new_group(
+    backend="gloo"))`): rank 0 does the cleanup and the commits.
     """
 
     def __init__(
@@ -102,17 +103,12 @@ class CheckpointManager:
         return self._submit(plan, mode)
 
     def _submit(self, plan: SavePlan, mode: Mode | None) -> SaveHandle:
-        commit_and_retain = plan.finish
-
-        def finish() -> CommitRecord | None:
-            record = commit_and_retain()
-            if self.is_coordinator:
-                self._apply_retention()
-                commit.collect_garbage(self.storage, below=plan.step)
-            return record
-
-        plan.finish = finish
+        plan.session.after_commit.append(self._after_commit)
         return self.pipeline.submit(plan, mode or self.mode)
+
+    def _after_commit(self, record: CommitRecord) -> None:
+        self._apply_retention()
+        self.gc()
 
     def wait(self) -> CommitRecord | None:
         """Wait for the save in flight (if any) to commit; raises its error."""
@@ -147,18 +143,11 @@ class CheckpointManager:
 
     # -- cleanup
 
-    def gc(self, *, all_uncommitted: bool = False) -> list[int]:
-        """Delete the step directories that interrupted saves left behind; returns their steps.
-
-        By default only those below the latest committed step: one above it may be a save that another process
-        (a job still running, while this manager only watches) has not committed yet. A restarted job that knows
-        it is the only writer may pass `all_uncommitted=True`. Leftovers are also collected after each commit,
-        and a save to a step clears that step's own leftovers first.
-        """
-        latest = self.latest_step()
-        if all_uncommitted:
-            return commit.collect_garbage(self.storage)
-        return commit.collect_garbage(self.storage, below=latest) if latest is not None else []
+    def gc(self) -> list[str]:
+        """Remove the save attempts that no live process owns (interrupted or failed saves, the losers of a race,
+        a killed job's); returns what was removed, as keys below the root. A save in progress, here or in another
+        job, is never touched: ownership is decided by the attempt's owner record (`ucp.attempt`)."""
+        return attempt.collect_garbage(self.storage)
 
     def _apply_retention(self) -> None:
         if self.keep_last is None:

@@ -40,7 +40,8 @@ import torch
 from . import codec
 from .commit import CommitRecord
 from .errors import UcpError
-from .format import ZARR_JSON, AtomMeta, dumps, group_json, step_dirname
+from .format import ZARR_JSON, AtomMeta, StepManifest, dumps, group_json
+from .session import SaveSession
 from .staging import Arena, Slot, StagingPool, close_arena, host_arena, shared_arena
 from .storage import Storage
 from .workpool import chain, wait_all
@@ -65,25 +66,34 @@ class ChunkJob:
     index: tuple[int, ...]
     source: Callable[[], torch.Tensor]
 
-    def key(self, step: int) -> str:
-        return f"{step_dirname(step)}/{self.meta.path}/{self.meta.chunk_key(self.index)}"
+    def key(self, prefix: str) -> str:
+        return self.meta.object_key(prefix, self.index)
 
 
 @dataclass
 class SavePlan:
-    """What this process writes for one step: array metadata, group metadata, chunk objects; then `finish`
-    (make durable, coordinate, commit) runs once every write is done."""
+    """What this process writes in a save attempt (`session`): array metadata, group metadata, chunk objects.
+    Once every write is done and durable, the pipeline ends the attempt (`session.finish`: the commit, with the
+    coordinator's `manifest`), unless `commit` is False: then the caller writes more plans and finishes it."""
 
-    storage: Storage
-    step: int
+    session: SaveSession
     metadata: list[AtomMeta]
     groups: list[str]
     chunks: list[ChunkJob]
-    finish: Callable[[], CommitRecord | None]
+    manifest: StepManifest | None = None
+    commit: bool = True
+
+    @property
+    def storage(self) -> Storage:
+        return self.session.storage
+
+    @property
+    def step(self) -> int:
+        return self.session.step
 
     def documents(self) -> list[tuple[str, Callable[[], dict]]]:
         """The zarr.json of every atom and group this process writes."""
-        prefix = step_dirname(self.step)
+        prefix = self.session.prefix
         docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in self.metadata]
         return docs + [(f"{prefix}/{g}/{ZARR_JSON}", group_json) for g in self.groups]
 
@@ -184,10 +194,13 @@ class _ThreadWrites:
         staged.wait_ready()
         values = staged.values if staged.values is not None else staged.job.source()
         job = staged.job
-        self.plan.storage.write(job.key(self.plan.step), codec.encode(job.meta, job.index, values))
+        key = job.key(self.plan.session.prefix)
+        encoded = codec.encode(job.meta, job.index, values)
+        self.plan.storage.write(key, encoded.parts)
+        self.plan.session.record(key, *encoded.sum)
 
     def flush(self) -> None:
-        """Nothing to do: the plan's own finish flushes this process's storage."""
+        self.plan.storage.flush()
 
     def close(self) -> None:
         pass
@@ -226,14 +239,17 @@ class _ProcessWrites:
         staged.wait_ready()  # the child cannot wait on a CUDA event
         assert staged.slot is not None and staged.values is not None
         job = staged.job
-        return ChunkRef(job.key(self.plan.step), job.meta, job.index, staged.slot.arena.id, staged.slot.offset,
+        return ChunkRef(job.key(self.plan.session.prefix), job.meta, job.index, staged.slot.arena.id, staged.slot.offset,
                         staged.values.dtype, tuple(staged.values.shape))
 
     def _counted(self, future: cf.Future) -> cf.Future:
+        """Count what the child wrote in this process's stats, and record each chunk object's checksum."""
         def count(f: cf.Future) -> None:
             if f.exception() is None:
-                for key, nbytes in f.result():
+                for key, nbytes, crc in f.result():
                     self.plan.storage.stats.record_write(key, nbytes)
+                    if crc is not None:
+                        self.plan.session.record(key, nbytes, crc)
 
         future.add_done_callback(count)
         return future
@@ -294,15 +310,24 @@ class SavePipeline:
     def submit(self, plan: SavePlan, mode: Mode = "sync") -> SaveHandle:
         if mode not in MODES:
             raise UcpError(f"save mode must be one of {MODES}, got {mode!r}")
-        self.wait()
+        try:
+            self.wait()
+        except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
+            self._end(plan, e)  # the previous save's failure ends this attempt too (no rank waits for it)
         start = time.perf_counter()
-        writes = self._writes_for(plan, mode)
+        try:
+            writes = self._writes_for(plan, mode)
+        except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
+            self._end(plan, e)
         handle = SaveHandle(plan.step, mode, "process" if isinstance(writes, _ProcessWrites) else "threads")
         if mode == "sync":
             handle.snapshot_done.set()
             handle._record = self._write_rest(plan, writes, [], [_Staged(j) for j in plan.chunks])
         elif mode == "async":
-            futures, staged = self._snapshot(plan, writes, handle, overlap=False)
+            try:
+                futures, staged = self._snapshot(plan, writes, handle, overlap=False)
+            except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
+                self._end(plan, e)
             handle._future = self.background.submit(self._write_rest, plan, writes, futures, staged)
         else:
             handle._future = self.background.submit(self._lazy, plan, writes, handle)
@@ -357,19 +382,34 @@ class SavePipeline:
     def _write_rest(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, futures: list[cf.Future],
                     staged: list[_Staged]) -> CommitRecord | None:
         """After the snapshot: hand over the chunks not yet handed over and the zarr.json documents, wait for
-        every write, commit. On a failure the writes already handed over end before the error is raised."""
+        every write and make them durable, then end the attempt. On a failure the writes already handed over end
+        before the attempt is ended with the error."""
+        error = None
         try:
             futures = futures + writes.write_chunks(staged)  # the chunks are the writes' from here, even if this raises
             futures += writes.write_documents([(key, dumps(doc())) for key, doc in plan.documents()])
-        except BaseException:
+            wait_all(futures)
+            writes.flush()
+        except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
             _cancel(futures)
+            error = e
+        finally:
             writes.close()
-            raise
-        return self._complete(plan, writes, futures)
+        return self._end(plan, error)
+
+    def _end(self, plan: SavePlan, error: BaseException | None) -> CommitRecord | None:
+        """End the plan's attempt (commit, or remove it and raise) unless the caller finishes it; else raise."""
+        if plan.commit:
+            return plan.session.finish(plan.manifest, error)
+        if error is not None:
+            raise error
+        return None
 
     def _lazy(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, handle: SaveHandle) -> CommitRecord | None:
         try:
             futures, staged = self._snapshot(plan, writes, handle, overlap=True)
+        except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
+            return self._end(plan, e)
         finally:
             handle.snapshot_done.set()  # (also set by _snapshot; here too, so that no failure leaves a waiter)
         return self._write_rest(plan, writes, futures, staged)
@@ -436,14 +476,6 @@ class SavePipeline:
         except BaseException:
             self.staging.release(slot)
             raise
-
-    def _complete(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, futures: list[cf.Future]) -> CommitRecord | None:
-        try:
-            wait_all(futures)
-            writes.flush()
-        finally:
-            writes.close()
-        return plan.finish()
 
 
 def _cancel(futures: list[cf.Future]) -> None:

@@ -1,16 +1,25 @@
 """How bytes move: a small key/value interface over local files and fsspec filesystems (memory, S3, ...).
 
 Keys are '/'-separated paths relative to the storage root. Every object is written whole by one call
-(no appends, no read-modify-write). Each storage counts the bytes it moves (`stats`), which is how read
-amplification is measured, and can record every key it writes (`stats.write_log`).
+(no appends, no read-modify-write); `create_exclusive` writes one only if nothing is there yet (the commit).
+Each storage counts the bytes it moves (`stats`), which is how read amplification is measured, and can record
+every key it writes (`stats.write_log`).
+
+Failures other than a missing object are `StorageError`s naming the path: no space, no permission, an object
+store that refuses or cannot be reached. Local storage never follows a symbolic link below its root and reads
+only regular files, so a link or a FIFO planted in a checkpoint cannot redirect a write or hang a read.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
+import logging
 import os
 import posixpath
+import stat
 import threading
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,9 +27,10 @@ from typing import Any
 
 import fsspec
 
-from .errors import CheckpointNotFoundError, StateError
+from .errors import CheckpointNotFoundError, StateError, StorageError, UcpError
 
 Buffer = bytes | bytearray | memoryview
+log = logging.getLogger("ucp")
 
 
 @dataclass
@@ -90,7 +100,16 @@ class Storage(ABC):
         return scatter_into(data, buffers)
 
     @abstractmethod
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        """Write a small object whole if and only if no object has that key: of several callers racing on one
+        key exactly one succeeds, the others get FileExistsError. Readers never see it partly written."""
+
+    @abstractmethod
     def exists(self, key: str) -> bool: ...
+
+    def mtime(self, key: str) -> float | None:
+        """When the object or directory was last modified (seconds since the epoch), or None if unknown/absent."""
+        return None
 
     @abstractmethod
     def listdir(self, key: str = "") -> list[str]:
@@ -102,6 +121,9 @@ class Storage(ABC):
 
     def flush(self) -> None:
         """Make everything written so far durable (a barrier before a commit)."""
+
+    def remove_empty_dir(self, key: str) -> None:
+        """Remove a directory if it is empty (object stores have no directories: nothing to do)."""
 
     def root_exists(self) -> bool:
         return True
@@ -128,19 +150,42 @@ class LocalStorage(Storage):
         return os.path.join(self.root, check_relative_key(key)) if key else self.root
 
     def _makedirs(self, directory: str) -> None:
+        """Create `directory` and its missing parents; below the root, refuse any that is a symbolic link (a
+        save must never write outside its root) or not a directory."""
         if directory in self._made_dirs:
             return
-        os.makedirs(directory, exist_ok=True)
-        # the new directories, and the existing one that gained an entry, need an fsync before a commit
-        chain = [directory]
-        while chain[-1] not in self._made_dirs and chain[-1].startswith(self.root + os.sep):
+        chain = [directory]  # the directory and its parents below the root, deepest first
+        while chain[-1].startswith(self.root + os.sep) and os.path.dirname(chain[-1]) not in self._made_dirs:
             chain.append(os.path.dirname(chain[-1]))
+        if not chain[-1].startswith(self.root + os.sep):
+            chain.pop()  # the root itself (it may be a link: the caller named it)
+            os.makedirs(self.root, exist_ok=True)
+        for path in reversed(chain):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                mode = os.lstat(path).st_mode
+                if stat.S_ISLNK(mode):
+                    raise StorageError(f"{path} is a symbolic link: ucp does not follow links inside a checkpoint root") from None
+                if not stat.S_ISDIR(mode):
+                    raise StorageError(f"{path} is not a directory") from None
+        # the new directories, and the existing one that gained an entry, need an fsync before a commit
         with self._dirs_lock:
             self._made_dirs.update(chain)
             self._unsynced_dirs.update(chain)
+            self._unsynced_dirs.add(os.path.dirname(chain[-1]) if chain else directory)
 
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
         path = self._path(key)
+        try:
+            total = self._write_file(path, parts, os.O_TRUNC)
+        except UcpError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot write {path}: {e.strerror or e}") from e
+        self.stats.record_write(key, total)
+
+    def _write_file(self, path: str, parts: Sequence[Buffer], flags: int) -> int:
         directory = os.path.dirname(path)
         self._makedirs(directory)
         if self.fsync:
@@ -148,7 +193,14 @@ class LocalStorage(Storage):
                 self._unsynced_dirs.add(directory)
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         total = sum(v.nbytes for v in views)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        open_flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | flags
+        try:
+            fd = os.open(path, open_flags, 0o644)
+        except FileNotFoundError:  # another process removed a directory this one made earlier: make it again
+            with self._dirs_lock:
+                self._made_dirs.clear()
+            self._makedirs(directory)
+            fd = os.open(path, open_flags, 0o644)
         try:
             while views:  # writev may write less than asked
                 done = os.writev(fd, views[:1024])
@@ -161,14 +213,57 @@ class LocalStorage(Storage):
                 os.fsync(fd)
         finally:
             os.close(fd)
-        self.stats.record_write(key, total)
+        return total
+
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        """Write a temporary file beside the key, make it durable, then hard-link it to the key: link fails if
+        the key exists, and the object appears whole or not at all. (A file system without hard links gets an
+        O_EXCL create instead, which a crash can leave torn: readers take a torn marker for no commit.)"""
+        path = self._path(key)
+        temp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+        try:
+            self._write_file(temp, [data], os.O_EXCL)
+            try:
+                os.link(temp, path, follow_symlinks=False)
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS):
+                    raise
+                self._write_file(path, [data], os.O_EXCL)
+            finally:
+                os.unlink(temp)
+            self._fsync_dir(os.path.dirname(path))
+        except (FileExistsError, UcpError):
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot create {path}: {e.strerror or e}") from e
+        self.stats.record_write(key, len(data))
+
+    def _open_regular(self, key: str) -> tuple[int, int]:
+        """An fd of the object (never through a final symbolic link, never blocking on a FIFO) and its size."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
+        except OSError as e:
+            link = " (a symbolic link: ucp does not follow links inside a checkpoint)" if e.errno == errno.ELOOP else ""
+            raise StorageError(f"cannot read {path}: {e.strerror or e}{link}") from e
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise StorageError(f"{path} is not a regular file")
+        return fd, info.st_size
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
-        with open(self._path(key), "rb", buffering=0) as f:
-            if end is None:
-                end = os.fstat(f.fileno()).st_size
+        fd, size = self._open_regular(key)
+        try:
+            end = size if end is None else min(end, size)
             buf = bytearray(max(0, end - start))
-            got = os.preadv(f.fileno(), [buf], start) if buf else 0
+            got = os.preadv(fd, [buf], start) if buf else 0
+        except OSError as e:
+            raise StorageError(f"cannot read {self._path(key)}: {e.strerror or e}") from e
+        finally:
+            os.close(fd)
         self.stats.record_read(got)
         return memoryview(buf)[:got]
 
@@ -176,9 +271,10 @@ class LocalStorage(Storage):
         # Straight into the destination tensors: no intermediate copy.
         pending = [memoryview(b).cast("B") for b in buffers if b.nbytes]
         total = 0
-        with open(self._path(key), "rb", buffering=0) as f:
+        fd, _ = self._open_regular(key)
+        try:
             while pending:
-                got = os.preadv(f.fileno(), pending[:1024], offset + total)
+                got = os.preadv(fd, pending[:1024], offset + total)
                 if got == 0:
                     break
                 total += got
@@ -187,11 +283,21 @@ class LocalStorage(Storage):
                     pending.pop(0)
                 if got:
                     pending[0] = pending[0][got:]
+        except OSError as e:
+            raise StorageError(f"cannot read {self._path(key)}: {e.strerror or e}") from e
+        finally:
+            os.close(fd)
         self.stats.record_read(total)
         return total
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
+        return os.path.lexists(self._path(key))
+
+    def mtime(self, key: str) -> float | None:
+        try:
+            return os.lstat(self._path(key)).st_mtime
+        except OSError:
+            return None
 
     def listdir(self, key: str = "") -> list[str]:
         try:
@@ -203,14 +309,31 @@ class LocalStorage(Storage):
         import shutil
 
         path = self._path(key)
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-            with self._dirs_lock:
-                gone = {d for d in self._made_dirs if d == path or d.startswith(path + os.sep)}
-                self._made_dirs -= gone
-                self._unsynced_dirs -= gone
-        elif os.path.exists(path):
-            os.remove(path)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+                self._forget_dirs(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+        except FileNotFoundError:
+            pass  # (removed meanwhile: absent is not an error)
+        except OSError as e:
+            raise StorageError(f"cannot delete {path}: {e.strerror or e}") from e
+
+    def remove_empty_dir(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.rmdir(path)
+        except OSError:
+            return  # not empty (a save started there meanwhile), or already gone
+        self._forget_dirs(path)
+
+    def _forget_dirs(self, path: str) -> None:
+        """Drop `path` and what lies below it from the directories known to exist."""
+        with self._dirs_lock:
+            gone = {d for d in self._made_dirs if d == path or d.startswith(path + os.sep)}
+            self._made_dirs -= gone
+            self._unsynced_dirs -= gone
 
     def flush(self) -> None:
         if not self.fsync:
@@ -219,12 +342,23 @@ class LocalStorage(Storage):
             directories, self._unsynced_dirs = self._unsynced_dirs, set()
         # A new file is durable only once its directory entry is: fsync every directory that gained an entry
         # (a file or a new directory) since the last flush.
-        for directory in sorted(directories):
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        try:
+            for directory in sorted(directories):
+                try:
+                    self._fsync_dir(directory)
+                except FileNotFoundError:
+                    pass  # removed since (a failed attempt's): nothing left to make durable
+        except OSError as e:
+            raise StorageError(f"cannot make {self.root} durable (fsync): {e.strerror or e}") from e
+
+    def _fsync_dir(self, directory: str) -> None:
+        if not self.fsync:
+            return
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def root_exists(self) -> bool:
         return os.path.isdir(self.root)
@@ -252,18 +386,69 @@ class FsspecStorage(Storage):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_relative_key(key)}" if key else self.root
 
+    def _error(self, doing: str, key: str, e: BaseException) -> StorageError:
+        return StorageError(f"cannot {doing} {self.url.rstrip('/')}/{key}: {type(e).__name__}: {e}")
+
+    @property
+    def _protocols(self) -> tuple[str, ...]:
+        return self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+
+    @property
+    def exclusive_creates(self) -> bool:
+        """Whether `create_exclusive` is atomic here: S3's conditional put (If-None-Match: *), which AWS S3 and
+        moto honour, and fsspec's memory and local file systems. Elsewhere it is a check, then a write."""
+        return bool({"s3", "s3a", "memory", "file", "local"} & set(self._protocols))
+
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
         data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
-        self.fs.pipe_file(self._path(key), bytes(data))
+        try:
+            self.fs.pipe_file(self._path(key), bytes(data))
+        except UcpError:
+            raise
+        except Exception as e:
+            raise self._error("write", key, e) from e
+        self.stats.record_write(key, len(data))
+
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        if not self.exclusive_creates:
+            log.warning("%s cannot create objects exclusively: ucp assumes a single saver per step", self.url)
+            if self.exists(key):
+                raise FileExistsError(errno.EEXIST, "object exists", self._path(key))
+        try:
+            self.fs.pipe_file(self._path(key), bytes(data), mode="create")
+        except FileExistsError:
+            raise
+        except Exception as e:
+            if "PreconditionFailed" in str(e) or "412" in str(e):
+                raise FileExistsError(errno.EEXIST, "object exists", self._path(key)) from None
+            raise self._error("create", key, e) from e
         self.stats.record_write(key, len(data))
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
-        data = self.fs.cat_file(self._path(key), start=start or None, end=end)
+        try:
+            data = self.fs.cat_file(self._path(key), start=start or None, end=end)
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise self._error("read", key, e) from e
         self.stats.record_read(len(data))
         return memoryview(data)
 
     def exists(self, key: str) -> bool:
-        return bool(self.fs.exists(self._path(key)))
+        try:
+            return bool(self.fs.exists(self._path(key)))
+        except Exception as e:
+            raise self._error("look up", key, e) from e
+
+    def mtime(self, key: str) -> float | None:
+        try:
+            info = self.fs.info(self._path(key))
+        except Exception:  # noqa: BLE001 -- absent or unknown: the caller decides
+            return None
+        stamp = info.get("LastModified") or info.get("mtime") or info.get("created")
+        if stamp is None:
+            return None
+        return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
 
     def listdir(self, key: str = "") -> list[str]:
         path = self._path(key)
@@ -271,6 +456,8 @@ class FsspecStorage(Storage):
             entries = self.fs.ls(path, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except Exception as e:
+            raise self._error("list", key or "(root)", e) from e
         names = {posixpath.basename(str(e).rstrip("/")) for e in entries}
         names.discard("")
         return sorted(names)
@@ -281,6 +468,8 @@ class FsspecStorage(Storage):
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+        except Exception as e:
+            raise self._error("delete", key, e) from e
 
     def root_exists(self) -> bool:
         if self.fs.protocol in ("s3", "s3a") or "s3" in (self.fs.protocol or ()):
@@ -288,8 +477,7 @@ class FsspecStorage(Storage):
         return bool(self.fs.exists(self.root))
 
     def for_writer_process(self) -> Storage | None:
-        in_memory = "memory" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
-        return self if type(self) is FsspecStorage and not in_memory else None
+        return self if type(self) is FsspecStorage and "memory" not in self._protocols else None
 
     def __reduce__(self) -> tuple:
         return (FsspecStorage, (self.fs, self.root, self.url))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .errors import FormatError, StateError
-from .format import RESERVED_NAMES
+from .format import MAX_ATOM_PATH_BYTES, MAX_KEY_BYTES, MAX_TREE_DEPTH, RESERVED_NAMES
 
 
 def check_key(key: object, where: str) -> str:
@@ -25,19 +25,23 @@ def check_key(key: object, where: str) -> str:
         raise StateError(f"{where}: key {key!r} would escape the checkpoint root or name no node (no '/', '\\', '.', '..' or '')")
     if key.startswith("__") or key in RESERVED_NAMES or any(ord(ch) < 32 for ch in key):
         raise StateError(f"{where}: key {key!r} is reserved (names starting with '__', {sorted(RESERVED_NAMES)}, control characters)")
+    if len(key.encode(errors="surrogatepass")) > MAX_KEY_BYTES:
+        raise StateError(f"{where}: key {key[:40]!r}... is longer than {MAX_KEY_BYTES} bytes (it names a file or object)")
     return key
 
 
-def _plain(value: Any) -> bool:
-    """True if `value` is JSON that strict JSON can hold (finite numbers, str keys)."""
+def _plain(value: Any, depth: int = 0) -> bool:
+    """True if `value` is JSON that strict JSON can hold (finite numbers, str keys, not too deeply nested)."""
     if value is None or isinstance(value, (bool, int, str)):
         return True
     if isinstance(value, float):
         return math.isfinite(value)
+    if depth >= MAX_TREE_DEPTH:
+        raise StateError(f"a value in the state is nested more than {MAX_TREE_DEPTH} levels deep")
     if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
+        return all(_plain(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
     return False
 
 
@@ -49,21 +53,26 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
 
     def encode(value: Any, path: list[str]) -> dict[str, Any]:
         where = "state[" + "][".join(repr(p) for p in path) + "]" if path else "state"
+        if len(path) >= MAX_TREE_DEPTH:
+            raise StateError(f"{where[:200]}...: the state is nested more than {MAX_TREE_DEPTH} levels deep")
         if isinstance(value, torch.Tensor):
             if not path:
                 raise StateError("a tensor needs a key: the state itself must be a dict")
-            tensors["/".join(path)] = value
-            return {"atom": "/".join(path)}
+            atom = "/".join(path)
+            if len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
+                raise StateError(f"{where[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
+            tensors[atom] = value
+            return {"atom": atom}
         if isinstance(value, np.generic) and isinstance(value.item(), (bool, int, float)):
             value = value.item()
         if isinstance(value, float) and not math.isfinite(value):
             return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
         if isinstance(value, dict):
-            if path and _plain(value):
+            if path and _plain(value, len(path)):
                 return {"value": value}
             return {"dict": {check_key(k, where): encode(v, [*path, k]) for k, v in value.items()}}
         if isinstance(value, (list, tuple)):
-            if _plain(value):
+            if _plain(value, len(path)):
                 return {"value": list(value)}
             return {"list": [encode(v, [*path, str(i)]) for i, v in enumerate(value)]}
         if _plain(value):
@@ -77,11 +86,9 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
 
 
 def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Rebuild the state from its tree and loaded tensors."""
+    """Rebuild the state from its tree (checked by `tree_atoms`) and loaded tensors."""
 
-    def decode(node: Any) -> Any:
-        if not isinstance(node, dict) or len(node) != 1:
-            raise FormatError(f"state tree node {node!r} is malformed")
+    def decode(node: dict[str, Any]) -> Any:
         ((kind, body),) = node.items()
         if kind == "value":
             return body
@@ -91,30 +98,43 @@ def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[st
             return {k: decode(v) for k, v in body.items()}
         if kind == "list":
             return [decode(v) for v in body]
-        if kind == "float" and body in ("nan", "inf", "-inf"):
-            return float(body)
-        raise FormatError(f"state tree node kind {kind!r} is unknown")
+        return float(body)  # "float"
 
-    state = decode(tree)
-    if not isinstance(state, dict):
-        raise FormatError("the state tree's root is not a dict")
-    return state
+    check_root(tree)
+    tree_atoms(tree)
+    return decode(tree)
 
 
-def tree_atoms(tree: dict[str, Any]) -> list[str]:
-    """Atom paths referenced by a tree, in tree order."""
+_BODY_TYPES = {"dict": dict, "list": list, "atom": str}
+
+
+def check_root(tree: Any) -> None:
+    if not (isinstance(tree, dict) and len(tree) == 1 and isinstance(tree.get("dict"), dict)):
+        raise FormatError("the state tree's root is not a dict node")
+
+
+def tree_atoms(tree: Any) -> list[str]:
+    """Atom paths referenced by a (sub)tree, in tree order; a FormatError for any malformed node or nesting deeper
+    than the format allows (checked without recursion, so that `unflatten` can recurse safely afterwards)."""
     out: list[str] = []
-
-    def walk(node: Any) -> None:
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise FormatError(f"the state tree is nested more than {MAX_TREE_DEPTH} levels deep")
+        if not isinstance(node, dict) or len(node) != 1:
+            raise FormatError(f"state tree node {node!r:.100} is malformed")
         ((kind, body),) = node.items()
+        if kind in _BODY_TYPES and not isinstance(body, _BODY_TYPES[kind]):
+            raise FormatError(f"state tree node {kind!r} holds a {type(body).__name__}")
         if kind == "atom":
             out.append(body)
         elif kind == "dict":
-            for v in body.values():
-                walk(v)
+            stack += [(v, depth + 1) for v in reversed(body.values())]
         elif kind == "list":
-            for v in body:
-                walk(v)
-
-    walk(tree)
+            stack += [(v, depth + 1) for v in reversed(body)]
+        elif kind == "float" and body not in ("nan", "inf", "-inf"):
+            raise FormatError(f"state tree float node {body!r:.40} is not nan, inf or -inf")
+        elif kind not in ("value", "float"):
+            raise FormatError(f"state tree node kind {kind!r:.40} is unknown")
     return out

@@ -10,8 +10,13 @@ job's collectives), after the child has flushed (made its directory entries dura
 
 The child is started as a fresh `python -c` that runs `main` here (not multiprocessing's spawn, which would re-import
 the trainer's main module), talks over a Unix socket pair (arena fds passed with SCM_RIGHTS), ignores SIGINT
-(the parent decides), and exits when the parent closes the socket or dies. Linux only (memfd); elsewhere the
-pipeline keeps writer threads.
+(the parent decides), and exits when the parent closes the socket. It dies with its parent: the kernel kills it
+when the parent dies (PR_SET_PDEATHSIG, where the parent started it from its main thread: the signal follows
+the thread that started the child), a watchdog thread exits within a tenth of a second of noticing a new parent,
+and every write first checks that the parent is still the one that started it. So a trainer killed with
+SIGKILL leaves no writer draining its queue; and since every save writes in its own attempt directory, a write
+that raced the parent's death can only land in that dead attempt. Linux only (memfd); elsewhere the pipeline
+keeps writer threads.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -60,7 +66,8 @@ class ChunkRef:
     shape: tuple[int, ...]
 
 
-Written = list[tuple[str, int]]  # (key, bytes) of each object a request wrote
+Written = list[tuple[str, int, "int | None"]]  # (key, bytes, checksum of a chunk object) of each object a request wrote
+_WATCH_S = 0.1  # how often the child checks that its parent lives
 
 
 # ------------------------------------------------------------------------------------- the training side
@@ -76,9 +83,10 @@ class WriterProcess:
         package_root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         try:
+            main_thread = threading.current_thread() is threading.main_thread()
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", "import sys, ucp.writer_process as w; w.main(sys.argv[1:])",
-                 str(theirs.fileno()), str(io_threads)],
+                 str(theirs.fileno()), str(io_threads), str(os.getpid()), str(int(main_thread))],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
             )
         except OSError as e:
@@ -273,9 +281,10 @@ class _Server:
     def _write_chunk(self, storage: Storage, ref: ChunkRef, written: Written) -> None:
         nbytes = ref.meta.itemsize * math.prod(ref.shape)
         values = self.arenas[ref.arena].memory[ref.offset : ref.offset + nbytes].view(ref.dtype).view(ref.shape)
-        parts = codec.encode(ref.meta, ref.index, values)
-        storage.write(ref.key, parts)
-        written.append((ref.key, sum(memoryview(p).nbytes for p in parts)))
+        encoded = codec.encode(ref.meta, ref.index, values)
+        _check_parent()
+        storage.write(ref.key, encoded.parts)
+        written.append((ref.key, *encoded.sum))
 
     def _reply_when_done(self, req: int, futures: list[cf.Future], written: Written) -> None:
         remaining = len(futures)
@@ -306,13 +315,45 @@ class _Server:
 
 
 def _write_document(storage: Storage, key: str, data: bytes, written: Written) -> None:
+    _check_parent()
     storage.write(key, [data])
-    written.append((key, len(data)))
+    written.append((key, len(data), None))
+
+
+_parent_pid = 0
+
+
+def _check_parent() -> None:
+    """Exit at once if the process that started us is gone (we were re-parented): nothing it asked for may
+    still be written."""
+    if os.getppid() != _parent_pid:
+        os._exit(1)
+
+
+def _die_with_parent(from_main_thread: bool) -> None:
+    if from_main_thread:
+        try:
+            import ctypes
+
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still applies
+    _check_parent()  # the parent may have died before the prctl
+
+    def watch() -> None:
+        while True:
+            time.sleep(_WATCH_S)
+            _check_parent()
+
+    threading.Thread(target=watch, name="ucp-writer-watchdog", daemon=True).start()
 
 
 def main(argv: list[str]) -> None:
+    global _parent_pid
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
+    fd, io_threads, _parent_pid = int(argv[0]), int(argv[1]), int(argv[2])
+    _die_with_parent(bool(int(argv[3])))
     torch.set_num_threads(1)
-    fd, io_threads = int(argv[0]), int(argv[1])
     _Server(Connection(fd), io_threads).serve()
 

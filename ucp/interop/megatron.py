@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ucp import dtypes
-from ucp.boxes import Box, intersect, to_slices
+from ucp.boxes import Box, intersect, relative, to_slices
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.distributed import (
     AtomKey,
@@ -450,7 +450,7 @@ class _PieceIndex:
             if at not in cache:
                 cache[at] = self.source.read(*at)
             view = piece_view(cache[at], region.piece)
-            dst[to_slices(_relative(part, box))] = view[to_slices(_relative(part, region.box))]
+            dst[to_slices(relative(part, box))] = view[to_slices(relative(part, region.box))]
 
     def local(self, lt: LocalTensor, dtype: torch.dtype) -> torch.Tensor:
         """A target rank's local tensor, read from the source files (padding zero)."""
@@ -465,10 +465,6 @@ class _PieceIndex:
         out = torch.empty(shape, dtype=dtype)
         self.fill_box(atom, state, tuple((0, n) for n in shape), out, cache)
         return out
-
-
-def _relative(box: Box, origin: Box) -> Box:
-    return tuple((a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
 def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -14,17 +14,19 @@ commit, after every group is durable.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from ucp import commit, dtypes
-from ucp.checkpoint import SaveOptions, chunk_jobs, commit_step, ensure_root, group_paths, prepare_step
+from ucp import dtypes
+from ucp.checkpoint import SaveOptions, chunk_jobs, group_paths
 from ucp.distributed import AtomKey, ShardedModel, atom_metas, manifest_for
-from ucp.format import AtomMeta, step_dirname
+from ucp.format import AtomMeta
 from ucp.pipeline import ChunkJob, SavePipeline, SavePlan
-from ucp.storage import Storage, open_storage
+from ucp.session import SaveSession
+from ucp.storage import open_storage
 
 DEFAULT_MEMORY_BUDGET = 4 << 30
 DEFAULT_WORKERS = 8
@@ -76,14 +78,10 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _nothing() -> None:
-    return None
-
-
-def _write(pipeline: SavePipeline, storage: Storage, step: int, metadata: list[AtomMeta], groups: list[str],
+def _write(pipeline: SavePipeline, session: SaveSession, metadata: list[AtomMeta], groups: list[str],
            chunks: list[ChunkJob]) -> None:
     """Write array metadata, group metadata and chunk objects: a sync save of part of a step, without commit."""
-    pipeline.submit(SavePlan(storage, step, metadata, groups, chunks, _nothing), "sync")
+    pipeline.submit(SavePlan(session, metadata, groups, chunks, commit=False), "sync")
 
 
 def save_atoms(url: str, groups: Sequence[Callable[[], dict[AtomKey, torch.Tensor]]], *, step: int, model: ShardedModel,
@@ -104,32 +102,26 @@ def save_atoms(url: str, groups: Sequence[Callable[[], dict[AtomKey, torch.Tenso
     written: set[AtomKey] = set()
     bar = progress_bar(sum(m.nbytes for m in metas.values()), "write atoms", progress)
 
-    def write_group(tensors: dict[AtomKey, torch.Tensor]) -> None:
+    def write_group(session: SaveSession, tensors: dict[AtomKey, torch.Tensor]) -> None:
         for key, t in tensors.items():
             meta = metas.get(key)
             if meta is None or key in written or tuple(t.shape) != meta.shape:
                 raise AssertionError(f"atom {key} is unknown, repeated or misshapen")  # the callers check sources first
         by_path = {metas[k].path: t.to(dtypes.torch_dtype(metas[k].dtype)).contiguous() for k, t in tensors.items()}
         group_metas = [metas[k] for k in tensors]
-        _write(pipeline, storage, step, group_metas, [], chunk_jobs(group_metas, by_path))
+        _write(pipeline, session, group_metas, [], chunk_jobs(group_metas, by_path))
         written.update(tensors)
         bar.update(sum(m.nbytes for m in group_metas))
 
     try:
-        prepare_step(storage, step)
-        ensure_root(storage)
-        model_paths = {m.path for m in metas.values()}
-        extra_metas = [m for path, m in manifest.atoms.items() if path not in model_paths]
-        _write(pipeline, storage, step, extra_metas, group_paths(manifest.atoms.values()), extra_chunks)
-        pipelined(groups, write_group)
-        if written != set(metas):
-            raise AssertionError(f"atoms never written: {sorted(set(metas) - written)[:5]}")
-        storage.flush()
-        commit_step(storage, manifest)
-    except BaseException:
-        if commit.read_marker(storage, step) is None:
-            storage.delete(step_dirname(step))  # never committed: leave nothing behind
-        raise
+        with SaveSession.begin(storage, step) as session:  # a failure removes what the attempt wrote
+            model_paths = {m.path for m in metas.values()}
+            extra_metas = [m for path, m in manifest.atoms.items() if path not in model_paths]
+            _write(pipeline, session, extra_metas, group_paths(manifest.atoms.values()), extra_chunks)
+            pipelined(groups, functools.partial(write_group, session))
+            if written != set(metas):
+                raise AssertionError(f"atoms never written: {sorted(set(metas) - written)[:5]}")
+            session.finish(manifest)
     finally:
         pipeline.close()
         bar.close()

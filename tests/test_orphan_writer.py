@@ -1,0 +1,71 @@
+"""A trainer SIGKILLed with an async save in flight, and a new job saving the same step at once: the committed
+step is bitwise the new job's, and the dead trainer's writer process is gone within a second of its parent.
+
+Before format 2 the orphaned writer kept draining its queue into the step directory after the new job committed
+(valid checksums, `ucp verify` green, another job's tensors on the next restore). Now it dies with its parent and,
+writing in its own attempt directory, could not reach the new job's step anyway. 20 trials with random timing;
+in half of them the writer is stopped (SIGSTOP) at the kill, as a writer stuck in IO would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ucp
+from ucp.inspection import verify
+
+from .helpers import assert_same_state
+from .orphan_saver import OPTIONS, state
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has stopped running
+    except OSError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the writer process is Linux only")
+def test_a_killed_trainers_writer_never_reaches_the_new_jobs_step(tmp_path):
+    rng = random.Random()
+    for trial in range(20):
+        root = str(tmp_path / f"trial{trial}")
+        proc = subprocess.Popen([sys.executable, "-m", "tests.orphan_saver", root], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        try:
+            writer_pid = json.loads(proc.stdout.readline())["writer_pid"]
+            assert proc.stdout.readline().strip() == "SAVING"
+            time.sleep(rng.uniform(0, 0.15))
+            stopped = rng.random() < 0.5
+            if stopped:
+                os.kill(writer_pid, signal.SIGSTOP)
+        finally:
+            proc.kill()
+            killed_at = time.monotonic()
+            proc.wait()
+        new_job = ucp.CheckpointManager(root, options=OPTIONS)  # at once, while the old writer may still run
+        new_job.save(2, state(20 + trial, n=8))
+        while not gone(writer_pid) and time.monotonic() - killed_at < 5:
+            time.sleep(0.01)
+        lived = time.monotonic() - killed_at
+        if stopped and not gone(writer_pid):
+            os.kill(writer_pid, signal.SIGCONT)
+        assert gone(writer_pid) and lived < 1.0, f"trial {trial}: the writer outlived its parent by {lived:.2f} s"
+        time.sleep(0.05)  # (had it lived, its late writes would land now)
+        reader = ucp.open_checkpoint(root)
+        assert reader.step == 2
+        assert_same_state(state(20 + trial, n=8), reader.load_state())
+        assert verify(reader).ok
+        assert_same_state(state(1), ucp.load(root, step=1))

@@ -1,0 +1,226 @@
+"""One save attempt from its start to its commit: the protocol that every save path runs.
+
+1. `SaveSession.begin` (the coordinator, rank 0): refuse a committed step (StepExistsError), make the root a
+   Zarr group, create the attempt's directory with its owner record (`ucp.attempt`; its lease is renewed while
+   the save runs); every rank learns the attempt id.
+2. Every process writes its objects below `session.prefix` and `record`s each object's size and checksum.
+3. Every process makes its writes durable.
+4. `finish`: the records, or a process's failure, go to the coordinator; it writes the manifest (every object's
+   size and checksum in it), makes it durable and creates the commit marker exclusively (`ucp.commit`). Every
+   rank learns the outcome and returns the commit record (rank 0) or raises the same error. After a commit the
+   `after_commit` hooks run on the coordinator (the manager's retention).
+5. On any failure before the commit, the coordinator removes the attempt's directory, freeing its space: there
+   is one failure policy for every save path. (A process killed outright leaves its attempt to `collect_garbage`.)
+
+Single-process saves, `VirtualWorld`, the interop streams and `CheckpointManager` all run through here, with a
+`LocalComm`; a distributed save passes its `TorchComm`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Self
+
+from . import attempt, commit
+from .comm import Comm, LocalComm
+from .errors import StepExistsError, StorageError, UcpError
+from .format import FORMAT_VERSION, ZARR_JSON, AtomMeta, ObjectSum, StepManifest, chunk_indices, dumps
+from .storage import Storage
+
+log = logging.getLogger("ucp")
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_all_subclasses(sub))]
+
+
+# The ucp errors a failed save re-raises on every rank by name (each takes one message).
+_ERRORS: dict[str, type[UcpError]] = {e.__name__: e for e in (UcpError, *_all_subclasses(UcpError))}
+
+
+def ensure_root(storage: Storage) -> None:
+    """Make the root a Zarr group that says what it is (created once, by whichever save comes first)."""
+    if storage.exists(ZARR_JSON):
+        return
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": {"ucp": {"kind": "root", "format_version": FORMAT_VERSION}}}
+    try:
+        storage.create_exclusive(ZARR_JSON, dumps(doc))
+    except FileExistsError:
+        pass  # another save made it meanwhile
+
+
+class SaveSession:
+    """One attempt at saving `step` under `storage`, shared by every process of the save (see the module doc)."""
+
+    def __init__(self, storage: Storage, step: int, attempt_id: str, comm: Comm, lease: attempt.Lease | None):
+        self.storage, self.step, self.attempt, self.comm = storage, step, attempt_id, comm
+        self.prefix = f"{commit.step_dirname(step)}/{attempt_id}"
+        self.after_commit: list[Callable[[commit.CommitRecord], None]] = []
+        self._lease = lease
+        self._objects: dict[str, ObjectSum] = {}
+        self._lock = threading.Lock()
+        self._ended = False
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.comm.rank == 0
+
+    @classmethod
+    def begin(cls, storage: Storage, step: int, comm: Comm | None = None, *, lease_s: float | None = None) -> SaveSession:
+        """Start an attempt at `step` (every rank calls this together)."""
+        comm = comm or LocalComm()
+        message: dict = {}
+        lease = None
+        if comm.rank == 0:
+            try:
+                if commit.read_marker(storage, step) is not None:
+                    raise StepExistsError(f"step {step} is already committed at {storage.url}; committed steps are never overwritten")
+                ensure_root(storage)
+                record = attempt.OwnerRecord.mine(step, attempt.new_attempt_id(), lease_s or attempt.DEFAULT_LEASE_S)
+                attempt.write_owner(storage, record)
+                lease = attempt.Lease(storage, record)
+                message = {"attempt": record.attempt}
+            except BaseException as e:
+                if comm.world_size == 1:
+                    raise
+                message = _describe(e)  # every rank raises it, below
+        if comm.world_size > 1:
+            message = json.loads(comm.broadcast_bytes(dumps(message) if comm.rank == 0 else None))
+        if "attempt" not in message:
+            _raise(message)
+        return cls(storage, step, message["attempt"], comm, lease)
+
+    # -- what the writers call
+
+    def record(self, key: str, nbytes: int, crc: int) -> None:
+        """An object this process wrote (`key` below the root) and its size and checksum."""
+        with self._lock:
+            self._objects[key] = (nbytes, crc)
+
+    # -- the end
+
+    def finish(self, manifest: StepManifest | None, error: BaseException | None = None) -> commit.CommitRecord | None:
+        """Steps 4 and 5 of the protocol (module doc): every rank calls this once, with this process's failure if
+        it had one; `manifest` (without objects) is the coordinator's. Returns the commit record on the
+        coordinator, None elsewhere; raises on every rank if the step was not committed."""
+        if self._ended:
+            raise UcpError(f"the save attempt {self.attempt} of step {self.step} has already ended")
+        self._ended = True
+        try:
+            outcome, record, failure = self._end(manifest, error)
+        finally:
+            self._stop_lease()
+        if outcome:
+            if self.comm.world_size == 1 and failure is not None and not isinstance(failure, (UcpError, OSError)):
+                raise failure  # not a storage failure: a bug or an interrupt, as it was
+            raise _as_error(outcome) from (error or failure)
+        assert record is not None or not self.is_coordinator
+        if record is not None:
+            for hook in self.after_commit:
+                hook(record)
+        return record
+
+    def _end(self, manifest: StepManifest | None, error: BaseException | None
+             ) -> tuple[dict, commit.CommitRecord | None, BaseException | None]:
+        """Gather, commit or abort, and share the outcome ({} when committed)."""
+        mine = {"failure": _describe(error)} if error is not None else {"objects": self._objects}
+        gathered = [mine] if self.comm.world_size == 1 else self._gather(mine)
+        outcome: dict = {}
+        record = failure = None
+        if self.is_coordinator:
+            assert gathered is not None
+            try:
+                for rank, g in enumerate(gathered):
+                    if "failure" in g:
+                        failure = error if rank == 0 else None
+                        raise _failed(g["failure"], self, rank if self.comm.world_size > 1 else None)
+                objects: dict[str, ObjectSum] = {}
+                for g in gathered:
+                    objects.update({k: tuple(v) for k, v in g["objects"].items()})  # type: ignore[misc]
+                assert manifest is not None, "the coordinator commits the manifest"
+                record = self._commit(manifest, objects)
+            except BaseException as e:  # noqa: BLE001 -- raised on every rank below, after the attempt is removed
+                self._abort()
+                failure = failure or e
+                outcome = _describe(e)
+        if self.comm.world_size > 1:
+            outcome = json.loads(self.comm.broadcast_bytes(dumps(outcome) if self.is_coordinator else None))
+        return outcome, record, failure
+
+    def abort(self, error: BaseException) -> None:
+        """End an attempt that failed before `finish` (single process only): remove what it wrote."""
+        assert self.comm.world_size == 1, "a distributed save ends through finish(), which every rank calls"
+        if not self._ended:
+            self._ended = True
+            self._abort()
+            self._stop_lease()
+            log.info("save attempt %s of step %d failed and was removed: %s", self.attempt, self.step, error)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if error is not None:
+            self.abort(error)
+
+    # -- internals
+
+    def _gather(self, mine: dict) -> list[dict] | None:
+        gathered = self.comm.gather_bytes(json.dumps(mine).encode())
+        return None if gathered is None else [json.loads(g) for g in gathered]
+
+    def _commit(self, manifest: StepManifest, objects: dict[str, ObjectSum]) -> commit.CommitRecord:
+        manifest.objects = {path: self._object_sums(meta, objects) for path, meta in manifest.atoms.items()}
+        manifest_bytes = dumps(manifest.to_group_json())
+        self.storage.write(f"{self.prefix}/{ZARR_JSON}", [manifest_bytes])
+        self.storage.flush()
+        nbytes = sum(a.nbytes for a in manifest.atoms.values())
+        record = commit.commit(self.storage, self.step, self.attempt, manifest_bytes, len(manifest.atoms), nbytes)
+        log.info("committed step %d at %s (%d atoms, %d bytes)", self.step, self.storage.url, record.atoms, nbytes)
+        return record
+
+    def _object_sums(self, meta: AtomMeta, objects: dict[str, ObjectSum]) -> list[ObjectSum]:
+        sums = []
+        for index in chunk_indices(meta.grid):
+            key = meta.object_key(self.prefix, index)
+            if key not in objects:
+                raise UcpError(f"step {self.step}: no process wrote {key}; the save is incomplete")
+            sums.append(objects[key])
+        return sums
+
+    def _abort(self) -> None:
+        try:
+            self.storage.delete(self.prefix)
+            self.storage.remove_empty_dir(commit.step_dirname(self.step))
+        except UcpError as e:
+            log.warning("could not remove the failed attempt %s/%s (collect_garbage will): %s", self.storage.url, self.prefix, e)
+
+    def _stop_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.stop()
+
+
+def _describe(error: BaseException) -> dict:
+    return {"error": str(error) or type(error).__name__, "type": type(error).__name__}
+
+
+def _failed(described: dict, session: SaveSession, rank: int | None) -> UcpError:
+    """The error a failed save raises: the failure's own type where it is a ucp one, else a StorageError (an
+    OSError from a write, say); it names the step, the root and, in a distributed save, the rank that failed."""
+    kind = _ERRORS.get(described["type"], StorageError)
+    if kind is StepExistsError:
+        return StepExistsError(described["error"])
+    where = f" (rank {rank} failed)" if rank is not None else ""
+    return kind(f"step {session.step} was not saved at {session.storage.url}{where}, and what this attempt wrote "
+                f"was removed: {described['error']}")
+
+
+def _as_error(described: dict) -> UcpError:
+    return _ERRORS.get(described.get("type", ""), UcpError)(described.get("error", "the save failed"))
+
+
+def _raise(described: dict) -> None:
+    raise _as_error(described)
