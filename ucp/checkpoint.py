@@ -190,6 +190,10 @@ class CheckpointReader:
             raise FormatError(f"{where} describes step {self.manifest.step}, not {self.step}")
         if self.manifest.format_version.split(".")[0] != self.record.format_version.split(".")[0]:
             raise FormatError(f"{where} is format {self.manifest.format_version}, its commit marker {self.record.format_version}")
+        nbytes = sum(m.nbytes for m in self.manifest.atoms.values())
+        if (self.record.atoms, self.record.nbytes) != (len(self.manifest.atoms), nbytes):
+            raise FormatError(f"{where} describes {len(self.manifest.atoms)} atoms of {nbytes} bytes, but its commit recorded "
+                              f"{self.record.atoms} atoms of {self.record.nbytes} bytes")
         tree.check_root(self.manifest.tree)
         missing = set(tree.tree_atoms(self.manifest.tree)) - set(self.manifest.atoms)
         if missing:

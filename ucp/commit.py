@@ -20,7 +20,7 @@ from typing import Any
 
 import crc32c
 
-from .errors import CheckpointNotFoundError, FormatError, StepExistsError
+from .errors import CheckpointNotFoundError, FormatError, NotAFileError, StepExistsError
 from .format import (
     COMMIT_MARKER,
     FORMAT_VERSION,
@@ -108,6 +108,8 @@ def read_marker(storage: Storage, step: int) -> CommitRecord | None:
         raw = storage.read(key, 0, MAX_MARKER_BYTES + 1)
     except FileNotFoundError:
         return None
+    except NotAFileError as e:
+        raise FormatError(f"commit marker: {e}") from None
     doc = loads(raw, f"commit marker {where}", MAX_MARKER_BYTES)
     if not isinstance(doc, dict):
         raise FormatError(f"commit marker {where} is not a JSON object")

@@ -40,3 +40,8 @@ class WriterProcessError(UcpError):
 class StorageError(UcpError):
     """A storage operation failed for a reason other than damaged data: no space, no permission, an unreachable
     or refusing object store, a path that is not a regular file or that passes through a symbolic link."""
+
+
+class NotAFileError(StorageError):
+    """Where an object should be, the local file system has something else (a FIFO, a device, a symbolic link):
+    ucp never opens it, so it can neither hang a read nor redirect one."""

@@ -366,12 +366,15 @@ def _object_sums(meta: AtomMeta, doc: object, where: str) -> list[ObjectSum]:
     count = math.prod(meta.grid)
     if not isinstance(doc, list) or len(doc) != count:
         raise FormatError(f"{where}: atom {meta.path!r:.200} must list {count} objects as [nbytes, crc32c] pairs")
+    plain = None if meta.inner_chunk_shape is not None else meta.stored_chunk_bytes() + CRC_BYTES
     sums = []
     for entry in doc:
         if not isinstance(entry, list) or len(entry) != 2:
             raise FormatError(f"{where}: atom {meta.path!r:.200} has an object entry that is not [nbytes, crc32c]")
-        sums.append((json_int(entry[0], where, "an object's nbytes", 0, MAX_OBJECT_BYTES + (1 << 24)),
-                     json_int(entry[1], where, "an object's crc32c", 0, 2**32 - 1)))
+        nbytes = json_int(entry[0], where, "an object's nbytes", 0, MAX_OBJECT_BYTES + (1 << 24))
+        if plain is not None and nbytes != plain:
+            raise FormatError(f"{where}: atom {meta.path!r:.200} records an object of {nbytes} bytes; its chunks take {plain}")
+        sums.append((nbytes, json_int(entry[1], where, "an object's crc32c", 0, 2**32 - 1)))
     return sums
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import fsspec
 
-from .errors import CheckpointNotFoundError, StateError, StorageError, UcpError
+from .errors import CheckpointNotFoundError, NotAFileError, StateError, StorageError, UcpError
 
 Buffer = bytes | bytearray | memoryview
 log = logging.getLogger("ucp")
@@ -246,12 +246,13 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
         except OSError as e:
-            link = " (a symbolic link: ucp does not follow links inside a checkpoint)" if e.errno == errno.ELOOP else ""
-            raise StorageError(f"cannot read {path}: {e.strerror or e}{link}") from e
+            if e.errno == errno.ELOOP:
+                raise NotAFileError(f"{path} is a symbolic link: ucp does not follow links inside a checkpoint") from None
+            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise StorageError(f"{path} is not a regular file")
+            raise NotAFileError(f"{path} is not a regular file")
         return fd, info.st_size
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:

@@ -74,13 +74,26 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(root: Path) -> Any:
+    """DCP's `.metadata`, unpickled with an allowlist (nothing else is imported or run) and checked to be the
+    metadata DCP writes: anything else, garbage included, is an InteropError naming the file."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
     path = root / METADATA
     if not path.is_file():
         raise InteropError(f"{root} is not a DCP checkpoint (no {METADATA})")
     try:
-        return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as e:
-        raise InteropError(f"{path}: refused or unreadable DCP metadata ({e})") from None
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Exception as e:  # noqa: BLE001 -- garbage raises anything (struct, unicode, recursion...): all mean "not DCP"
+        raise InteropError(f"{path}: refused or unreadable DCP metadata ({type(e).__name__}: {e})") from None
+    entries = getattr(metadata, "state_dict_metadata", None) if isinstance(metadata, Metadata) else None
+    if not isinstance(entries, dict):
+        raise InteropError(f"{path} is not DCP metadata (it unpickles to a {type(metadata).__name__})")
+    for fqn, entry in entries.items():
+        tensor_ok = isinstance(entry, TensorStorageMetadata) and isinstance(getattr(entry.properties, "dtype", None), torch.dtype) \
+            and isinstance(entry.size, tuple) and all(isinstance(n, int) and n >= 0 for n in entry.size)
+        if not isinstance(fqn, str) or not (tensor_ok or isinstance(entry, BytesStorageMetadata)):
+            raise InteropError(f"{path}: the entry {fqn!r:.80} is not a tensor's or an object's DCP metadata")
+    return metadata
 
 
 def _safe_reader(root: Path) -> Any:
