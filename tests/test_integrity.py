@@ -32,11 +32,13 @@ def verify_cli(root) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ucp", "verify", str(root)], capture_output=True, text=True, check=False)
 
 
-def damaged(root, atom: str, chunk: str) -> None:
-    with pytest.raises(ucp.IntegrityError, match=f"atom '{atom}' chunk {chunk.replace('.', '[.]')}.*not the one the commit recorded"):
+def damaged(root, atom: str, *chunks: str) -> None:
+    """A load fails naming one of `chunks` (reads run in parallel: whichever is read first), and verify names each."""
+    names = "|".join(c.replace(".", "[.]") for c in chunks)
+    with pytest.raises(ucp.IntegrityError, match=f"atom '{atom}' chunk ({names}).*not the one the commit recorded"):
         ucp.load(str(root))
     out = verify_cli(root)
-    assert out.returncode == 1 and f"atom '{atom}' chunk {chunk}" in out.stdout, out.stdout
+    assert out.returncode == 1 and all(f"atom '{atom}' chunk {c}" in out.stdout for c in chunks), out.stdout
 
 
 @pytest.mark.parametrize("options", [PLAIN, SHARDED], ids=["plain", "sharded"])
@@ -47,7 +49,7 @@ def test_two_chunks_of_an_atom_swapped(tmp_path, options):
     data_a, data_b = a.read_bytes(), b.read_bytes()
     a.write_bytes(data_b)
     b.write_bytes(data_a)
-    damaged(tmp_path, "model/w", "c.0.0")
+    damaged(tmp_path, "model/w", "c.0.0", "c.1.0")
 
 
 @pytest.mark.parametrize("options", [PLAIN, SHARDED], ids=["plain", "sharded"])
@@ -98,3 +100,17 @@ def test_swapped_inner_chunks_fail_a_partial_read(tmp_path):
     with pytest.raises(ucp.IntegrityError, match="not the one the commit recorded"):
         for rank in range(4):
             load_sharded(reader, ShardedModel(CONFIG, target, STATES), rank)
+
+
+@pytest.mark.parametrize("which", ["root", "group", "group-missing"])
+def test_verify_checks_the_root_and_group_documents(tmp_path, which):
+    ucp.save(state(1), str(tmp_path), step=1, options=PLAIN)
+    if which == "root":
+        (tmp_path / "zarr.json").write_text('{"zarr_format": 3, "node_type": "array"}')
+    elif which == "group":
+        (step_path(tmp_path) / "model" / "zarr.json").write_text('{"zarr_format": 2}')
+    else:
+        (step_path(tmp_path) / "model" / "zarr.json").unlink()
+    out = verify_cli(tmp_path)
+    assert out.returncode == 1 and ("root group" if which == "root" else "group 'model'") in out.stdout, out.stdout
+    assert torch.equal(ucp.load(str(tmp_path))["model"]["w"], state(1)["model"]["w"])

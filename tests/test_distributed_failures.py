@@ -1,0 +1,39 @@
+"""A distributed save in which one rank fails: every rank raises the same error (no rank waits forever for the
+failed one), nothing is committed, the attempt is removed; the next save commits; a committed step is refused on
+every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import ucp
+from ucp.distributed import ShardedModel, load_sharded
+from ucp.format import step_dirname
+from ucp.layout import parse_layout
+from ucp.reshard import shard
+
+from .dist_worker import CONFIG, STATES, full_state
+from .launch import spawn
+
+
+def test_one_rank_out_of_space_fails_every_rank_and_commits_nothing(tmp_path):
+    url, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    out.mkdir()
+    spawn(["-m", "tests.dist_fail_worker", url, str(out)], world=2, timeout=120)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, r in enumerate(results):
+        kind, message = r["failed"]
+        assert kind == "StorageError" and "step 1 was not saved" in message and "rank 1 failed" in message, (rank, message)
+        assert "No space left" in message
+        assert r["again"] is not None and "step 1" in r["again"]
+    assert results[0]["committed_after_failure"] == []
+    assert results[0]["second"] == 1 and results[1]["second"] is None
+    assert [n for n in os.listdir(tmp_path / "ckpt" / step_dirname(1)) if n.startswith("attempt-")] == [ucp.open_checkpoint(url).record.attempt]
+    layout = parse_layout("tp2")
+    for rank in range(2):
+        local, _ = load_sharded(ucp.open_checkpoint(url), ShardedModel(CONFIG, layout, STATES), rank)
+        expected = shard(full_state(), CONFIG, layout, rank, STATES)
+        assert all(torch.equal(local["model"][k], v) for k, v in expected["model"].items())
