@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", help="re-read every chunk, check every checksum and each atom's zarr.json (exit 1 if anything is damaged)")
+    p = sub.add_parser("verify", help="re-read every object, check every checksum, each object's size and checksum against its "
+                                      "commit's record, and every atom's, group's and the root's zarr.json (exit 1 if anything is damaged)")
     _add_location(p)
     p.set_defaults(func=cmd_verify)
 
