@@ -68,6 +68,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
+    # One layout, or a comma-separated list: the run takes the first whose world size is the number of processes
+    # it was started with (under torchrun's elastic agent, a job that shrinks or grows restarts in another one).
     layout: str = "tp1pp1"
     steps: int = 10  # the step to stop at (steps are numbered from 1)
     seed: int = 1234
@@ -75,6 +77,9 @@ class TrainConfig:
     stage_layers: list[int] | None = None
     metrics_file: str | None = None
     log_every: int = 1
+    # Collectives that wait longer than this fail (torch's default is 30 minutes): a hung peer ends the run in
+    # seconds, so an elastic agent can restart it. A dead peer (its connections reset) fails them at once.
+    collective_timeout_s: float = 60.0
 
 
 @dataclass

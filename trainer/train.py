@@ -9,12 +9,19 @@ token of the global batch, identical in every layout.
 
 With `--ckpt URL` the run resumes from the latest committed step under URL (in whatever layout saved it) and
 saves every `--save-interval` steps and at the last step (trainer/checkpoint.py).
+
+Under torchrun's elastic agent the same command runs unchanged: `--layout tp2pp2,tp2pp1,tp1pp1` lists the layouts
+the job may take, and each (re)start takes the first whose world size is WORLD_SIZE. A peer that dies fails the
+step at once (its connections reset) and a hung one within `train.collective_timeout_s`; the process then exits
+non-zero without waiting for anything, the agent re-forms the group with the nodes left (or joined), and the new
+workers resume from the newest checkpoint in their layout (docs/ELASTIC.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import time
@@ -30,7 +37,7 @@ from .corpus import DEFAULT_DIR, ensure_corpus
 from .data import PretrainTokens, SyntheticTokens, TokenSource
 from .model import MixtralStage, StageSpec, is_expert_param
 from .parallel.data import DistributedAdamW
-from .parallel.mesh import Mesh, parse_layout
+from .parallel.mesh import Layout, Mesh, parse_layout
 from .parallel.pipeline import P2P, StageOutput, allreduce_tied_embedding_grads, one_f_one_b, split_layers
 from .parallel.tensor import vocab_parallel_cross_entropy
 from .weights import init_from_seed
@@ -129,7 +136,8 @@ class Trainer:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="ucp's reference MoE trainer")
     parser.add_argument("--config", help="YAML config file (trainer/configs/*.yaml)")
-    parser.add_argument("--layout", help="e.g. tp2pp2, tp1pp1ep2dp2, tp1pp2dp2zero1 (overrides train.layout)")
+    parser.add_argument("--layout", help="e.g. tp2pp2, tp1pp1ep2dp2, tp1pp2dp2zero1, or a comma-separated list: the "
+                        "first whose world size is WORLD_SIZE is taken (overrides train.layout)")
     parser.add_argument("--steps", type=int, help="the step to stop at (overrides train.steps)")
     parser.add_argument("--seed", type=int, help="overrides train.seed")
     parser.add_argument("--metrics-file", help="JSON lines, one per step (overrides train.metrics_file)")
@@ -155,27 +163,37 @@ def build_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
-def init_distributed() -> torch.device:
-    """Join the process group torchrun describes (or a group of one without torchrun); gloo on CPU, NCCL on GPU."""
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join the process group torchrun describes (or a group of one without torchrun); gloo on CPU, NCCL on GPU.
+    Every group made later (the checkpoint's included) inherits `timeout_s`."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device
+
+
+def choose_layout(layouts: str, world_size: int) -> Layout:
+    """The first of the comma-separated `layouts` whose world size is `world_size`."""
+    candidates = [parse_layout(name.strip()) for name in str(layouts).split(",") if name.strip()]
+    for layout in candidates:
+        if layout.world_size == world_size:
+            return layout
+    sizes = ", ".join(f"{layout} ({layout.world_size})" for layout in candidates)
+    raise ValueError(f"none of the layouts {sizes} runs on {world_size} processes: add one to --layout")
 
 
 def build_trainer(cfg: Config) -> Trainer:
     """Join the process group and build this rank's trainer (weights initialized from the seed)."""
-    device = init_distributed()
-    layout = parse_layout(cfg.train.layout)
-    if layout.world_size != dist.get_world_size():
-        raise ValueError(f"layout {layout} needs {layout.world_size} processes, got {dist.get_world_size()}")
+    device = init_distributed(cfg.train.collective_timeout_s)
+    layout = choose_layout(cfg.train.layout, dist.get_world_size())
     mesh = Mesh(layout, dist.get_rank())
     if cfg.data.source == "pretrain" and cfg.data.path is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         ensure_corpus()  # the built-in corpus, prepared once per machine (the barrier makes the others wait)
@@ -193,6 +211,11 @@ def train(trainer: Trainer, started: float | None = None) -> None:
     checkpointer = Checkpointer(cfg, trainer) if cfg.checkpoint.url else None
     resumed = checkpointer.restore() if checkpointer else None
     write_metrics = cfg.train.metrics_file is not None and rank == 0
+    last_logged = last_logged_step_time(cfg.train.metrics_file) if write_metrics else None
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank == 0:
+        print(f"world size {dist.get_world_size()}: layout {trainer.mesh.layout}"
+              + (f" (restart {restart_count})" if restart_count else ""), flush=True)
 
     def log(record: dict) -> None:
         if metrics_file is not None:
@@ -207,11 +230,16 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                 if rank != 0:
                     continue
                 if resumed is not None and step == resumed.from_step + 1:
-                    log({"event": "resume", "from_step": resumed.from_step, "saved_layout": resumed.saved_layout,
-                         "layout": str(trainer.mesh.layout), "bytes_read": resumed.bytes_read,
-                         "time_to_first_step_s": time.perf_counter() - started})
+                    resume = {"from_step": resumed.from_step, "saved_layout": resumed.saved_layout,
+                              "layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(),
+                              "bytes_read": resumed.bytes_read, "time_to_first_step_s": time.perf_counter() - started}
+                    log({"event": "resume", **resume})
+                    if last_logged is not None:  # an earlier incarnation of this run logged steps: a restart
+                        # (the failure came after that incarnation's last logged step: an upper bound)
+                        log({"event": "restart", **resume, "restart_count": restart_count,
+                             "failure_to_first_step_s": time.time() - last_logged[1], "last_step_before": last_logged[0]})
                     print(f"resumed from step {resumed.from_step} (saved in {resumed.saved_layout})", flush=True)
-                log(asdict(metrics) | {"layout": str(trainer.mesh.layout)})
+                log(asdict(metrics) | {"layout": str(trainer.mesh.layout), "time": time.time()})
                 if event is not None:
                     log(event)
                 if step % cfg.train.log_every == 0:
@@ -219,11 +247,30 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                           f"grad_norm {metrics.grad_norm:.4f} lr {metrics.lr:.2e} {metrics.step_time_s:.3f}s"
                           + (f" ckpt blocked {event['blocking_s']:.3f}s" if event else ""), flush=True)
         finally:
-            if checkpointer is not None:
-                checkpointer.close()  # the last step's save commits before the process exits
             close = getattr(trainer.data, "close", None)
             if close is not None:
                 close()
+        # Only a run that got here waits for its last save to commit. After a failure (a peer may be gone, and the
+        # wait could last a collective timeout) the save in flight stays uncommitted; the next job collects it.
+        if checkpointer is not None:
+            checkpointer.close()
+
+
+def last_logged_step_time(metrics_file: str) -> tuple[int, float] | None:
+    """(step, wall time) of the last step an earlier incarnation of this run logged, if any."""
+    try:
+        with open(metrics_file) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # (a line cut short when that incarnation was killed)
+        if "event" not in record and "time" in record:
+            return record["step"], record["time"]
+    return None
 
 
 def main(argv: list[str] | None = None, started: float | None = None) -> None:

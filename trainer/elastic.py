@@ -1,0 +1,114 @@
+"""Nodes of an elastic job, simulated on one machine: each node is a torchrun elastic agent with its own worker
+processes, and a lost node is its agent and every process under it killed with SIGKILL at once (as a power cut
+would). Used by the demo, the recovery benchmark and the tests; on a cluster, start the same torchrun command
+on each node (docs/ELASTIC.md).
+
+Rendezvous is torchrun's c10d backend: the first agent to start hosts its store, so losing that node ends the
+job (an etcd rendezvous, `--rdzv-backend etcd-v2`, removes that single point of failure). Two settings matter:
+
+- `--rdzv-conf` below: a lost agent is dropped from the rendezvous after about two seconds without its keep-alive
+  (the default is fifteen), and a new round closes one second after the minimum of nodes has joined;
+- TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the store shared between rendezvous and workers (torch >= 2.4's
+  default), a node that joins a running job waits forever for the master address of a round whose rank 0 kept
+  the previous round's (seen with torch 2.13: both agents time out after a minute). Not sharing it costs one
+  TCP store per round.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .launch import REPO, free_port
+
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=300"
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (read from /proc; workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+    return tree
+
+
+def alive(pid: int) -> bool:
+    """A process that still runs (a zombie waiting to be reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
+
+
+@dataclass
+class Node:
+    """One simulated node: a torchrun agent and its workers."""
+
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def processes(self) -> list[int]:
+        return [p for p in descendants(self.proc.pid) if alive(p)]
+
+    def kill(self) -> float:
+        """SIGKILL the agent and every process under it at once; returns when (time.time())."""
+        tree = self.processes()
+        killed_at = time.time()
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return killed_at
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+
+def endpoint() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+def start_node(name: str, argv: list[str], *, nproc: int, rdzv_endpoint: str, run_id: str, nnodes: str,
+               log: Path, hosts_store: bool, max_restarts: int = 20, env: dict[str, str] | None = None) -> Node:
+    """Start a torchrun elastic agent running `python *argv` on `nproc` processes, its output to `log`.
+
+    `hosts_store`: whether this agent hosts the rendezvous store. Say so explicitly: left to itself, every agent
+    whose address matches the endpoint tries to host it, and on one machine a late agent can bind the same port
+    beside the first (seen: a rejoining node formed a job of its own instead of joining the running one)."""
+    node_env = os.environ | (env or {}) | {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_id,
+               "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
+               "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if hosts_store else 'false'}", *argv]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=node_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return Node(name, proc, log)
