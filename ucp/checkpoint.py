@@ -179,12 +179,22 @@ def save(
 class CheckpointReader:
     """One committed step, opened for reading: its manifest, and verified reads of its atoms."""
 
-    def __init__(self, storage: Storage, step: int | str | None = "latest", *, io_threads: int | None = None):
+    def __init__(self, storage: Storage, step: int | str | None = "latest", *, io_threads: int | None = None,
+                 committed: tuple[commit.CommitRecord, bytes] | None = None):
+        """`committed`: the step's commit record and manifest bytes, when they came from elsewhere than `storage`
+        (the hot tier's peers); they are checked against each other as when read."""
         self.storage = storage
-        self.step, self.record = commit.resolve_step(storage, step)
+        if committed is None:
+            self.step, self.record = commit.resolve_step(storage, step)
+        else:
+            self.record = committed[0]
+            self.step = self.record.step
         self.prefix = self.record.prefix  # the committed attempt's directory (the step directory in format 1.0)
         where = f"{storage.url}/{self.prefix}/{ZARR_JSON}"
-        manifest_bytes = commit.read_manifest_bytes(storage, self.record)
+        if committed is None:
+            manifest_bytes = commit.read_manifest_bytes(storage, self.record)
+        else:
+            manifest_bytes = commit.check_manifest_bytes(committed[1], self.record, where)
         self.manifest = StepManifest.from_group_json(loads(manifest_bytes, where), where)
         if self.manifest.step != self.step:
             raise FormatError(f"{where} describes step {self.manifest.step}, not {self.step}")

@@ -110,6 +110,11 @@ def read_marker(storage: Storage, step: int) -> CommitRecord | None:
         return None
     except NotAFileError as e:
         raise FormatError(f"commit marker: {e}") from None
+    return parse_marker(raw, step, where)
+
+
+def parse_marker(raw: bytes | memoryview, step: int, where: str) -> CommitRecord:
+    """A commit marker's record; a FormatError naming `where` if it is not a valid marker of `step`."""
     doc = loads(raw, f"commit marker {where}", MAX_MARKER_BYTES)
     if not isinstance(doc, dict):
         raise FormatError(f"commit marker {where} is not a JSON object")
@@ -192,6 +197,12 @@ def read_manifest_bytes(storage: Storage, record: CommitRecord) -> bytes:
         data = bytes(storage.read(key, 0, limit + 1))
     except FileNotFoundError:
         raise FormatError(f"{where} is missing") from None
+    return check_manifest_bytes(data, record, where)
+
+
+def check_manifest_bytes(data: bytes, record: CommitRecord, where: str) -> bytes:
+    """`data` if it is the manifest the commit recorded (size and checksum), else a FormatError."""
+    limit = record.manifest_nbytes if record.manifest_nbytes is not None else MAX_MANIFEST_BYTES
     if len(data) > limit or (record.manifest_nbytes is not None and len(data) != record.manifest_nbytes):
         raise FormatError(f"{where} was modified after the step was committed (it is not {limit} bytes long)"
                           if record.manifest_nbytes is not None else f"{where} is larger than {limit} bytes")

@@ -418,6 +418,18 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
     return local, LoadReport(bytes_needed, read)
 
 
+def needed_objects(atoms: Mapping[str, AtomMeta], model: ShardedModel, rank: int) -> set[tuple[str, tuple[int, ...]]]:
+    """The chunk objects (atom path, grid index) that `load_sharded` reads for `rank`: a pure function of the
+    manifest, the model and the rank, so no rank needs to ask another what it will read."""
+    out: set[tuple[str, tuple[int, ...]]] = set()
+    for lt in local_plan(model.config, model.layout, rank, model.optim_states):
+        for p in lt.pieces:
+            meta = atoms.get(atom_path(p.atom, lt.state))
+            if meta is not None:
+                out.update((meta.path, index) for index in _chunks_touching(meta, p.atom_box))
+    return out
+
+
 def _cast_params(local: dict[str, Any], plan: list[LocalTensor], dtype: torch.dtype) -> dict[str, Any]:
     for lt in plan:
         if lt.state is None:

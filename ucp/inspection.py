@@ -103,7 +103,7 @@ def _check_root(reader: CheckpointReader) -> None:
         raise FormatError(f"the root group's zarr.json at {reader.storage.url} does not say it is a ucp root")
 
 
-def _check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...]) -> None:
+def check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...]) -> None:
     """Read and check one object (into memory of its own size: verify never holds a whole atom), and (format 2)
     that its size is the one its commit recorded."""
     box = meta.chunk_box(index)
@@ -126,7 +126,7 @@ def verify(reader: CheckpointReader) -> VerifyReport:
               for g in group_paths(reader.atoms.values())]
     for meta in reader.atoms.values():
         tasks.append(functools.partial(reader.check_atom_metadata, meta))
-        tasks += [functools.partial(_check_object, reader, meta, i) for i in chunk_indices(meta.grid)]
+        tasks += [functools.partial(check_object, reader, meta, i) for i in chunk_indices(meta.grid)]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         with cf.ThreadPoolExecutor(reader.io_threads) as pool:

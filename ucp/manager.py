@@ -12,6 +12,7 @@ from .commit import CommitRecord
 from .distributed import Comm, LoadReport, ShardedModel, extra_state, load_sharded, plan_sharded_save
 from .pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
 from .storage import Storage, open_storage
+from .tiers import HotTier, RestoreReport
 
 
 class CheckpointManager:
@@ -28,6 +29,13 @@ class CheckpointManager:
     after each commit, removes the save attempts that no live process owns (`ucp.attempt`: interrupted saves,
     the losers of a race, a killed job's). In a parallel job pass `comm` (e.g. `TorchComm(dist.new_group(
     backend="gloo"))`): rank 0 does the cleanup and the commits.
+
+    With `local_dir` (node-local storage, e.g. a directory in /dev/shm) the manager keeps a hot tier
+    (`ucp.tiers`): every save commits there first, each node holding its ranks' objects plus a replica of the
+    previous node's, and every `durable_every`-th save is then drained to `root_url` and committed there; each
+    node keeps `local_keep` hot steps. `restore_sharded` takes the newest step that the surviving nodes hold
+    between them or that `root_url` holds, reading over the process group what other nodes hold; what it read
+    from where is in `last_restore`. Every rank of the job must pass a `local_dir` (its node's).
     """
 
     def __init__(
@@ -41,6 +49,9 @@ class CheckpointManager:
         staging_bytes: int | None = None,
         writer: Writer = DEFAULT_WRITER,
         comm: Comm | None = None,
+        local_dir: str | None = None,
+        local_keep: int = 2,
+        durable_every: int = 1,
     ):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (or None to keep every step), got {keep_last}")
@@ -50,6 +61,9 @@ class CheckpointManager:
         self.mode = mode
         self.comm = comm
         self.storage: Storage = open_storage(root_url, storage_options, fsync=self.options.fsync)
+        self.hot = HotTier(local_dir, root_url, comm, keep_last=local_keep, durable_every=durable_every,
+                           fsync=self.options.fsync) if local_dir else None
+        self.last_restore: RestoreReport | None = None
         self.pipeline = SavePipeline(io_threads_for(self.options, self.storage), staging_bytes, writer)
         if mode != "sync":
             self.pipeline.start_writer()  # it imports while the trainer sets up, not at the first save
@@ -83,7 +97,7 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Save `state` (a nested dict of tensors and JSON values) as `step`; retention follows the commit."""
         self.pipeline.wait()
-        plan = plan_save(state, self.storage, step, self.options, layout=layout, atom_attributes=atom_attributes)
+        plan = plan_save(state, self._target, step, self.options, layout=layout, atom_attributes=atom_attributes)
         return self._submit(plan, mode)
 
     def save_sharded(
@@ -99,16 +113,27 @@ class CheckpointManager:
         if self.comm is None:
             raise ValueError("save_sharded needs the manager's comm (CheckpointManager(..., comm=TorchComm(group)))")
         self.pipeline.wait()
-        plan = plan_sharded_save(local_state, self.storage, step=step, model=model, comm=self.comm, extra=extra, options=self.options)
+        plan = plan_sharded_save(local_state, self._target, step=step, model=model, comm=self.comm, extra=extra,
+                                 options=self.options)
         return self._submit(plan, mode)
 
+    @property
+    def _target(self) -> Storage:
+        """Where saves commit first: the hot tier if there is one, else the durable root."""
+        return self.hot.storage if self.hot is not None else self.storage
+
     def _submit(self, plan: SavePlan, mode: Mode | None) -> SaveHandle:
-        plan.session.after_commit.append(self._after_commit)
+        if self.hot is None:
+            plan.session.after_commit.append(self._after_commit)
+        else:
+            documents = [key for key, _ in plan.documents()]
+            self.hot.attach(plan.session, documents, plan.manifest, self.storage, self.options, self._after_commit)
         return self.pipeline.submit(plan, mode or self.mode)
 
-    def _after_commit(self, record: CommitRecord) -> None:
-        self._apply_retention()
-        self.gc()
+    def _after_commit(self, record: CommitRecord | None) -> None:
+        if record is not None:  # (the coordinator)
+            self._apply_retention()
+            self.gc()
 
     def wait(self) -> CommitRecord | None:
         """Wait for the save in flight (if any) to commit; raises its error."""
@@ -130,15 +155,25 @@ class CheckpointManager:
         return CheckpointReader(self.storage, step, io_threads=self.options.io_threads)
 
     def restore(self, step: int | str | None = "latest") -> dict[str, Any]:
-        """The state of a committed step ('latest' or None: the newest)."""
+        """The state of a committed step ('latest' or None: the newest; with a hot tier, of either tier)."""
+        if self.hot is not None and step in ("latest", None):
+            hot = commit.committed_steps(self.hot.storage)
+            if hot and hot[-1] >= (self.latest_step() or -1):
+                return CheckpointReader(self.hot.storage, hot[-1], io_threads=self.options.io_threads).load_state()
         return self.reader(step).load_state()
 
     def restore_sharded(
         self, model: ShardedModel, rank: int, step: int | str | None = "latest"
     ) -> tuple[dict[str, Any], dict[str, Any], LoadReport]:
-        """This rank's local state in `model.layout` (whatever layout saved it), the extra state, and what was read."""
+        """This rank's local state in `model.layout` (whatever layout saved it), the extra state, and what was read.
+        With a hot tier and step 'latest' every rank calls it together (`ucp.tiers`); `last_restore` says what
+        came from where."""
+        if self.hot is not None and step in ("latest", None):
+            local, extra, report, self.last_restore = self.hot.restore_sharded(model, self.storage)
+            return local, extra, report
         reader = self.reader(step)
         local, report = load_sharded(reader, model, rank)
+        self.last_restore = RestoreReport(reader.step, "durable", bytes_durable=report.bytes_read)
         return local, extra_state(reader), report
 
     # -- cleanup

@@ -8,7 +8,8 @@
 4. `finish`: the records, or a process's failure, go to the coordinator; it writes the manifest (every object's
    size and checksum in it), makes it durable and creates the commit marker exclusively (`ucp.commit`). Every
    rank learns the outcome and returns the commit record (rank 0) or raises the same error. After a commit the
-   `after_commit` hooks run on the coordinator (the manager's retention).
+   `after_commit` hooks run on every rank, with the record on the coordinator and None elsewhere (the manager's
+   retention; the hot tier's replication and drain, `ucp.tiers`).
 5. On any failure before the commit, the coordinator removes the attempt's directory, freeing its space: there
    is one failure policy for every save path. (A process killed outright leaves its attempt to `collect_garbage`.)
 
@@ -58,7 +59,7 @@ class SaveSession:
     def __init__(self, storage: Storage, step: int, attempt_id: str, comm: Comm, lease: attempt.Lease | None):
         self.storage, self.step, self.attempt, self.comm = storage, step, attempt_id, comm
         self.prefix = f"{commit.step_dirname(step)}/{attempt_id}"
-        self.after_commit: list[Callable[[commit.CommitRecord], None]] = []
+        self.after_commit: list[Callable[[commit.CommitRecord | None], None]] = []
         self._lease = lease
         self._objects: dict[str, ObjectSum] = {}
         self._lock = threading.Lock()
@@ -100,6 +101,12 @@ class SaveSession:
         with self._lock:
             self._objects[key] = (nbytes, crc)
 
+    @property
+    def objects(self) -> dict[str, ObjectSum]:
+        """The chunk objects this process wrote in this attempt, with their sizes and checksums."""
+        with self._lock:
+            return dict(self._objects)
+
     # -- the end
 
     def finish(self, manifest: StepManifest | None, error: BaseException | None = None) -> commit.CommitRecord | None:
@@ -118,9 +125,8 @@ class SaveSession:
                 raise failure  # not a storage failure: a bug or an interrupt, as it was
             raise _as_error(outcome) from (error or failure)
         assert record is not None or not self.is_coordinator
-        if record is not None:
-            for hook in self.after_commit:
-                hook(record)
+        for hook in self.after_commit:
+            hook(record)
         return record
 
     def _end(self, manifest: StepManifest | None, error: BaseException | None

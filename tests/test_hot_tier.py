@@ -1,0 +1,100 @@
+"""The hot tier with real processes (gloo) on simulated nodes (one local directory per node): saves commit in
+node-local storage with a replica on the next node and drain to the durable URL; restores read their own node's
+copies, receive the rest from other nodes over the process group, and fall back to the durable URL only for what no
+survivor holds intact."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import ucp
+from ucp.format import step_dirname
+
+from .launch import spawn
+
+
+def run(action: str, url: str, layout: str, node_dirs: list[Path], tmp: Path, steps: str = "0", durable_every: int = 1) -> list[dict]:
+    out = tmp / f"out-{action}-{len(list(tmp.glob('out-*')))}"
+    out.mkdir()
+    env = {"UCP_TEST_NODE_DIRS": json.dumps([str(d) for d in node_dirs]), "UCP_TEST_DURABLE_EVERY": str(durable_every)}
+    spawn(["-m", "tests.tier_worker", action, url, layout, str(out), steps], world=len(node_dirs), env=env, timeout=240)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(node_dirs))]
+
+
+def run_dir(node: Path) -> Path:
+    (sub,) = node.iterdir()  # <local_dir>/run-<hash of the durable URL>
+    return sub
+
+
+def test_a_lost_node_is_restored_from_its_replica_and_a_new_node_from_its_peers(tmp_path):
+    url = str(tmp_path / "durable")
+    a, b, c = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-c"
+    run("save", url, "tp2pp2", [a, a, b, b], tmp_path, steps="1,2,3", durable_every=2)
+    assert ucp.CheckpointManager(url).steps() == [2], "only every second save drains to the durable URL"
+    for node in (a, b):  # two hot steps kept per node
+        assert sorted(p.name for p in run_dir(node).glob("step_*")) == [step_dirname(2), step_dirname(3)]
+
+    shutil.rmtree(b)  # node b is lost, with its local directory
+    results = run("restore", url, "tp2pp1", [a, a], tmp_path)
+    for r in results:
+        assert r["step"] == 3 and r["source"] == "hot" and r["exact"] and r["extra_ok"], r
+        assert r["durable"] == 0 and r["peers"] == 0 and r["local"] > 0, r  # b's objects came from its replica on a
+
+    results = run("restore", url, "tp2pp2", [a, a, c, c], tmp_path)  # the job grows back: node c is new and empty
+    for rank, r in enumerate(results):
+        assert r["step"] == 3 and r["source"] == "hot" and r["exact"] and r["durable"] == 0, r
+        if rank >= 2:
+            assert r["peers"] > 0 and r["local"] == 0, r  # c holds nothing: everything came over the process group
+
+
+def test_a_node_and_its_replica_holder_lost_the_durable_url_serves_the_rest(tmp_path):
+    url = str(tmp_path / "durable")
+    a, b, c = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-c"
+    run("save", url, "tp1pp1dp3", [a, b, c], tmp_path, steps="1")  # ring a -> b -> c -> a: b's replicas are on c
+    shutil.rmtree(b)
+    shutil.rmtree(c)
+    (r,) = run("restore", url, "tp1pp1", [a], tmp_path)
+    assert r["step"] == 1 and r["source"] == "hot" and r["exact"] and r["extra_ok"], r
+    assert r["local"] > 0 and r["durable"] > 0 and r["peers"] == 0, r  # a's and c's objects hot, b's from the URL
+
+
+def test_a_damaged_hot_copy_is_replaced_by_a_good_one_and_reported(tmp_path):
+    url = str(tmp_path / "durable")
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    run("save", url, "tp1pp1dp2", [a, b], tmp_path, steps="1", durable_every=5)  # hot only: no durable copy
+    assert ucp.CheckpointManager(url).steps() == []
+    chunk = max(run_dir(a).glob(f"{step_dirname(1)}/attempt-*/model/*embed_tokens*/c.*"))
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    results = run("restore", url, "tp1pp1dp2", [a, b], tmp_path)
+    for r in results:
+        assert r["step"] == 1 and r["source"] == "hot" and r["exact"] and r["durable"] == 0, r
+        assert any("embed_tokens" in d and "checksum" in d for d in r["damaged"]), r["damaged"]
+    assert results[0]["peers"] > 0, "node a's damaged object came from node b's copy"
+
+
+def test_with_no_hot_copy_left_the_durable_url_serves_everything(tmp_path):
+    url = str(tmp_path / "durable")
+    a, b, c = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-c"
+    run("save", url, "tp2pp1", [a, b], tmp_path, steps="4,6", durable_every=1)
+    shutil.rmtree(a)
+    shutil.rmtree(b)
+    results = run("restore", url, "tp1pp1dp2", [c, c], tmp_path)
+    for r in results:
+        assert r["step"] == 6 and r["source"] == "durable" and r["exact"] and r["local"] == 0 and r["peers"] == 0, r
+
+
+def test_a_hot_step_the_survivors_cannot_cover_gives_way_to_the_durable_one_and_is_redone(tmp_path):
+    url = str(tmp_path / "durable")
+    a, b, c = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-c"
+    run("save", url, "tp1pp1dp3", [a, b, c], tmp_path, steps="1,2,3", durable_every=2)  # step 3: hot only
+    assert ucp.CheckpointManager(url).steps() == [2]
+    shutil.rmtree(b)
+    shutil.rmtree(c)
+    (r,) = run("restore", url, "tp1pp1", [a], tmp_path, steps="3")  # then the job saves step 3 again
+    assert r["step"] == 2 and r["exact"], r  # (step 2 is hot on a, and durable: what a lacks comes from the URL)
+    (r,) = run("restore", url, "tp1pp1", [a], tmp_path)
+    assert r["step"] == 3 and r["source"] == "hot" and r["exact"], r  # the redone step 3, not the lost one
