@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ucp.distributed import ShardedModel, TorchComm
+from ucp.errors import CheckpointNotFoundError
 from ucp.families.mixtral import MixtralConfig
 from ucp.manager import CheckpointManager
 from ucp.pipeline import SaveHandle
@@ -46,7 +47,9 @@ def mixtral_config(m: ModelConfig, stage_layers: list[int] | None = None) -> Mix
 class Resumed:
     from_step: int
     saved_layout: str
-    bytes_read: int
+    bytes_read: int  # this rank's (rank 0's, in the metrics)
+    source: str  # "hot" (node-local tiers, with what no survivor held from the URL) or "durable"
+    bytes_by_tier: dict[str, int]  # this rank's bytes from its node, from other nodes, from the URL
 
 
 class Checkpointer:
@@ -60,21 +63,29 @@ class Checkpointer:
         # Checkpoint traffic (fragment exchange, barriers) goes over its own gloo group, host memory on any device.
         comm = TorchComm(dist.new_group(backend="gloo"))
         self.manager = CheckpointManager(cfg.checkpoint.url, mode=cfg.checkpoint.mode, comm=comm,
-                                         keep_last=cfg.checkpoint.keep_last)
+                                         keep_last=cfg.checkpoint.keep_last, local_dir=cfg.checkpoint.local,
+                                         local_keep=cfg.checkpoint.local_keep, durable_every=cfg.checkpoint.durable_every)
         self.pending: SaveHandle | None = None  # lazy mode: a snapshot that may still read the tensors
 
     def restore(self) -> Resumed | None:
-        """Load the latest committed step into the trainer, whatever layout saved it; None on a fresh start."""
-        if self.manager.latest_step() is None:
+        """Load the newest committed step (of the hot tier or the URL) into the trainer, whatever layout saved it;
+        None on a fresh start. Every rank calls it together."""
+        if self.manager.hot is None and self.manager.latest_step() is None:
             return None
         t = self.trainer
-        local, extra, report = self.manager.restore_sharded(self.model, t.mesh.rank)
+        try:
+            local, extra, report = self.manager.restore_sharded(self.model, t.mesh.rank)
+        except CheckpointNotFoundError:
+            return None  # (every rank sees the same: the choice of step is shared)
         local["optimizer"]["step"] = extra["optimizer_step"]
         t.load_local_state(local)
         t.data.load_state_dict(extra["data"])
         if t.mesh.rank == 0:
             set_rng_state(extra["rng"])
-        return Resumed(extra["step"], extra["layout"], report.bytes_read)
+        tiers = self.manager.last_restore
+        assert tiers is not None
+        by_tier = {"local": tiers.bytes_local, "peers": tiers.bytes_peers, "durable": tiers.bytes_durable}
+        return Resumed(extra["step"], extra["layout"], report.bytes_read, tiers.source, by_tier)
 
     def before_update(self) -> None:
         """Called before the optimizer step: a lazy snapshot must be complete before the tensors change."""

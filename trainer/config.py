@@ -87,7 +87,13 @@ class CheckpointConfig:
     url: str | None = None  # any fsspec URL (a local directory, s3://...); None: no checkpoints, no resume
     interval: int = 0  # save every `interval` steps (0: only the last step); the last step is always saved
     mode: str = "async"  # ucp.CheckpointManager mode: "sync", "async" (snapshot, then write behind) or "lazy"
-    keep_last: int | None = None  # committed steps to keep (None: all)
+    keep_last: int | None = None  # committed steps to keep at the URL (None: all)
+    # A hot tier in node-local storage (e.g. a directory in /dev/shm; every node passes its own): saves commit there
+    # first, with a replica on the next node, and every `durable_every`-th is drained to `url`; a restart reads
+    # from the surviving nodes' memory. `local_keep`: hot steps each node keeps.
+    local: str | None = None
+    local_keep: int = 2
+    durable_every: int = 1
 
 
 @dataclass

@@ -146,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-interval", type=int, help="save every K steps; the last step is always saved "
                         "(overrides checkpoint.interval)")
     parser.add_argument("--ckpt-mode", choices=("sync", "async", "lazy"), help="overrides checkpoint.mode")
+    parser.add_argument("--ckpt-local", help="this node's directory for a hot tier of recent steps, e.g. /dev/shm/ucp "
+                        "(overrides checkpoint.local)")
+    parser.add_argument("--durable-every", type=int, help="with --ckpt-local: drain every K-th save to --ckpt "
+                        "(overrides checkpoint.durable_every)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key, e.g. --set model.hidden_size=128 (repeatable)")
     return parser.parse_args(argv)
@@ -157,7 +161,8 @@ def build_config(args: argparse.Namespace) -> Config:
                        ("metrics_file", args.metrics_file)):
         if value is not None:
             overrides.append(f"train.{key}={value}")
-    for key, value in (("url", args.ckpt), ("interval", args.save_interval), ("mode", args.ckpt_mode)):
+    for key, value in (("url", args.ckpt), ("interval", args.save_interval), ("mode", args.ckpt_mode),
+                       ("local", args.ckpt_local), ("durable_every", args.durable_every)):
         if value is not None:
             overrides.append(f"checkpoint.{key}={value}")
     return load_config(args.config, overrides)
@@ -232,7 +237,8 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                 if resumed is not None and step == resumed.from_step + 1:
                     resume = {"from_step": resumed.from_step, "saved_layout": resumed.saved_layout,
                               "layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(),
-                              "bytes_read": resumed.bytes_read, "time_to_first_step_s": time.perf_counter() - started}
+                              "bytes_read": resumed.bytes_read, "source": resumed.source,
+                              "bytes_by_tier": resumed.bytes_by_tier, "time_to_first_step_s": time.perf_counter() - started}
                     log({"event": "resume", **resume})
                     if last_logged is not None:  # an earlier incarnation of this run logged steps: a restart
                         # (the failure came after that incarnation's last logged step: an upper bound)

@@ -58,6 +58,11 @@ log = logging.getLogger("ucp")
 DEFAULT_TRANSFER_BYTES = 256 << 20
 
 
+def run_directory(local_dir: str, durable_url: str) -> str:
+    """Where a run's hot tier lives in a node's local directory: one directory per durable URL."""
+    return os.path.join(local_dir, f"run-{hashlib.sha1(durable_url.rstrip('/').encode()).hexdigest()[:12]}")
+
+
 def allgather(comm: Comm, value: Any) -> list[Any]:
     """Every rank's JSON `value`, in rank order, on every rank."""
     gathered = comm.gather_bytes(json.dumps(value).encode())
@@ -186,8 +191,7 @@ class HotTier:
                  durable_every: int = 1, transfer_bytes: int = DEFAULT_TRANSFER_BYTES, fsync: bool = True):
         if keep_last < 1 or durable_every < 1:
             raise ValueError(f"keep_last and durable_every must be at least 1, got {keep_last} and {durable_every}")
-        run = hashlib.sha1(durable_url.rstrip("/").encode()).hexdigest()[:12]
-        self.storage = LocalStorage(os.path.join(local_dir, f"run-{run}"), fsync=fsync)
+        self.storage = LocalStorage(run_directory(local_dir, durable_url), fsync=fsync)
         self.comm: Comm = comm or LocalComm()
         self.keep_last, self.durable_every, self.transfer_bytes = keep_last, durable_every, transfer_bytes
         self.nodes = find_nodes(self.comm, local_dir)
