@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from ucp.distributed import ShardedModel, TorchComm
@@ -49,7 +50,7 @@ class Resumed:
     saved_layout: str
     bytes_read: int  # this rank's (rank 0's, in the metrics)
     source: str  # "hot" (node-local tiers, with what no survivor held from the URL) or "durable"
-    bytes_by_tier: dict[str, int]  # this rank's bytes from its node, from other nodes, from the URL
+    bytes_by_tier: dict[str, int]  # the job's bytes read from each rank's own node, from other nodes, from the URL
 
 
 class Checkpointer:
@@ -61,7 +62,8 @@ class Checkpointer:
         self.model = ShardedModel(mixtral_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout,
                                   OPTIM_STATES)
         # Checkpoint traffic (fragment exchange, barriers) goes over its own gloo group, host memory on any device.
-        comm = TorchComm(dist.new_group(backend="gloo"))
+        self.group = dist.new_group(backend="gloo")
+        comm = TorchComm(self.group)
         self.manager = CheckpointManager(cfg.checkpoint.url, mode=cfg.checkpoint.mode, comm=comm,
                                          keep_last=cfg.checkpoint.keep_last, local_dir=cfg.checkpoint.local,
                                          local_keep=cfg.checkpoint.local_keep, durable_every=cfg.checkpoint.durable_every)
@@ -84,7 +86,9 @@ class Checkpointer:
             set_rng_state(extra["rng"])
         tiers = self.manager.last_restore
         assert tiers is not None
-        by_tier = {"local": tiers.bytes_local, "peers": tiers.bytes_peers, "durable": tiers.bytes_durable}
+        totals = torch.tensor([tiers.bytes_local, tiers.bytes_peers, tiers.bytes_durable], dtype=torch.int64)
+        dist.all_reduce(totals, group=self.group)  # what the whole job read, from where
+        by_tier = dict(zip(("local", "peers", "durable"), totals.tolist()))
         return Resumed(extra["step"], extra["layout"], report.bytes_read, tiers.source, by_tier)
 
     def before_update(self) -> None:

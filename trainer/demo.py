@@ -1,14 +1,18 @@
-"""The demo: train, lose the job, resume in another layout on fewer processes, and see the loss curve go on.
+"""The demo: an elastic job loses a node, shrinks, gets the node back and grows, and its loss curve goes on.
 
     python -m trainer.demo                # ./ucp-demo-run: checkpoints, metrics, logs, loss.png
 
-1. trains the tiny MoE (trainer/configs/tiny-moe.yaml) on 4 processes in layout tp2pp2, with an asynchronous
-   checkpoint every 5 steps into a local directory (any fsspec URL works the same: --ckpt s3://...);
-2. once step 15 is committed, kills every process with SIGKILL, as a failed node would (no cleanup runs);
-3. resumes on 2 processes in layout tp1pp1ep2dp2 (no TP, no PP; experts split over 2 ranks) from the last
-   committed step: model, Adam state, LR schedule and data position, resharded while they load;
-4. prints the losses of both runs with the resume point, writes loss.png, and shows `ucp inspect` of the last
-   checkpoint.
+1. two simulated nodes (trainer/elastic.py: two torchrun elastic agents on this machine, c10d rendezvous, two
+   processes each) train the tiny MoE (trainer/configs/tiny-moe.yaml) in layout tp2pp2, with an asynchronous
+   checkpoint every 2 steps into each node's hot tier (a directory per node, standing in for its /dev/shm) and
+   every 3rd of those drained to the durable URL (a local directory; any fsspec URL works the same);
+2. node b is lost: its agent and every process under it are SIGKILLed and its directory deleted;
+3. node a's agent notices, re-forms the job on its own two processes, which take layout tp2pp1 and resume from the
+   newest step in the hot tier (node b's pieces from their replica on node a, nothing from the durable URL);
+4. node b comes back, empty; the agents restart the job on four processes in tp2pp2, node b's ranks receiving their
+   pieces from node a over the process group;
+5. prints the loss per step with the layout that trained it and the restarts, the recovery times, writes loss.png
+   and shows `ucp inspect` of the durable checkpoint.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from pathlib import Path
 from ucp import commit
 from ucp.checkpoint import CheckpointReader
 from ucp.inspection import describe, format_table
-from ucp.storage import open_storage
+from ucp.storage import LocalStorage, open_storage
+from ucp.tiers import run_directory
 
-from . import launch
-from .parallel.mesh import parse_layout
+from . import elastic
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-moe.yaml"
 MARKER = ".ucp-trainer-demo"  # the demo only ever deletes a directory that it made
@@ -34,13 +38,13 @@ MARKER = ".ucp-trainer-demo"  # the demo only ever deletes a directory that it m
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m trainer.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="ucp-demo-run", help="run directory (replaced if a previous demo made it)")
-    p.add_argument("--ckpt", help="checkpoint URL (default: DIR/checkpoints; e.g. s3://bucket/run)")
-    p.add_argument("--first-layout", default="tp2pp2", help="layout of the first run (world size = tp*pp*dp)")
-    p.add_argument("--second-layout", default="tp1pp1ep2dp2", help="layout the run resumes in")
-    p.add_argument("--steps", type=int, default=30, help="the step both runs train towards")
-    p.add_argument("--save-interval", type=int, default=5)
-    p.add_argument("--kill-after", type=int, default=15, help="kill the first run once this step is committed")
-    p.add_argument("--mode", default="async", choices=("sync", "async", "lazy"), help="checkpoint mode")
+    p.add_argument("--ckpt", help="durable checkpoint URL (default: DIR/checkpoints; e.g. s3://bucket/run)")
+    p.add_argument("--layouts", default="tp2pp2,tp2pp1", help="layouts the job may take, by world size")
+    p.add_argument("--steps", type=int, default=36, help="the step the job trains to")
+    p.add_argument("--save-interval", type=int, default=2)
+    p.add_argument("--durable-every", type=int, default=3, help="drain every K-th save to the durable URL")
+    p.add_argument("--kill-after", type=int, default=10, help="lose node b once this step is in its hot tier")
+    p.add_argument("--rejoin-after", type=int, default=22, help="bring node b back once this step is saved again")
     return p.parse_args(argv)
 
 
@@ -53,90 +57,135 @@ def prepare_dir(run_dir: Path) -> None:
     (run_dir / MARKER).touch()
 
 
-def trainer_argv(layout: str, steps: int, ckpt: str, interval: int, mode: str, metrics: Path) -> list[str]:
-    return ["-m", "trainer", "--config", str(CONFIG), "--layout", layout, "--steps", str(steps), "--ckpt", ckpt,
-            "--save-interval", str(interval), "--ckpt-mode", mode, "--metrics-file", str(metrics)]
-
-
-def read_metrics(path: Path) -> tuple[dict[int, float], list[dict]]:
+def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
-        return {}, []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in lines if "event" not in r}, [r for r in lines if "event" in r]
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # (a line cut short by a kill)
+    return out
 
 
-def first_run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> int:
-    """Train in the first layout until `kill_after` is committed, then SIGKILL every rank; returns the
-    last committed step."""
-    world = parse_layout(args.first_layout).world_size
-    print(f"== run 1: {world} processes, layout {args.first_layout}, {args.mode} checkpoint every "
-          f"{args.save_interval} steps to {ckpt}", flush=True)
-    procs = launch.start(trainer_argv(args.first_layout, args.steps, ckpt, args.save_interval, args.mode,
-                                      run_dir / "run1.jsonl"), world, run_dir / "logs-run1", rank0_to_terminal=True)
-    storage = open_storage(ckpt)
+class Job:
+    """The demo's elastic job: nodes started, lost and brought back."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: Path, ckpt: str):
+        self.args, self.run_dir, self.ckpt = args, run_dir, ckpt
+        self.metrics = run_dir / "metrics.jsonl"
+        self.endpoint = elastic.endpoint()
+        self.nodes: dict[str, elastic.Node] = {}
+        self.argv = ["-m", "trainer", "--config", str(CONFIG), "--layout", args.layouts, "--steps", str(args.steps),
+                     "--ckpt", ckpt, "--save-interval", str(args.save_interval), "--durable-every",
+                     str(args.durable_every), "--metrics-file", str(self.metrics)]
+
+    def node_dir(self, name: str) -> Path:
+        return self.run_dir / f"node-{name}-shm"
+
+    def start(self, name: str) -> None:
+        print(f"== node {name}: a torchrun agent with 2 processes, hot tier in {self.node_dir(name)}", flush=True)
+        self.nodes[name] = elastic.start_node(
+            name, [*self.argv, "--ckpt-local", str(self.node_dir(name))], nproc=2, rdzv_endpoint=self.endpoint,
+            run_id="ucp-demo", nnodes="1:2", log=self.run_dir / f"node-{name}.log", hosts_store=name == "a")
+
+    def hot_steps(self, name: str) -> list[int]:
+        try:
+            return commit.committed_steps(LocalStorage(run_directory(str(self.node_dir(name)), self.ckpt)))
+        except Exception:  # noqa: BLE001 -- a directory being written: nothing to say yet
+            return []
+
+    def wait_for(self, condition, what: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            ended = [n for n in self.nodes.values() if n.proc.poll() is not None]
+            if ended or time.monotonic() > deadline:
+                tails = "\n".join(f"--- {n.name}\n{n.log.read_text()[-2000:]}" for n in self.nodes.values())
+                self.kill_all()
+                raise SystemExit(f"the demo stopped while waiting for {what}:\n{tails}")
+            time.sleep(0.1)
+
+    def lose(self, name: str) -> float:
+        killed_at = self.nodes.pop(name).kill()
+        shutil.rmtree(self.node_dir(name), ignore_errors=True)
+        print(f"== node {name} lost: SIGKILL to its agent and processes, its hot tier deleted "
+              f"(hot steps of node a: {self.hot_steps('a')})", flush=True)
+        return killed_at
+
+    def kill_all(self) -> None:
+        for node in self.nodes.values():
+            node.kill()
+
+
+def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
+    job = Job(args, run_dir, ckpt)
+    job.start("a")
+    job.start("b")
     try:
-        while not [s for s in commit.committed_steps(storage) if s >= args.kill_after]:
-            if any(p.poll() is not None for p in procs):
-                launch.wait(procs, run_dir / "logs-run1")  # raises with the logs if a rank failed
-                raise SystemExit(f"run 1 ended before step {args.kill_after} was committed: lower --kill-after")
-            time.sleep(0.05)
+        job.wait_for(lambda: max(job.hot_steps("b"), default=0) >= args.kill_after, f"step {args.kill_after}")
+        lost_at = job.lose("b")
+        job.wait_for(lambda: max(job.hot_steps("a"), default=0) >= args.rejoin_after, f"step {args.rejoin_after}")
+        rejoined_at = time.time()
+        job.start("b")
+        for node in job.nodes.values():
+            if node.wait(900) != 0:
+                raise SystemExit(f"node {node.name} failed: see {node.log}")
     finally:
-        launch.kill(procs)
-    committed = commit.committed_steps(storage)
-    logged, _ = read_metrics(run_dir / "run1.jsonl")
-    print(f"== SIGKILL to all {world} processes: step {max(logged, default=0)} was the last logged, "
-          f"committed steps {committed}", flush=True)
-    return committed[-1]
+        job.kill_all()
+    return {"lost_at": lost_at, "rejoined_at": rejoined_at}
 
 
-def second_run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> None:
-    world = parse_layout(args.second_layout).world_size
-    print(f"== run 2: {world} processes, layout {args.second_layout}, resuming from {ckpt}", flush=True)
-    procs = launch.start(trainer_argv(args.second_layout, args.steps, ckpt, args.save_interval, args.mode,
-                                      run_dir / "run2.jsonl"), world, run_dir / "logs-run2", rank0_to_terminal=True)
-    launch.wait(procs, run_dir / "logs-run2")
+def report(args: argparse.Namespace, run_dir: Path, times: dict[str, float]) -> None:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "event" not in r]
+    restarts = [r for r in records if r.get("event") == "restart"]
+    print("\n== loss per step, with the layout that trained it (after a restart, the steps since the checkpoint it "
+          "resumed from are trained again, on the same data)")
+    trained: dict[int, list[float]] = {}
+    for r in records:
+        if r.get("event") == "restart":
+            print(f"      -- restart: {r['world_size']} processes, layout {r['layout']}, resumed from step "
+                  f"{r['from_step']} ({r['source']} tier)")
+        elif "event" not in r:
+            again = "  (again)" if r["step"] in trained else ""
+            trained.setdefault(r["step"], []).append(r["loss"])
+            print(f"{r['step']:>4}  {r['loss']:.6f}  {r['layout']}{again}")
+    twice = [v for v in trained.values() if len(v) > 1]
+    worst = max((abs(max(v) - min(v)) / abs(v[0]) for v in twice), default=0.0)
+    print(f"{len(twice)} steps trained twice: largest relative loss difference {worst:.1e} (same data, another layout)")
+    for r, since, what in ((next((r for r in restarts if r["world_size"] == 2), None), times["lost_at"], "node lost"),
+                           (next((r for r in restarts if r["world_size"] == 4), None), times["rejoined_at"], "node back")):
+        if r is None:
+            continue
+        first = next(s for s in steps if s["time"] >= r["time"])
+        tiers = r["bytes_by_tier"]
+        print(f"{what} -> first step on {r['world_size']} processes in {first['time'] - since:.1f} s, resumed from step "
+              f"{r['from_step']}; the ranks read {tiers['local'] / 2**20:.1f} MiB from their own node's memory, "
+              f"{tiers['peers'] / 2**20:.1f} from other nodes, {tiers['durable'] / 2**20:.1f} from the durable URL")
+    plot(run_dir, steps, restarts)
 
 
-def report(args: argparse.Namespace, run_dir: Path, resumed_from: int) -> None:
-    run1, events1 = read_metrics(run_dir / "run1.jsonl")
-    run2, events2 = read_metrics(run_dir / "run2.jsonl")
-    resume = next(e for e in events2 if e["event"] == "resume")
-    assert resume["from_step"] == resumed_from, (resume, resumed_from)
-    print(f"\n== loss per step ({args.first_layout} on the left, {args.second_layout} on the right)")
-    print(f"{'step':>4}  {args.first_layout:>14}  {args.second_layout:>14}")
-    for step in range(1, args.steps + 1):
-        left = f"{run1[step]:.6f}" if step in run1 else ""
-        right = f"{run2[step]:.6f}" if step in run2 else ""
-        mark = "  <- resumed after this step" if step == resumed_from else ""
-        mark += "  (redone: lost when run 1 died)" if step in run1 and step in run2 else ""
-        print(f"{step:>4}  {left:>14}  {right:>14}{mark}")
-    redone = [s for s in run2 if s in run1]
-    worst = max((abs(run1[s] - run2[s]) / abs(run1[s]) for s in redone), default=0.0)
-    print(f"resumed from step {resumed_from} saved in {resume['saved_layout']}; first step after the resume "
-          f"{resume['time_to_first_step_s']:.1f} s after start; read {resume['bytes_read'] / 2**20:.1f} MiB")
-    if redone:
-        print(f"steps {redone[0]}..{redone[-1]} ran in both layouts: largest relative loss difference {worst:.1e}")
-    blocking = [e["blocking_s"] for e in events1 + events2 if e["event"] == "checkpoint"]
-    print(f"checkpoints: {len(blocking)} saves, training blocked {1e3 * sum(blocking) / len(blocking):.0f} ms "
-          f"per save on average ({args.mode})")
-    plot(args, run_dir, run1, run2, events1 + events2, resumed_from)
-
-
-def plot(args: argparse.Namespace, run_dir: Path, run1: dict[int, float], run2: dict[int, float],
-         events: list[dict], resumed_from: int) -> None:
+def plot(run_dir: Path, steps: list[dict], restarts: list[dict]) -> None:
+    """The loss per step, by the number of processes that trained it, with the restarts marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for step in sorted({e["step"] for e in events if e["event"] == "checkpoint"}):
-        ax.axvline(step, color="0.85", lw=1, zorder=0)
-    ax.plot(list(run1), list(run1.values()), "o-", ms=3, label=f"run 1: {args.first_layout} (killed)")
-    ax.plot(list(run2), list(run2.values()), "s-", ms=3, label=f"run 2: {args.second_layout} (resumed)")
-    ax.axvline(resumed_from, color="C3", ls="--", label=f"resume from step {resumed_from}")
-    ax.plot([], [], color="0.85", label="checkpoints")
-    ax.set(xlabel="step", ylabel="LM loss", title="tiny MoE: killed, resumed in another layout")
+    by_world: dict[int, tuple[list[int], list[float]]] = {}
+    for r in steps:
+        world = r["world_size"]
+        by_world.setdefault(world, ([], []))[0].append(r["step"])
+        by_world[world][1].append(r["loss"])
+    for world, (xs, ys) in sorted(by_world.items(), reverse=True):
+        ax.plot(xs, ys, "o" if world == 4 else "s", ms=3.5, label=f"{world} processes")
+    for i, r in enumerate(restarts):
+        ax.axvline(r["from_step"] + 0.5, color="C3", ls="--", lw=1,
+                   label="restart (resumed after the step)" if i == 0 else None)
+        ax.annotate(f"{r['world_size']} procs", (r["from_step"] + 0.6, ax.get_ylim()[1]), va="top", fontsize=8, color="C3")
+    ax.set(xlabel="step", ylabel="LM loss", title="tiny MoE under torchrun: a node lost, then back")
     ax.legend()
     fig.tight_layout()
     fig.savefig(run_dir / "loss.png", dpi=120)
@@ -144,7 +193,7 @@ def plot(args: argparse.Namespace, run_dir: Path, run1: dict[int, float], run2: 
 
 
 def inspect(ckpt: str) -> None:
-    """What `ucp inspect` shows for the last checkpoint (the table is long: its head and its totals here)."""
+    """What `ucp inspect` shows for the last durable checkpoint (its head and its totals)."""
     table = format_table(describe(CheckpointReader(open_storage(ckpt), "latest"))).splitlines()
     print(f"\n== ucp inspect {ckpt}")
     print("\n".join(table[:16] + ["  ..."] + table[-1:]))
@@ -158,9 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     if commit.committed_steps(open_storage(ckpt)):
         raise SystemExit(f"{ckpt} already holds checkpoints: the demo starts from an empty URL")
     started = time.perf_counter()
-    resumed_from = first_run(args, run_dir, ckpt)
-    second_run(args, run_dir, ckpt)
-    report(args, run_dir, resumed_from)
+    times = run(args, run_dir, ckpt)
+    report(args, run_dir, times)
     inspect(ckpt)
     print(f"\ndemo done in {time.perf_counter() - started:.0f} s; everything is in {run_dir}")
 

@@ -238,14 +238,15 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                     resume = {"from_step": resumed.from_step, "saved_layout": resumed.saved_layout,
                               "layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(),
                               "bytes_read": resumed.bytes_read, "source": resumed.source,
-                              "bytes_by_tier": resumed.bytes_by_tier, "time_to_first_step_s": time.perf_counter() - started}
+                              "bytes_by_tier": resumed.bytes_by_tier, "time_to_first_step_s": time.perf_counter() - started,
+                              "time": time.time()}
                     log({"event": "resume", **resume})
                     if last_logged is not None:  # an earlier incarnation of this run logged steps: a restart
                         # (the failure came after that incarnation's last logged step: an upper bound)
                         log({"event": "restart", **resume, "restart_count": restart_count,
                              "failure_to_first_step_s": time.time() - last_logged[1], "last_step_before": last_logged[0]})
                     print(f"resumed from step {resumed.from_step} (saved in {resumed.saved_layout})", flush=True)
-                log(asdict(metrics) | {"layout": str(trainer.mesh.layout), "time": time.time()})
+                log(asdict(metrics) | {"layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(), "time": time.time()})
                 if event is not None:
                     log(event)
                 if step % cfg.train.log_every == 0:
