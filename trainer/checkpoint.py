@@ -51,6 +51,7 @@ class Resumed:
     bytes_read: int  # this rank's (rank 0's, in the metrics)
     source: str  # "hot" (node-local tiers, with what no survivor held from the URL) or "durable"
     bytes_by_tier: dict[str, int]  # the job's bytes read from each rank's own node, from other nodes, from the URL
+    restore_s: float  # how long the restore took (rank 0's)
 
 
 class Checkpointer:
@@ -75,6 +76,7 @@ class Checkpointer:
         if self.manager.hot is None and self.manager.latest_step() is None:
             return None
         t = self.trainer
+        start = time.perf_counter()
         try:
             local, extra, report = self.manager.restore_sharded(self.model, t.mesh.rank)
         except CheckpointNotFoundError:
@@ -89,7 +91,7 @@ class Checkpointer:
         totals = torch.tensor([tiers.bytes_local, tiers.bytes_peers, tiers.bytes_durable], dtype=torch.int64)
         dist.all_reduce(totals, group=self.group)  # what the whole job read, from where
         by_tier = dict(zip(("local", "peers", "durable"), totals.tolist()))
-        return Resumed(extra["step"], extra["layout"], report.bytes_read, tiers.source, by_tier)
+        return Resumed(extra["step"], extra["layout"], report.bytes_read, tiers.source, by_tier, time.perf_counter() - start)
 
     def before_update(self) -> None:
         """Called before the optimizer step: a lazy snapshot must be complete before the tensors change."""

@@ -238,7 +238,8 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                     resume = {"from_step": resumed.from_step, "saved_layout": resumed.saved_layout,
                               "layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(),
                               "bytes_read": resumed.bytes_read, "source": resumed.source,
-                              "bytes_by_tier": resumed.bytes_by_tier, "time_to_first_step_s": time.perf_counter() - started,
+                              "bytes_by_tier": resumed.bytes_by_tier, "restore_s": resumed.restore_s,
+                              "time_to_first_step_s": time.perf_counter() - started,
                               "time": time.time()}
                     log({"event": "resume", **resume})
                     if last_logged is not None:  # an earlier incarnation of this run logged steps: a restart

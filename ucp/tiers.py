@@ -115,21 +115,46 @@ def find_nodes(comm: Comm, local_dir: str) -> Nodes:
 # ------------------------------------------------------------------------------------------ transfers
 
 
-def _pack(blobs: dict[str, bytes]) -> torch.Tensor:
-    """Named byte strings in one buffer: an 8-byte header length, a JSON header [[name, size], ...], the bytes."""
-    header = json.dumps([[k, len(v)] for k, v in blobs.items()]).encode()
-    data = b"".join([struct.pack("<Q", len(header)), header, *blobs.values()])
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+Fill = Callable[[memoryview], object]  # writes an item's bytes into the memory it is given
+Item = tuple[str, int, Fill]  # (name, size, fill)
 
 
-def _unpack(buf: torch.Tensor) -> dict[str, bytes]:
-    raw = bytes(buf.numpy())
-    (n,) = struct.unpack("<Q", raw[:8])
-    pos, out = 8 + n, {}
-    for name, size in json.loads(raw[8 : 8 + n]):
-        out[name] = raw[pos : pos + size]
+def from_storage(storage: Storage, key: str, size: int) -> Item:
+    """An item read from `storage` straight into the send buffer (one copy)."""
+    return key, size, lambda dest: storage.read_into(key, 0, [dest])
+
+
+def from_bytes(name: str, data: bytes) -> Item:
+    def fill(dest: memoryview) -> None:
+        dest[:] = data
+
+    return name, len(data), fill
+
+
+def _pack(items: list[Item], more: bool) -> torch.Tensor:
+    """Named items in one buffer: an 8-byte header length, a JSON header, then the items' bytes back to back."""
+    header = json.dumps({"items": [[name, size] for name, size, _ in items], "more": more}).encode()
+    buf = torch.empty(8 + len(header) + sum(size for _, size, _ in items), dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    view[:8] = struct.pack("<Q", len(header))
+    view[8 : 8 + len(header)] = header
+    pos = 8 + len(header)
+    for _, size, fill in items:
+        fill(view[pos : pos + size])
         pos += size
-    return out
+    return buf
+
+
+def _unpack(buf: torch.Tensor) -> tuple[dict[str, memoryview], bool]:
+    """The items of a buffer, as views of it (no copy), and whether more buffers follow."""
+    view = memoryview(buf.numpy())
+    (n,) = struct.unpack("<Q", view[:8])
+    header = json.loads(bytes(view[8 : 8 + n]))
+    pos, out = 8 + n, {}
+    for name, size in header["items"]:
+        out[name] = view[pos : pos + size]
+        pos += size
+    return out, header["more"]
 
 
 def _batches(sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -144,28 +169,25 @@ def _batches(sizes: dict[str, int], limit: int) -> list[list[str]]:
     return out
 
 
-def send_rounds(comm: Comm, sends: dict[int, list[dict[str, bytes] | Callable[[], dict[str, bytes]]]],
-                receives: Iterable[int], on_receive: Callable[[int, dict[str, bytes]], None]) -> None:
-    """Point-to-point transfers in rounds: `sends[peer]` is this rank's batches for `peer` (values or callables
-    that load them, so that one batch at a time is in memory), `receives` the peers that send to this rank. Each
-    batch says whether more follow; every peer in `sends` gets at least one (maybe empty) batch."""
-    pending = {peer: list(batches) or [{}] for peer, batches in sends.items()}
+def send_rounds(comm: Comm, sends: dict[int, list[list[Item]]], receives: Iterable[int],
+                on_receive: Callable[[int, dict[str, memoryview]], None]) -> None:
+    """Point-to-point transfers in rounds: `sends[peer]` is this rank's batches for `peer` (each a list of items
+    filled when the batch is sent, so that one batch at a time is in memory), `receives` the peers that send to
+    this rank. Each batch says whether more follow; every peer in `sends` gets at least one (maybe empty) batch.
+    `on_receive` gets views of the received buffer: it must copy what it keeps beyond the call."""
+    pending = {peer: list(batches) or [[]] for peer, batches in sends.items()}
     expecting = set(receives)
     while pending or expecting:
-        out: dict[int, torch.Tensor] = {}
-        for peer, batches in pending.items():
-            batch = batches.pop(0)
-            blobs = batch() if callable(batch) else batch
-            out[peer] = _pack({**blobs, "": b"more" if batches else b""})
+        out = {peer: _pack(batches.pop(0), bool(batches[1:])) for peer, batches in pending.items()}
         lengths = comm.exchange({p: torch.tensor([t.numel()], dtype=torch.int64).view(torch.uint8) for p, t in out.items()},
                                 dict.fromkeys(expecting, 8))
         data = comm.exchange(out, {p: int(lengths[p].view(torch.int64)) for p in expecting})
         pending = {p: b for p, b in pending.items() if b}
         for peer, buf in data.items():
-            blobs = _unpack(buf)
-            if not blobs.pop(""):
+            items, more = _unpack(buf)
+            if not more:
                 expecting.discard(peer)
-            on_receive(peer, blobs)
+            on_receive(peer, items)
 
 
 # ----------------------------------------------------------------------------------------------- tier
@@ -233,18 +255,15 @@ class HotTier:
         buddy = self.nodes.buddy(self.rank)
         received = 0
 
-        def load(keys: list[str]) -> dict[str, bytes]:
-            return {k: bytes(self.storage.read(k)) for k in keys}
-
-        def keep(_peer: int, blobs: dict[str, bytes]) -> None:
+        def keep(_peer: int, items: dict[str, memoryview]) -> None:
             nonlocal received
-            for key, data in blobs.items():
+            for key, data in items.items():
                 self.storage.write(key, [data])
-                received += len(data)
+                received += data.nbytes
 
-        batches = _batches({k: s[0] for k, s in objects.items()}, self.transfer_bytes)
-        sends = {buddy: [lambda keys=keys: load(keys) for keys in batches]} if buddy is not None else {}
-        send_rounds(self.comm, sends, self.nodes.senders_to(self.rank), keep)
+        batches = [[from_storage(self.storage, k, objects[k][0]) for k in keys]
+                   for keys in _batches({k: s[0] for k, s in objects.items()}, self.transfer_bytes)]
+        send_rounds(self.comm, {buddy: batches} if buddy is not None else {}, self.nodes.senders_to(self.rank), keep)
         self.storage.flush()
         return received
 
@@ -256,8 +275,8 @@ class HotTier:
         if self.rank == 0:
             marker = bytes(self.storage.read(commit.marker_key(session.step)))
             manifest = bytes(self.storage.read(f"{session.prefix}/{ZARR_JSON}"))
-            mine = _pack({"marker": marker, "manifest": manifest}).numpy().tobytes()
-        blobs = _unpack(torch.frombuffer(bytearray(self.comm.broadcast_bytes(mine)), dtype=torch.uint8))
+            mine = _pack([from_bytes("marker", marker), from_bytes("manifest", manifest)], False).numpy().tobytes()
+        blobs, _ = _unpack(torch.frombuffer(bytearray(self.comm.broadcast_bytes(mine)), dtype=torch.uint8))
         if self.is_leader and self.nodes.node_of[self.rank] != self.nodes.node_of[0]:
             ensure_root(self.storage)
             self.storage.write(f"{session.prefix}/{ZARR_JSON}", [blobs["manifest"]])
@@ -326,9 +345,9 @@ class HotTier:
                 elif rank == self.rank:
                     receives.add(server)
         fetched: dict[str, bytes] = {}
-        sends = {peer: [lambda keys=keys: {k: bytes(self.storage.read(k)) for k in keys} for keys in _batches(sizes, self.transfer_bytes)]
+        sends = {peer: [[from_storage(self.storage, k, sizes[k]) for k in keys] for keys in _batches(sizes, self.transfer_bytes)]
                  for peer, sizes in serve.items()}
-        send_rounds(self.comm, sends, receives, lambda _peer, blobs: fetched.update(blobs))
+        send_rounds(self.comm, sends, receives, lambda _peer, items: fetched.update((k, bytes(v)) for k, v in items.items()))
         my_node = self.nodes.node_of[self.rank]
         usable = {_key(reader, objects[i]) for i in range(len(objects)) if held[my_node][i]}
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
@@ -361,14 +380,14 @@ class HotTier:
                 chosen = choice
                 break
             log.warning("hot tier: step %d is not held whole by the surviving nodes; trying an older one", step)
-        if chosen is None:
-            if durable_latest is None:
-                raise CheckpointNotFoundError(f"no committed step at {durable.url} nor in any node's hot tier")
+        if chosen is None and durable_latest is not None:
             chosen = _Choice(durable_latest, "durable", [], True)
-        if self.is_leader:
+        if self.is_leader:  # a timeline the job will now redo (all of it, on a fresh start)
             for step in mine:
-                if step > chosen.step:
+                if chosen is None or step > chosen.step:
                     commit.delete_step(self.storage, step)
+        if chosen is None:
+            raise CheckpointNotFoundError(f"no committed step at {durable.url} nor held whole by the nodes' hot tiers")
         return chosen
 
     def _load_holdings(self, choice: _Choice) -> None:
@@ -385,8 +404,9 @@ class HotTier:
             record = commit.parse_marker(marker, choice.step, f"{self.storage.url}/{commit.marker_key(choice.step)}")
             manifest_bytes = commit.read_manifest_bytes(self.storage, record)
         got: dict[str, bytes] = {}
-        sends = {r: [{"marker": marker, "manifest": manifest_bytes}] for r in lacking} if self.rank == holder else {}
-        send_rounds(self.comm, sends, [holder] if self.rank in lacking else [], lambda _peer, blobs: got.update(blobs))
+        sends = {r: [[from_bytes("marker", marker), from_bytes("manifest", manifest_bytes)]] for r in lacking} if self.rank == holder else {}
+        send_rounds(self.comm, sends, [holder] if self.rank in lacking else [],
+                    lambda _peer, items: got.update((k, bytes(v)) for k, v in items.items()))
         if got:
             marker, manifest_bytes = got["marker"], got["manifest"]
         record = commit.parse_marker(marker, choice.step, f"hot tier step {choice.step} from rank {holder}")
