@@ -26,3 +26,6 @@ python -m bench_io.dataloader_bench --size-mb 128 --seq-len 2048 --global-batch 
 python scripts/trainer_bench.py --out "$out/trainer.json" | tee "$out/trainer.txt"
 # Weights-only cold start of an SFT/RL job against safetensors, local and S3 (issue 6).
 python -m bench_io coldstart --size-gib 1 --s3 | tee "$out/coldstart.txt"
+# Elastic recovery: kill -> first new step from the hot tier, disk and S3, and the cost of a checkpoint every step (issue 12).
+python scripts/recovery_bench.py --size-gib 1 --tiers hot,disk,s3 --overhead-steps 4 --overhead-target s3 \
+    --json "$out/recovery-1gib.json" | tee "$out/recovery-1gib.txt"

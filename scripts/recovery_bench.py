@@ -33,7 +33,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -72,34 +71,25 @@ def read_metrics(path: Path) -> list[dict]:
     return out
 
 
-class Job:
-    def __init__(self, work: Path, argv: list[str], local: bool, env: dict[str, str]):
-        self.work, self.argv, self.local, self.env = work, argv, local, env
-        self.endpoint = elastic.endpoint()
-        self.nodes: dict[str, elastic.Node] = {}
+def node_dir(work: Path, name: str) -> Path:
+    return Path("/dev/shm") / f"{work.name}-node-{name}"
 
-    def node_dir(self, name: str) -> Path:
-        return Path("/dev/shm") / f"{self.work.name}-node-{name}"
 
-    def start(self, name: str) -> None:
-        argv = [*self.argv, *(["--ckpt-local", str(self.node_dir(name))] if self.local else [])]
-        self.nodes[name] = elastic.start_node(name, argv, nproc=2, rdzv_endpoint=self.endpoint, run_id=self.work.name,
-                                              nnodes="1:2", log=self.work / f"node-{name}.log", hosts_store=name == "a",
-                                              env=self.env)
+def job_of(work: Path, argv: list[str], local: bool, env: dict[str, str]) -> elastic.Job:
+    node_args = (lambda name: ["--ckpt-local", str(node_dir(work, name))]) if local else None
+    return elastic.Job(argv, work.name, work, node_args=node_args, env=env)
 
-    def wait_for(self, condition: Any, what: str, timeout: float = 1800) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline or any(n.proc.poll() is not None for n in self.nodes.values()):
-                tails = "\n".join(f"--- {n.name}\n{n.log.read_text()[-3000:]}" for n in self.nodes.values())
-                raise RuntimeError(f"recovery benchmark: gave up waiting for {what}\n{tails}")
-            time.sleep(0.05)
 
-    def stop(self) -> None:
-        for node in self.nodes.values():
-            node.kill()
-        for name in self.nodes:
-            shutil.rmtree(self.node_dir(name), ignore_errors=True)
+def stop(job: elastic.Job, work: Path) -> None:
+    job.stop()
+    for name in ("a", "b"):
+        shutil.rmtree(node_dir(work, name), ignore_errors=True)
+
+
+def first_new_step(records: list[dict]) -> dict | None:
+    """The first step the restarted job logged (an old worker may log a step after the kill: it comes before)."""
+    restart = next((i for i, r in enumerate(records) if r.get("event") == "restart"), None)
+    return None if restart is None else next((r for r in records[restart:] if "event" not in r), None)
 
 
 def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str], page_cache: str) -> dict[str, Any]:
@@ -109,9 +99,9 @@ def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str
             "--ckpt-mode", "sync", "--metrics-file", str(metrics)]
     if tier == "hot":
         argv += ["--durable-every", "1000"]
-    job = Job(work, argv, tier == "hot", env)
+    job = job_of(work, argv, tier == "hot", env)
     # (hot: node b's directory, which gets the step only once its replicas are in place and the step is published)
-    storage = LocalStorage(run_directory(str(job.node_dir("b")), url)) if tier == "hot" else open_storage(url)
+    storage = LocalStorage(run_directory(str(node_dir(work, "b")), url)) if tier == "hot" else open_storage(url)
 
     def committed() -> list[int]:
         try:
@@ -122,18 +112,18 @@ def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str
     try:
         job.start("a")
         job.start("b")
-        job.wait_for(lambda: max(committed(), default=0) >= 2, "step 2 committed")
+        job.wait_for(lambda: max(committed(), default=0) >= 2, "step 2 committed", timeout=1800)
         before = [r["step"] for r in read_metrics(metrics) if "event" not in r]
         if tier == "disk":
             drop_page_cache(Path(url), page_cache)
-        killed_at = job.nodes.pop("b").kill()
-        job.wait_for(lambda: any(r.get("event") == "restart" for r in read_metrics(metrics))
-                     and any("event" not in r and r["time"] > killed_at for r in read_metrics(metrics)), "the first new step")
+        killed_at = job.lose("b")
+        job.wait_for(lambda: first_new_step(read_metrics(metrics)) is not None, "the first new step", timeout=1800)
     finally:
-        job.stop()
+        stop(job, work)
     records = read_metrics(metrics)
     restart = next(r for r in records if r.get("event") == "restart")
-    first = next(r for r in records if "event" not in r and r["time"] > killed_at)
+    first = first_new_step(records)
+    assert first is not None
     last_before = max((s for s in before), default=0)
     process_start = first["time"] - restart["time_to_first_step_s"]
     return {
@@ -155,15 +145,13 @@ def overhead(kind: str, work: Path, base: list[str], url: str, steps: int, env: 
         argv += ["--ckpt", url, "--save-interval", "1"]
     if kind == "hot":
         argv += ["--durable-every", "1000"]
-    job = Job(work, argv, kind == "hot", env)
+    job = job_of(work, argv, kind == "hot", env)
     try:
         job.start("a")
         job.start("b")
-        for node in job.nodes.values():
-            if node.wait(3600) != 0:
-                raise RuntimeError(f"the {kind} run failed: see {node.log}")
+        job.wait(3600)
     finally:
-        job.stop()
+        stop(job, work)
     times = [r["step_time_s"] for r in read_metrics(metrics) if "event" not in r and r["step"] > 2]
     return statistics.median(times)
 

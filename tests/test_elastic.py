@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -37,15 +36,6 @@ def hot_steps(node_dir: Path, ckpt: str) -> list[int]:
         return []
 
 
-def wait_until(condition, what: str, nodes: list[elastic.Node], timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline or any(n.proc.poll() is not None for n in nodes):
-            logs = "\n".join(f"--- {n.name}\n{n.log.read_text()[-3000:]}" for n in nodes)
-            raise AssertionError(f"waiting for {what}: timed out or a node ended\n{logs}")
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_path):
     base = ["-m", "trainer", "--config", str(CONFIG), "--steps", str(STEPS)]
@@ -57,26 +47,18 @@ def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_pa
     node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
     argv = [*base, "--layout", "tp2pp2,tp2pp1", "--ckpt", ckpt, "--save-interval", "2", "--durable-every", "3",
             "--metrics-file", str(metrics)]
-    endpoint = elastic.endpoint()
-
-    def node(name: str, directory: Path, hosts: bool) -> elastic.Node:
-        return elastic.start_node(name, [*argv, "--ckpt-local", str(directory)], nproc=2, rdzv_endpoint=endpoint,
-                                  run_id="elastic-test", nnodes="1:2", log=tmp_path / f"{name}.log", hosts_store=hosts)
-
-    a, b = node("a", node_a, True), node("b", node_b, False)
-    nodes = [a, b]
+    job = elastic.Job(argv, "elastic-test", tmp_path, node_args=lambda name: ["--ckpt-local", str(tmp_path / f"node-{name}")])
     try:
-        wait_until(lambda: max(hot_steps(node_b, ckpt), default=0) >= 6, "hot step 6 on node b", nodes)
+        a, b = job.start("a"), job.start("b")
+        job.wait_for(lambda: max(hot_steps(node_b, ckpt), default=0) >= 6, "hot step 6 on node b", timeout=240)
         b_processes = b.processes()
-        b.kill()
+        job.lose("b")
         shutil.rmtree(node_b)  # the lost node's memory goes with it
-        wait_until(lambda: max(hot_steps(node_a, ckpt), default=0) >= 14, "hot step 14 after the shrink", [a])
-        b = node("b2", node_b, False)
-        nodes = [a, b]
-        assert a.wait(600) == 0 and b.wait(600) == 0
+        job.wait_for(lambda: max(hot_steps(node_a, ckpt), default=0) >= 14, "hot step 14 after the shrink", timeout=240)
+        b = job.start("b")
+        job.wait(600)
     finally:
-        for n in nodes:
-            n.kill()
+        job.stop()
 
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     restarts = [r for r in records if r.get("event") == "restart"]

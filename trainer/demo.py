@@ -69,70 +69,40 @@ def read_metrics(path: Path) -> list[dict]:
     return out
 
 
-class Job:
-    """The demo's elastic job: nodes started, lost and brought back."""
-
-    def __init__(self, args: argparse.Namespace, run_dir: Path, ckpt: str):
-        self.args, self.run_dir, self.ckpt = args, run_dir, ckpt
-        self.metrics = run_dir / "metrics.jsonl"
-        self.endpoint = elastic.endpoint()
-        self.nodes: dict[str, elastic.Node] = {}
-        self.argv = ["-m", "trainer", "--config", str(CONFIG), "--layout", args.layouts, "--steps", str(args.steps),
-                     "--ckpt", ckpt, "--save-interval", str(args.save_interval), "--durable-every",
-                     str(args.durable_every), "--metrics-file", str(self.metrics)]
-
-    def node_dir(self, name: str) -> Path:
-        return self.run_dir / f"node-{name}-shm"
-
-    def start(self, name: str) -> None:
-        print(f"== node {name}: a torchrun agent with 2 processes, hot tier in {self.node_dir(name)}", flush=True)
-        self.nodes[name] = elastic.start_node(
-            name, [*self.argv, "--ckpt-local", str(self.node_dir(name))], nproc=2, rdzv_endpoint=self.endpoint,
-            run_id="ucp-demo", nnodes="1:2", log=self.run_dir / f"node-{name}.log", hosts_store=name == "a")
-
-    def hot_steps(self, name: str) -> list[int]:
-        try:
-            return commit.committed_steps(LocalStorage(run_directory(str(self.node_dir(name)), self.ckpt)))
-        except Exception:  # noqa: BLE001 -- a directory being written: nothing to say yet
-            return []
-
-    def wait_for(self, condition, what: str, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            ended = [n for n in self.nodes.values() if n.proc.poll() is not None]
-            if ended or time.monotonic() > deadline:
-                tails = "\n".join(f"--- {n.name}\n{n.log.read_text()[-2000:]}" for n in self.nodes.values())
-                self.kill_all()
-                raise SystemExit(f"the demo stopped while waiting for {what}:\n{tails}")
-            time.sleep(0.1)
-
-    def lose(self, name: str) -> float:
-        killed_at = self.nodes.pop(name).kill()
-        shutil.rmtree(self.node_dir(name), ignore_errors=True)
-        print(f"== node {name} lost: SIGKILL to its agent and processes, its hot tier deleted "
-              f"(hot steps of node a: {self.hot_steps('a')})", flush=True)
-        return killed_at
-
-    def kill_all(self) -> None:
-        for node in self.nodes.values():
-            node.kill()
+def hot_steps(node_dir: Path, ckpt: str) -> list[int]:
+    """The steps committed in a node's hot tier."""
+    try:
+        return commit.committed_steps(LocalStorage(run_directory(str(node_dir), ckpt)))
+    except Exception:  # noqa: BLE001 -- a directory being written: nothing to say yet
+        return []
 
 
 def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
-    job = Job(args, run_dir, ckpt)
-    job.start("a")
-    job.start("b")
+    def node_dir(name: str) -> Path:
+        return run_dir / f"node-{name}-shm"
+
+    argv = ["-m", "trainer", "--config", str(CONFIG), "--layout", args.layouts, "--steps", str(args.steps), "--ckpt", ckpt,
+            "--save-interval", str(args.save_interval), "--durable-every", str(args.durable_every),
+            "--metrics-file", str(run_dir / "metrics.jsonl")]
+    job = elastic.Job(argv, "ucp-demo", run_dir, node_args=lambda name: ["--ckpt-local", str(node_dir(name))])
     try:
-        job.wait_for(lambda: max(job.hot_steps("b"), default=0) >= args.kill_after, f"step {args.kill_after}")
+        for name in ("a", "b"):
+            print(f"== node {name}: a torchrun agent with 2 processes, hot tier in {node_dir(name)}", flush=True)
+            job.start(name)
+        job.wait_for(lambda: max(hot_steps(node_dir("b"), ckpt), default=0) >= args.kill_after, f"step {args.kill_after}")
         lost_at = job.lose("b")
-        job.wait_for(lambda: max(job.hot_steps("a"), default=0) >= args.rejoin_after, f"step {args.rejoin_after}")
+        shutil.rmtree(node_dir("b"), ignore_errors=True)
+        print(f"== node b lost: SIGKILL to its agent and processes, its hot tier deleted (hot steps of node a: "
+              f"{hot_steps(node_dir('a'), ckpt)})", flush=True)
+        job.wait_for(lambda: max(hot_steps(node_dir("a"), ckpt), default=0) >= args.rejoin_after, f"step {args.rejoin_after}")
         rejoined_at = time.time()
+        print(f"== node b is back (empty): a torchrun agent with 2 processes, hot tier in {node_dir('b')}", flush=True)
         job.start("b")
-        for node in job.nodes.values():
-            if node.wait(900) != 0:
-                raise SystemExit(f"node {node.name} failed: see {node.log}")
+        job.wait(900)
+    except RuntimeError as e:
+        raise SystemExit(f"the demo failed: {e}") from None
     finally:
-        job.kill_all()
+        job.stop()
     return {"lost_at": lost_at, "rejoined_at": rejoined_at}
 
 

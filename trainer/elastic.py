@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,3 +113,49 @@ def start_node(name: str, argv: list[str], *, nproc: int, rdzv_endpoint: str, ru
         proc = subprocess.Popen(command, cwd=REPO, env=node_env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     return Node(name, proc, log)
+
+
+class Job:
+    """An elastic job of simulated nodes of `nproc` processes each, started, lost and brought back by name. The
+    first node started hosts the rendezvous store; `node_args(name)` adds per-node arguments (its --ckpt-local)."""
+
+    def __init__(self, argv: list[str], run_id: str, log_dir: Path, *, nproc: int = 2, nnodes: str = "1:2",
+                 node_args: Callable[[str], list[str]] | None = None, env: dict[str, str] | None = None):
+        self.argv, self.run_id, self.log_dir, self.nproc, self.nnodes = argv, run_id, log_dir, nproc, nnodes
+        self.node_args = node_args or (lambda _name: [])
+        self.env = env
+        self.endpoint = endpoint()
+        self.nodes: dict[str, Node] = {}
+        self._host: str | None = None
+
+    def start(self, name: str) -> Node:
+        self._host = self._host or name
+        self.nodes[name] = start_node(name, [*self.argv, *self.node_args(name)], nproc=self.nproc,
+                                      rdzv_endpoint=self.endpoint, run_id=self.run_id, nnodes=self.nnodes,
+                                      log=self.log_dir / f"node-{name}.log", hosts_store=name == self._host, env=self.env)
+        return self.nodes[name]
+
+    def lose(self, name: str) -> float:
+        """Kill node `name` as a power cut would; returns when (time.time())."""
+        return self.nodes.pop(name).kill()
+
+    def wait_for(self, condition: Callable[[], object], what: str, timeout: float = 600) -> None:
+        """Poll `condition` until it holds; a node that ends meanwhile, or the timeout, raises with the logs."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline or any(n.proc.poll() is not None for n in self.nodes.values()):
+                raise RuntimeError(f"gave up waiting for {what}:\n{self.tails()}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> None:
+        """Wait for every node to finish; raise with the logs if one failed."""
+        for node in self.nodes.values():
+            if node.wait(timeout) != 0:
+                raise RuntimeError(f"node {node.name} failed:\n{self.tails()}")
+
+    def tails(self) -> str:
+        return "\n".join(f"--- node {n.name}\n{n.log.read_text()[-3000:]}" for n in self.nodes.values())
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.kill()

@@ -52,6 +52,7 @@ from .errors import CheckpointNotFoundError, FormatError, IntegrityError, Storag
 from .format import ZARR_JSON, AtomMeta, StepManifest, chunk_indices
 from .session import SaveSession, ensure_root
 from .storage import Buffer, IOStats, LocalStorage, Storage
+from .workpool import pack
 
 log = logging.getLogger("ucp")
 
@@ -157,18 +158,6 @@ def _unpack(buf: torch.Tensor) -> tuple[dict[str, memoryview], bool]:
     return out, header["more"]
 
 
-def _batches(sizes: dict[str, int], limit: int) -> list[list[str]]:
-    out: list[list[str]] = [[]]
-    used = 0
-    for key, n in sizes.items():
-        if out[-1] and used + n > limit:
-            out.append([])
-            used = 0
-        out[-1].append(key)
-        used += n
-    return out
-
-
 def send_rounds(comm: Comm, sends: dict[int, list[list[Item]]], receives: Iterable[int],
                 on_receive: Callable[[int, dict[str, memoryview]], None]) -> None:
     """Point-to-point transfers in rounds: `sends[peer]` is this rank's batches for `peer` (each a list of items
@@ -262,7 +251,7 @@ class HotTier:
                 received += data.nbytes
 
         batches = [[from_storage(self.storage, k, objects[k][0]) for k in keys]
-                   for keys in _batches({k: s[0] for k, s in objects.items()}, self.transfer_bytes)]
+                   for keys in pack({k: s[0] for k, s in objects.items()}, self.transfer_bytes)]
         send_rounds(self.comm, {buddy: batches} if buddy is not None else {}, self.nodes.senders_to(self.rank), keep)
         self.storage.flush()
         return received
@@ -345,7 +334,7 @@ class HotTier:
                 elif rank == self.rank:
                     receives.add(server)
         fetched: dict[str, bytes] = {}
-        sends = {peer: [[from_storage(self.storage, k, sizes[k]) for k in keys] for keys in _batches(sizes, self.transfer_bytes)]
+        sends = {peer: [[from_storage(self.storage, k, sizes[k]) for k in keys] for keys in pack(sizes, self.transfer_bytes)]
                  for peer, sizes in serve.items()}
         send_rounds(self.comm, sends, receives, lambda _peer, items: fetched.update((k, bytes(v)) for k, v in items.items()))
         my_node = self.nodes.node_of[self.rank]

@@ -1,12 +1,27 @@
 """Many small IO tasks on a thread pool: batched so that per-task overhead does not dominate small objects,
-cancelled together when one fails."""
+cancelled together when one fails; and keys packed into groups of bounded bytes."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TypeVar
 
 Call = Callable[[], object]
+K = TypeVar("K", bound=Hashable)
+
+
+def pack(sizes: Mapping[K, int], limit: int) -> list[list[K]]:
+    """Consecutive keys packed into groups of at most `limit` bytes (a key larger than that gets a group alone)."""
+    groups: list[list[K]] = [[]]
+    used = 0
+    for key, n in sizes.items():
+        if groups[-1] and used + n > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(key)
+        used += n
+    return [g for g in groups if g]
 
 
 def chain(calls: Sequence[Call]) -> Call:

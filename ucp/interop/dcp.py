@@ -44,11 +44,11 @@ from ucp.interop.streaming import (
     DEFAULT_WORKERS,
     group_limit,
     nbytes,
-    pack,
     progress_bar,
     save_atoms,
 )
 from ucp.layout import Layout
+from ucp.workpool import pack
 
 METADATA = ".metadata"
 _META_MODULE = "torch.distributed.checkpoint.metadata"

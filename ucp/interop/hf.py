@@ -39,12 +39,12 @@ from ucp.interop.streaming import (
     DEFAULT_WORKERS,
     group_limit,
     nbytes,
-    pack,
     pipelined,
     progress_bar,
     save_atoms,
 )
 from ucp.layout import Layout
+from ucp.workpool import pack
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -55,10 +55,11 @@ from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer, write_optimizer
 from ucp.interop.staging import staged_dir
-from ucp.interop.streaming import group_limit, pack, save_atoms
+from ucp.interop.streaming import group_limit, save_atoms
 from ucp.interop.torch_file import Deferred, TorchFile
 from ucp.layout import Layout
 from ucp.reshard import LocalTensor, Piece, local_plan, owned_pieces, put_local
+from ucp.workpool import pack
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"

@@ -40,19 +40,6 @@ def group_limit(memory_budget: int) -> int:
     return max(1, memory_budget // 4)
 
 
-def pack(sizes: Mapping[K, int], limit: int) -> list[list[K]]:
-    """Consecutive keys packed into groups of at most `limit` bytes (a key larger than that gets a group alone)."""
-    groups: list[list[K]] = [[]]
-    used = 0
-    for key, n in sizes.items():
-        if groups[-1] and used + n > limit:
-            groups.append([])
-            used = 0
-        groups[-1].append(key)
-        used += n
-    return [g for g in groups if g]
-
-
 def pipelined(loads: Sequence[Callable[[], T]], consume: Callable[[T], None]) -> None:
     """consume(load()) for each load in order, the next load running in a background thread meanwhile: at most
     two results are alive at once (the one consumed and the one being loaded)."""
