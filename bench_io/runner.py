@@ -123,6 +123,7 @@ def measure(method: Method, state: SyntheticState, target: Target, repeat: int, 
     directory = target.workdir(f"{state.name}-{method.name}")
     try:
         if method.paired_copy:
+            plain_copy_s(state)  # warm (allocator, page faults): the first copy of a state is slower than the rest
             m.copy_s = plain_copy_s(state)
         with PeakRSS() as rss:
             t0 = time.perf_counter()
@@ -156,23 +157,27 @@ class Plan:
     repeats: int
     cache_mode: str = "auto"
     io_threads: int = 16
+    local_only: frozenset[str] = frozenset()  # states not run on remote targets (the many-small-tensors ones)
 
-    def cells(self, names: list[str]) -> list[tuple[int, str]]:
+    def cells(self, names: list[str], state: str | None = None) -> list[tuple[int, str]]:
         """(target index, method) pairs to run for one state: storage methods on every target that supports
-        them, in-memory baselines (the plain copy) once, on the first target."""
+        them (remote ones unless the state is local-only), in-memory baselines (the plain copy) once, first."""
         out = []
         for i, target in enumerate(self.targets):
+            remote = is_remote(target.root)
+            if remote and state in self.local_only:
+                continue
             for name in names:
                 cls = METHODS[name]
                 if not cls.storage:
                     if i == 0:
                         out.append((i, name))
-                elif cls.remote or not is_remote(target.root):
+                elif cls.remote or not remote:
                     out.append((i, name))
         return out
 
     def count(self) -> int:
-        return self.repeats * sum(len(self.cells(methods)) for _, methods in self.runs)
+        return self.repeats * sum(len(self.cells(methods, state.name)) for state, methods in self.runs)
 
 
 def run(plan: Plan, progress: Callable[[int, int, Measurement], None] | None = None) -> list[Measurement]:
@@ -181,7 +186,7 @@ def run(plan: Plan, progress: Callable[[int, int, Measurement], None] | None = N
     total = plan.count()
     for repeat in range(plan.repeats):
         for state, names in plan.runs:
-            for i, name in plan.cells(names):
+            for i, name in plan.cells(names, state.name):
                 m = measure(methods[name], state, plan.targets[i], repeat, plan.cache_mode)
                 results.append(m)
                 if progress:

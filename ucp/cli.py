@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -75,6 +76,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints: inspect, verify, convert, export, import, demo, benchmark.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="on an error, print its traceback (with its cause) after the one-line message")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="show a step: format version, layout, atoms and totals")
@@ -106,11 +109,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.verbose:  # what the library logs (the `ucp` logger: silent by default), on stderr
+        import logging
+
+        logging.basicConfig(format="ucp: %(levelname)s %(message)s", level=logging.WARNING)
+        logging.getLogger("ucp").setLevel(logging.INFO)
     try:
         return args.func(args)
     except UcpError as e:
         print(f"ucp: error: {e}", file=sys.stderr)
+        if args.verbose:
+            import traceback
+
+            traceback.print_exception(e)
         return 1
+    except BrokenPipeError:  # `ucp inspect ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        return 0
 
 
 if __name__ == "__main__":

@@ -163,6 +163,18 @@ def committed_steps(storage: Storage) -> list[int]:
     return out
 
 
+def _foreign_hint(storage: Storage) -> str:
+    """What another framework's checkpoint at `storage` looks like to ucp, with the command that reads it."""
+    names = set(storage.listdir(""))
+    if "latest_checkpointed_iteration.txt" in names or any(n.startswith(("iter_", "mp_rank_")) for n in names):
+        return ": this is a Megatron-LM checkpoint; make a ucp one with `ucp convert SRC DST --from LAYOUT --to universal`"
+    if ".metadata" in names:
+        return ": this is a PyTorch DCP checkpoint; import it with `ucp import SRC DST --from dcp`"
+    if "config.json" in names and any(n.endswith(".safetensors") for n in names):
+        return ": this is a Hugging Face model; import it with `ucp import SRC DST --from hf`"
+    return ""
+
+
 def resolve_step(storage: Storage, step: int | str | None) -> tuple[int, CommitRecord]:
     """The committed step that `step` ('latest', None or a number) names, with its commit record."""
     if not storage.root_exists():
@@ -172,7 +184,7 @@ def resolve_step(storage: Storage, step: int | str | None) -> tuple[int, CommitR
         committed = committed_steps(storage)
         if not committed:
             pending = f" (uncommitted steps present: {all_steps}; an interrupted save?)" if all_steps else ""
-            raise CheckpointNotFoundError(f"no committed ucp checkpoint at {storage.url}{pending}")
+            raise CheckpointNotFoundError(f"no committed ucp checkpoint at {storage.url}{pending}{_foreign_hint(storage)}")
         step = committed[-1]
     if isinstance(step, bool) or not isinstance(step, (int, str)) or not str(step).isdigit():
         raise CheckpointNotFoundError(f"step must be a non-negative integer or 'latest', got {step!r:.80}")

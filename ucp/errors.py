@@ -42,6 +42,18 @@ class StorageError(UcpError):
     or refusing object store, a path that is not a regular file or that passes through a symbolic link."""
 
 
+class StorageAuthError(StorageError):
+    """The store refused the credentials it was given, or none were found."""
+
+
+class StorageUnreachableError(StorageError):
+    """The store's endpoint could not be reached (connection refused or timed out, after the retries)."""
+
+
+class BucketNotFoundError(StorageError):
+    """The bucket that the URL names does not exist (ucp never creates buckets)."""
+
+
 class NotAFileError(StorageError):
     """Where an object should be, the local file system has something else (a FIFO, a device, a symbolic link):
     ucp never opens it, so it can neither hang a read nor redirect one."""

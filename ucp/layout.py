@@ -56,7 +56,9 @@ class Layout:
             raise LayoutError(f"layout {self._raw()}: vpp={self.vpp} needs pp > 1")
 
     def _raw(self) -> str:
-        return f"tp{self.tp}pp{self.pp}vpp{self.vpp}ep{self.ep}dp{self.dp}zero{self.zero}"
+        """The layout as it was asked for, valid or not: its string form with every degree that is not 1."""
+        extra = "".join(f"{name}{getattr(self, name)}" for name in ("vpp", "ep", "dp") if getattr(self, name) != 1)
+        return f"tp{self.tp}pp{self.pp}{extra}" + (f"zero{self.zero}" if self.zero != 0 else "")
 
     def __str__(self) -> str:
         s = f"tp{self.tp}pp{self.pp}"

@@ -27,7 +27,16 @@ from typing import Any
 
 import fsspec
 
-from .errors import CheckpointNotFoundError, NotAFileError, StateError, StorageError, UcpError
+from .errors import (
+    BucketNotFoundError,
+    CheckpointNotFoundError,
+    NotAFileError,
+    StateError,
+    StorageAuthError,
+    StorageError,
+    StorageUnreachableError,
+    UcpError,
+)
 
 Buffer = bytes | bytearray | memoryview
 log = logging.getLogger("ucp")
@@ -388,7 +397,7 @@ class FsspecStorage(Storage):
         return f"{self.root}/{check_relative_key(key)}" if key else self.root
 
     def _error(self, doing: str, key: str, e: BaseException) -> StorageError:
-        return StorageError(f"cannot {doing} {self.url.rstrip('/')}/{key}: {type(e).__name__}: {e}")
+        return storage_error(f"cannot {doing} {self.url.rstrip('/')}/{key}", e, self.fs)
 
     @property
     def _protocols(self) -> tuple[str, ...]:
@@ -406,6 +415,9 @@ class FsspecStorage(Storage):
             self.fs.pipe_file(self._path(key), bytes(data))
         except UcpError:
             raise
+        except FileNotFoundError as e:  # a write creates any key: what is missing is the bucket
+            raise BucketNotFoundError(f"cannot write {self.url.rstrip('/')}/{key}: the bucket does not exist; create it "
+                                      "first (ucp never creates buckets)") from e
         except Exception as e:
             raise self._error("write", key, e) from e
         self.stats.record_write(key, len(data))
@@ -473,15 +485,72 @@ class FsspecStorage(Storage):
             raise self._error("delete", key, e) from e
 
     def root_exists(self) -> bool:
-        if self.fs.protocol in ("s3", "s3a") or "s3" in (self.fs.protocol or ()):
-            return True  # object stores have no directories: an empty prefix is simply empty
-        return bool(self.fs.exists(self.root))
+        if {"s3", "s3a"} & set(self._protocols):
+            # Object stores have no directories: an empty prefix is simply empty. But its bucket must exist.
+            bucket = self.root.split("/", 1)[0]
+            try:
+                self.fs.call_s3("head_bucket", Bucket=bucket)  # (exists() would take a refused key for no bucket)
+            except FileNotFoundError:
+                raise BucketNotFoundError(f"no ucp checkpoint at {self.url}: the bucket {bucket!r} does not exist; "
+                                          "create it first (ucp never creates buckets)") from None
+            except Exception as e:
+                raise storage_error(f"cannot look up {self.url}", e, self.fs) from e
+            return True
+        try:
+            return bool(self.fs.exists(self.root))
+        except Exception as e:
+            raise storage_error(f"cannot look up {self.url}", e, self.fs) from e
 
     def for_writer_process(self) -> Storage | None:
         return self if type(self) is FsspecStorage and "memory" not in self._protocols else None
 
     def __reduce__(self) -> tuple:
         return (FsspecStorage, (self.fs, self.root, self.url))
+
+
+# What the exceptions of botocore, aiobotocore, aiohttp, s3fs and the OS mean, by name (none of them is imported
+# here: a local checkpoint never loads an S3 client).
+_AUTH = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "InvalidAccessKeyId",
+         "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken", "ProfileNotFound"}
+_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
+                "ClientConnectorError", "ServerDisconnectedError", "ProxyConnectionError", "ConnectionRefusedError"}
+_CREDENTIALS_HINT = ("give them as -o key=... -o secret=... (storage_options), in AWS_ACCESS_KEY_ID and "
+                     "AWS_SECRET_ACCESS_KEY, or as an AWS profile (-o profile=NAME)")
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while e is not None and e not in out and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return out
+
+
+def storage_error(what: str, e: BaseException, fs: Any = None) -> StorageError:
+    """The one place where a storage library's exception becomes a ucp error: the kind of failure (credentials,
+    an unreachable endpoint, a missing bucket, anything else), `what` was being done, the cause in one line; the
+    original is kept as `__cause__` by the caller's `raise ... from e`."""
+    endpoint = getattr(getattr(fs, "client_kwargs", None), "get", lambda _k: None)("endpoint_url") or getattr(fs, "endpoint_url", None)
+    where = f" ({endpoint})" if endpoint else ""
+    cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    for exc in _chain(e):
+        name, text = type(exc).__name__, str(exc)
+        if name in _AUTH or isinstance(exc, PermissionError) or any(code in text for code in _AUTH):
+            return StorageAuthError(f"{what}: the store{where} refused the credentials, or found none ({cause}); {_CREDENTIALS_HINT}")
+        if name in _UNREACHABLE or isinstance(exc, (ConnectionRefusedError, TimeoutError)):
+            return StorageUnreachableError(f"{what}: the endpoint{where} cannot be reached after {S3_ATTEMPTS} attempts "
+                                           f"({cause})")
+        if name == "NoSuchBucket" or "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+            return BucketNotFoundError(f"{what}: the bucket does not exist{where}; create it first (ucp never "
+                                       "creates buckets)")
+    return StorageError(f"{what}: {cause}")
+
+
+# A request that fails to connect is tried this many times in all (botocore's standard retry mode, whose backoff
+# is exponential with jitter, at most 20 s between attempts), each connect waiting at most S3_CONNECT_TIMEOUT_S:
+# an unreachable endpoint fails a command within about 30 s. s3fs retries throttling ("SlowDown") on its own.
+S3_ATTEMPTS = 3
+S3_CONNECT_TIMEOUT_S = 10
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsync: bool = True) -> Storage:
@@ -502,6 +571,8 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsy
         options.setdefault("use_listings_cache", False)
         config = dict(options.pop("config_kwargs", {}) or {})
         config.setdefault("max_pool_connections", 64)  # botocore's default pool of 10 caps concurrency
+        config.setdefault("retries", {"max_attempts": S3_ATTEMPTS, "mode": "standard"})
+        config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
         options["config_kwargs"] = config
         if "endpoint_url" not in options and os.environ.get("AWS_ENDPOINT_URL"):
             options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]

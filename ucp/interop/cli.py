@@ -55,8 +55,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                      iteration=args.iteration, memory_budget=args.memory_budget, workers=args.workers,
                      vocab_size=args.vocab_size,
                      storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress)
-    print(f"converted {report.atoms} atoms ({report.bytes_written / 2**20:.1f} MiB) "
-          f"from {report.source} to {report.destination}")
+    print(f"converted {report.atoms} atoms from {args.from_} to {args.to}: {report.files} files, "
+          f"{report.bytes_written / 2**20:.1f} MiB written (a tensor that several ranks hold is in each of their files)")
     if report.dropped:
         print(f"not carried: {', '.join(report.dropped)}")
     return 0
