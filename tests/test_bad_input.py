@@ -187,3 +187,20 @@ def test_bad_cli_arguments(ckpt):
     assert_cli_error(run_cli("inspect", str(root), "--step", "three"), "--step")
     assert_cli_error(run_cli("inspect", str(root), "-o", "novalue"), "KEY=VALUE")
     assert run_cli("nosuchcommand").returncode == 2
+
+
+def test_another_frameworks_checkpoint_gets_the_command_that_reads_it(tmp_path):
+    megatron = tmp_path / "megatron"
+    (megatron / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
+    (megatron / "latest_checkpointed_iteration.txt").write_text("10")
+    assert_cli_error(run_cli("inspect", str(megatron)), "Megatron-LM checkpoint", "ucp convert")
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"x")
+    assert_cli_error(run_cli("verify", str(dcp)), "DCP checkpoint", "ucp import")
+
+
+def test_a_bad_layout_is_named_as_written(tmp_path):
+    result = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--from", "tp0pp4", "--to", "tp2")
+    assert_cli_error(result, "tp0pp4")
+    assert "vpp1" not in result.stderr and "zero0" not in result.stderr
