@@ -115,6 +115,10 @@ class Checkpointer:
             "scheduler": {"kind": "linear_warmup_cosine", "step": t.optimizer.step,
                           "last_lr": lr_at(t.optimizer.step, self.cfg.optim)},
             "config": self.cfg.to_dict(),
+            # what changes the model's computation beyond its shapes, by the names an HF export writes them under
+            "hf_config": {"rope_theta": self.cfg.model.rope_theta, "rms_norm_eps": self.cfg.model.rms_norm_eps,
+                          "router_aux_loss_coef": self.cfg.model.router_aux_loss_coef,
+                          "initializer_range": self.cfg.model.init_std},
             "rng": rng_state(),
         }
         handle = self.manager.save_sharded(step, t.local_state(), self.model, extra=extra)

@@ -36,6 +36,7 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
     return {
         "url": reader.storage.url,
         "step": reader.step,
+        "model": model_summary(reader),
         "format_version": reader.manifest.format_version,
         "layout": reader.manifest.layout,
         "created_at": reader.manifest.created_at,
@@ -44,6 +45,44 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
         "atoms": atoms,
         "totals": {"atoms": len(atoms), "bytes": sum(a["bytes"] for a in atoms), "chunks": sum(a["chunks"] for a in atoms)},
     }
+
+
+def _json_at(tree: Any, *keys: str) -> Any:
+    """A JSON value in the state tree (no atom is read), or None."""
+    node = tree
+    for i, key in enumerate(keys):
+        if isinstance(node, dict) and isinstance(node.get("value"), dict):  # a JSON subtree stored whole
+            value = node["value"]
+            for k in keys[i:]:
+                value = value.get(k) if isinstance(value, dict) else None
+            return value
+        body = node.get("dict") if isinstance(node, dict) else None
+        if not isinstance(body, dict) or key not in body:
+            return None
+        node = body[key]
+    return node.get("value") if isinstance(node, dict) else None
+
+
+def model_summary(reader: CheckpointReader) -> dict[str, Any] | None:
+    """The model family, its config and the Hugging Face fields carried beside it, for checkpoints that hold one."""
+    config = _json_at(reader.manifest.tree, "model_config")
+    if not isinstance(config, dict):
+        return None
+    hf = _json_at(reader.manifest.tree, "extra", "hf_config")
+    return {"family": config.get("family"), "config": {k: v for k, v in config.items() if k != "family"},
+            "hf_config": hf if isinstance(hf, dict) else {}}
+
+
+def _model_line(model: dict[str, Any] | None) -> list[str]:
+    if model is None:
+        return []
+    c, hf = model["config"], model["hf_config"]
+    shape = ", ".join(f"{k} {c[k]}" for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                                              "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "vocab_size") if k in c)
+    rope = (hf.get("rope_parameters") or {}).get("rope_theta") if isinstance(hf.get("rope_parameters"), dict) else hf.get("rope_theta")
+    more = {"rope_theta": rope, **{k: hf.get(k) for k in ("rms_norm_eps", "max_position_embeddings", "sliding_window")}}
+    extras = ", ".join(f"{k} {v}" for k, v in more.items() if v is not None)
+    return [f"model       {model['family']}: {shape}" + (f"; {extras}" if extras else "")]
 
 
 def _human(n: int) -> str:
@@ -60,6 +99,7 @@ def format_table(info: dict[str, Any]) -> str:
         f"step        {info['step']}",
         f"format      UCP {info['format_version']}  (written by {info['writer'] or 'unknown'}, committed {info['committed_at']})",
         f"layout      {info['layout'] or '-'}",
+        *_model_line(info.get("model")),
         "",
     ]
     header = ("atom", "role", "shape", "dtype", "bytes", "chunks")

@@ -37,7 +37,7 @@ from ucp.distributed import AtomKey, ShardedModel, atom_path, model_config_of
 from ucp.families import MixtralConfig, canonical_atoms
 from ucp.interop.dtypes import parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.hf import ucp_config_from_hf
+from ucp.interop.hf import hf_config_from_ucp, stored_hf_config, ucp_config_from_hf
 from ucp.interop.staging import staged_dir
 from ucp.interop.streaming import (
     DEFAULT_MEMORY_BUDGET,
@@ -216,13 +216,14 @@ class DcpImportReport:
     skipped: tuple[str, ...]  # entries left behind (0-d optimizer entries such as step, param_groups, non-tensors)
 
 
-def _config(config: MixtralConfig | str | Path | None, root: Path) -> MixtralConfig:
+def _config(config: MixtralConfig | str | Path | None, root: Path) -> tuple[MixtralConfig, dict[str, Any]]:
+    """The model config, and the Hugging Face fields it does not model (carried as the checkpoint's hf_config)."""
     if isinstance(config, MixtralConfig):
-        return config
+        return config, {}
     path = Path(config) if config is not None else root / "config.json"
     if not path.is_file():
         raise InteropError(f"DCP checkpoints carry no model config: give one (a Hugging Face config.json); {path} does not exist")
-    return ucp_config_from_hf(json.loads(path.read_text()), str(path))[0]
+    return ucp_config_from_hf(json.loads(path.read_text()), str(path))
 
 
 def _check_shapes(targets: list[_Target], config: MixtralConfig, where: str) -> None:
@@ -260,7 +261,7 @@ def import_dcp(src_dir: str | Path, url: str, *, config: MixtralConfig | str | P
     fit `memory_budget` (a DCP tensor is loaded whole: fused experts are one tensor per layer)."""
     root = Path(src_dir)
     metadata = read_metadata(root)
-    cfg = _config(config, root)
+    cfg, hf_fields = _config(config, root)
     targets, skipped = plan_import(metadata, cfg, str(root))
     _check_shapes(targets, cfg, str(root))
     states = tuple(sorted({t.state for t in targets if t.state is not None}))
@@ -270,7 +271,7 @@ def import_dcp(src_dir: str | Path, url: str, *, config: MixtralConfig | str | P
     sizes = {t.fqn: math.prod(t.shape) * metadata.state_dict_metadata[t.fqn].properties.dtype.itemsize for t in targets}
     groups = pack(sizes, group_limit(memory_budget))
     loads = [functools.partial(_load_targets, root, metadata, [by_fqn[f] for f in g], cfg) for g in groups]
-    extra = {"source": {"format": "dcp", "path": str(root.absolute())}}
+    extra = {"hf_config": hf_fields, "source": {"format": "dcp", "path": str(root.absolute())}}
     written = save_atoms(url, loads, step=step, model=ShardedModel(cfg, Layout(), optim_states=states), dtype_of=dtype_of,
                          extra=extra, storage_options=storage_options, workers=workers, progress=progress)
     return DcpImportReport(step, len(canonical_atoms(cfg)), written, states, tuple(skipped))
@@ -328,4 +329,7 @@ def export_dcp(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None
         # staged_dir fsyncs every file before it publishes the directory
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, sync_files=False, thread_count=threads)
         dcp.save(placeholders, storage_writer=writer, planner=_atom_reading_planner(reader, cast, bar), no_dist=True)
+        # DCP has no place for a model's config: a config.json beside its files carries it (what import reads)
+        config_dtype = cast or dtypes.torch_dtype(next(iter(metas.values())).dtype)
+        (tmp / "config.json").write_text(json.dumps(hf_config_from_ucp(config, stored_hf_config(reader), config_dtype), indent=2) + "\n")
     return DcpExportReport(len(placeholders), written)

@@ -184,7 +184,7 @@ def export_hf(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None 
     sizes = {n: m.nbytes // m.itemsize * out_dtype.itemsize for n, m in metas.items()}
     files = pack(sizes, max_shard_bytes)
     limit = group_limit(memory_budget)
-    hf_extra = _hf_extra(reader)
+    hf_extra = stored_hf_config(reader)
     weight_map: dict[str, str] = {}
     with staged_dir(out_dir) as tmp, progress_bar(sum(sizes.values()), "export hf", progress) as bar:
         for k, file_names in enumerate(files):
@@ -213,7 +213,8 @@ def _torch_dtype_of(zarr_name: str) -> torch.dtype:
     return dtypes.torch_dtype(zarr_name)
 
 
-def _hf_extra(reader: Any) -> dict[str, Any] | None:
+def stored_hf_config(reader: Any) -> dict[str, Any] | None:
+    """The Hugging Face config fields a checkpoint carries beside its model config (its extra state's hf_config)."""
     hf = extra_state(reader).get("hf_config")
     return hf if isinstance(hf, dict) else None
 

@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import enum
 import functools
 import io
+import json
 import math
 import pickle
 import re
@@ -224,9 +225,47 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
         tie_word_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
         make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
     )
-    hf = {"rope_theta": float(_arg(args, "rotary_base", 10000)), "rms_norm_eps": float(_arg(args, "norm_epsilon", 1e-5)),
-          "max_position_embeddings": int(_arg(args, "max_position_embeddings", 4096))}
-    return config, hf
+    return config, hf_fields_from_args(args, where)
+
+
+# Hugging Face config fields that Megatron's args carry, by their Megatron names (RoPE's base is handled apart: HF
+# keeps it as rope_theta or, with transformers >= 5, in rope_parameters).
+_HF_ARGS = {"rms_norm_eps": "norm_epsilon", "max_position_embeddings": "max_position_embeddings",
+            "router_aux_loss_coef": "moe_aux_loss_coeff"}
+# Where a Megatron checkpoint written by ucp keeps the whole Hugging Face config, JSON in one string argument, so
+# that what Megatron's args have no name for (token ids, sliding window, router jitter, ...) comes back too.
+HF_CONFIG_ARG = "ucp_hf_config"
+
+
+def rope_theta(hf: Mapping[str, Any]) -> float | None:
+    """RoPE's base in an HF config, in either spelling."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    return float(hf["rope_theta"]) if hf.get("rope_theta") is not None else None
+
+
+def hf_fields_from_args(args: Any, where: str) -> dict[str, Any]:
+    """The model's HF config fields as Megatron's args say them: the HF config a ucp export stored in the args, with
+    what the args themselves set (RoPE base, norm epsilon, positions, router loss) over it."""
+    hf: dict[str, Any] = {}
+    stored = _arg(args, HF_CONFIG_ARG)
+    if stored is not None:
+        try:
+            hf = json.loads(stored)
+        except (TypeError, ValueError):
+            raise InteropError(f"{where}: args.{HF_CONFIG_ARG} is not JSON") from None
+        if not isinstance(hf, dict):
+            raise InteropError(f"{where}: args.{HF_CONFIG_ARG} is not a JSON object")
+    base = float(_arg(args, "rotary_base", 10000))  # (Megatron's default)
+    if isinstance(hf.get("rope_parameters"), dict):
+        hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": base}
+    else:
+        hf["rope_theta"] = base
+    for hf_name, name in _HF_ARGS.items():
+        if _arg(args, name) is not None:
+            hf[hf_name] = _arg(args, name)
+    return hf
 
 
 def args_for(config: MixtralConfig, layout: Layout, base: Any = None, hf: Mapping[str, Any] | None = None) -> argparse.Namespace:
@@ -240,7 +279,10 @@ def args_for(config: MixtralConfig, layout: Layout, base: Any = None, hf: Mappin
         moe_router_topk=config.num_experts_per_tok, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
         position_embedding_type="rope", untie_embeddings_and_output_weights=not config.tie_word_embeddings,
         vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-        rotary_base=(hf or {}).get("rope_theta", 10000), norm_epsilon=(hf or {}).get("rms_norm_eps", 1e-5))
+        rotary_base=rope_theta(hf or {}) or 10000, norm_epsilon=(hf or {}).get("rms_norm_eps", 1e-5),
+        **{name: hf[hf_name] for hf_name, name in _HF_ARGS.items() if hf_name != "rms_norm_eps" and hf_name in (hf or {})})
+    if hf is not None:
+        out.ucp_hf_config = json.dumps(hf, sort_keys=True)  # everything, for the way back (HF_CONFIG_ARG)
     m = config.make_vocab_size_divisible_by * layout.tp
     out.padded_vocab_size = -(-config.vocab_size // m) * m
     out.tensor_model_parallel_size = layout.tp
