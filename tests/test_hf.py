@@ -194,11 +194,16 @@ def test_import_fused_expert_files_atom_by_atom(tmp_path):
 
 
 def test_import_refuses_another_architecture_and_writes_nothing(tmp_path):
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
-    llama.save_pretrained(tmp_path / "llama")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+    gpt2.save_pretrained(tmp_path / "gpt2")
     url = tmp_path / "ucp"
-    with pytest.raises(SourceMismatchError, match="model_type='llama'"):
+    with pytest.raises(SourceMismatchError, match="model_type='gpt2'.*ucp imports Hugging Face mixtral.*llama.*qwen3"):
+        import_hf(tmp_path / "gpt2", str(url))
+    assert not url.exists()
+    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, mlp_bias=True)  # a setting whose weights have no atom
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
+    with pytest.raises(SourceMismatchError, match="mlp_bias=True"):
         import_hf(tmp_path / "llama", str(url))
     assert not url.exists()
 

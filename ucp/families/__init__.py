@@ -6,14 +6,16 @@ from typing import Any
 
 from ucp.errors import UcpError
 from ucp.families import table
+from ucp.families.llama import FAMILY as LLAMA
+from ucp.families.llama import LlamaConfig
 from ucp.families.mixtral import FAMILY as MIXTRAL
 from ucp.families.mixtral import MixtralConfig
 from ucp.families.table import Family, Rule
 from ucp.partition import PartitionSpec
 
-FAMILIES: dict[str, Family] = {MIXTRAL.name: MIXTRAL}
+FAMILIES: dict[str, Family] = {MIXTRAL.name: MIXTRAL, LLAMA.name: LLAMA}
 
-__all__ = ["FAMILIES", "Family", "MixtralConfig", "Rule", "canonical_atoms", "family_for"]
+__all__ = ["FAMILIES", "Family", "LlamaConfig", "MixtralConfig", "Rule", "canonical_atoms", "family_for"]
 
 
 def family_for(config: Any) -> Family:

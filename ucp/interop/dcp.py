@@ -34,7 +34,7 @@ import torch
 from ucp import dtypes
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.distributed import AtomKey, ShardedModel, atom_path, model_config_of
-from ucp.families import MixtralConfig, canonical_atoms
+from ucp.families import canonical_atoms, family_for
 from ucp.interop.dtypes import parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.hf import hf_config_from_ucp, stored_hf_config, ucp_config_from_hf
@@ -137,7 +137,7 @@ class _Target:
     state: str | None = None
 
 
-def _map_name(name: str, config: MixtralConfig, atoms: set[str]) -> tuple[str, ...] | None:
+def _map_name(name: str, config: Any, atoms: set[str]) -> tuple[str, ...] | None:
     if name in atoms:
         return (name,)
     if m := _ROUTER.fullmatch(name):
@@ -153,12 +153,12 @@ def _map_name(name: str, config: MixtralConfig, atoms: set[str]) -> tuple[str, .
     return None
 
 
-def _map_param(fqn: str, config: MixtralConfig, atoms: set[str]) -> tuple[str, ...] | None:
+def _map_param(fqn: str, config: Any, atoms: set[str]) -> tuple[str, ...] | None:
     mapped = _map_name(fqn, config, atoms)
     return mapped if mapped is not None else _map_name(fqn.removeprefix("model."), config, atoms)
 
 
-def plan_import(metadata: Any, config: MixtralConfig, where: str) -> tuple[list[_Target], list[str]]:
+def plan_import(metadata: Any, config: Any, where: str) -> tuple[list[_Target], list[str]]:
     """Which DCP tensors make which atoms (parameters, and per-element optimizer states present for every
     parameter); unmappable tensors are an error naming them."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -183,7 +183,7 @@ def plan_import(metadata: Any, config: MixtralConfig, where: str) -> tuple[list[
         elif mapped:
             targets.append(_Target(fqn, tuple(md.size), mapped))
     if unmapped:
-        raise SourceMismatchError(f"{where} holds tensors ucp cannot map to Mixtral atoms: {unmapped[:5]}"
+        raise SourceMismatchError(f"{where} holds tensors ucp cannot map to {family_for(config).name.capitalize()} atoms: {unmapped[:5]}"
                                   f"{' ...' if len(unmapped) > 5 else ''}")
     covered = {a for t in targets for a in t.atoms}
     missing = [a for a in canonical_atoms(config) if a not in covered]
@@ -195,7 +195,7 @@ def plan_import(metadata: Any, config: MixtralConfig, where: str) -> tuple[list[
     return targets + [t for t in optim if t.state in complete], skipped
 
 
-def _split(target: _Target, tensor: torch.Tensor, config: MixtralConfig) -> dict[str, torch.Tensor]:
+def _split(target: _Target, tensor: torch.Tensor, config: Any) -> dict[str, torch.Tensor]:
     if len(target.atoms) == 1:
         return {target.atoms[0]: tensor}
     if target.atoms[0].endswith(".w1.weight"):  # gate_up_proj: per expert [w1; w3]
@@ -216,9 +216,10 @@ class DcpImportReport:
     skipped: tuple[str, ...]  # entries left behind (0-d optimizer entries such as step, param_groups, non-tensors)
 
 
-def _config(config: MixtralConfig | str | Path | None, root: Path) -> tuple[MixtralConfig, dict[str, Any]]:
-    """The model config, and the Hugging Face fields it does not model (carried as the checkpoint's hf_config)."""
-    if isinstance(config, MixtralConfig):
+def _config(config: Any, root: Path) -> tuple[Any, dict[str, Any]]:
+    """The family config (given, or from a Hugging Face config.json: `config` names one, else the checkpoint's own),
+    and the Hugging Face fields it does not model (carried as the checkpoint's hf_config)."""
+    if config is not None and not isinstance(config, (str, Path)):
         return config, {}
     path = Path(config) if config is not None else root / "config.json"
     if not path.is_file():
@@ -226,7 +227,7 @@ def _config(config: MixtralConfig | str | Path | None, root: Path) -> tuple[Mixt
     return ucp_config_from_hf(json.loads(path.read_text()), str(path))
 
 
-def _check_shapes(targets: list[_Target], config: MixtralConfig, where: str) -> None:
+def _check_shapes(targets: list[_Target], config: Any, where: str) -> None:
     """Every atom a DCP tensor gives has the shape the config implies (from the metadata alone)."""
     expected = canonical_atoms(config)
     for t in targets:
@@ -236,7 +237,7 @@ def _check_shapes(targets: list[_Target], config: MixtralConfig, where: str) -> 
                 raise InteropError(f"{where}: {what} of {atom} has shape {list(part.shape)}, the config implies {list(expected[atom][0])}")
 
 
-def _load_targets(root: Path, metadata: Any, targets: list[_Target], config: MixtralConfig) -> dict[AtomKey, torch.Tensor]:
+def _load_targets(root: Path, metadata: Any, targets: list[_Target], config: Any) -> dict[AtomKey, torch.Tensor]:
     """Some DCP tensors, reassembled by DCP's own reader (only these entries are read), split into atoms."""
     import torch.distributed.checkpoint as dcp
 
@@ -250,7 +251,7 @@ def _first_dtype(metadata: Any, targets: list[_Target], state: str | None) -> to
     return next(metadata.state_dict_metadata[t.fqn].properties.dtype for t in targets if t.state == state)
 
 
-def import_dcp(src_dir: str | Path, url: str, *, config: MixtralConfig | str | Path | None = None, step: int = 0,
+def import_dcp(src_dir: str | Path, url: str, *, config: Any | str | Path | None = None, step: int = 0,
                dtype: str | torch.dtype | None = None, storage_options: dict[str, Any] | None = None,
                memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = DEFAULT_WORKERS,
                progress: bool = False) -> DcpImportReport:

@@ -1,14 +1,15 @@
-"""Hugging Face Mixtral checkpoints to and from ucp.
+"""Hugging Face checkpoints to and from ucp: Mixtral, and the dense Llama, Mistral, Qwen2 and Qwen3 (`HF_ARCHS`).
 
-The on-disk Hugging Face format is config.json plus safetensors files named in model.safetensors.index.json,
-with per-expert tensors `model.layers.{L}.block_sparse_moe.experts.{X}.w1/w2/w3.weight`. Those names are
-exactly ucp's canonical atom names (docs/LOCAL_STATE.md), so export and import are renames of nothing: the
-work is the config, sharding into files of bounded size, and refusing what is not a Mixtral. transformers >= 5
-keeps experts fused in memory (`mlp.experts.gate_up_proj`, `down_proj`) but still reads and writes the per-expert
-form on disk; import accepts both.
+The on-disk Hugging Face format is config.json plus safetensors files named in model.safetensors.index.json. Its
+tensor names are exactly ucp's canonical atom names (for Mixtral the per-expert
+`model.layers.{L}.block_sparse_moe.experts.{X}.w1/w2/w3.weight`), so export and import are renames of nothing: the
+work is the config, sharding into files of bounded size, and refusing what the atoms cannot hold. transformers >= 5
+keeps Mixtral's experts fused in memory (`mlp.experts.gate_up_proj`, `down_proj`) but still reads and writes the
+per-expert form on disk; import accepts both.
 
-HF fields ucp's MixtralConfig does not model (rms_norm_eps, rope parameters, token ids, ...) travel in the
-checkpoint's extra state under "hf_config", so an import followed by an export gives back the same config.
+HF fields the family config does not model (norm epsilon, rope parameters, token ids, sliding window, ...; the
+model_type too) travel in the checkpoint's extra state under "hf_config", so an import followed by an export (or
+by any other path: Megatron files, DCP) gives back the same config.
 
 Both directions stream within a memory budget (`ucp.interop.streaming`): import reads atoms a group at a time out
 of the safetensors files; export writes each file tensor by tensor (`SafetensorsWriter`).
@@ -30,7 +31,8 @@ import torch
 
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.distributed import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
-from ucp.families import MixtralConfig, canonical_atoms
+from ucp.errors import UcpError
+from ucp.families import LlamaConfig, MixtralConfig, canonical_atoms
 from ucp.interop.dtypes import parse_dtype, short_name
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.staging import staged_dir
@@ -50,15 +52,43 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 1 << 30
 
-# HF config keys that map one to one onto MixtralConfig fields.
-_SHARED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "head_dim", "tie_word_embeddings")
 # Keys that describe the file, not the model: never carried over.
-_FILE_KEYS = ("architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "_name_or_path")
-# What an HF export says when the checkpoint carries no hf_config (the values of the reference trainer and of
-# transformers' MixtralConfig defaults).
-DEFAULT_HF_FIELDS: dict[str, Any] = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-                                     "max_position_embeddings": 4096, "attention_dropout": 0.0}
+_FILE_KEYS = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
+_DENSE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+@dataclass(frozen=True)
+class HfArch:
+    """One Hugging Face architecture: the family whose atoms hold it, the config.json keys that are the family
+    config's fields of the same name, the config fields it implies, the values it must have for the atoms to hold
+    everything it computes with, and what an export says when the checkpoint carries no HF config."""
+
+    model_type: str
+    architecture: str
+    config_cls: type
+    keys: tuple[str, ...]
+    implies: dict[str, Any] = dataclasses.field(default_factory=dict)
+    requires: dict[str, Any] = dataclasses.field(default_factory=dict)
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_COMMON_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_dropout": 0.0}
+HF_ARCHS: dict[str, HfArch] = {a.model_type: a for a in (
+    HfArch("mixtral", "MixtralForCausalLM", MixtralConfig,
+           (*_DENSE_KEYS, "num_local_experts", "num_experts_per_tok"), requires={"hidden_act": "silu"},
+           defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 4096}),
+    HfArch("llama", "LlamaForCausalLM", LlamaConfig, _DENSE_KEYS,
+           requires={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+           defaults={**_COMMON_DEFAULTS, "rope_theta": 5e5, "max_position_embeddings": 8192}),
+    HfArch("mistral", "MistralForCausalLM", LlamaConfig, _DENSE_KEYS, requires={"hidden_act": "silu"},
+           defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 32768}),
+    HfArch("qwen2", "Qwen2ForCausalLM", LlamaConfig, _DENSE_KEYS, implies={"attention_bias": True},
+           requires={"hidden_act": "silu"}, defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 32768}),
+    HfArch("qwen3", "Qwen3ForCausalLM", LlamaConfig, _DENSE_KEYS, implies={"qk_norm": True},
+           requires={"hidden_act": "silu", "attention_bias": False},
+           defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 40960}),
+)}
 
 
 @dataclass(frozen=True)
@@ -78,35 +108,58 @@ class ImportReport:
 # ---------------------------------------------------------------------------------------------- configs
 
 
-def hf_config_from_ucp(config: MixtralConfig, hf_extra: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for transformers' MixtralForCausalLM."""
-    doc: dict[str, Any] = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
-    doc.update(DEFAULT_HF_FIELDS)
+def arch_of(config: Any, hf_extra: dict[str, Any] | None) -> HfArch:
+    """The HF architecture to export a model as: the one it was imported from (its stored config says), else the
+    one its family config implies."""
+    stored = HF_ARCHS.get(str((hf_extra or {}).get("model_type")))
+    if stored is not None and isinstance(config, stored.config_cls):
+        return stored
+    if isinstance(config, MixtralConfig):
+        return HF_ARCHS["mixtral"]
+    if isinstance(config, LlamaConfig):
+        return HF_ARCHS["qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"]
+    raise SourceMismatchError(f"a {type(config).__name__} model has no Hugging Face architecture here")
+
+
+def hf_config_from_ucp(config: Any, hf_extra: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json for transformers: the architecture, its defaults, the stored HF fields, the model's shape."""
+    arch = arch_of(config, hf_extra)
+    doc: dict[str, Any] = {"architectures": [arch.architecture], "model_type": arch.model_type}
+    doc.update(arch.defaults)
     if hf_extra and "rope_parameters" in hf_extra:
-        doc.pop("rope_theta")
+        doc.pop("rope_theta", None)
     doc.update(hf_extra or {})
-    doc.update({k: getattr(config, k) for k in _SHARED_KEYS})
+    doc.update({"architectures": [arch.architecture], "model_type": arch.model_type})
+    doc.update({k: getattr(config, k) for k in arch.keys})
     doc["dtype"] = short_name(dtype)
     return doc
 
 
-def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[MixtralConfig, dict[str, Any]]:
-    """MixtralConfig from an HF config.json, and the HF fields it does not model; refuses other architectures."""
-    arch = doc.get("architectures") or []
-    if doc.get("model_type") != "mixtral" or (arch and "MixtralForCausalLM" not in arch):
-        raise SourceMismatchError(f"{where} describes model_type={doc.get('model_type')!r} architectures={arch}; "
-                                  "ucp imports Hugging Face Mixtral checkpoints (model_type 'mixtral', MixtralForCausalLM)")
-    if doc.get("hidden_act", "silu") != "silu":
-        raise SourceMismatchError(f"{where}: hidden_act={doc['hidden_act']!r}, but ucp's Mixtral family is SwiGLU (silu)")
-    missing = [k for k in _SHARED_KEYS if k not in doc and k not in ("head_dim", "tie_word_embeddings", "num_experts_per_tok")]
+def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[Any, dict[str, Any]]:
+    """The family config from an HF config.json, and the HF fields it does not model; refuses architectures, and
+    settings of them, whose weights ucp's atoms cannot hold."""
+    arch = HF_ARCHS.get(str(doc.get("model_type")))
+    names = doc.get("architectures") or []
+    if arch is None or (names and arch.architecture not in names):
+        known = ", ".join(f"{a.model_type} ({a.architecture})" for a in HF_ARCHS.values())
+        raise SourceMismatchError(f"{where} describes model_type={doc.get('model_type')!r} architectures={names}; "
+                                  f"ucp imports Hugging Face {known}")
+    for key, value in arch.requires.items():
+        if doc.get(key, value) != value:
+            raise SourceMismatchError(f"{where}: {key}={doc[key]!r}, but ucp's {arch.model_type} atoms hold {key}={value!r} "
+                                      "only (the weights that setting adds have no atom)")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if k not in doc]
     if missing:
         raise InteropError(f"{where} lacks {missing}")
-    fields = {k: doc[k] for k in _SHARED_KEYS if doc.get(k) is not None}
+    fields = {k: doc[k] for k in arch.keys if doc.get(k) is not None}
+    fields.setdefault("num_key_value_heads", doc["num_attention_heads"])
+    fields.update(arch.implies)
     try:
-        config = MixtralConfig(**fields)
-    except (TypeError, ValueError) as e:
+        config = arch.config_cls(**fields)
+    except (TypeError, ValueError, UcpError) as e:
         raise InteropError(f"{where}: {e}") from None
-    extra = {k: v for k, v in doc.items() if k not in _SHARED_KEYS and k not in _FILE_KEYS}
+    extra = {k: v for k, v in doc.items() if k not in arch.keys and k not in _FILE_KEYS}
     return config, extra
 
 
@@ -171,8 +224,7 @@ def export_hf(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None 
     reader = open_checkpoint(url, step, storage_options=storage_options)
     reader.io_threads = workers
     config = model_config_of(reader)
-    if not isinstance(config, MixtralConfig):
-        raise SourceMismatchError(f"{url} holds a {type(config).__name__} model; the HF export writes Mixtral")
+    arch_of(config, stored_hf_config(reader))  # (a model with no HF architecture is refused before any write)
     target = parse_dtype(dtype)
     names = list(canonical_atoms(config))
     metas = {n: reader.atoms[atom_path(n, None)] for n in names if atom_path(n, None) in reader.atoms}
@@ -231,7 +283,7 @@ class HfSource:
     """An HF checkpoint directory: its config and where each tensor lives."""
 
     root: Path
-    config: MixtralConfig
+    config: Any  # the family config (MixtralConfig, LlamaConfig)
     hf_extra: dict[str, Any]
     weight_map: dict[str, str]  # tensor name -> file name
 
@@ -331,7 +383,7 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
             raise InteropError(f"{src.root}: tensor {name} has shape {list(stored.shape)}, but config.json implies {list(expected[name])}")
         located[name] = stored
     if unexpected:
-        raise SourceMismatchError(f"{src.root} holds tensors a Mixtral model does not have: {unexpected[:5]}"
+        raise SourceMismatchError(f"{src.root} holds tensors a {type(src.config).__name__} model does not have: {unexpected[:5]}"
                                   f"{' ...' if len(unexpected) > 5 else ''}")
     missing = [n for n in expected if n not in located]
     if missing:

@@ -50,7 +50,7 @@ from ucp.distributed import (
     piece_view,
 )
 from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
-from ucp.families import MixtralConfig, canonical_atoms
+from ucp.families import LlamaConfig, MixtralConfig, canonical_atoms
 from ucp.format import AtomMeta
 from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
@@ -198,33 +198,37 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tuple[MixtralConfig, dict[str, Any]]:
-    """MixtralConfig from Megatron's args, and the HF fields ucp's config does not model (rope base, norm eps)."""
+def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """The family config from Megatron's args (a MoE GPT model: Mixtral; a dense one: the Llama family, with q/k/v
+    biases and q/k norms as the args say), and the HF fields the config does not model (rope base, norm eps, ...)."""
     if args is None:
         raise InteropError(f"{where} has no 'args': cannot tell the model's shape")
     experts = _arg(args, "num_experts", 0)
-    if not experts:
-        raise InteropError(f"{where}: args.num_experts is unset; ucp converts Megatron-Core GPT MoE models (Mixtral family)")
+    family = "Mixtral" if experts else "Llama"
     if not _arg(args, "swiglu", False):
-        raise InteropError(f"{where}: args.swiglu is off; the Mixtral family is SwiGLU (gate/up fused in linear_fc1)")
-    if _arg(args, "add_bias_linear", False) or _arg(args, "add_qkv_bias", False):
-        raise InteropError(f"{where}: linear biases (add_bias_linear / add_qkv_bias) have no Mixtral atom")
+        raise InteropError(f"{where}: args.swiglu is off; ucp's {family} family is SwiGLU (gate/up fused in linear_fc1)")
+    if _arg(args, "add_bias_linear", False):
+        raise InteropError(f"{where}: linear biases (add_bias_linear) have no {family} atom")
+    if experts and _arg(args, "add_qkv_bias", False):
+        raise InteropError(f"{where}: q/k/v biases (add_qkv_bias) have no Mixtral atom")
     if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
-        raise InteropError(f"{where}: normalization={args.normalization!r}; the Mixtral family uses RMSNorm")
+        raise InteropError(f"{where}: normalization={args.normalization!r}; ucp's {family} family uses RMSNorm")
     heads = args.num_attention_heads
     groups = _arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention", False) else heads
     vocab = vocab_size or _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
     if vocab is None:
         raise InteropError(f"{where}: args has neither vocab_size nor padded_vocab_size")
-    config = MixtralConfig(
-        vocab_size=int(vocab), hidden_size=args.hidden_size,
-        intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=heads, num_key_value_heads=groups,
-        num_local_experts=experts, num_experts_per_tok=_arg(args, "moe_router_topk", 2),
-        head_dim=_arg(args, "kv_channels") or args.hidden_size // heads,
-        tie_word_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", 128),
-    )
+    shape = {"vocab_size": int(vocab), "hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers,
+             "num_attention_heads": heads, "num_key_value_heads": groups,
+             "head_dim": _arg(args, "kv_channels") or args.hidden_size // heads,
+             "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
+             "make_vocab_size_divisible_by": _arg(args, "make_vocab_size_divisible_by", 128)}
+    if experts:
+        config: Any = MixtralConfig(intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
+                                    num_local_experts=experts, num_experts_per_tok=_arg(args, "moe_router_topk", 2), **shape)
+    else:
+        config = LlamaConfig(intermediate_size=args.ffn_hidden_size, attention_bias=bool(_arg(args, "add_qkv_bias", False)),
+                             qk_norm=bool(_arg(args, "qk_layernorm", False)), **shape)
     return config, hf_fields_from_args(args, where)
 
 
@@ -268,15 +272,19 @@ def hf_fields_from_args(args: Any, where: str) -> dict[str, Any]:
     return hf
 
 
-def args_for(config: MixtralConfig, layout: Layout, base: Any = None, hf: Mapping[str, Any] | None = None) -> argparse.Namespace:
+def args_for(config: Any, layout: Layout, base: Any = None, hf: Mapping[str, Any] | None = None) -> argparse.Namespace:
     """Megatron args for a target layout: the source's args with the parallel sizes replaced, or (from a ucp
     checkpoint) the model-shape arguments Megatron-LM checks on load."""
+    moe = isinstance(config, MixtralConfig)
+    family_args = ({"moe_ffn_hidden_size": config.intermediate_size, "num_experts": config.num_local_experts,
+                    "moe_router_topk": config.num_experts_per_tok} if moe else
+                   {"num_experts": None, "add_qkv_bias": config.attention_bias, "qk_layernorm": config.qk_norm})
     out = argparse.Namespace(**vars(base)) if base is not None else argparse.Namespace(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
-        moe_ffn_hidden_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+        num_attention_heads=config.num_attention_heads,
         group_query_attention=config.num_key_value_heads != config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim, num_experts=config.num_local_experts,
-        moe_router_topk=config.num_experts_per_tok, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim, **family_args,
+        swiglu=True, add_bias_linear=False, normalization="RMSNorm",
         position_embedding_type="rope", untie_embeddings_and_output_weights=not config.tie_word_embeddings,
         vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         rotary_base=rope_theta(hf or {}) or 10000, norm_epsilon=(hf or {}).get("rms_norm_eps", 1e-5),
@@ -313,7 +321,7 @@ class MegatronSource:
     root: Path
     iteration: int
     layout: Layout
-    config: MixtralConfig
+    config: Any  # the family config
     args: Any
     hf: dict[str, Any]
     files: dict[int, dict[str, Any]]  # ucp rank -> unpickled rank file (per-element tensors on the meta device)
@@ -524,7 +532,7 @@ def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:
 class _TargetFiles:
     """What the rank files of a target layout hold besides each rank's local tensors."""
 
-    config: MixtralConfig
+    config: Any  # the family config
     layout: Layout
     args: argparse.Namespace
     iteration: int
@@ -704,8 +712,8 @@ def _from_universal(src: str, dst: str, to_layout: str, step: int | None, storag
     optimizer state without it (e.g. from ucp's trainer: no Megatron param groups to rebuild) is dropped."""
     reader = _open_universal(src, step, storage_options)
     config = model_config_of(reader)
-    if not isinstance(config, MixtralConfig):
-        raise SourceMismatchError(f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral")
+    if not isinstance(config, (MixtralConfig, LlamaConfig)):
+        raise SourceMismatchError(f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral and Llama")
     layout = parse_megatron_layout(to_layout)
     local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written
     extra = _extra(reader)
@@ -721,7 +729,7 @@ def _from_universal(src: str, dst: str, to_layout: str, step: int | None, storag
     return ConvertReport(src, str(dst), len(canonical_atoms(config)), files, written, dropped)
 
 
-def _atom_metas(reader: CheckpointReader, config: MixtralConfig, layout: Layout,
+def _atom_metas(reader: CheckpointReader, config: Any, layout: Layout,
                 states: tuple[str, ...]) -> dict[AtomKey, AtomMeta]:
     """The stored atoms every rank of `layout` needs, checked to exist with the config's shapes."""
     shapes = canonical_atoms(config)

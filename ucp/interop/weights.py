@@ -73,8 +73,9 @@ class Source:
 
 
 def hf_source(name: str, config: Any) -> Source | None:
-    """The atoms behind a Hugging Face Mixtral module tensor (either the per-expert or the fused-expert naming);
-    None for tensors no atom backs (e.g. rotary buffers)."""
+    """The atoms behind a Hugging Face module tensor: the tensor of the same name (every family's atoms take HF's
+    names), or for a Mixtral's experts either the per-expert or the fused-expert naming; None for tensors no atom
+    backs (e.g. rotary buffers)."""
     if m := _HF_ROUTER.fullmatch(name):
         atom = f"model.layers.{m[1]}.block_sparse_moe.gate.weight"
         return Source((atom,), lambda a: a[atom])

@@ -1,0 +1,50 @@
+"""Megatron-Core on CPU as the oracle of the dense family's Megatron names and TP slicing (tests/test_families.py):
+a GPT model with the local layer spec, q/k/v biases (Qwen2) or q/k layer norms (Qwen3), built in TP 2, loads the
+rank files that `ucp convert` wrote strictly (every name and shape as Megatron's own) and writes its logits.
+
+    python tests/megatron_dense_worker.py CKPT OUT BIAS QK_NORM HEAD_DIM    as the ranks of a TP 2 world
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.megatron_worker import forward, setup, tokens
+
+V, H, FFN, L, HEADS, KV = 100, 32, 48, 2, 4, 2
+
+
+def main(ckpt: str, out: str, bias: bool, qk_norm: bool, head_dim: int) -> None:
+    rank = int(os.environ["RANK"])
+    setup(rank, 2, tp=2)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, num_query_groups=KV, ffn_hidden_size=FFN,
+                            kv_channels=head_dim, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+                            layernorm_epsilon=1e-6, add_bias_linear=False, add_qkv_bias=bias, qk_layernorm=qk_norm,
+                            use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+                            attention_dropout=0.0, tensor_model_parallel_size=2)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    model = GPTModel(cfg, spec, vocab_size=128 * 2, max_sequence_length=64, position_embedding_type="rope",
+                     rotary_base=10000, share_embeddings_and_output_weights=False, parallel_output=False)
+    (path,) = glob.glob(os.path.join(ckpt, "iter_*", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
+    model.load_state_dict(torch.load(path, weights_only=False)["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        torch.save(forward(model, tokens()), f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+    print("ok", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", int(sys.argv[5]))

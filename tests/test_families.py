@@ -1,0 +1,105 @@
+"""The dense decoder family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms) on every path a Mixtral
+takes: a random tiny transformers model imported, converted to Megatron rank files (tp2, and pp2) and back, exported,
+gives identical logits in transformers; and the reshaper alone saves it in one layout and loads it in others."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ucp
+from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
+from ucp.families import LlamaConfig, canonical_atoms
+from ucp.interop.hf import export_hf, import_hf
+from ucp.interop.megatron import convert
+from ucp.layout import parse_layout
+from ucp.reshard import assemble, shard
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_theta": 5e5, "rms_norm_eps": 1e-6}),
+    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+}
+
+
+def hf_model(arch: str, tmp_path):
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SHAPE, **extra)).eval()
+    with torch.no_grad():  # (norm weights start at one and biases at zero: make every tensor count)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path / "hf")
+    return model
+
+
+def logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("layout", ["tp2", "tp2pp2"])
+def test_through_megatron_and_back_gives_the_same_logits(tmp_path, arch, layout):
+    model = hf_model(arch, tmp_path)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    convert(str(tmp_path / "u1"), str(tmp_path / "megatron"), from_layout="universal", to_layout=layout)
+    convert(str(tmp_path / "megatron"), str(tmp_path / "u2"), from_layout=layout, to_layout="universal")
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == arch.split("-")[0]
+    back = type(model).from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(logits(back, tokens), logits(model, tokens))
+
+
+@pytest.mark.parametrize("flags", [{}, {"attention_bias": True}, {"qk_norm": True, "head_dim": 16}, {"tie_word_embeddings": True}])
+def test_the_reshaper_saves_in_one_layout_and_loads_in_others(tmp_path, flags):
+    config = LlamaConfig(**SHAPE, make_vocab_size_divisible_by=8, **flags)
+    states = ("exp_avg", "exp_avg_sq")
+    g = torch.Generator().manual_seed(0)
+    atoms = canonical_atoms(config)
+    full = {"model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
+            "optimizer": {"state": {n: {st: torch.randn(s, generator=g) for st in states} for n, (s, _) in atoms.items()}}}
+    source = parse_layout("tp2pp2")
+    VirtualWorld(4).save([shard(full, config, source, r, states) for r in range(4)], str(tmp_path), step=1,
+                         model=ShardedModel(config, source, states))
+    reader = ucp.open_checkpoint(str(tmp_path))
+    for name in ("tp1pp1", "tp2pp1dp2zero1", "tp1pp2dp2"):
+        target = parse_layout(name)
+        local = [load_sharded(reader, ShardedModel(config, target, states), r)[0] for r in range(target.world_size)]
+        back = assemble(local, config, target, states)
+        for n in atoms:
+            assert torch.equal(back["model"][n], full["model"][n]), (name, n)
+            assert all(torch.equal(back["optimizer"]["state"][n][s], full["optimizer"]["state"][n][s]) for s in states)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_path, arch):
+    """megatron-core's own GPT model (TP 2, local spec) takes ucp's tp2 files with strict=True, names and shapes as
+    its own, and computes the logits transformers computes (within float tolerance: another kernel order)."""
+    pytest.importorskip("megatron.core")
+    from .launch import spawn
+
+    _, _, extra = ARCHS[arch]
+    model = hf_model(arch, tmp_path)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    convert(str(tmp_path / "u"), str(tmp_path / "megatron"), from_layout="universal", to_layout="tp2")
+    out = tmp_path / "logits"
+    head_dim = extra.get("head_dim", SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
+    spawn(["tests/megatron_dense_worker.py", str(tmp_path / "megatron"), str(out), "1" if arch == "qwen2" else "0",
+           "1" if arch == "qwen3" else "0", str(head_dim)], 2, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    from .megatron_worker import tokens
+
+    expected = logits(model, tokens())
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}", weights_only=True)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (rank, (got - expected).abs().max())
