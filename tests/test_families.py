@@ -103,3 +103,17 @@ def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_p
     for rank in range(2):
         got = torch.load(f"{out}.{rank}", weights_only=True)
         assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (rank, (got - expected).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_through_dcp_and_back_gives_the_same_logits(tmp_path, arch):
+    from ucp.interop.dcp import export_dcp, import_dcp
+
+    model = hf_model(arch, tmp_path)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    export_dcp(str(tmp_path / "u1"), tmp_path / "dcp")
+    import_dcp(tmp_path / "dcp", str(tmp_path / "u2"))
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    back = type(model).from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(logits(back, tokens), logits(model, tokens))
