@@ -1,0 +1,78 @@
+"""docs/ARCHITECTURE.md's layers hold: no module of ucp imports one of a layer above its own (imports inside
+functions count too), and the library imports nothing of the trainer's, the benchmarks' or the data loaders'."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+UCP = Path(__file__).resolve().parents[1] / "ucp"
+LAYERS = {
+    0: {"errors", "boxes", "chunking", "workpool", "heap", "dtypes", "zarr_bfloat16"},
+    1: {"format", "tree"},
+    2: {"storage"},
+    3: {"codec", "commit", "attempt", "comm", "session"},
+    4: {"staging", "writer_process", "pipeline", "checkpoint", "inspection"},
+    5: {"layout", "partition", "families", "reshard"},
+    6: {"distributed", "tiers"},
+    7: {"manager", "training_state", "demo", "interop", "cli", "__init__", "__main__"},
+}
+LAYER = {name: layer for layer, names in LAYERS.items() for name in names}
+
+
+def top_module(path: Path) -> str:
+    parts = path.relative_to(UCP).with_suffix("").parts
+    return parts[0]
+
+
+def imported(path: Path) -> list[tuple[int, str]]:
+    """(line, first component below ucp) of every import of a ucp module in the file."""
+    package = path.relative_to(UCP).parts[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - node.level + 1]) if node.level > 1 else list(package)
+                names = (node.module or "").split(".") if node.module else []
+                target = [*base, *names]
+                if target:
+                    out.append((node.lineno, target[0]))
+                else:  # `from . import a, b`
+                    out += [(node.lineno, alias.name) for alias in node.names]
+            elif node.module and node.module.split(".")[0] == "ucp":
+                parts = node.module.split(".")
+                if len(parts) > 1:
+                    out.append((node.lineno, parts[1]))
+                else:
+                    out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "ucp" and len(parts) > 1:
+                    out.append((node.lineno, parts[1]))
+    return out
+
+
+def test_every_module_has_a_layer():
+    modules = {top_module(p) for p in UCP.rglob("*.py")}
+    assert modules <= set(LAYER), f"modules missing from docs/ARCHITECTURE.md's layers: {sorted(modules - set(LAYER))}"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = []
+    for path in sorted(UCP.rglob("*.py")):
+        mine = top_module(path)
+        for line, name in imported(path):
+            if name in LAYER and LAYER[name] > LAYER[mine] and name != mine:
+                upward.append(f"{path.relative_to(UCP.parent)}:{line} ({mine}, layer {LAYER[mine]}) imports {name} (layer {LAYER[name]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_library_imports_nothing_of_the_trainer_the_benchmarks_or_the_data_loaders():
+    outside = []
+    for path in sorted(UCP.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            outside += [f"{path.relative_to(UCP.parent)}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("trainer", "dataloaders", "bench_io")]
+    # the one exception: `ucp bench` hands its arguments to bench_io's main (a command, not the library)
+    assert all(o.startswith("ucp/cli.py:") and o.endswith(" bench_io.__main__") for o in outside), outside
