@@ -72,7 +72,7 @@ def _finer(periods: Sequence[int | None] | None, split_dim: int | None) -> list[
     if periods is None or split_dim is None or not periods[split_dim]:
         return None if periods is None else list(periods)
     refined = list(periods)
-    p = refined[split_dim]
+    p: int = periods[split_dim]  # type: ignore[assignment]  # (checked above)
     refined[split_dim] = next(p // k for k in range(SPLIT_REFINEMENT, 0, -1) if p % k == 0)
     return refined
 

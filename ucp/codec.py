@@ -104,8 +104,8 @@ def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> Encod
     """The object for chunk `outer`, whose values are `chunk` (the chunk's region of the array, clipped at the
     edge), laid out as format 2 writes it."""
     if meta.inner_chunk_shape is None:
-        parts = _chunk_parts(chunk, meta.chunk_shape)
-        return Encoded(parts, (_nbytes(parts), struct.unpack("<I", parts[-1])[0]))
+        plain = _chunk_parts(chunk, meta.chunk_shape)
+        return Encoded(plain, (_nbytes(plain), struct.unpack("<I", plain[-1])[0]))
     assert meta.crc_table, "ucp writes format 2 shards only"
     origin = tuple(a for a, _ in meta.chunk_box(outer))
     parts: list[memoryview | bytes] = []
@@ -202,7 +202,7 @@ class ChunkSink:
         direct = not any(offset) and (tuple(dest.shape) == chunk_shape or _tail_padded(dest, chunk_shape))
         direct = direct and dest.is_contiguous()
         self.scratch = None if direct else torch.empty(chunk_shape, dtype=dest.dtype)
-        self.data = dtypes.as_bytes(dest if direct else self.scratch)
+        self.data = dtypes.as_bytes(dest if self.scratch is None else self.scratch)
         padding = math.prod(chunk_shape) * dest.element_size() - self.data.nbytes
         self.tail = memoryview(bytearray(padding))  # the edge chunk's padding rows: read, checked, dropped
         self.crc = bytearray(CRC_BYTES)

@@ -71,7 +71,8 @@ class TorchComm:
         requests = [self.dist.irecv(buf, self._global(peer), group=self.group) for peer, buf in sorted(received.items())]
         requests += [self.dist.isend(buf, self._global(peer), group=self.group) for peer, buf in sorted(outgoing.items())]
         for request in requests:
-            request.wait()
+            if request is not None:  # (None only for a send to this rank itself, which ucp never makes)
+                request.wait()
         return received
 
     def barrier(self) -> None:

@@ -40,7 +40,7 @@ from .chunking import ChunkingPolicy, choose_chunks
 from .comm import Comm, LocalComm, TorchComm  # noqa: F401 -- LocalComm, TorchComm: re-exported for callers
 from .commit import CommitRecord
 from .errors import FormatError, LayoutError, StateError
-from .families import canonical_atoms, family_for
+from .families import FAMILIES, canonical_atoms, family_for
 from .format import AtomMeta, StepManifest
 from .layout import Layout, parse_layout
 from .partition import PartitionSpec, tp_shard
@@ -88,11 +88,10 @@ def _tp_periods(spec: PartitionSpec, shape: tuple[int, ...], tp: int) -> list[in
 
 @lru_cache(maxsize=8)
 def _atom_metas_cached(
-    config_cls: type, config_json: str, tp: int, optim_states: tuple[str, ...], dtype_items: tuple, policy: ChunkingPolicy
+    family: str, config_json: str, tp: int, optim_states: tuple[str, ...], dtype_items: tuple, policy: ChunkingPolicy
 ) -> dict[AtomKey, AtomMeta]:
-    config = config_cls.from_json(json.loads(config_json))
+    config = FAMILIES[family].config_cls.from_json(json.loads(config_json))
     dtype_of = dict(dtype_items)
-    family = family_for(config).name
     metas: dict[AtomKey, AtomMeta] = {}
     for name, (shape, spec) in canonical_atoms(config).items():
         periods = _tp_periods(spec, shape, tp)
@@ -113,7 +112,8 @@ def atom_metas(model: ShardedModel, dtype_of: Mapping[str | None, str], policy: 
     writing layout; identical on every rank (a pure function), so no rank needs another's description."""
     config_json = json.dumps(model.config.to_json(), sort_keys=True)
     dtype_items = tuple(sorted(dtype_of.items(), key=lambda kv: kv[0] or ""))
-    return _atom_metas_cached(type(model.config), config_json, model.layout.tp, model.optim_states, dtype_items, policy)
+    return _atom_metas_cached(family_for(model.config).name, config_json, model.layout.tp, model.optim_states, dtype_items,
+                              policy)
 
 
 def local_tensor(local_state: Mapping[str, Any], key: tuple[str, ...]) -> torch.Tensor:
@@ -131,7 +131,7 @@ def local_tensor(local_state: Mapping[str, Any], key: tuple[str, ...]) -> torch.
 def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
     """The part of a local tensor that holds `piece`, shaped like its atom box (a view, never a copy)."""
     if piece.flat_offset is None:
-        return tensor[to_slices(piece.local_box)]
+        return tensor[to_slices(piece.box)]
     return tensor[piece.flat_offset : piece.flat_offset + piece.numel].view(box_shape(piece.atom_box))
 
 
@@ -369,7 +369,6 @@ class LoadReport:
 
 def model_config_of(reader: CheckpointReader) -> Any:
     """The model family config a distributed checkpoint was written with."""
-    from .families import FAMILIES
 
     try:
         doc = dict(reader.manifest.tree["dict"]["model_config"]["value"])

@@ -58,7 +58,7 @@ class PartitionSpec:
                 raise UcpError(f"partition kind {self.kind!r} needs {name}")
         if self.kind in _PARTS and self.part not in _PARTS[self.kind]:
             raise UcpError(f"partition kind {self.kind!r}: part {self.part!r} is not one of {_PARTS[self.kind]}")
-        if self.kind == "fused_qkv" and self.num_heads % self.num_kv_heads:
+        if self.kind == "fused_qkv" and _given(self.num_heads) % _given(self.num_kv_heads):
             raise UcpError(f"fused_qkv: num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
 
     def to_json(self) -> dict[str, Any]:
@@ -78,7 +78,13 @@ class PartitionSpec:
         unknown = sorted(set(d) - known)
         if unknown:
             raise UcpError(f"partition spec {d!r} has unknown fields {unknown}")
-        return cls(**{k: tuple(v) if k == "tied_to" else v for k, v in d.items()})
+        return cls(**{k: tuple(v) if k == "tied_to" else v for k, v in d.items()})  # type: ignore[arg-type]
+
+
+def _given(value: int | None) -> int:
+    """A field that the spec's kind requires (checked in __post_init__), as an int."""
+    assert value is not None
+    return value
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,8 @@ class TpShard:
 
 def padded_rows(spec: PartitionSpec, tp: int) -> int:
     """Vocab rows after padding to a multiple of ``pad_to_multiple_of * tp``."""
-    m = spec.pad_to_multiple_of * tp
-    return -(-spec.unpadded // m) * m
+    m = _given(spec.pad_to_multiple_of) * tp
+    return -(-_given(spec.unpadded) // m) * m
 
 
 def _rows(lo: int, hi: int, rest: tuple[int, ...]) -> Box:
@@ -107,7 +113,7 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
     if kind == "replicated":
         return TpShard(tuple(shape), ((full_box(shape), full_box(shape)),))
     if kind == "split":
-        d = spec.split_dim
+        d = _given(spec.split_dim)
         if shape[d] % tp:
             raise LayoutError(f"tp={tp} does not divide dim {d} (size {shape[d]}) of an atom of shape {shape}")
         s = shape[d] // tp
@@ -119,8 +125,8 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
             raise UcpError(f"vocab spec says {spec.unpadded} rows but the atom has shape {shape}")
         rows = padded_rows(spec, tp) // tp
         lo, hi = tp_rank * rows, min((tp_rank + 1) * rows, shape[0])
-        pieces = ((_rows(0, hi - lo, rest), _rows(lo, hi, rest)),) if hi > lo else ()
-        return TpShard((rows,) + rest, pieces)
+        held = ((_rows(0, hi - lo, rest), _rows(lo, hi, rest)),) if hi > lo else ()
+        return TpShard((rows,) + rest, held)
     if kind == "fused_gate_up":
         if shape[0] % tp:
             raise LayoutError(f"tp={tp} does not divide the {shape[0]} rows of a gate/up atom")
@@ -128,7 +134,7 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
         k = _PARTS[kind].index(spec.part)
         return TpShard((2 * s,) + rest, ((_rows(k * s, (k + 1) * s, rest), _rows(tp_rank * s, (tp_rank + 1) * s, rest)),))
     # fused_qkv
-    heads, kv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    heads, kv, hd = _given(spec.num_heads), _given(spec.num_kv_heads), _given(spec.head_dim)
     if kv % tp:
         raise LayoutError(f"tp={tp} does not divide num_kv_heads={kv} (fused QKV splits whole query groups)")
     qh = heads // kv  # query heads per group
@@ -137,7 +143,7 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
         raise UcpError(f"fused_qkv part {spec.part} needs {rows} rows (heads*head_dim), the atom has shape {shape}")
     group_rows = (qh + 2) * hd
     groups = kv // tp
-    pieces = []
+    pieces: list[tuple[Box, Box]] = []
     for j in range(groups):
         g, base = tp_rank * groups + j, j * group_rows
         if spec.part == "q":

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -165,6 +165,20 @@ class SaveHandle:
 # ------------------------------------------------------------------------------- who encodes and writes
 
 
+class Writes(Protocol):
+    """Who encodes and writes one save's objects: writer threads here (`_ThreadWrites`) or the writer process
+    (`_ProcessWrites`). `write_chunks` takes the staged chunks over (their slots are its to release); every method
+    returns futures the pipeline waits for; `flush` makes what was written durable; `close` ends the save's use."""
+
+    def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]: ...
+
+    def write_chunks(self, staged: Sequence[_Staged]) -> list[cf.Future]: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class _ThreadWrites:
     """One save's writes by writer threads of this process."""
 
@@ -211,7 +225,9 @@ class _ProcessWrites:
 
     def __init__(self, process: WriterProcess, staging: StagingPool, plan: SavePlan):
         self.process, self.staging, self.plan = process, staging, plan
-        self.sid = process.open_storage(plan.storage.for_writer_process())
+        storage = plan.storage.for_writer_process()
+        assert storage is not None, "only storages that a writer process can write go to one"
+        self.sid = process.open_storage(storage)
 
     def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
         return [self._counted(self.process.write_documents(self.sid, documents))]
@@ -348,7 +364,7 @@ class SavePipeline:
 
     # -- writers
 
-    def _writes_for(self, plan: SavePlan, mode: Mode) -> _ThreadWrites | _ProcessWrites:
+    def _writes_for(self, plan: SavePlan, mode: Mode) -> Writes:
         if mode != "sync" and self.writer == "process" and plan.storage.for_writer_process() is not None:
             return _ProcessWrites(self._writer_process(), self.staging, plan)
         return _ThreadWrites(self.threads, self.staging, plan)
@@ -379,7 +395,7 @@ class SavePipeline:
 
     # -- stages
 
-    def _write_rest(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, futures: list[cf.Future],
+    def _write_rest(self, plan: SavePlan, writes: Writes, futures: list[cf.Future],
                     staged: list[_Staged]) -> CommitRecord | None:
         """After the snapshot: hand over the chunks not yet handed over and the zarr.json documents, wait for
         every write and make them durable, then end the attempt. On a failure the writes already handed over end
@@ -405,7 +421,7 @@ class SavePipeline:
             raise error
         return None
 
-    def _lazy(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, handle: SaveHandle) -> CommitRecord | None:
+    def _lazy(self, plan: SavePlan, writes: Writes, handle: SaveHandle) -> CommitRecord | None:
         try:
             futures, staged = self._snapshot(plan, writes, handle, overlap=True)
         except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
@@ -414,7 +430,7 @@ class SavePipeline:
             handle.snapshot_done.set()  # (also set by _snapshot; here too, so that no failure leaves a waiter)
         return self._write_rest(plan, writes, futures, staged)
 
-    def _snapshot(self, plan: SavePlan, writes: _ThreadWrites | _ProcessWrites, handle: SaveHandle,
+    def _snapshot(self, plan: SavePlan, writes: Writes, handle: SaveHandle,
                   overlap: bool) -> tuple[list[cf.Future], list[_Staged]]:
         """Copy every chunk into staging. Returns the writes already handed over and the staged chunks not yet
         handed over. With `overlap`, chunks are handed over in batches as they are copied; without, only when
@@ -436,13 +452,13 @@ class SavePipeline:
                 staged = self._stage(job, before_waiting=hand_over)
                 batch.append(staged)
                 batch_bytes += staged.nbytes
-                if staged.ready is not None:
+                if staged.ready is not None and staged.job_device is not None:
                     devices.add(staged.job_device)
                 if overlap and (batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_CALLS):
                     hand_over()
             for device in devices:
                 # work queued after the snapshot (the optimizer step) must not change a tensor before its copy ran
-                torch.cuda.current_stream(device).wait_stream(self._side_stream)
+                torch.cuda.current_stream(device).wait_stream(self._side_stream)  # type: ignore[arg-type]
         except BaseException:
             _release(self.staging, batch, None)
             _cancel(futures)
@@ -462,6 +478,7 @@ class SavePipeline:
         if slot is None:
             before_waiting()
             slot = self.staging.acquire(nbytes)
+            assert slot is not None  # (waiting acquires always give one)
         try:
             staged = slot.memory.view(values.dtype).view(values.shape)
             if not (values.is_cuda and self._side_stream is not None):

@@ -31,7 +31,7 @@ from ucp.boxes import (
     translate,
 )
 from ucp.errors import LayoutError, UcpError
-from ucp.families import family_for
+from ucp.families import FAMILIES, family_for
 from ucp.families.table import Rule, atom_name, atom_spec, iter_atoms, local_name
 from ucp.layout import Layout, RankCoords, chunk_layer_counts, validate_for_model
 from ucp.partition import PartitionSpec, tp_shard
@@ -53,6 +53,12 @@ class Piece:
     local_box: Box | None = None
     flat_offset: int | None = None
     tied_copy: bool = False  # a copy of a tied atom: filled on load, never written
+
+    @property
+    def box(self) -> Box:
+        """The local box of a piece held in an n-D local tensor (not in a flat buffer)."""
+        assert self.local_box is not None, "a piece of a flat buffer has an offset, not a local box"
+        return self.local_box
 
     @property
     def numel(self) -> int:
@@ -97,16 +103,15 @@ class _AtomInfo:
 
 
 @functools.lru_cache(maxsize=16)
-def _atom_table_cached(family_name: str, config_json: str, config_cls: type) -> dict[str, _AtomInfo]:
-    config = config_cls.from_json(json.loads(config_json))
-    family = family_for(config)
+def _atom_table_cached(family_name: str, config_json: str) -> dict[str, _AtomInfo]:
+    family = FAMILIES[family_name]
+    config = family.config_cls.from_json(json.loads(config_json))
     return {name: _AtomInfo(i, shape, spec, place)
             for i, (name, shape, spec, place) in enumerate(iter_atoms(family, config))}
 
 
 def _atom_table(config: Any) -> dict[str, _AtomInfo]:
-    family = family_for(config)
-    return _atom_table_cached(family.name, json.dumps(config.to_json(), sort_keys=True), type(config))
+    return _atom_table_cached(family_for(config).name, json.dumps(config.to_json(), sort_keys=True))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,6 +162,7 @@ def local_params(config: Any, layout: Layout, coords: RankCoords) -> list[LocalP
                 replicated &= spec.kind == "replicated"
                 if not rule.tied_copy:
                     held.add(atom)
+            assert shape is not None  # (every group has a rule)
             out.append(LocalParam(chunk_key, local_name(group[0], i, e), shape, tuple(pieces),
                                   "expert" if place == "expert" else "dense", replicated))
 
@@ -222,12 +228,12 @@ def flat_layouts(params: list[LocalParam], layout: Layout, coords: RankCoords) -
 def _flat_pieces(param: LocalParam, offset: int, lo: int, hi: int) -> list[Piece]:
     """Pieces of ``param`` (placed at ``offset`` of a flat buffer) inside the buffer range [lo, hi), with
     flat offsets relative to lo: each piece's local box is cut into regular boxes along flat boundaries."""
-    out = []
+    out: list[Piece] = []
     if offset >= hi or offset + param.numel <= lo:
         return out
     for piece in param.pieces:
-        delta = tuple(a[0] - b[0] for a, b in zip(piece.atom_box, piece.local_box, strict=True))
-        for cb in contiguous_boxes(piece.local_box, param.shape):
+        delta = tuple(a[0] - b[0] for a, b in zip(piece.atom_box, piece.box, strict=True))
+        for cb in contiguous_boxes(piece.box, param.shape):
             start = offset + flat_start(cb, param.shape)
             a, b = max(start, lo), min(start + box_numel(cb), hi)
             for box in flat_range_boxes(a - offset, b - offset, param.shape):
@@ -327,7 +333,9 @@ def _atom_chunk(info: _AtomInfo, layout: Layout, config: Any) -> int:
     if info.place == "last":
         return layout.num_chunks - 1
     _counts, starts = _chunk_starts(layout, config)
-    return max(c for c in range(layout.num_chunks) if starts[c] <= info.spec.layer)
+    layer = info.spec.layer
+    assert layer is not None, "a layer atom names its layer"
+    return max(c for c in range(layout.num_chunks) if starts[c] <= layer)
 
 
 def atom_owners(config: Any, layout: Layout, atom: str, state: str | None = None,
@@ -354,6 +362,7 @@ def atom_owners(config: Any, layout: Layout, atom: str, state: str | None = None
         coords = layout.coords(layout.rank(t, layout.dp_rank_of(ep, 0), p))
         params = local_params(config, layout, coords)
         if not flat:
+            assert dp_choice is not None  # (a parameter held whole has one writing replica)
             owner = layout.rank(t, dp_rank(dp_choice), p)
             out += [(owner, pc.atom_box) for prm in params for pc in prm.pieces
                     if pc.atom == atom and not pc.tied_copy]
@@ -463,7 +472,9 @@ def chunk_write_plan(config: Any, layout: Layout, rank: int,
                                 plan.recvs.append(Transfer(peer, atom, state, frag))
                 else:
                     writer = next(r for r, ob in owners(atom, state) if contains(ob, first))
-                    plan.sends.append(Transfer(writer, atom, state, intersect(box, chunk)))
+                    part = intersect(box, chunk)
+                    assert part is not None  # (the chunk was chosen for overlapping the box)
+                    plan.sends.append(Transfer(writer, atom, state, part))
     return plan
 
 
@@ -508,7 +519,7 @@ def shard(full_state: Mapping[str, Any], config: Any, layout: Layout, rank: int,
         for p in lt.pieces:
             block = source(p.atom)[to_slices(p.atom_box)]
             if p.flat_offset is None:
-                out[to_slices(p.local_box)] = block
+                out[to_slices(p.box)] = block
             else:
                 out[p.flat_offset:p.flat_offset + p.numel] = block.reshape(-1)
         put_local(local, lt.key, out)
@@ -553,7 +564,7 @@ def assemble(local_states: list[Mapping[str, Any]], config: Any, layout: Layout,
                 if name not in target:
                     target[name] = torch.empty(table[p.atom].shape, dtype=src.dtype)
                 if p.flat_offset is None:
-                    block = src[to_slices(p.local_box)]
+                    block = src[to_slices(p.box)]
                 else:
                     block = src[p.flat_offset:p.flat_offset + p.numel].reshape(box_shape(p.atom_box))
                 target[name][to_slices(p.atom_box)] = block

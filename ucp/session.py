@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Self
 
@@ -34,12 +35,13 @@ from .storage import Storage
 log = logging.getLogger("ucp")
 
 
-def _all_subclasses(cls: type) -> list[type]:
-    return [c for sub in cls.__subclasses__() for c in (sub, *_all_subclasses(sub))]
+def _all_subclasses(cls: type[UcpError]) -> list[type[UcpError]]:
+    return [c for child in cls.__subclasses__() for c in (child, *_all_subclasses(child))]
 
 
 # The ucp errors a failed save re-raises on every rank by name (each takes one message).
-_ERRORS: dict[str, type[UcpError]] = {e.__name__: e for e in (UcpError, *_all_subclasses(UcpError))}
+_KINDS: list[type[UcpError]] = [UcpError, *_all_subclasses(UcpError)]
+_ERRORS: dict[str, type[UcpError]] = {e.__name__: e for e in _KINDS}
 
 
 def ensure_root(storage: Storage) -> None:
@@ -64,6 +66,9 @@ class SaveSession:
         self._objects: dict[str, ObjectSum] = {}
         self._lock = threading.Lock()
         self._ended = False
+        self._started = time.perf_counter()
+        if self.is_coordinator:
+            log.info("saving step %d at %s (%s)", step, storage.url, attempt_id)
 
     @property
     def is_coordinator(self) -> bool:
@@ -145,7 +150,7 @@ class SaveSession:
                         raise _failed(g["failure"], self, rank if self.comm.world_size > 1 else None)
                 objects: dict[str, ObjectSum] = {}
                 for g in gathered:
-                    objects.update({k: tuple(v) for k, v in g["objects"].items()})  # type: ignore[misc]
+                    objects.update({k: (v[0], v[1]) for k, v in g["objects"].items()})
                 assert manifest is not None, "the coordinator commits the manifest"
                 record = self._commit(manifest, objects)
             except BaseException as e:  # noqa: BLE001 -- raised on every rank below, after the attempt is removed
@@ -185,7 +190,8 @@ class SaveSession:
         self.storage.flush()
         nbytes = sum(a.nbytes for a in manifest.atoms.values())
         record = commit.commit(self.storage, self.step, self.attempt, manifest_bytes, len(manifest.atoms), nbytes)
-        log.info("committed step %d at %s (%d atoms, %d bytes)", self.step, self.storage.url, record.atoms, nbytes)
+        log.info("committed step %d at %s: %d atoms, %d bytes, %.2f s after its save began", self.step, self.storage.url,
+                 record.atoms, nbytes, time.perf_counter() - self._started)
         return record
 
     def _object_sums(self, meta: AtomMeta, objects: dict[str, ObjectSum]) -> list[ObjectSum]:

@@ -136,7 +136,7 @@ def _pack(items: list[Item], more: bool) -> torch.Tensor:
     """Named items in one buffer: an 8-byte header length, a JSON header, then the items' bytes back to back."""
     header = json.dumps({"items": [[name, size] for name, size, _ in items], "more": more}).encode()
     buf = torch.empty(8 + len(header) + sum(size for _, size, _ in items), dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data
     view[:8] = struct.pack("<Q", len(header))
     view[8 : 8 + len(header)] = header
     pos = 8 + len(header)
@@ -148,7 +148,7 @@ def _pack(items: list[Item], more: bool) -> torch.Tensor:
 
 def _unpack(buf: torch.Tensor) -> tuple[dict[str, memoryview], bool]:
     """The items of a buffer, as views of it (no copy), and whether more buffers follow."""
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data
     (n,) = struct.unpack("<Q", view[:8])
     header = json.loads(bytes(view[8 : 8 + n]))
     pos, out = 8 + n, {}
@@ -268,10 +268,10 @@ class HotTier:
         blobs, _ = _unpack(torch.frombuffer(bytearray(self.comm.broadcast_bytes(mine)), dtype=torch.uint8))
         if self.is_leader and self.nodes.node_of[self.rank] != self.nodes.node_of[0]:
             ensure_root(self.storage)
-            self.storage.write(f"{session.prefix}/{ZARR_JSON}", [blobs["manifest"]])
+            self.storage.write(f"{session.prefix}/{ZARR_JSON}", [bytes(blobs["manifest"])])
             self.storage.flush()
             try:
-                self.storage.create_exclusive(commit.marker_key(session.step), blobs["marker"])
+                self.storage.create_exclusive(commit.marker_key(session.step), bytes(blobs["marker"]))
             except FileExistsError:
                 log.warning("hot tier %s: step %d was committed here before; kept as it was", self.storage.url, session.step)
 

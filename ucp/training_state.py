@@ -56,7 +56,8 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def rng_state() -> dict[str, Any]:
     version, mt, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state: Any = np.random.get_state(legacy=True)  # (the legacy tuple: name, keys, pos, has_gauss, gauss)
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": {"version": version, "state": list(mt), "gauss_next": gauss},

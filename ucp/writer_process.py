@@ -270,6 +270,7 @@ class _Server:
     def _start(self, kind: str, req: int, sid: int, payload: Any) -> None:
         storage = self.storages[sid]
         written: Written = []
+        calls: list[Callable[[], object]]
         if kind == "chunks":
             calls = [functools.partial(self._write_chunk, storage, ref, written) for ref in payload]
         elif kind == "documents":

@@ -18,7 +18,7 @@ _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 @dataclass(frozen=True, kw_only=True)
-class BFloat16(BaseFloat):  # type: ignore[misc, type-arg]
+class BFloat16(BaseFloat):
     """bfloat16 for zarr-python, stored as 2 little-endian bytes per element (ml_dtypes)."""
 
     dtype_cls = type(_BFLOAT16)

@@ -40,7 +40,7 @@ class Rule:
 @dataclass(frozen=True)
 class Family:
     name: str
-    config_cls: type
+    config_cls: Any  # a config dataclass with to_json() and from_json(d)
     rules: tuple[Rule, ...]
 
     def rules_at(self, place: str, config: Any) -> list[Rule]:

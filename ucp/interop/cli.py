@@ -75,9 +75,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         from ucp.interop.dcp import export_dcp
 
-        report = export_dcp(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options,
-                            memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
-        print(f"wrote {report.tensors} tensors ({report.bytes_written / 2**20:.1f} MiB) as a DCP checkpoint to {args.dir}")
+        dcp_report = export_dcp(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options,
+                                memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
+        print(f"wrote {dcp_report.tensors} tensors ({dcp_report.bytes_written / 2**20:.1f} MiB) as a DCP checkpoint "
+              f"to {args.dir}")
     return 0
 
 
@@ -86,8 +87,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.from_ == "hf":
         from ucp.interop.hf import import_hf
 
-        report = import_hf(args.src, args.url, step=args.step, dtype=args.dtype, storage_options=options,
-                           memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
+        report: Any = import_hf(args.src, args.url, step=args.step, dtype=args.dtype, storage_options=options,
+                                memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
     else:
         from ucp.interop.dcp import import_dcp
 

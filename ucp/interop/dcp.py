@@ -189,7 +189,7 @@ def plan_import(metadata: Any, config: Any, where: str) -> tuple[list[_Target], 
     missing = [a for a in canonical_atoms(config) if a not in covered]
     if missing:
         raise InteropError(f"{where} lacks tensors for atoms {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    states = sorted({t.state for t in optim})
+    states = sorted({t.state for t in optim if t.state is not None})
     complete = [s for s in states if {a for t in optim if t.state == s for a in t.atoms} == covered]
     skipped += [t.fqn for t in optim if t.state not in complete]
     return targets + [t for t in optim if t.state in complete], skipped
@@ -266,7 +266,7 @@ def import_dcp(src_dir: str | Path, url: str, *, config: Any | str | Path | None
     targets, skipped = plan_import(metadata, cfg, str(root))
     _check_shapes(targets, cfg, str(root))
     states = tuple(sorted({t.state for t in targets if t.state is not None}))
-    dtype_of = {None: parse_dtype(dtype) or _first_dtype(metadata, targets, None)}
+    dtype_of: dict[str | None, torch.dtype] = {None: parse_dtype(dtype) or _first_dtype(metadata, targets, None)}
     dtype_of.update({s: _first_dtype(metadata, targets, s) for s in states})
     by_fqn = {t.fqn: t for t in targets}
     sizes = {t.fqn: math.prod(t.shape) * metadata.state_dict_metadata[t.fqn].properties.dtype.itemsize for t in targets}

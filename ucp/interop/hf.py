@@ -196,7 +196,7 @@ class SafetensorsWriter:
         """The next tensor of the header, in order."""
         if (name, tensor.dtype, tuple(tensor.shape)) != self.specs[self.written]:
             raise AssertionError(f"{self.path}: got {name} {tensor.dtype}{list(tensor.shape)}, expected {self.specs[self.written]}")
-        self.file.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self.written += 1
 
     def __enter__(self) -> Self:

@@ -288,7 +288,7 @@ def args_for(config: Any, layout: Layout, base: Any = None, hf: Mapping[str, Any
         position_embedding_type="rope", untie_embeddings_and_output_weights=not config.tie_word_embeddings,
         vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
         rotary_base=rope_theta(hf or {}) or 10000, norm_epsilon=(hf or {}).get("rms_norm_eps", 1e-5),
-        **{name: hf[hf_name] for hf_name, name in _HF_ARGS.items() if hf_name != "rms_norm_eps" and hf_name in (hf or {})})
+        **{name: (hf or {})[hf_name] for hf_name, name in _HF_ARGS.items() if hf_name != "rms_norm_eps" and hf_name in (hf or {})})
     if hf is not None:
         out.ucp_hf_config = json.dumps(hf, sort_keys=True)  # everything, for the way back (HF_CONFIG_ARG)
     m = config.make_vocab_size_divisible_by * layout.tp

@@ -85,7 +85,7 @@ def save_atoms(url: str, groups: Sequence[Callable[[], dict[AtomKey, torch.Tenso
     metas = atom_metas(model, {s: dtypes.zarr_name(d) for s, d in dtype_of.items()}, options.chunking)
     manifest, extra_chunks = manifest_for(model, metas, extra, step, options.chunking)
     storage = open_storage(url, storage_options, fsync=options.fsync)
-    pipeline = SavePipeline(options.io_threads)
+    pipeline = SavePipeline(workers)
     written: set[AtomKey] = set()
     bar = progress_bar(sum(m.nbytes for m in metas.values()), "write atoms", progress)
 

@@ -73,11 +73,12 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Deferred):
-            args = (_DeferredStorage(obj), 0, tuple(obj.shape), _contiguous_strides(obj.shape), False, collections.OrderedDict())
+            args: tuple = (_DeferredStorage(obj), 0, tuple(obj.shape), _contiguous_strides(obj.shape), False, collections.OrderedDict())
             return torch._utils._rebuild_tensor_v2, args
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
+        storage: Any
         if isinstance(obj, _DeferredStorage):
             identity, storage, dtype, numel = ("deferred", id(obj.tensor)), obj.tensor, obj.tensor.dtype, torch.Size(obj.tensor.shape).numel()
         elif isinstance(obj, torch.storage.TypedStorage):
@@ -130,7 +131,7 @@ class TorchFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        reader = torch._C.PyTorchFileReader(str(self.path))
+        reader: Any = torch._C.PyTorchFileReader(str(self.path))  # (its stubs lack has_record, get_record_offset)
         if reader.has_record("byteorder") and reader.get_record("byteorder").decode() != sys.byteorder:
             raise ValueError(f"{self.path} was written on a {reader.get_record('byteorder').decode()}-endian machine")
         self._offsets = {name: reader.get_record_offset(name) for name in reader.get_all_records() if name.startswith("data/")}
@@ -156,7 +157,7 @@ class TorchFile:
         offset = t.storage_offset() * t.element_size()
         span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
         raw = torch.empty(span * t.element_size(), dtype=torch.uint8)
-        view, position = memoryview(raw.numpy()), self._offsets[f"data/{key}"] + offset
+        view, position = raw.numpy().data, self._offsets[f"data/{key}"] + offset
         with open(self.path, "rb", buffering=0) as f:
             while view:  # one pread returns at most ~2 GiB
                 got = os.preadv(f.fileno(), [view], position)

@@ -101,7 +101,15 @@ def _resolver(name_map: NameMap) -> Callable[[str, Any], Source | None]:
     if name_map == "hf":
         return hf_source
     if isinstance(name_map, Mapping):
-        return lambda n, _c: Source((name_map[n],), lambda a, atom=name_map[n]: a[atom]) if n in name_map else None
+        mapping = name_map
+
+        def mapped(name: str, _config: Any) -> Source | None:
+            if name not in mapping:
+                return None
+            atom = mapping[name]
+            return Source((atom,), lambda a: a[atom])
+
+        return mapped
     if callable(name_map):
         return name_map
     raise StateError(f"name_map must be 'hf', a dict module name -> atom name, or a callable; got {name_map!r}")
