@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="an s3fs storage option for the s3 target, as every ucp command takes them: endpoint_url=..., key=...,"
-        " secret=..., profile=NAME, client_kwargs={\"region_name\": \"...\"}; the AWS environment applies too",
+        ' secret=..., profile=NAME, client_kwargs={"region_name": "..."}; the AWS environment applies too',
     )
     p.add_argument(
         "--procs",
@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     small_asked = args.small_tensors is not None
     if args.small_tensors is None:  # the small state scales with the size asked for
-        args.small_tensors = base["small_tensors"] if args.quick else max(200, round(base["small_tensors"] * args.size / GiB))
+        args.small_tensors = (
+            base["small_tensors"] if args.quick else max(200, round(base["small_tensors"] * args.size / GiB))
+        )
 
     if args.procs < 1:
         raise SystemExit("bench_io: --procs must be at least 1")
@@ -235,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                     from ucp.cli import parse_storage_options
 
                     options = parse_storage_options(args.storage_option)
-                    targets.append(TARGETS[name](args.dir, endpoint_url=args.endpoint_url, bucket=args.bucket, options=options))
+                    targets.append(
+                        TARGETS[name](args.dir, endpoint_url=args.endpoint_url, bucket=args.bucket, options=options)
+                    )
                 else:
                     targets.append(TARGETS[name](args.dir))
             except (RuntimeError, OSError) as e:
@@ -246,14 +250,22 @@ def main(argv: list[str] | None = None) -> int:
         # Many small tensors on an object store take most of a run's time (a request each): asked for, not assumed.
         local_only = frozenset() if small_asked else frozenset({"small", "large"})
         if small_asked is False and any(is_remote(t.root) for t in targets) and args.small_tensors > 0:
-            print("bench_io: the small-tensor states run on local targets only (give --small-tensors N to run them on S3"
-                  " too: each tensor is a request)", file=sys.stderr)
-        plan = runner.Plan(runs, targets, args.repeats, cache_mode=args.cache, io_threads=args.io_threads,
-                           local_only=local_only)
+            print(
+                "bench_io: the small-tensor states run on local targets only (give --small-tensors N to run them on S3"
+                " too: each tensor is a request)",
+                file=sys.stderr,
+            )
+        plan = runner.Plan(
+            runs, targets, args.repeats, cache_mode=args.cache, io_threads=args.io_threads, local_only=local_only
+        )
         moved = sum(state.nbytes * len(plan.cells(names, state.name)) for state, names in runs) * args.repeats
         objects = sum(state.count * len(plan.cells(names, state.name)) for state, names in runs) * args.repeats
-        print(f"bench_io: {plan.count()} measurements, each a save and a load: {moved / 2**30:.1f} GiB and "
-              f"{objects:,} tensors each way in all; the progress lines say how long is left", file=sys.stderr, flush=True)
+        print(
+            f"bench_io: {plan.count()} measurements, each a save and a load: {moved / 2**30:.1f} GiB and "
+            f"{objects:,} tensors each way in all; the progress lines say how long is left",
+            file=sys.stderr,
+            flush=True,
+        )
         progress = _Progress()
         if pool is not None:
             results = procs.run(pool, args.methods, plan, progress)

@@ -56,8 +56,15 @@ def config_for(size_gib: float) -> MixtralConfig:
     fixed = 2 * vocab * h + h
     layers = max(1, round((size_gib * 2**30 / 2 - fixed) / per_layer))
     layers += layers % 2  # the source layout has pp2
-    return MixtralConfig(vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=4, num_local_experts=experts)
+    return MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_local_experts=experts,
+    )
 
 
 def write_sources(cfg: MixtralConfig, root: Path, ucp_url: str, storage_options: dict | None) -> Path:
@@ -65,12 +72,16 @@ def write_sources(cfg: MixtralConfig, root: Path, ucp_url: str, storage_options:
     from ucp.interop.hf import export_hf
 
     g = torch.Generator().manual_seed(0)
-    atoms = {n: torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16) for n, (shape, _) in canonical_atoms(cfg).items()}
+    atoms = {
+        n: torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16)
+        for n, (shape, _) in canonical_atoms(cfg).items()
+    }
     layout = parse_layout("tp2pp2")
     local = [shard({"model": atoms}, cfg, layout, r, ()) for r in range(layout.world_size)]
     del atoms
-    VirtualWorld(layout.world_size).save(local, ucp_url, step=0, model=ShardedModel(cfg, layout, optim_states=()),
-                                         storage_options=storage_options)
+    VirtualWorld(layout.world_size).save(
+        local, ucp_url, step=0, model=ShardedModel(cfg, layout, optim_states=()), storage_options=storage_options
+    )
     del local
     hf = root / "hf"
     export_hf(ucp_url, hf, storage_options=storage_options, max_shard_bytes=512 << 20)
@@ -140,15 +151,20 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         url = str(root / "ucp")
         hf = write_sources(cfg, root, url, None)
-        print(f"model: {cfg.num_hidden_layers} layers, {params / 1e6:.0f}M parameters, "
-              f"{params * 2 / 2**30:.2f} GiB bf16; ucp saved from tp2pp2; repeats: {args.repeats} (median)")
+        print(
+            f"model: {cfg.num_hidden_layers} layers, {params / 1e6:.0f}M parameters, "
+            f"{params * 2 / 2**30:.2f} GiB bf16; ucp saved from tp2pp2; repeats: {args.repeats} (median)"
+        )
         rows = []
+
         def cold() -> None:
             drop_page_cache(root, "fadvise")
 
-        for method, fn in (("ucp load_weights tp1", ucp_load(url, "tp1", None)),
-                           ("ucp load_weights tp2 r0", ucp_load(url, "tp2", None)),
-                           ("safetensors load_file+copy", safetensors_local(hf))):
+        for method, fn in (
+            ("ucp load_weights tp1", ucp_load(url, "tp1", None)),
+            ("ucp load_weights tp2 r0", ucp_load(url, "tp2", None)),
+            ("safetensors load_file+copy", safetensors_local(hf)),
+        ):
             rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
         if args.s3:
             rows += _s3_rows(cfg, root, hf, args.repeats)
@@ -173,9 +189,11 @@ def _s3_rows(cfg: MixtralConfig, root: Path, hf: Path, repeats: int) -> list[Row
         def nothing() -> None:  # the server keeps objects in memory: no cache to drop
             return None
 
-        return [Row("ucp load_weights tp1", "s3", *timed(ucp_load(url, "tp1", options), repeats, nothing)),
-                Row("ucp load_weights tp2 r0", "s3", *timed(ucp_load(url, "tp2", options), repeats, nothing)),
-                Row("safetensors get+load+copy", "s3", *timed(safetensors_s3(fs, "coldstart/hf"), repeats, nothing))]
+        return [
+            Row("ucp load_weights tp1", "s3", *timed(ucp_load(url, "tp1", options), repeats, nothing)),
+            Row("ucp load_weights tp2 r0", "s3", *timed(ucp_load(url, "tp2", options), repeats, nothing)),
+            Row("safetensors get+load+copy", "s3", *timed(safetensors_s3(fs, "coldstart/hf"), repeats, nothing)),
+        ]
     finally:
         server.close()
 

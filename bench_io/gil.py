@@ -105,7 +105,9 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="bench_io-gil-", dir=args.dir or "/var/tmp"))
     options = ucp.SaveOptions(fsync=True, io_threads=args.io_threads)
     rows: dict[str, list[dict[str, float]]] = {"alone": [], "threads": [], "process": []}
-    managers = {w: ucp.CheckpointManager(str(root / w), mode="async", options=options, writer=w) for w in ("threads", "process")}
+    managers = {
+        w: ucp.CheckpointManager(str(root / w), mode="async", options=options, writer=w) for w in ("threads", "process")
+    }
     try:
         for manager in managers.values():
             manager.save(0, state.tree)  # warm: staging allocated, writer process started
@@ -124,7 +126,9 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
                 wall = time.perf_counter() - t1
                 e2e = time.perf_counter() - t0
                 rows[writer].append({**_stats(times, wall), "blocking_s": t1 - t0, "save_s": e2e})
-                log(f"r{r} {writer}: {rows[writer][-1]['steps_per_s']:.0f} steps/s, save {e2e:.2f} s, blocking {t1 - t0:.3f} s")
+                log(
+                    f"r{r} {writer}: {rows[writer][-1]['steps_per_s']:.0f} steps/s, save {e2e:.2f} s, blocking {t1 - t0:.3f} s"
+                )
     finally:
         for manager in managers.values():
             manager.close()

@@ -276,7 +276,9 @@ class UcpAsync(Ucp):
 
     name = "ucp-async"
     paired_copy = True
-    description = "CheckpointManager(mode='async').save (writer process): blocking time (snapshot) and end-to-end time to commit"
+    description = (
+        "CheckpointManager(mode='async').save (writer process): blocking time (snapshot) and end-to-end time to commit"
+    )
     writer = "process"
 
     def __init__(self, io_threads: int = DEFAULT_IO_THREADS):

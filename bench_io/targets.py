@@ -291,8 +291,12 @@ class S3Target(Target):
                 self.server.close()
 
 
-def s3_target(disk_dir: str | None, endpoint_url: str | None = None, bucket: str | None = None,
-              options: dict[str, Any] | None = None) -> Target:
+def s3_target(
+    disk_dir: str | None,
+    endpoint_url: str | None = None,
+    bucket: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Target:
     """The s3 target: `endpoint_url` (or the options' endpoint_url, or AWS_ENDPOINT_URL) with the credentials of
     `options` (s3fs storage options: key, secret, profile, ...) or the AWS environment, or an embedded moto server
     when no endpoint is given. A scratch bucket is made (and removed) unless `bucket` is named."""

@@ -58,7 +58,9 @@ def main() -> int:
     p.add_argument("--dir", default="/dev/shm", help="where the checkpoints go (default /dev/shm)")
     args = p.parse_args()
     state = transformer_state(args.size)
-    print(f"{state.nbytes / 2**20:.0f} MiB, {len(state.flat)} tensors, {args.saves - 1} warm saves per writer (medians)")
+    print(
+        f"{state.nbytes / 2**20:.0f} MiB, {len(state.flat)} tensors, {args.saves - 1} warm saves per writer (medians)"
+    )
     print(f"{'writer':<8} {'copy s':>7} {'blocking s':>10} {'snapshot s':>10} {'blocking/copy':>13}")
     for writer in ("threads", "process"):
         r = measure(writer, state, args.saves, args.dir)

@@ -2,6 +2,7 @@
 
 Usage (at the last v1 commit): python scripts/make_v1_fixture.py tests/fixtures/v1
 """
+
 import hashlib
 import json
 import sys
@@ -17,31 +18,65 @@ sys.path.insert(0, ".")
 from ucp.families import MixtralConfig, canonical_atoms
 
 STATES = ("exp_avg", "exp_avg_sq")
-CONFIG = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, num_local_experts=2, make_vocab_size_divisible_by=8)
+CONFIG = MixtralConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=2,
+    make_vocab_size_divisible_by=8,
+)
+
+
 def full_state():
     g = torch.Generator().manual_seed(3)
     atoms = canonical_atoms(CONFIG)
-    return {"model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
-            "optimizer": {"state": {n: {st: torch.rand(s, generator=g) for st in STATES} for n, (s, _) in atoms.items()}}}
+    return {
+        "model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
+        "optimizer": {"state": {n: {st: torch.rand(s, generator=g) for st in STATES} for n, (s, _) in atoms.items()}},
+    }
+
 
 out = sys.argv[1]
 g = torch.Generator().manual_seed(11)
 state = {
-    "model": {"w": torch.randn(48, 40, generator=g), "bf": torch.randn(33, 7, generator=g).to(torch.bfloat16),
-              "i": torch.arange(10, dtype=torch.int64), "flag": torch.tensor([True, False, True]),
-              "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4)},
-    "step": 5, "lr": float("nan"), "names": ["a", "b"],
+    "model": {
+        "w": torch.randn(48, 40, generator=g),
+        "bf": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "i": torch.arange(10, dtype=torch.int64),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    },
+    "step": 5,
+    "lr": float("nan"),
+    "names": ["a", "b"],
 }
 opts = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=4096, inner_bytes=1024), fsync=False)
 ucp.save(state, f"{out}/single", step=4, options=ucp.SaveOptions(fsync=False))
 ucp.save(state, f"{out}/single", step=5, options=opts)
 layout = parse_layout("tp2pp1")
 full = full_state()
-VirtualWorld(2).save([shard(full, CONFIG, layout, r, STATES) for r in range(2)], f"{out}/sharded", step=7,
-                     model=ShardedModel(CONFIG, layout, STATES), extra={"iteration": 7}, options=ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=2048, inner_bytes=512), fsync=False))
-def digest(t): return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
-expected = {"single": {k: [str(v.dtype), list(v.shape), digest(v.reshape(-1))] for k, v in state["model"].items()},
-            "sharded": {k: digest(v.reshape(-1)) for k, v in full["model"].items()}, "config": CONFIG.to_json()}
+VirtualWorld(2).save(
+    [shard(full, CONFIG, layout, r, STATES) for r in range(2)],
+    f"{out}/sharded",
+    step=7,
+    model=ShardedModel(CONFIG, layout, STATES),
+    extra={"iteration": 7},
+    options=ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=2048, inner_bytes=512), fsync=False),
+)
+
+
+def digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+expected = {
+    "single": {k: [str(v.dtype), list(v.shape), digest(v.reshape(-1))] for k, v in state["model"].items()},
+    "sharded": {k: digest(v.reshape(-1)) for k, v in full["model"].items()},
+    "config": CONFIG.to_json(),
+}
 with open(f"{out}/expected.json", "w") as f:
     json.dump(expected, f, indent=1, sort_keys=True)

@@ -55,9 +55,19 @@ def model_overrides(size_gib: float) -> list[str]:
     per_layer = 4 * h * h + 2 * h + experts * h + experts * 3 * h * ffn
     layers = max(2, round((size_gib * 2**30 / 12 - 2 * vocab * h) / per_layer))
     layers += layers % 2
-    return [f"model.hidden_size={h}", f"model.ffn_hidden_size={ffn}", f"model.num_experts={experts}",
-            f"model.vocab_size={vocab}", f"model.num_layers={layers}", "model.num_heads=8", "model.num_kv_heads=4",
-            "data.source=synthetic", "data.global_batch_size=4", "data.micro_batch_size=1", "data.seq_len=32"]
+    return [
+        f"model.hidden_size={h}",
+        f"model.ffn_hidden_size={ffn}",
+        f"model.num_experts={experts}",
+        f"model.vocab_size={vocab}",
+        f"model.num_layers={layers}",
+        "model.num_heads=8",
+        "model.num_kv_heads=4",
+        "data.source=synthetic",
+        "data.global_batch_size=4",
+        "data.micro_batch_size=1",
+        "data.seq_len=32",
+    ]
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -95,8 +105,21 @@ def first_new_step(records: list[dict]) -> dict | None:
 def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str], page_cache: str) -> dict[str, Any]:
     """One failure and recovery with the checkpoint read from `tier`; returns the figures."""
     metrics = work / "metrics.jsonl"
-    argv = [*base, "--layout", "tp2pp2,tp2pp1", "--steps", "1000", "--save-interval", "2", "--ckpt", url,
-            "--ckpt-mode", "sync", "--metrics-file", str(metrics)]
+    argv = [
+        *base,
+        "--layout",
+        "tp2pp2,tp2pp1",
+        "--steps",
+        "1000",
+        "--save-interval",
+        "2",
+        "--ckpt",
+        url,
+        "--ckpt-mode",
+        "sync",
+        "--metrics-file",
+        str(metrics),
+    ]
     if tier == "hot":
         argv += ["--durable-every", "1000"]
     job = job_of(work, argv, tier == "hot", env)
@@ -127,11 +150,14 @@ def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str
     last_before = max((s for s in before), default=0)
     process_start = first["time"] - restart["time_to_first_step_s"]
     return {
-        "tier": tier, "to_first_step_s": first["time"] - killed_at,
+        "tier": tier,
+        "to_first_step_s": first["time"] - killed_at,
         "detect_and_restart_s": process_start - killed_at,
         "start_and_group_s": restart["time_to_first_step_s"] - restart["restore_s"] - first["step_time_s"],
-        "restore_s": restart["restore_s"], "first_step_s": first["step_time_s"],
-        "bytes_by_tier": restart["bytes_by_tier"], "resumed_from": restart["from_step"],
+        "restore_s": restart["restore_s"],
+        "first_step_s": first["step_time_s"],
+        "bytes_by_tier": restart["bytes_by_tier"],
+        "resumed_from": restart["from_step"],
         "steps_lost": max(0, last_before - restart["from_step"]),
     }
 
@@ -168,7 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
-    base = ["-m", "trainer", "--config", str(CONFIG), *(x for o in model_overrides(args.size_gib) for x in ("--set", o))]
+    base = [
+        "-m",
+        "trainer",
+        "--config",
+        str(CONFIG),
+        *(x for o in model_overrides(args.size_gib) for x in ("--set", o)),
+    ]
     server = MotoServer() if "s3" in tiers or args.overhead_target == "s3" else None
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
     if server is not None:
@@ -186,10 +218,13 @@ def main(argv: list[str] | None = None) -> int:
                 row = recover(tier, work, base, url, env, args.page_cache)
                 results["recovery"].append(row)
                 gib = {k: v / 2**30 for k, v in row["bytes_by_tier"].items()}
-                print(f"[recovery] {tier:<5} kill -> first step {row['to_first_step_s']:6.1f} s  (detect+restart "
-                      f"{row['detect_and_restart_s']:.1f}, start+group {row['start_and_group_s']:.1f}, restore "
-                      f"{row['restore_s']:.1f}, step {row['first_step_s']:.1f})  read GiB: node {gib['local']:.2f} peers "
-                      f"{gib['peers']:.2f} durable {gib['durable']:.2f}  steps lost {row['steps_lost']}", flush=True)
+                print(
+                    f"[recovery] {tier:<5} kill -> first step {row['to_first_step_s']:6.1f} s  (detect+restart "
+                    f"{row['detect_and_restart_s']:.1f}, start+group {row['start_and_group_s']:.1f}, restore "
+                    f"{row['restore_s']:.1f}, step {row['first_step_s']:.1f})  read GiB: node {gib['local']:.2f} peers "
+                    f"{gib['peers']:.2f} durable {gib['durable']:.2f}  steps lost {row['steps_lost']}",
+                    flush=True,
+                )
         if args.overhead_steps:
             for kind in ("none", "durable", "hot"):
                 work = root / f"overhead-{kind}"
@@ -223,8 +258,10 @@ def summarize(results: dict[str, Any]) -> None:
     o = results["overhead"]
     if o:
         durable_stall, hot_stall = o["durable"] - o["none"], o["hot"] - o["none"]
-        print(f"checkpoint every step: step {o['none']:.2f} s without, stall {durable_stall:+.2f} s to the durable URL "
-              f"alone, {hot_stall:+.2f} s with the hot tier ({hot_stall / durable_stall if durable_stall > 0 else float('nan'):.2f}x)")
+        print(
+            f"checkpoint every step: step {o['none']:.2f} s without, stall {durable_stall:+.2f} s to the durable URL "
+            f"alone, {hot_stall:+.2f} s with the hot tier ({hot_stall / durable_stall if durable_stall > 0 else float('nan'):.2f}x)"
+        )
 
 
 if __name__ == "__main__":

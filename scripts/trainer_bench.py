@@ -25,15 +25,34 @@ TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
 CONFIGS = {
     "tiny": [],
     # A larger model that still trains on a few CPU cores: ~14M parameters, ~0.2 GB of checkpoint per step.
-    "h256-l4-e8": ["--set", "model.hidden_size=256", "--set", "model.num_heads=8", "--set", "model.num_kv_heads=4",
-                   "--set", "model.ffn_hidden_size=512"],
+    "h256-l4-e8": [
+        "--set",
+        "model.hidden_size=256",
+        "--set",
+        "model.num_heads=8",
+        "--set",
+        "model.num_kv_heads=4",
+        "--set",
+        "model.ffn_hidden_size=512",
+    ],
 }
 
 
 def run(work: Path, name: str, layout: str, steps: int, extra: list[str]) -> list[dict]:
     metrics = work / f"{name}.jsonl"
-    argv = ["-m", "trainer", "--config", str(TINY), "--layout", layout, "--steps", str(steps),
-            "--metrics-file", str(metrics), *extra]
+    argv = [
+        "-m",
+        "trainer",
+        "--config",
+        str(TINY),
+        "--layout",
+        layout,
+        "--steps",
+        str(steps),
+        "--metrics-file",
+        str(metrics),
+        *extra,
+    ]
     procs = launch.start(argv, parse_layout(layout).world_size, work / f"logs-{name}")
     launch.wait(procs, work / f"logs-{name}")
     return [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -53,9 +72,14 @@ def bench(config: str, args: argparse.Namespace, work: Path) -> dict:
     result["step_s_no_ckpt"] = statistics.median(base)
     for mode in args.modes:
         ckpt = work / f"{config}-{mode}-ckpt"
-        records = run(work, f"{config}-{mode}", args.layout, args.steps,
-                      [*extra, "--ckpt", str(ckpt), "--save-interval", "1", "--ckpt-mode", mode])
-        events = [r for r in records if r.get("event") == "checkpoint"][args.skip:]
+        records = run(
+            work,
+            f"{config}-{mode}",
+            args.layout,
+            args.steps,
+            [*extra, "--ckpt", str(ckpt), "--save-interval", "1", "--ckpt-mode", mode],
+        )
+        events = [r for r in records if r.get("event") == "checkpoint"][args.skip :]
         result[mode] = {
             "step_s": statistics.median(step_times(records, args.skip)),
             "blocking_s": statistics.median(e["blocking_s"] for e in events),  # inside save_sharded's submit
@@ -66,8 +90,11 @@ def bench(config: str, args: argparse.Namespace, work: Path) -> dict:
     ckpt = work / f"{config}-{args.modes[0]}-ckpt"
     records = run(work, f"{config}-resume", args.resume_layout, args.steps + 1, [*extra, "--ckpt", str(ckpt)])
     resume = next(r for r in records if r.get("event") == "resume")
-    result["resume"] = {"layout": args.resume_layout, "time_to_first_step_s": resume["time_to_first_step_s"],
-                        "bytes_read": resume["bytes_read"]}
+    result["resume"] = {
+        "layout": args.resume_layout,
+        "time_to_first_step_s": resume["time_to_first_step_s"],
+        "bytes_read": resume["bytes_read"],
+    }
     return result
 
 
@@ -80,9 +107,15 @@ def table(results: list[dict], modes: list[str]) -> str:
     for r in results:
         row = [r["config"], r["layout"], f"{1e3 * r['step_s_no_ckpt']:.0f} ms"]
         for m in modes:
-            row += [f"{1e3 * r[m]['step_s']:.0f} ms", f"{r[m]['overhead_pct']:+.0f}%", f"{1e3 * r[m]['call_s']:.0f} / {1e3 * r[m]['blocking_s']:.0f} ms"]
-        row += [f"{r['resume']['time_to_first_step_s']:.2f} s ({r['resume']['layout']})",
-                f"{r['resume']['bytes_read'] / 2**20:.1f} MiB"]
+            row += [
+                f"{1e3 * r[m]['step_s']:.0f} ms",
+                f"{r[m]['overhead_pct']:+.0f}%",
+                f"{1e3 * r[m]['call_s']:.0f} / {1e3 * r[m]['blocking_s']:.0f} ms",
+            ]
+        row += [
+            f"{r['resume']['time_to_first_step_s']:.2f} s ({r['resume']['layout']})",
+            f"{r['resume']['bytes_read'] / 2**20:.1f} MiB",
+        ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -106,9 +139,11 @@ def main(argv: list[str] | None = None) -> None:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    print("medians; step = the training step + the checkpoint call after it (lazy: + the snapshot wait before the "
-          "update); call = the whole save_sharded call (waiting for the previous save, planning, fragment exchange, "
-          "snapshot), submit = handle.blocking_s (the snapshot)")
+    print(
+        "medians; step = the training step + the checkpoint call after it (lazy: + the snapshot wait before the "
+        "update); call = the whole save_sharded call (waiting for the previous save, planning, fragment exchange, "
+        "snapshot), submit = handle.blocking_s (the snapshot)"
+    )
     print(table(results, args.modes))
 
 

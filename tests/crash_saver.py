@@ -57,7 +57,11 @@ def main(root: str, stage: str) -> None:
             freeze()
         return done
 
-    LocalStorage.write, LocalStorage._write_file, LocalStorage.create_exclusive = counting_write, marker_temp, frozen_create
+    LocalStorage.write, LocalStorage._write_file, LocalStorage.create_exclusive = (
+        counting_write,
+        marker_temp,
+        frozen_create,
+    )
     manager.save(2, state(2))
     print("UNEXPECTED: the save finished", flush=True)
 

@@ -23,8 +23,16 @@ from ucp.reshard import shard
 from ucp.storage import open_storage
 
 STATES = ("exp_avg", "exp_avg_sq")
-CONFIG = MixtralConfig(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-                       num_key_value_heads=4, num_local_experts=2, make_vocab_size_divisible_by=8)
+CONFIG = MixtralConfig(
+    vocab_size=500,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_local_experts=2,
+    make_vocab_size_divisible_by=8,
+)
 OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=16384, inner_bytes=2048), fsync=False)
 # Fewer, larger objects where each request costs milliseconds (the S3 server).
 LARGE_OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=65536, inner_bytes=8192), fsync=False)
@@ -53,16 +61,26 @@ def main(url: str, save_layout: str, load_layouts: str, out_dir: str) -> None:
     layout = parse_layout(save_layout, dist.get_world_size())
     storage = open_storage(url, storage_options, fsync=False)
     storage.stats.write_log = []
-    save_sharded(shard(full, CONFIG, layout, rank, STATES), url, step=7, model=ShardedModel(CONFIG, layout, STATES),
-                 comm=TorchComm(), extra={"iteration": 7, "data": {"consumed": 123}}, storage=storage,
-                 options=LARGE_OPTIONS if url.startswith("s3://") else OPTIONS)
+    save_sharded(
+        shard(full, CONFIG, layout, rank, STATES),
+        url,
+        step=7,
+        model=ShardedModel(CONFIG, layout, STATES),
+        comm=TorchComm(),
+        extra={"iteration": 7, "data": {"consumed": 123}},
+        storage=storage,
+        options=LARGE_OPTIONS if url.startswith("s3://") else OPTIONS,
+    )
     result = {"writes": storage.stats.write_log, "loads": {}}
     for name in load_layouts.split(","):
         target = parse_layout(name, dist.get_world_size())
         reader = CheckpointReader(open_storage(url, storage_options), "latest")
         local, report = load_sharded(reader, ShardedModel(CONFIG, target, STATES), rank)
-        result["loads"][name] = {"exact": same(local, shard(full, CONFIG, target, rank, STATES)),
-                                 "amplification": report.amplification, "extra": extra_state(reader)}
+        result["loads"][name] = {
+            "exact": same(local, shard(full, CONFIG, target, rank, STATES)),
+            "amplification": report.amplification,
+            "extra": extra_state(reader),
+        }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

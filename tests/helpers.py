@@ -13,11 +13,17 @@ def assert_same_state(a: Any, b: Any, path: str = "state") -> None:
     """Bitwise equality of nested states: same keys, same tensor dtype/shape/bytes, equal JSON values."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: {type(b)} is not a tensor"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        )
         assert b.is_contiguous(), f"{path}: loaded tensor is not contiguous"
-        assert bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy()) == bytes(b.reshape(-1).view(torch.uint8).numpy()), f"{path}: bytes differ"
+        assert bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy()) == bytes(
+            b.reshape(-1).view(torch.uint8).numpy()
+        ), f"{path}: bytes differ"
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{path}: keys {list(a)} != {list(b) if isinstance(b, dict) else b}"
+        assert isinstance(b, dict) and list(a) == list(b), (
+            f"{path}: keys {list(a)} != {list(b) if isinstance(b, dict) else b}"
+        )
         for k in a:
             assert_same_state(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
@@ -50,7 +56,11 @@ def reseal_manifest(root: Any, doc: dict, step: int | str = "latest") -> None:
     reader = ucp.open_checkpoint(str(root), step)
     data = dumps(doc)
     (Path(root) / reader.prefix / "zarr.json").write_bytes(data)
-    marker_path = Path(root) / reader.prefix.rsplit("/", 1)[0] / COMMIT_MARKER if reader.record.attempt else Path(root) / reader.prefix / COMMIT_MARKER
+    marker_path = (
+        Path(root) / reader.prefix.rsplit("/", 1)[0] / COMMIT_MARKER
+        if reader.record.attempt
+        else Path(root) / reader.prefix / COMMIT_MARKER
+    )
     marker = json.loads(marker_path.read_text())
     marker.update(manifest_crc32c=crc32c.crc32c(data), manifest_bytes=len(data))
     marker_path.unlink()

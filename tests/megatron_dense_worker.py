@@ -28,14 +28,37 @@ def main(ckpt: str, out: str, bias: bool, qk_norm: bool, head_dim: int) -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cfg = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, num_query_groups=KV, ffn_hidden_size=FFN,
-                            kv_channels=head_dim, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
-                            layernorm_epsilon=1e-6, add_bias_linear=False, add_qkv_bias=bias, qk_layernorm=qk_norm,
-                            use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
-                            attention_dropout=0.0, tensor_model_parallel_size=2)
+    cfg = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        num_query_groups=KV,
+        ffn_hidden_size=FFN,
+        kv_channels=head_dim,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        add_bias_linear=False,
+        add_qkv_bias=bias,
+        qk_layernorm=qk_norm,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=2,
+    )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
-    model = GPTModel(cfg, spec, vocab_size=128 * 2, max_sequence_length=64, position_embedding_type="rope",
-                     rotary_base=10000, share_embeddings_and_output_weights=False, parallel_output=False)
+    model = GPTModel(
+        cfg,
+        spec,
+        vocab_size=128 * 2,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        share_embeddings_and_output_weights=False,
+        parallel_output=False,
+    )
     (path,) = glob.glob(os.path.join(ckpt, "iter_*", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
     model.load_state_dict(torch.load(path, weights_only=False)["model"], strict=True)
     model.eval()

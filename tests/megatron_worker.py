@@ -54,25 +54,73 @@ def build_model(tp: int = 1, ep: int = 1, bf16: bool = False, parallel_output: b
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    cfg = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=HEADS, num_query_groups=KV, ffn_hidden_size=FFN,
-        num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=F.silu,
-        normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False, use_cpu_initialization=True,
-        moe_token_dispatcher_type="allgather", params_dtype=dtype, bf16=bf16, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    cfg = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        num_query_groups=KV,
+        ffn_hidden_size=FFN,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type="allgather",
+        params_dtype=dtype,
+        bf16=bf16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+    )
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm")
     torch.manual_seed(0)
-    return GPTModel(cfg, spec, vocab_size=128 * tp, max_sequence_length=64, position_embedding_type="rope",
-                    rotary_base=10000, share_embeddings_and_output_weights=False, parallel_output=parallel_output)
+    return GPTModel(
+        cfg,
+        spec,
+        vocab_size=128 * tp,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        share_embeddings_and_output_weights=False,
+        parallel_output=parallel_output,
+    )
 
 
 def megatron_args(ep: int = 1, bf16: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(num_layers=L, hidden_size=H, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
-        num_attention_heads=HEADS, group_query_attention=True, num_query_groups=KV, kv_channels=None, num_experts=E,
-        moe_router_topk=2, swiglu=True, add_bias_linear=False, normalization="RMSNorm", norm_epsilon=1e-5,
-        position_embedding_type="rope", rotary_base=10000, untie_embeddings_and_output_weights=True, vocab_size=V,
-        padded_vocab_size=128, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=None,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, max_position_embeddings=64)
+    return argparse.Namespace(
+        num_layers=L,
+        hidden_size=H,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        group_query_attention=True,
+        num_query_groups=KV,
+        kv_channels=None,
+        num_experts=E,
+        moe_router_topk=2,
+        swiglu=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        norm_epsilon=1e-5,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        untie_embeddings_and_output_weights=True,
+        vocab_size=V,
+        padded_vocab_size=128,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=None,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
+        max_position_embeddings=64,
+    )
 
 
 class Trainable:
@@ -86,14 +134,33 @@ class Trainable:
 
         self.model = model
         wrapped = Float16Module(model.config, model) if bf16 else model
-        self.ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped)
-        config = OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.1, clip_grad=0.0, bf16=bf16,
-                                 params_dtype=model.config.params_dtype)
+        self.ddp = DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped
+        )
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            min_lr=1e-3,
+            weight_decay=0.1,
+            clip_grad=0.0,
+            bf16=bf16,
+            params_dtype=model.config.params_dtype,
+        )
         with _cuda_free_optimizer_setup():
             self.optimizer = get_megatron_optimizer(config, [self.ddp])
-        self.scheduler = OptimizerParamScheduler(self.optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
-                                                 lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
-                                                 wd_incr_steps=20, wd_incr_style="constant")
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=1e-2,
+            min_lr=1e-3,
+            lr_warmup_steps=2,
+            lr_decay_steps=20,
+            lr_decay_style="cosine",
+            start_wd=0.1,
+            end_wd=0.1,
+            wd_incr_steps=20,
+            wd_incr_style="constant",
+        )
 
     def step(self, tokens: torch.Tensor) -> None:
         """One training step. The loss sees only the V real vocabulary entries, so the padding rows of the
@@ -159,9 +226,18 @@ def save(ckpt: str, name: str, t: Trainable, args: argparse.Namespace) -> None:
 
     os.makedirs(os.path.dirname(rank_path(ckpt, name)))
     rng = [{"random_rng_state": None, "np_rng_state": np.random.get_state(), "torch_rng_state": torch.get_rng_state()}]
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": t.model.state_dict(),
-                "optimizer": t.optimizer.state_dict(), "opt_param_scheduler": t.scheduler.state_dict(), "rng_state": rng},
-               rank_path(ckpt, name))
+    torch.save(
+        {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": ITERATION,
+            "model": t.model.state_dict(),
+            "optimizer": t.optimizer.state_dict(),
+            "opt_param_scheduler": t.scheduler.state_dict(),
+            "rng_state": rng,
+        },
+        rank_path(ckpt, name),
+    )
     if dist.get_rank() == 0:
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(ITERATION))
@@ -234,9 +310,14 @@ def ep2(rank: int, ckpt: str, out: str) -> None:
     dist.barrier()
     fresh = Trainable(build_model(ep=2, bf16=True), bf16=True)
     load(os.path.join(ckpt, "back"), name, fresh)
-    torch.save({"saved": t.state_by_name(), "loaded": fresh.state_by_name(),
-                "lr": ([g["lr"] for g in t.optimizer.param_groups], [g["lr"] for g in fresh.optimizer.param_groups])},
-               f"{out}.{rank}")
+    torch.save(
+        {
+            "saved": t.state_by_name(),
+            "loaded": fresh.state_by_name(),
+            "lr": ([g["lr"] for g in t.optimizer.param_groups], [g["lr"] for g in fresh.optimizer.param_groups]),
+        },
+        f"{out}.{rank}",
+    )
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ def test_no_module_imports_a_layer_above_its_own():
         mine = top_module(path)
         for line, name in imported(path):
             if name in LAYER and LAYER[name] > LAYER[mine] and name != mine:
-                upward.append(f"{path.relative_to(UCP.parent)}:{line} ({mine}, layer {LAYER[mine]}) imports {name} (layer {LAYER[name]})")
+                upward.append(
+                    f"{path.relative_to(UCP.parent)}:{line} ({mine}, layer {LAYER[mine]}) imports {name} (layer {LAYER[name]})"
+                )
     assert not upward, "\n".join(upward)
 
 
@@ -72,7 +74,17 @@ def test_the_library_imports_nothing_of_the_trainer_the_benchmarks_or_the_data_l
     outside = []
     for path in sorted(UCP.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            outside += [f"{path.relative_to(UCP.parent)}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("trainer", "dataloaders", "bench_io")]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            outside += [
+                f"{path.relative_to(UCP.parent)}:{node.lineno} {n}"
+                for n in names
+                if n.split(".")[0] in ("trainer", "dataloaders", "bench_io")
+            ]
     # the one exception: `ucp bench` hands its arguments to bench_io's main (a command, not the library)
     assert all(o.startswith("ucp/cli.py:") and o.endswith(" bench_io.__main__") for o in outside), outside

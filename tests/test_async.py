@@ -22,7 +22,9 @@ from ucp.writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
 
 from .helpers import assert_same_state
 
-OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=64 * 1024, inner_bytes=16 * 1024), fsync=False, io_threads=4)
+OPTIONS = ucp.SaveOptions(
+    chunking=ucp.ChunkingPolicy(object_bytes=64 * 1024, inner_bytes=16 * 1024), fsync=False, io_threads=4
+)
 
 
 def make_state(seed: int = 0) -> dict:
@@ -123,7 +125,9 @@ needs_process_writer = pytest.mark.skipif(not PROCESS_WRITER_SUPPORTED, reason="
 @pytest.mark.parametrize("writer", WRITERS)
 def test_staging_memory_is_bounded_and_reused(tmp_path, writer):
     chunk_bytes = 64 * 1024
-    manager = ucp.CheckpointManager(str(tmp_path), options=OPTIONS, mode="async", staging_bytes=3 * chunk_bytes, writer=writer)
+    manager = ucp.CheckpointManager(
+        str(tmp_path), options=OPTIONS, mode="async", staging_bytes=3 * chunk_bytes, writer=writer
+    )
     arenas = None
     for step in (1, 2, 3):
         handle = manager.save(step, make_state(step))
@@ -203,7 +207,9 @@ def test_writer_process_writes_the_snapshot_while_training_changes_the_tensors(t
     assert manager.wait().step == 1
     assert_same_state(expected, manager.restore())
     chunk_keys = [k for k in manager.storage.stats.write_log if "/c." in k]
-    assert len(chunk_keys) >= len(state["model"]) and len(set(chunk_keys)) == len(chunk_keys), "the child's writes are counted here"
+    assert len(chunk_keys) >= len(state["model"]) and len(set(chunk_keys)) == len(chunk_keys), (
+        "the child's writes are counted here"
+    )
     manager.close()
 
 
@@ -261,7 +267,9 @@ def test_a_killed_writer_process_fails_the_save_and_the_next_save_restarts_it(tm
 @needs_process_writer
 def test_writer_process_saves_to_s3(s3_bucket):
     bucket, options = s3_bucket
-    manager = ucp.CheckpointManager(f"s3://{bucket}/run", options=OPTIONS, mode="lazy", writer="process", storage_options=options)
+    manager = ucp.CheckpointManager(
+        f"s3://{bucket}/run", options=OPTIONS, mode="lazy", writer="process", storage_options=options
+    )
     handle = manager.save(1, make_state(1))
     handle.wait_snapshot()
     manager.wait()

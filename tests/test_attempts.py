@@ -102,4 +102,6 @@ def test_a_committed_step_holds_one_attempt_and_a_failed_save_none(tmp_path):
     except Boom:
         pass
     assert not (tmp_path / step_dirname(2)).exists()
-    assert [n for n in os.listdir(tmp_path / step_dirname(1)) if n.startswith("attempt-")] == [ucp.open_checkpoint(str(tmp_path)).record.attempt]
+    assert [n for n in os.listdir(tmp_path / step_dirname(1)) if n.startswith("attempt-")] == [
+        ucp.open_checkpoint(str(tmp_path)).record.attempt
+    ]

@@ -22,7 +22,11 @@ OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=16 * 1024, in
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

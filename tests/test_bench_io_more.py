@@ -65,7 +65,9 @@ def test_procs_2(tmp_path: Path) -> None:
 
 def test_gil_compares_the_writer_threads_and_the_writer_process(tmp_path: Path) -> None:
     out = tmp_path / "gil.json"
-    proc = _run(["gil", "--size", "4MiB", "--repeats", "1", "--alone-s", "0.2", "--dir", str(tmp_path), "--json", str(out)])
+    proc = _run(
+        ["gil", "--size", "4MiB", "--repeats", "1", "--alone-s", "0.2", "--dir", str(tmp_path), "--json", str(out)]
+    )
     assert "less slowdown of the loop: writer" in proc.stdout
     summary = json.loads(out.read_text())["summary"]
     for writer in ("threads", "process"):

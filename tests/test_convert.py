@@ -57,7 +57,9 @@ def megatron_file(ckpt: Path, name: str, iteration: int = 10) -> dict:
 
 def optimizer_by_name(url: Path, layout: str, rank: int, states: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
     """A Megatron rank's optimizer state by parameter name, read from a ucp checkpoint as ucp's trainer reads it."""
-    local, _ = load_sharded(ucp.open_checkpoint(str(url)), ShardedModel(tiny_config(), parse_megatron_layout(layout), states), rank)
+    local, _ = load_sharded(
+        ucp.open_checkpoint(str(url)), ShardedModel(tiny_config(), parse_megatron_layout(layout), states), rank
+    )
     return local["optimizer"]["state"]["model"]
 
 
@@ -110,9 +112,12 @@ def test_reshard_tp1_to_tp2pp2ep2_and_back_loads_in_megatron(megatron_tp1, tmp_p
     cfg = tiny_config()
     atoms = list(canonical_atoms(cfg))
     read = ucp.open_checkpoint(str(tmp_path / "u")).read_atoms(
-        [f"model/{n}" for n in atoms] + [f"optimizer/state/{n}/{s}" for n in atoms for s in DEFAULT_STATES])
-    full = {"model": {n: read[f"model/{n}"] for n in atoms},
-            "optimizer": {"state": {n: {s: read[f"optimizer/state/{n}/{s}"] for s in DEFAULT_STATES} for n in atoms}}}
+        [f"model/{n}" for n in atoms] + [f"optimizer/state/{n}/{s}" for n in atoms for s in DEFAULT_STATES]
+    )
+    full = {
+        "model": {n: read[f"model/{n}"] for n in atoms},
+        "optimizer": {"state": {n: {s: read[f"optimizer/state/{n}/{s}"] for s in DEFAULT_STATES} for n in atoms}},
+    }
     source = megatron_file(src, "mp_rank_00")
     for name, rank in rank_files(layout).items():
         data = megatron_file(mid, name)
@@ -169,10 +174,14 @@ def test_bf16_expert_parallel_optimizer_round_trips_and_loads_in_megatron(tmp_pa
         assert_bitwise_equal(out["loaded"], out["saved"], name)
         assert out["lr"][0] == out["lr"][1]
     # Megatron -> ucp: moments and master weights under the names Megatron's optimizer holds them for
-    assert convert(str(tmp_path / "src"), str(tmp_path / "u"), from_layout="tp1ep2", to_layout="universal").dropped == ("rng_state",)
+    assert convert(str(tmp_path / "src"), str(tmp_path / "u"), from_layout="tp1ep2", to_layout="universal").dropped == (
+        "rng_state",
+    )
     for name, rank in names.items():
         saved = torch.load(f"{tmp_path / 'ep2.pt'}.{rank}", weights_only=True)["saved"]
-        assert_bitwise_equal(optimizer_by_name(tmp_path / "u", "tp1ep2", rank, (*DEFAULT_STATES, "master")), saved, name)
+        assert_bitwise_equal(
+            optimizer_by_name(tmp_path / "u", "tp1ep2", rank, (*DEFAULT_STATES, "master")), saved, name
+        )
     # ... and back to Megatron: the same optimizer entries, scheduler and iteration, no RNG state
     assert convert(str(tmp_path / "u"), str(tmp_path / "m"), from_layout="universal", to_layout="tp1ep2").dropped == ()
     for name in names:
@@ -190,7 +199,9 @@ def test_rng_state_is_carried_into_the_same_layout_only(megatron_tp1, tmp_path):
     assert_bitwise_equal(same["optimizer"], source["optimizer"])
     assert same["opt_param_scheduler"] == source["opt_param_scheduler"]
     assert convert(str(src), str(tmp_path / "ep"), from_layout="tp1", to_layout="tp1ep2").dropped == ("rng_state",)
-    assert all("rng_state" not in megatron_file(tmp_path / "ep", n) for n in rank_files(parse_megatron_layout("tp1ep2")))
+    assert all(
+        "rng_state" not in megatron_file(tmp_path / "ep", n) for n in rank_files(parse_megatron_layout("tp1ep2"))
+    )
 
 
 def test_universal_to_megatron_with_tied_embeddings_and_virtual_stages(tmp_path):
@@ -242,13 +253,18 @@ def test_optimizer_state_ucp_cannot_map_is_refused(megatron_tp1, tmp_path):
     groups = [dict(g) for g in good["optimizer"]["param_groups"]]
     groups[0]["is_decoupled_lr"] = True
     _replace(dict(good, optimizer=dict(good["optimizer"], param_groups=groups)), path)
-    with pytest.raises(InteropError, match=r"mp_rank_00/model_optim_rng.pt: optimizer param groups .* not Megatron-Core's standard"):
+    with pytest.raises(
+        InteropError, match=r"mp_rank_00/model_optim_rng.pt: optimizer param groups .* not Megatron-Core's standard"
+    ):
         convert(str(ckpt), str(dst), from_layout="tp1", to_layout="tp2")
     # a moment whose shape is not its parameter's
     state = {i: dict(s) for i, s in good["optimizer"]["state"].items()}
     state[1]["exp_avg"] = torch.zeros(3)
     _replace(dict(good, optimizer=dict(good["optimizer"], state=state)), path)
-    with pytest.raises(InteropError, match=r"optimizer state of model/decoder.layers.0.self_attention.linear_proj.weight\['exp_avg'\] is \[3\]"):
+    with pytest.raises(
+        InteropError,
+        match=r"optimizer state of model/decoder.layers.0.self_attention.linear_proj.weight\['exp_avg'\] is \[3\]",
+    ):
         convert(str(ckpt), str(dst), from_layout="tp1", to_layout="tp2")
     # a distributed optimizer's state is refused, naming the file
     _replace(good, path)
@@ -289,7 +305,10 @@ def test_bad_megatron_sources_are_clear_errors_and_leave_nothing(megatron_tp2, t
     bad = dict(data, model=dict(data["model"]))
     bad["model"]["decoder.layers.1.self_attention.linear_proj.weight"] = torch.zeros(32, 32)
     _replace(bad, path)
-    with pytest.raises(InteropError, match=r"mp_rank_01/model_optim_rng.pt: model/decoder.layers.1.self_attention.linear_proj.weight has shape \[32, 32\], but .* imply \[32, 16\]"):
+    with pytest.raises(
+        InteropError,
+        match=r"mp_rank_01/model_optim_rng.pt: model/decoder.layers.1.self_attention.linear_proj.weight has shape \[32, 32\], but .* imply \[32, 16\]",
+    ):
         convert(str(megatron_tp2), str(dst), from_layout="tp2", to_layout="tp1")
     # a type outside the allowlist is never unpickled
     _replace(dict(good, evil=argparse.ArgumentParser), path)
@@ -341,8 +360,14 @@ def test_torch_file_save_loads_like_torch_save(tmp_path):
         produced.append(1)
         return torch.ones(3, 2)
 
-    common = {"view": base[1:3, ::2], "base": base, "step": torch.tensor(3.0), "args": argparse.Namespace(lr=0.1),
-              "none": None, "nested": [{"ids": torch.arange(5)}, (1, "x")]}
+    common = {
+        "view": base[1:3, ::2],
+        "base": base,
+        "step": torch.tensor(3.0),
+        "args": argparse.Namespace(lr=0.1),
+        "none": None,
+        "nested": [{"ids": torch.arange(5)}, (1, "x")],
+    }
     torch_file.save({**common, "deferred": torch_file.Deferred((3, 2), torch.float32, ones)}, tmp_path / "ours.pt")
     torch.save({**common, "deferred": torch.ones(3, 2)}, tmp_path / "torch.pt")
     assert produced == [1]
@@ -351,7 +376,9 @@ def test_torch_file_save_loads_like_torch_save(tmp_path):
         theirs = torch.load(tmp_path / "torch.pt", weights_only=True)
         lazy = torch_file.TorchFile(tmp_path / "ours.pt")
     assert_bitwise_equal(ours, theirs)
-    assert ours["view"].untyped_storage().data_ptr() == ours["base"].untyped_storage().data_ptr()  # one storage, as torch's
+    assert (
+        ours["view"].untyped_storage().data_ptr() == ours["base"].untyped_storage().data_ptr()
+    )  # one storage, as torch's
     assert lazy.obj["base"].device.type == "meta" and lazy.obj["args"] == common["args"]
     for name in ("view", "base", "step", "deferred"):
         assert_bitwise_equal(lazy.read(lazy.obj[name]), theirs[name], name)

@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("stage", ["chunks", "before_commit", "during_commit"])
 def test_kill_during_save(tmp_path, stage):
     root = str(tmp_path / "ckpt")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.crash_saver", root, stage], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.crash_saver", root, stage], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         line = proc.stdout.readline().strip()
         assert line == "READY", f"the saver did not reach stage {stage}: {line!r}"

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 # Two gloo ranks in a subprocess: "save" trains nothing but shards transformers' Mixtral with FSDP2 and writes
 # {"model", "optim"} with dcp.save; "load" reads a checkpoint into Shard(0) DTensors and checks every shard.
-DCP_WORKER = r'''
+DCP_WORKER = r"""
 import os, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
@@ -88,15 +88,20 @@ if __name__ == "__main__":
     mode, ckpt, ref, port = sys.argv[1:5]
     mp.spawn(main, args=(2, port, mode, ckpt, ref), nprocs=2)
     print("ok")
-'''
+"""
 
 
 def run_two_ranks(tmp: Path, mode: str, ckpt: Path, ref: Path) -> None:
     script = tmp / "dcp_worker.py"
     script.write_text(DCP_WORKER)
-    proc = subprocess.run([sys.executable, str(script), mode, str(ckpt), str(ref), str(free_port())],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(ckpt), str(ref), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -131,7 +136,9 @@ def test_import_fsdp2_dcp_checkpoint(tmp_path):
     full = {"model": got, "optimizer": {"state": opt}}
     local, _ = load_sharded(ucp.open_checkpoint(str(tmp_path / "u")), ShardedModel(tiny_config(), layout), 3)
     want = shard(full, tiny_config(), layout, 3)
-    assert torch.equal(local["optimizer"]["flat"]["expert"]["exp_avg_sq"], want["optimizer"]["flat"]["expert"]["exp_avg_sq"])
+    assert torch.equal(
+        local["optimizer"]["flat"]["expert"]["exp_avg_sq"], want["optimizer"]["flat"]["expert"]["exp_avg_sq"]
+    )
 
 
 def test_export_reads_back_with_dcp_to_torch_save_and_in_world_size_two(tmp_path):
@@ -170,9 +177,14 @@ def test_dcp_tensors_ucp_cannot_map_and_unsafe_metadata_are_refused(tmp_path):
     cfg = tiny_config(num_hidden_layers=1)
     model = random_full_state(cfg, states=())["model"]
     (tmp_path / "config.json").write_text(_hf_config_json(cfg))
-    dcp.save(dict(model, **{"model.layers.0.mlp.shared_expert.weight": torch.zeros(4, 4)}),
-             checkpoint_id=str(tmp_path / "odd"), no_dist=True)
-    with pytest.raises(SourceMismatchError, match=r"cannot map to Mixtral atoms: \['model.layers.0.mlp.shared_expert.weight'\]"):
+    dcp.save(
+        dict(model, **{"model.layers.0.mlp.shared_expert.weight": torch.zeros(4, 4)}),
+        checkpoint_id=str(tmp_path / "odd"),
+        no_dist=True,
+    )
+    with pytest.raises(
+        SourceMismatchError, match=r"cannot map to Mixtral atoms: \['model.layers.0.mlp.shared_expert.weight'\]"
+    ):
         import_dcp(tmp_path / "odd", str(tmp_path / "u"), config=tmp_path / "config.json")
     del model["model.norm.weight"]
     dcp.save(model, checkpoint_id=str(tmp_path / "short"), no_dist=True)

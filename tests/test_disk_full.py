@@ -39,7 +39,9 @@ def small_tmpfs(tmp_path):
         pytest.skip("mounting a tmpfs needs root (the RLIMIT_FSIZE test stands in)")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, check=False).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, check=False
+    ).returncode:
         pytest.skip("this machine does not allow mounting a tmpfs")
     try:
         yield mnt
@@ -63,7 +65,9 @@ def test_a_full_file_system(small_tmpfs, mode):
         manager.save(2, state(2, 8))
         manager.wait()
     message = str(failure.value)
-    assert "No space left" in message and "step 2" in message and f"{root}/{step_dirname(2)}/attempt-" in message, message
+    assert "No space left" in message and "step 2" in message and f"{root}/{step_dirname(2)}/attempt-" in message, (
+        message
+    )
     assert "\n" not in message
     assert used_bytes(small_tmpfs) <= used + (64 << 10), "the failed attempt's space was not freed"
     assert manager.steps() == [1]
@@ -72,7 +76,9 @@ def test_a_full_file_system(small_tmpfs, mode):
     manager.wait()
     assert manager.steps() == [1, 2]
     assert_same_state(state(3, 1.5), ucp.load(str(root)))
-    assert [n for n in os.listdir(root / step_dirname(2)) if is_attempt_dirname(n)] == [ucp.open_checkpoint(str(root)).record.attempt]
+    assert [n for n in os.listdir(root / step_dirname(2)) if is_attempt_dirname(n)] == [
+        ucp.open_checkpoint(str(root)).record.attempt
+    ]
     manager.close()
 
 
@@ -93,10 +99,16 @@ SAVER = textwrap.dedent("""
 
 def test_a_file_size_limit_stands_in_for_a_full_disk(tmp_path):
     root = tmp_path / "ckpt"
-    out = subprocess.run([sys.executable, "-c", SAVER, str(root)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", SAVER, str(root)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
-    assert "File too large" in out.stdout and "step 2" in out.stdout and f"{step_dirname(2)}/attempt-" in out.stdout, out.stdout
-    assert not (root / step_dirname(2)).exists() or not any(is_attempt_dirname(n) for n in os.listdir(root / step_dirname(2)))
+    assert "File too large" in out.stdout and "step 2" in out.stdout and f"{step_dirname(2)}/attempt-" in out.stdout, (
+        out.stdout
+    )
+    assert not (root / step_dirname(2)).exists() or not any(
+        is_attempt_dirname(n) for n in os.listdir(root / step_dirname(2))
+    )
     assert_same_state(state(1, 0.5), ucp.load(str(root)))
     ucp.save(state(3, 2), str(root), step=2, options=OPTIONS)
     assert_same_state(state(3, 2), ucp.load(str(root)))

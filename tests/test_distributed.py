@@ -41,7 +41,9 @@ def check_world(results: list[dict], reader: CheckpointReader) -> None:
         for rank, r in enumerate(results):
             load = r["loads"][layout]
             assert load["exact"], f"rank {rank} loaded {layout} wrong"
-            assert load["amplification"] <= 1.25, f"rank {rank} {layout}: read amplification {load['amplification']:.2f}"
+            assert load["amplification"] <= 1.25, (
+                f"rank {rank} {layout}: read amplification {load['amplification']:.2f}"
+            )
             assert load["extra"] == {"iteration": 7, "data": {"consumed": 123}}
     full = full_state()
     assert reader.manifest.layout == "tp2pp2"
@@ -59,20 +61,37 @@ def test_save_tp2pp2_with_four_processes_and_load_in_other_layouts(tmp_path):
 def test_the_same_on_s3(s3_bucket, tmp_path):
     bucket, options = s3_bucket
     url = f"s3://{bucket}/dist"
-    check_world(run_world(url, tmp_path, env={"UCP_TEST_STORAGE_OPTIONS": json.dumps(options)}),
-                CheckpointReader(open_storage(url, options), "latest"))
+    check_world(
+        run_world(url, tmp_path, env={"UCP_TEST_STORAGE_OPTIONS": json.dumps(options)}),
+        CheckpointReader(open_storage(url, options), "latest"),
+    )
 
 
 def test_virtual_ranks_tp8pp4_read_back_as_tp4pp8_and_tp2pp4ep4dp4zero1(tmp_path):
-    config = MixtralConfig(vocab_size=1000, hidden_size=64, intermediate_size=64, num_hidden_layers=8,
-                           num_attention_heads=8, num_key_value_heads=8, num_local_experts=4, make_vocab_size_divisible_by=8)
+    config = MixtralConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_local_experts=4,
+        make_vocab_size_divisible_by=8,
+    )
     g = torch.Generator().manual_seed(1)
     atoms = canonical_atoms(config)
-    full = {"model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
-            "optimizer": {"state": {n: {st: torch.randn(s, generator=g) for st in STATES} for n, (s, _) in atoms.items()}}}
+    full = {
+        "model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
+        "optimizer": {"state": {n: {st: torch.randn(s, generator=g) for st in STATES} for n, (s, _) in atoms.items()}},
+    }
     source = parse_layout("tp8pp4")
-    VirtualWorld(32).save([shard(full, config, source, r, STATES) for r in range(32)], str(tmp_path), step=1,
-                          model=ShardedModel(config, source, STATES), options=OPTIONS)
+    VirtualWorld(32).save(
+        [shard(full, config, source, r, STATES) for r in range(32)],
+        str(tmp_path),
+        step=1,
+        model=ShardedModel(config, source, STATES),
+        options=OPTIONS,
+    )
     reader = ucp.open_checkpoint(str(tmp_path))
     for name in ("tp4pp8", "tp2pp4ep4dp4zero1"):
         target = parse_layout(name)
@@ -85,10 +104,17 @@ def test_virtual_ranks_tp8pp4_read_back_as_tp4pp8_and_tp2pp4ep4dp4zero1(tmp_path
 def test_weights_only_load_in_another_dtype(tmp_path):
     layout = parse_layout("tp2pp1")
     full = full_state()
-    VirtualWorld(2).save([shard(full, CONFIG, layout, r, STATES) for r in range(2)], str(tmp_path), step=1,
-                         model=ShardedModel(CONFIG, layout, STATES), options=OPTIONS)
+    VirtualWorld(2).save(
+        [shard(full, CONFIG, layout, r, STATES) for r in range(2)],
+        str(tmp_path),
+        step=1,
+        model=ShardedModel(CONFIG, layout, STATES),
+        options=OPTIONS,
+    )
     target = parse_layout("tp1pp1")
-    local, _ = load_sharded(ucp.open_checkpoint(str(tmp_path)), ShardedModel(CONFIG, target, ()), 0, dtype=torch.bfloat16)
+    local, _ = load_sharded(
+        ucp.open_checkpoint(str(tmp_path)), ShardedModel(CONFIG, target, ()), 0, dtype=torch.bfloat16
+    )
     expected = shard({"model": full["model"]}, CONFIG, target, 0, ())
     assert "optimizer" not in local
     for name, t in expected["model"].items():
@@ -98,8 +124,13 @@ def test_weights_only_load_in_another_dtype(tmp_path):
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     layout = parse_layout("tp1pp1")
-    VirtualWorld(1).save([shard(full_state(), CONFIG, layout, 0, STATES)], str(tmp_path), step=1,
-                         model=ShardedModel(CONFIG, layout, STATES), options=OPTIONS)
+    VirtualWorld(1).save(
+        [shard(full_state(), CONFIG, layout, 0, STATES)],
+        str(tmp_path),
+        step=1,
+        model=ShardedModel(CONFIG, layout, STATES),
+        options=OPTIONS,
+    )
     bigger = MixtralConfig(**{**CONFIG.to_json(), "hidden_size": 128})
     with pytest.raises(ucp.FormatError, match="has shape .* but the model config needs"):
         load_sharded(ucp.open_checkpoint(str(tmp_path)), ShardedModel(bigger, layout, STATES), 0)

@@ -26,12 +26,17 @@ def test_one_rank_out_of_space_fails_every_rank_and_commits_nothing(tmp_path):
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(results):
         kind, message = r["failed"]
-        assert kind == "StorageError" and "step 1 was not saved" in message and "rank 1 failed" in message, (rank, message)
+        assert kind == "StorageError" and "step 1 was not saved" in message and "rank 1 failed" in message, (
+            rank,
+            message,
+        )
         assert "No space left" in message
         assert r["again"] is not None and "step 1" in r["again"]
     assert results[0]["committed_after_failure"] == []
     assert results[0]["second"] == 1 and results[1]["second"] is None
-    assert [n for n in os.listdir(tmp_path / "ckpt" / step_dirname(1)) if n.startswith("attempt-")] == [ucp.open_checkpoint(url).record.attempt]
+    assert [n for n in os.listdir(tmp_path / "ckpt" / step_dirname(1)) if n.startswith("attempt-")] == [
+        ucp.open_checkpoint(url).record.attempt
+    ]
     layout = parse_layout("tp2")
     for rank in range(2):
         local, _ = load_sharded(ucp.open_checkpoint(url), ShardedModel(CONFIG, layout, STATES), rank)

@@ -40,14 +40,30 @@ def hot_steps(node_dir: Path, ckpt: str) -> list[int]:
 def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_path):
     base = ["-m", "trainer", "--config", str(CONFIG), "--steps", str(STEPS)]
     reference = tmp_path / "reference.jsonl"
-    wait(start([*base, "--layout", "tp1pp1", "--metrics-file", str(reference)], 1, tmp_path / "logs-ref"), tmp_path / "logs-ref")
+    wait(
+        start([*base, "--layout", "tp1pp1", "--metrics-file", str(reference)], 1, tmp_path / "logs-ref"),
+        tmp_path / "logs-ref",
+    )
     expected = dict(losses(reference))
 
     ckpt, metrics = str(tmp_path / "ckpt"), tmp_path / "metrics.jsonl"
     node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
-    argv = [*base, "--layout", "tp2pp2,tp2pp1", "--ckpt", ckpt, "--save-interval", "2", "--durable-every", "3",
-            "--metrics-file", str(metrics)]
-    job = elastic.Job(argv, "elastic-test", tmp_path, node_args=lambda name: ["--ckpt-local", str(tmp_path / f"node-{name}")])
+    argv = [
+        *base,
+        "--layout",
+        "tp2pp2,tp2pp1",
+        "--ckpt",
+        ckpt,
+        "--save-interval",
+        "2",
+        "--durable-every",
+        "3",
+        "--metrics-file",
+        str(metrics),
+    ]
+    job = elastic.Job(
+        argv, "elastic-test", tmp_path, node_args=lambda name: ["--ckpt-local", str(tmp_path / f"node-{name}")]
+    )
     try:
         a, b = job.start("a"), job.start("b")
         job.wait_for(lambda: max(hot_steps(node_b, ckpt), default=0) >= 6, "hot step 6 on node b", timeout=240)
@@ -64,7 +80,9 @@ def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_pa
     restarts = [r for r in records if r.get("event") == "restart"]
     shrink = next(r for r in restarts if r["world_size"] == 2)
     grow = next(r for r in restarts if r["world_size"] == 4)
-    assert shrink["layout"] == "tp2pp1" and shrink["source"] == "hot" and shrink["bytes_by_tier"]["durable"] == 0, shrink
+    assert shrink["layout"] == "tp2pp1" and shrink["source"] == "hot" and shrink["bytes_by_tier"]["durable"] == 0, (
+        shrink
+    )
     assert grow["layout"] == "tp2pp2" and grow["source"] == "hot" and grow["bytes_by_tier"]["peers"] > 0, grow
     seen = losses(metrics)
     assert {s for s, _ in seen} == set(range(1, STEPS + 1))

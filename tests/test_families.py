@@ -19,8 +19,14 @@ from ucp.reshard import assemble, shard
 
 transformers = pytest.importorskip("transformers")
 
-SHAPE = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2}
+SHAPE = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_theta": 5e5, "rms_norm_eps": 1e-6}),
     "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
@@ -61,17 +67,25 @@ def test_through_megatron_and_back_gives_the_same_logits(tmp_path, arch, layout)
     assert torch.equal(logits(back, tokens), logits(model, tokens))
 
 
-@pytest.mark.parametrize("flags", [{}, {"attention_bias": True}, {"qk_norm": True, "head_dim": 16}, {"tie_word_embeddings": True}])
+@pytest.mark.parametrize(
+    "flags", [{}, {"attention_bias": True}, {"qk_norm": True, "head_dim": 16}, {"tie_word_embeddings": True}]
+)
 def test_the_reshaper_saves_in_one_layout_and_loads_in_others(tmp_path, flags):
     config = LlamaConfig(**SHAPE, make_vocab_size_divisible_by=8, **flags)
     states = ("exp_avg", "exp_avg_sq")
     g = torch.Generator().manual_seed(0)
     atoms = canonical_atoms(config)
-    full = {"model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
-            "optimizer": {"state": {n: {st: torch.randn(s, generator=g) for st in states} for n, (s, _) in atoms.items()}}}
+    full = {
+        "model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
+        "optimizer": {"state": {n: {st: torch.randn(s, generator=g) for st in states} for n, (s, _) in atoms.items()}},
+    }
     source = parse_layout("tp2pp2")
-    VirtualWorld(4).save([shard(full, config, source, r, states) for r in range(4)], str(tmp_path), step=1,
-                         model=ShardedModel(config, source, states))
+    VirtualWorld(4).save(
+        [shard(full, config, source, r, states) for r in range(4)],
+        str(tmp_path),
+        step=1,
+        model=ShardedModel(config, source, states),
+    )
     reader = ucp.open_checkpoint(str(tmp_path))
     for name in ("tp1pp1", "tp2pp1dp2zero1", "tp1pp2dp2"):
         target = parse_layout(name)
@@ -95,8 +109,19 @@ def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_p
     convert(str(tmp_path / "u"), str(tmp_path / "megatron"), from_layout="universal", to_layout="tp2")
     out = tmp_path / "logits"
     head_dim = extra.get("head_dim", SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
-    spawn(["tests/megatron_dense_worker.py", str(tmp_path / "megatron"), str(out), "1" if arch == "qwen2" else "0",
-           "1" if arch == "qwen3" else "0", str(head_dim)], 2, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    spawn(
+        [
+            "tests/megatron_dense_worker.py",
+            str(tmp_path / "megatron"),
+            str(out),
+            "1" if arch == "qwen2" else "0",
+            "1" if arch == "qwen3" else "0",
+            str(head_dim),
+        ],
+        2,
+        timeout=300,
+        env={"PYTHONWARNINGS": "ignore"},
+    )
     from .megatron_worker import tokens
 
     expected = logits(model, tokens())

@@ -22,8 +22,14 @@ SMALL_CHUNKS = ucp.SaveOptions(chunking=ChunkingPolicy(object_bytes=64 * 1024, i
 
 def every_dtype_state() -> dict:
     g = torch.Generator().manual_seed(0)
-    floats = {str(dt).removeprefix("torch."): torch.randn(33, 17, generator=g).to(dt) for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
-    ints = {str(dt).removeprefix("torch."): torch.randint(-100, 100, (5, 3, 2), generator=g).to(dt) for dt in (torch.int8, torch.int16, torch.int32, torch.int64)}
+    floats = {
+        str(dt).removeprefix("torch."): torch.randn(33, 17, generator=g).to(dt)
+        for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    }
+    ints = {
+        str(dt).removeprefix("torch."): torch.randint(-100, 100, (5, 3, 2), generator=g).to(dt)
+        for dt in (torch.int8, torch.int16, torch.int32, torch.int64)
+    }
     return {
         "floats": floats,
         "ints": ints,
@@ -47,7 +53,9 @@ def every_dtype_state() -> dict:
 @pytest.mark.parametrize("kind", ["path", "file", "memory"])
 def test_round_trip_every_dtype(tmp_path, kind):
     state = every_dtype_state()
-    url = {"path": str(tmp_path / "ck"), "file": f"file://{tmp_path}/ck", "memory": f"memory://{tmp_path.name}/ck"}[kind]
+    url = {"path": str(tmp_path / "ck"), "file": f"file://{tmp_path}/ck", "memory": f"memory://{tmp_path.name}/ck"}[
+        kind
+    ]
     record = ucp.save(state, url, step=7, options=SMALL_CHUNKS)
     assert record.step == 7
     loaded = ucp.load(url)
@@ -126,9 +134,22 @@ def test_manifest_round_trip():
 
 
 def test_roles_follow_top_level_keys(tmp_path):
-    ucp.save({"model": {"w": torch.ones(1)}, "optimizer": {"state": {"w": {"exp_avg": torch.ones(1)}}}, "rng": {"torch": torch.zeros(2, dtype=torch.uint8)}, "other": torch.ones(1)}, str(tmp_path))
+    ucp.save(
+        {
+            "model": {"w": torch.ones(1)},
+            "optimizer": {"state": {"w": {"exp_avg": torch.ones(1)}}},
+            "rng": {"torch": torch.zeros(2, dtype=torch.uint8)},
+            "other": torch.ones(1),
+        },
+        str(tmp_path),
+    )
     roles = {m.path: m.attributes["role"] for m in ucp.open_checkpoint(str(tmp_path)).atoms.values()}
-    assert roles == {"model/w": "param", "optimizer/state/w/exp_avg": "optimizer_state", "rng/torch": "rng", "other": "tensor"}
+    assert roles == {
+        "model/w": "param",
+        "optimizer/state/w/exp_avg": "optimizer_state",
+        "rng/torch": "rng",
+        "other": "tensor",
+    }
 
 
 def test_step_directory_url_opens_that_step(tmp_path):

@@ -25,8 +25,16 @@ transformers = pytest.importorskip("transformers")
 
 def tiny_config(**overrides) -> MixtralConfig:
     """vocab 100 is not a multiple of 128: every layout pads it."""
-    fields = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}
+    fields = {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
     fields.update(overrides)
     return MixtralConfig(**fields)
 
@@ -36,27 +44,39 @@ def random_full_state(cfg: MixtralConfig, states: tuple[str, ...] = DEFAULT_STAT
     model = {n: torch.randn(shape, generator=g) * 0.2 for n, (shape, _) in canonical_atoms(cfg).items()}
     full: dict = {"model": model}
     if states:
-        full["optimizer"] = {"state": {n: {s: torch.randn(t.shape, generator=g) for s in states} for n, t in model.items()}}
+        full["optimizer"] = {
+            "state": {n: {s: torch.randn(t.shape, generator=g) for s in states} for n, t in model.items()}
+        }
     return full
 
 
-def save_in_layout(full: dict, cfg: MixtralConfig, layout: str, url: str, *, step: int = 1, storage_options=None) -> None:
+def save_in_layout(
+    full: dict, cfg: MixtralConfig, layout: str, url: str, *, step: int = 1, storage_options=None
+) -> None:
     """A checkpoint as a training job in `layout` would write it: every rank's local state, one distributed save."""
     lay = parse_layout(layout)
     states = tuple(next(iter(full["optimizer"]["state"].values()))) if "optimizer" in full else ()
     local = [shard(full, cfg, lay, r, states) for r in range(lay.world_size)]
-    VirtualWorld(lay.world_size).save(local, url, step=step, model=ShardedModel(cfg, lay, states),
-                                      storage_options=storage_options)
+    VirtualWorld(lay.world_size).save(
+        local, url, step=step, model=ShardedModel(cfg, lay, states), storage_options=storage_options
+    )
 
 
 def hf_reference_model(cfg: MixtralConfig, atoms: dict[str, torch.Tensor], **hf_fields) -> torch.nn.Module:
     """transformers' Mixtral filled from the atoms by hand (transformers >= 5 fuses experts in memory), independent
     of the exporter and of transformers' own on-disk conversion."""
     hf_cfg = transformers.MixtralConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, num_local_experts=cfg.num_local_experts,
-        num_experts_per_tok=cfg.num_experts_per_tok, tie_word_embeddings=cfg.tie_word_embeddings, **hf_fields)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        num_local_experts=cfg.num_local_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        **hf_fields,
+    )
     model = transformers.MixtralForCausalLM(hf_cfg).eval()
     state = {}
     for name in model.state_dict():
@@ -67,7 +87,9 @@ def hf_reference_model(cfg: MixtralConfig, atoms: dict[str, torch.Tensor], **hf_
             base = f"model.layers.{parts[2]}.block_sparse_moe.experts."
             xs = range(cfg.num_local_experts)
             if name.endswith("gate_up_proj"):
-                state[name] = torch.stack([torch.cat([atoms[f"{base}{x}.w1.weight"], atoms[f"{base}{x}.w3.weight"]]) for x in xs])
+                state[name] = torch.stack(
+                    [torch.cat([atoms[f"{base}{x}.w1.weight"], atoms[f"{base}{x}.w3.weight"]]) for x in xs]
+                )
             else:
                 state[name] = torch.stack([atoms[f"{base}{x}.w2.weight"] for x in xs])
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -118,7 +140,9 @@ def test_export_bf16_and_tied_embeddings(tmp_path):
         names = list(f.keys())
         assert "lm_head.weight" not in names
         assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in names)
-        assert torch.equal(f.get_tensor("model.embed_tokens.weight"), full["model"]["model.embed_tokens.weight"].bfloat16())
+        assert torch.equal(
+            f.get_tensor("model.embed_tokens.weight"), full["model"]["model.embed_tokens.weight"].bfloat16()
+        )
     loaded = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     bf16_atoms = {n: t.bfloat16().float() for n, t in full["model"].items()}
     tokens = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
@@ -127,8 +151,16 @@ def test_export_bf16_and_tied_embeddings(tmp_path):
 
 def save_hf(tmp_path: Path, **fields) -> tuple[Path, torch.nn.Module]:
     torch.manual_seed(0)
-    hf_cfg = transformers.MixtralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, **fields)
+    hf_cfg = transformers.MixtralConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        **fields,
+    )
     model = transformers.MixtralForCausalLM(hf_cfg).eval()
     src = tmp_path / "hf_src"
     model.save_pretrained(src, max_shard_size="100KB")
@@ -150,8 +182,10 @@ def test_import_then_any_layout_loads_it_and_export_gives_it_back(tmp_path):
     atoms = {n: t for n, t in reader.read_atoms([f"model/{n}" for n in canonical_atoms(cfg)]).items()}
     atoms = {p.removeprefix("model/"): t for p, t in atoms.items()}
     assert torch.equal(atoms["model.embed_tokens.weight"], model.model.embed_tokens.weight)
-    assert torch.equal(atoms["model.layers.1.block_sparse_moe.experts.3.w3.weight"],
-                       model.model.layers[1].mlp.experts.gate_up_proj[3, 64:])
+    assert torch.equal(
+        atoms["model.layers.1.block_sparse_moe.experts.3.w3.weight"],
+        model.model.layers[1].mlp.experts.gate_up_proj[3, 64:],
+    )
     got = load_weights(url, "tp2", 1)
     want = shard({"model": atoms}, cfg, parse_layout("tp2"), 1, ())["model"]
     assert list(got.params) == list(want)
@@ -194,14 +228,17 @@ def test_import_fused_expert_files_atom_by_atom(tmp_path):
 
 
 def test_import_refuses_another_architecture_and_writes_nothing(tmp_path):
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    )
     gpt2.save_pretrained(tmp_path / "gpt2")
     url = tmp_path / "ucp"
     with pytest.raises(SourceMismatchError, match="model_type='gpt2'.*ucp imports Hugging Face mixtral.*llama.*qwen3"):
         import_hf(tmp_path / "gpt2", str(url))
     assert not url.exists()
-    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                     num_attention_heads=2, mlp_bias=True)  # a setting whose weights have no atom
+    llama = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, mlp_bias=True
+    )  # a setting whose weights have no atom
     transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
     with pytest.raises(SourceMismatchError, match="mlp_bias=True"):
         import_hf(tmp_path / "llama", str(url))

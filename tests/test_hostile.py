@@ -37,9 +37,13 @@ def manifest_doc(root: Path) -> dict:
 
 def every_reader(root: Path) -> None:
     """Everything that reads a step's metadata; each may fail only with a ucp error."""
-    for call in (lambda: ucp.load(str(root)), lambda: ucp.load(str(root), step=3),
-                 lambda: describe(ucp.open_checkpoint(str(root), 3)), lambda: verify(ucp.open_checkpoint(str(root), 3)),
-                 lambda: ucp.CheckpointManager(str(root)).steps()):
+    for call in (
+        lambda: ucp.load(str(root)),
+        lambda: ucp.load(str(root), step=3),
+        lambda: describe(ucp.open_checkpoint(str(root), 3)),
+        lambda: verify(ucp.open_checkpoint(str(root), 3)),
+        lambda: ucp.CheckpointManager(str(root)).steps(),
+    ):
         try:
             call()
         except ucp.UcpError:
@@ -47,7 +51,9 @@ def every_reader(root: Path) -> None:
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ucp", *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "ucp", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -60,21 +66,24 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 # ------------------------------------------------------------------------------------- declared sizes
 
 
-@pytest.mark.parametrize("edit, fragment", [
-    ({"shape": [2**62, 1], "chunk_shape": [1, 1]}, "shape must be an integer in"),
-    ({"shape": [2**40, 2**10], "chunk_shape": [1, 2**10]}, "declares"),
-    ({"shape": [2**18, 2**15], "chunk_shape": [2**18, 2**15]}, "objects larger than"),  # a 32 GiB chunk
-    ({"shape": [2**30], "chunk_shape": [1]}, "chunk objects, more than"),
-    ({"shape": [2**26], "chunk_shape": [2**26], "inner_chunk_shape": [1]}, "inner chunks per shard"),
-    ({"shape": [-4, 64]}, "must be an integer"),
-    ({"shape": [1.5, 64]}, "must be an integer"),
-    ({"shape": [True, 64]}, "must be an integer"),
-    ({"shape": list(range(40))}, "at most 32"),
-    ({"dtype": "complex1024"}, "complex1024"),
-    ({"attributes": [1]}, "attributes an object"),
-    ({"objects": [[1, 2], [3, 4]]}, "must list"),
-    ({"objects": "nope"}, "must list"),
-])
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        ({"shape": [2**62, 1], "chunk_shape": [1, 1]}, "shape must be an integer in"),
+        ({"shape": [2**40, 2**10], "chunk_shape": [1, 2**10]}, "declares"),
+        ({"shape": [2**18, 2**15], "chunk_shape": [2**18, 2**15]}, "objects larger than"),  # a 32 GiB chunk
+        ({"shape": [2**30], "chunk_shape": [1]}, "chunk objects, more than"),
+        ({"shape": [2**26], "chunk_shape": [2**26], "inner_chunk_shape": [1]}, "inner chunks per shard"),
+        ({"shape": [-4, 64]}, "must be an integer"),
+        ({"shape": [1.5, 64]}, "must be an integer"),
+        ({"shape": [True, 64]}, "must be an integer"),
+        ({"shape": list(range(40))}, "at most 32"),
+        ({"dtype": "complex1024"}, "complex1024"),
+        ({"attributes": [1]}, "attributes an object"),
+        ({"objects": [[1, 2], [3, 4]]}, "must list"),
+        ({"objects": "nope"}, "must list"),
+    ],
+)
 def test_declared_sizes_are_bounded_before_anything_is_allocated(tmp_path, edit, fragment):
     make(tmp_path)
     doc = manifest_doc(tmp_path)
@@ -84,7 +93,9 @@ def test_declared_sizes_are_bounded_before_anything_is_allocated(tmp_path, edit,
     with pytest.raises(ucp.FormatError, match=fragment):
         ucp.load(str(tmp_path))
     assert time.monotonic() - start < 5
-    if "more than" in fragment or "declares" in fragment or "larger" in fragment:  # (the CLI costs seconds: the issue's cases)
+    if (
+        "more than" in fragment or "declares" in fragment or "larger" in fragment
+    ):  # (the CLI costs seconds: the issue's cases)
         assert_one_line_error(run_cli("inspect", str(tmp_path)), fragment)
         assert_one_line_error(run_cli("verify", str(tmp_path)), fragment)
 
@@ -96,7 +107,9 @@ def test_deep_nesting_is_refused_without_recursing(tmp_path, where):
     if where == "marker":
         marker = tmp_path / step_dirname(3) / COMMIT_MARKER
         marker.unlink()
-        marker.write_text('{"format_version": "2.0", "step": 3, "x": ' + "[" * 20_000 + "]" * 20_000 + "}")  # (under 64 KiB)
+        marker.write_text(
+            '{"format_version": "2.0", "step": 3, "x": ' + "[" * 20_000 + "]" * 20_000 + "}"
+        )  # (under 64 KiB)
     else:
         doc = manifest_doc(tmp_path)
         if where == "tree":
@@ -202,7 +215,11 @@ def test_an_edited_marker_that_names_another_directory_is_refused(tmp_path):
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
     max_leaves=12,
 )
@@ -247,7 +264,11 @@ def _fresh(pristine: Path, tmp_path_factory) -> Path:
     return root
 
 
-FUZZ = settings(max_examples=int(os.environ.get("UCP_FUZZ_EXAMPLES", "60")), deadline=20_000, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(os.environ.get("UCP_FUZZ_EXAMPLES", "60")),
+    deadline=20_000,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def _peak_rss() -> int:
@@ -295,7 +316,9 @@ def test_fuzzed_atom_metadata_is_reported_by_verify(pristine, tmp_path_factory, 
     doc = _mutate(doc, path, data.draw(JSON), data.draw(st.booleans()))
     meta_file.write_text(json.dumps(doc))
     report = verify(ucp.open_checkpoint(str(root)))
-    changed = json.loads(meta_file.read_text()) != json.loads((step_path(pristine, 3) / "model" / "w" / "zarr.json").read_text())
+    changed = json.loads(meta_file.read_text()) != json.loads(
+        (step_path(pristine, 3) / "model" / "w" / "zarr.json").read_text()
+    )
     if not report.ok:
         assert any("model/w" in p for p in report.problems)
     ucp.load(str(root))  # loads plan from the manifest alone: still fine

@@ -15,7 +15,9 @@ from ucp.format import step_dirname
 from .launch import spawn
 
 
-def run(action: str, url: str, layout: str, node_dirs: list[Path], tmp: Path, steps: str = "0", durable_every: int = 1) -> list[dict]:
+def run(
+    action: str, url: str, layout: str, node_dirs: list[Path], tmp: Path, steps: str = "0", durable_every: int = 1
+) -> list[dict]:
     out = tmp / f"out-{action}-{len(list(tmp.glob('out-*')))}"
     out.mkdir()
     env = {"UCP_TEST_NODE_DIRS": json.dumps([str(d) for d in node_dirs]), "UCP_TEST_DURABLE_EVERY": str(durable_every)}

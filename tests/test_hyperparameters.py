@@ -18,17 +18,36 @@ from ucp.interop.megatron import convert
 transformers = pytest.importorskip("transformers")
 
 # Non-default values of every field that changes what a Mixtral computes or how it is used.
-FIELDS = {"rope_theta": 5e5, "rms_norm_eps": 1e-6, "max_position_embeddings": 777, "bos_token_id": 3, "eos_token_id": 4,
-          "pad_token_id": 5, "router_aux_loss_coef": 0.123, "sliding_window": 64, "router_jitter_noise": 0.01,
-          "output_router_logits": True, "attention_dropout": 0.0, "initializer_range": 0.05}
+FIELDS = {
+    "rope_theta": 5e5,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 777,
+    "bos_token_id": 3,
+    "eos_token_id": 4,
+    "pad_token_id": 5,
+    "router_aux_loss_coef": 0.123,
+    "sliding_window": 64,
+    "router_jitter_noise": 0.01,
+    "output_router_logits": True,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.05,
+}
 FILE_KEYS = ("transformers_version", "dtype", "torch_dtype")
 
 
 def source(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                                     **FIELDS)
+    cfg = transformers.MixtralConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **FIELDS,
+    )
     model = transformers.MixtralForCausalLM(cfg).eval()
     model.save_pretrained(tmp_path / "hf")
     return tmp_path / "hf", model
@@ -51,8 +70,12 @@ def same_model(directory: Path, model: torch.nn.Module) -> None:
 def test_through_ucp(tmp_path):
     src, model = source(tmp_path)
     import_hf(src, str(tmp_path / "u"))
-    shown = subprocess.run([sys.executable, "-m", "ucp", "inspect", str(tmp_path / "u")], capture_output=True, text=True, check=True)
-    assert "model       mixtral: num_hidden_layers 2" in shown.stdout and "rope_theta 500000.0" in shown.stdout, shown.stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "ucp", "inspect", str(tmp_path / "u")], capture_output=True, text=True, check=True
+    )
+    assert "model       mixtral: num_hidden_layers 2" in shown.stdout and "rope_theta 500000.0" in shown.stdout, (
+        shown.stdout
+    )
     export_hf(str(tmp_path / "u"), tmp_path / "out")
     assert config_of(tmp_path / "out") == config_of(src)
     same_model(tmp_path / "out", model)

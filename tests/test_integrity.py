@@ -29,7 +29,9 @@ def state(seed: int) -> dict:
 
 
 def verify_cli(root) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ucp", "verify", str(root)], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "ucp", "verify", str(root)], capture_output=True, text=True, check=False
+    )
 
 
 def damaged(root, atom: str, *chunks: str) -> None:
@@ -86,12 +88,24 @@ def test_swapped_inner_chunks_fail_a_partial_read(tmp_path):
     for its place, so inner chunks swapped between two shards of one atom fail even where the index checks out."""
     layout = parse_layout("tp2pp1")
     full = full_state()
-    VirtualWorld(2).save([shard(full, CONFIG, layout, r, STATES) for r in range(2)], str(tmp_path), step=1,
-                         model=ShardedModel(CONFIG, layout, STATES), options=SHARDED)
+    VirtualWorld(2).save(
+        [shard(full, CONFIG, layout, r, STATES) for r in range(2)],
+        str(tmp_path),
+        step=1,
+        model=ShardedModel(CONFIG, layout, STATES),
+        options=SHARDED,
+    )
     reader = ucp.open_checkpoint(str(tmp_path))
-    meta = next(m for m in reader.atoms.values() if m.inner_chunk_shape is not None and m.grid[0] >= 2 and m.path.startswith("model/"))
+    meta = next(
+        m
+        for m in reader.atoms.values()
+        if m.inner_chunk_shape is not None and m.grid[0] >= 2 and m.path.startswith("model/")
+    )
     atom = step_path(tmp_path) / meta.path
-    first, second = (atom / meta.chunk_key((0, *([0] * (len(meta.grid) - 1))))), (atom / meta.chunk_key((1, *([0] * (len(meta.grid) - 1)))))
+    first, second = (
+        (atom / meta.chunk_key((0, *([0] * (len(meta.grid) - 1))))),
+        (atom / meta.chunk_key((1, *([0] * (len(meta.grid) - 1))))),
+    )
     a, b = first.read_bytes(), second.read_bytes()
     head = meta.inner_grid[0] * meta.inner_grid[1] * 20 + 4 if len(meta.grid) == 2 else None
     assert head is not None and len(a) == len(b)

@@ -39,7 +39,9 @@ def test_tensorstore_reads_every_atom_exactly(written):
     step_dir, tensors = written
     assert any(t.dtype == torch.bfloat16 for t in tensors.values())
     for path, t in tensors.items():
-        array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(step_dir / path)}}, open=True).result()
+        array = ts.open(
+            {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(step_dir / path)}}, open=True
+        ).result()
         assert _same(array.read().result(), t), path
 
 

@@ -28,8 +28,16 @@ SMALL_LAYERS, LARGE_LAYERS = 3, 12
 
 
 def mixtral(layers: int) -> MixtralConfig:
-    return MixtralConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    return MixtralConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
 
 
 @dataclass
@@ -61,7 +69,10 @@ def build(root: Path, layers: int) -> Model:
     hf = root / "hf"
     hf.mkdir()
     names = list(atoms)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for fname, part in halves.items():
         save_file({n: atoms[n] for n in part}, str(hf / fname), metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}
@@ -81,8 +92,10 @@ def models(tmp_path_factory) -> tuple[Model, Model]:
 
 # Runs the command and prints its peak RSS (KiB). A fresh, small process forks it: Linux keeps the pre-exec
 # high-water mark in ru_maxrss, so a child forked straight from this (large) test process would report ours.
-WRAPPER = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:], stdout=sys.stderr); "
-           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+WRAPPER = (
+    "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:], stdout=sys.stderr); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)"
+)
 
 
 def peak_rss(args: list[str]) -> int:
@@ -140,11 +153,23 @@ def check_megatron(layout: str) -> Callable[[Path, Model], None]:
 COMMANDS = {
     "import-hf": (lambda m, dst: ["import", str(m.hf), str(dst)], check_import),
     "import-dcp": (lambda m, dst: ["import", str(m.dcp), str(dst), "--from", "dcp"], check_import),
-    "export-hf": (lambda m, dst: ["export", str(m.ucp), "--to", "hf", str(dst), "--max-shard-size", "64MiB"], check_hf_export),
+    "export-hf": (
+        lambda m, dst: ["export", str(m.ucp), "--to", "hf", str(dst), "--max-shard-size", "64MiB"],
+        check_hf_export,
+    ),
     "export-dcp": (lambda m, dst: ["export", str(m.ucp), "--to", "dcp", str(dst)], check_dcp_export),
-    "convert-tp2-universal": (lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "universal"], check_import),
-    "convert-universal-tp2": (lambda m, dst: ["convert", str(m.ucp), str(dst), "--from", "universal", "--to", "tp2"], check_megatron("tp2")),
-    "convert-tp2-tp1ep2": (lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "tp1ep2"], check_megatron("tp1ep2")),
+    "convert-tp2-universal": (
+        lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "universal"],
+        check_import,
+    ),
+    "convert-universal-tp2": (
+        lambda m, dst: ["convert", str(m.ucp), str(dst), "--from", "universal", "--to", "tp2"],
+        check_megatron("tp2"),
+    ),
+    "convert-tp2-tp1ep2": (
+        lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "tp1ep2"],
+        check_megatron("tp1ep2"),
+    ),
 }
 
 
@@ -159,6 +184,8 @@ def test_peak_rss_does_not_grow_with_the_model(models, tmp_path, command):
         check(dst, model)
     small, large = models
     growth = peaks[1] - peaks[0]
-    print(f"{command}: peak RSS {peaks[0] / MiB:.0f} MiB (model {small.nbytes / MiB:.0f} MiB), "
-          f"{peaks[1] / MiB:.0f} MiB (model {large.nbytes / MiB:.0f} MiB): +{growth / MiB:.1f} MiB")
+    print(
+        f"{command}: peak RSS {peaks[0] / MiB:.0f} MiB (model {small.nbytes / MiB:.0f} MiB), "
+        f"{peaks[1] / MiB:.0f} MiB (model {large.nbytes / MiB:.0f} MiB): +{growth / MiB:.1f} MiB"
+    )
     assert growth < 0.25 * (large.nbytes - small.nbytes), f"{command}: peak RSS grew by {growth / MiB:.1f} MiB"

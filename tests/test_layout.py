@@ -11,21 +11,31 @@ from ucp.partition import PartitionSpec, padded_rows, tp_shard
 
 
 def small_config(**kw) -> MixtralConfig:
-    base = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 8, "num_attention_heads": 8,
-                "num_key_value_heads": 4, "num_local_experts": 4}
+    base = {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "num_local_experts": 4,
+    }
     base.update(kw)
     return MixtralConfig(**base)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("tp8pp4", Layout(tp=8, pp=4)),
-    ("tp4pp8", Layout(tp=4, pp=8)),
-    ("tp2pp2ep4dp4zero1", Layout(tp=2, pp=2, ep=4, dp=4, zero=1)),
-    ("tp1pp4vpp2dp2", Layout(pp=4, vpp=2, dp=2)),
-    ("tp2pp1dp8zero3", Layout(tp=2, dp=8, zero=3)),
-    ("TP2PP2", Layout(tp=2, pp=2)),
-    ("dp4", Layout(dp=4)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("tp8pp4", Layout(tp=8, pp=4)),
+        ("tp4pp8", Layout(tp=4, pp=8)),
+        ("tp2pp2ep4dp4zero1", Layout(tp=2, pp=2, ep=4, dp=4, zero=1)),
+        ("tp1pp4vpp2dp2", Layout(pp=4, vpp=2, dp=2)),
+        ("tp2pp1dp8zero3", Layout(tp=2, dp=8, zero=3)),
+        ("TP2PP2", Layout(tp=2, pp=2)),
+        ("dp4", Layout(dp=4)),
+    ],
+)
 def test_parse_good(text, expected):
     layout = parse_layout(text)
     assert layout == expected
@@ -48,19 +58,22 @@ def test_world_size_inference_and_mismatch():
         parse_layout("tp8pp4", world_size=48)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("tp8xpp4", "malformed layout 'tp8xpp4': expected tp{T}pp{P}"),
-    ("pp4tp8", "malformed layout 'pp4tp8'"),
-    ("", "malformed layout ''"),
-    ("tp-1pp2", "malformed layout"),
-    ("tp2pp2zero", "malformed layout"),
-    ("tp0pp2", "degree tp0 must be at least 1"),
-    ("tp2pp2dp0", "degree dp0 must be at least 1"),
-    ("tp2pp2dp4ep2", "malformed layout"),  # order matters: ep before dp
-    ("tp2pp2ep3dp4", "ep=3 must divide dp=4"),
-    ("tp2pp2dp4zero4", "zero=4 must be 0, 1, 2 or 3"),
-    ("tp2pp1vpp2", "vpp=2 needs pp > 1"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("tp8xpp4", "malformed layout 'tp8xpp4': expected tp{T}pp{P}"),
+        ("pp4tp8", "malformed layout 'pp4tp8'"),
+        ("", "malformed layout ''"),
+        ("tp-1pp2", "malformed layout"),
+        ("tp2pp2zero", "malformed layout"),
+        ("tp0pp2", "degree tp0 must be at least 1"),
+        ("tp2pp2dp0", "degree dp0 must be at least 1"),
+        ("tp2pp2dp4ep2", "malformed layout"),  # order matters: ep before dp
+        ("tp2pp2ep3dp4", "ep=3 must divide dp=4"),
+        ("tp2pp2dp4zero4", "zero=4 must be 0, 1, 2 or 3"),
+        ("tp2pp1vpp2", "vpp=2 needs pp > 1"),
+    ],
+)
 def test_parse_bad(text, message):
     with pytest.raises(LayoutError, match=message.replace("{", r"\{").replace("}", r"\}").replace("*", r"\*")):
         parse_layout(text)
@@ -75,8 +88,16 @@ def test_layout_error_is_ucp_error():
 def test_megatron_rank_order_exact():
     layout = parse_layout("tp2pp2ep2dp2")
     # rank = tp + T * (dp + D * pp)
-    expected = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 1, 0), 3: (1, 1, 0),
-                4: (0, 0, 1), 5: (1, 0, 1), 6: (0, 1, 1), 7: (1, 1, 1)}
+    expected = {
+        0: (0, 0, 0),
+        1: (1, 0, 0),
+        2: (0, 1, 0),
+        3: (1, 1, 0),
+        4: (0, 0, 1),
+        5: (1, 0, 1),
+        6: (0, 1, 1),
+        7: (1, 1, 1),
+    }
     for rank, (tp, dp, pp) in expected.items():
         c = layout.coords(rank)
         assert (c.tp, c.dp, c.pp) == (tp, dp, pp)
@@ -153,20 +174,24 @@ def test_partition_spec_json_round_trip():
         PartitionSpec("fused_gate_up", part="up", layer=5, expert=7, zero_group="expert"),
     ]
     import json
+
     for spec in specs:
         d = json.loads(json.dumps(spec.to_json()))
         assert PartitionSpec.from_json(d) == spec
         assert d["kind"] == spec.kind
 
 
-@pytest.mark.parametrize("d, message", [
-    ({"kind": "diagonal"}, "unknown partition kind 'diagonal'"),
-    ({"kind": "split"}, "needs split_dim"),
-    ({"kind": "fused_qkv", "part": "x", "num_heads": 4, "num_kv_heads": 2, "head_dim": 2}, "part 'x'"),
-    ({"kind": "replicated", "colour": 1}, "unknown fields \\['colour'\\]"),
-    ({"split_dim": 0}, "with a 'kind'"),
-    ({"kind": "replicated", "zero_group": "sparse"}, "unknown zero_group"),
-])
+@pytest.mark.parametrize(
+    "d, message",
+    [
+        ({"kind": "diagonal"}, "unknown partition kind 'diagonal'"),
+        ({"kind": "split"}, "needs split_dim"),
+        ({"kind": "fused_qkv", "part": "x", "num_heads": 4, "num_kv_heads": 2, "head_dim": 2}, "part 'x'"),
+        ({"kind": "replicated", "colour": 1}, "unknown fields \\['colour'\\]"),
+        ({"split_dim": 0}, "with a 'kind'"),
+        ({"kind": "replicated", "zero_group": "sparse"}, "unknown zero_group"),
+    ],
+)
 def test_partition_spec_rejects(d, message):
     with pytest.raises(UcpError, match=message):
         PartitionSpec.from_json(d)

@@ -47,7 +47,9 @@ def _train(model, optimizer, steps):
 def test_resume_is_bitwise_equal_to_uninterrupted_training(tmp_path, optimizer_cls):
     def make():
         model, _ = _make_job()
-        kwargs = {"lr": 1e-2, "momentum": 0.9} if optimizer_cls is torch.optim.SGD else {"lr": 1e-2, "betas": (0.9, 0.95)}
+        kwargs = (
+            {"lr": 1e-2, "momentum": 0.9} if optimizer_cls is torch.optim.SGD else {"lr": 1e-2, "betas": (0.9, 0.95)}
+        )
         return model, optimizer_cls(model.parameters(), **kwargs)
 
     model, optimizer = make()

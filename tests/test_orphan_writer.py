@@ -44,7 +44,9 @@ def test_a_killed_trainers_writer_never_reaches_the_new_jobs_step(tmp_path):
     dead_job_won = 0
     for trial in range(20):
         root = str(tmp_path / f"trial{trial}")
-        proc = subprocess.Popen([sys.executable, "-m", "tests.orphan_saver", root], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.orphan_saver", root], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
         try:
             writer_pid = json.loads(proc.stdout.readline())["writer_pid"]
             assert proc.stdout.readline().strip() == "SAVING"

@@ -24,8 +24,16 @@ TRIALS = 20
 
 def race(url: str, sync_dir: Path, env: dict | None = None) -> list[dict[int, str]]:
     sync_dir.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.race_saver", url, str(w), str(TRIALS), str(sync_dir)], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}) for w in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.race_saver", url, str(w), str(TRIALS), str(sync_dir)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        for w in (0, 1)
+    ]
     outcomes: list[dict[int, str]] = []
     for proc in procs:
         out, _ = proc.communicate(timeout=240)

@@ -20,8 +20,17 @@ STATES = ("exp_avg", "exp_avg_sq")
 
 
 def config(**kw) -> MixtralConfig:
-    base = {"vocab_size": 10, "hidden_size": 3, "intermediate_size": 4, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 2, "num_local_experts": 2, "make_vocab_size_divisible_by": 4}
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 3,
+        "intermediate_size": 4,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 2,
+        "num_local_experts": 2,
+        "make_vocab_size_divisible_by": 4,
+    }
     base.update(kw)
     return MixtralConfig(**base)
 
@@ -38,8 +47,9 @@ def full_state(cfg: MixtralConfig, seed: int = 0, states=STATES, arange: bool = 
     model = {n: make(s, k) for k, (n, (s, _)) in enumerate(atoms.items())}
     out = {"model": model}
     if states:
-        out["optimizer"] = {"state": {n: {s: torch.randn(shape, generator=g) for s in states}
-                                      for n, (shape, _) in atoms.items()}}
+        out["optimizer"] = {
+            "state": {n: {s: torch.randn(shape, generator=g) for s in states} for n, (shape, _) in atoms.items()}
+        }
     return out
 
 
@@ -77,7 +87,7 @@ def test_fused_qkv_gqa_tp2():
     layout = Layout(tp=2)
     for t in range(2):
         local = shard(full, cfg, layout, t)["model"]["decoder.layers.0.self_attention.linear_qkv.weight"]
-        expected = torch.cat([q[4 * t:4 * t + 4], k[2 * t:2 * t + 2], v[2 * t:2 * t + 2]])
+        expected = torch.cat([q[4 * t : 4 * t + 4], k[2 * t : 2 * t + 2], v[2 * t : 2 * t + 2]])
         assert torch.equal(local, expected)
     # tp1: groups interleaved in the one local tensor
     local = shard(full, cfg, Layout(), 0)["model"]["decoder.layers.0.self_attention.linear_qkv.weight"]
@@ -92,11 +102,13 @@ def test_gate_up_and_row_parallel_tp2():
         local = shard(full, cfg, Layout(tp=2), t)["model"]
         pre = "decoder.layers.1.mlp.experts.local_experts.1."
         w1, w3, w2 = (m[f"model.layers.1.block_sparse_moe.experts.1.{w}.weight"] for w in ("w1", "w3", "w2"))
-        assert torch.equal(local[pre + "linear_fc1.weight"], torch.cat([w1[2 * t:2 * t + 2], w3[2 * t:2 * t + 2]]))
-        assert torch.equal(local[pre + "linear_fc2.weight"], w2[:, 2 * t:2 * t + 2])
+        assert torch.equal(local[pre + "linear_fc1.weight"], torch.cat([w1[2 * t : 2 * t + 2], w3[2 * t : 2 * t + 2]]))
+        assert torch.equal(local[pre + "linear_fc2.weight"], w2[:, 2 * t : 2 * t + 2])
         o = m["model.layers.0.self_attn.o_proj.weight"]
-        assert torch.equal(local["decoder.layers.0.self_attention.linear_proj.weight"], o[:, 4 * t:4 * t + 4])
-        assert torch.equal(local["decoder.layers.0.mlp.router.weight"], m["model.layers.0.block_sparse_moe.gate.weight"])
+        assert torch.equal(local["decoder.layers.0.self_attention.linear_proj.weight"], o[:, 4 * t : 4 * t + 4])
+        assert torch.equal(
+            local["decoder.layers.0.mlp.router.weight"], m["model.layers.0.block_sparse_moe.gate.weight"]
+        )
 
 
 def test_vocab_padding_zero_and_dropped():
@@ -123,8 +135,9 @@ def test_uneven_pp():
     first, last = (shard(full, cfg, layout, r)["model"] for r in (0, 1))
     assert {k.split(".")[2] for k in first if k.startswith("decoder.layers")} == {"0", "1", "2"}
     assert {k.split(".")[2] for k in last if k.startswith("decoder.layers")} == {"0", "1"}
-    assert torch.equal(last["decoder.layers.1.input_layernorm.weight"],
-                       full["model"]["model.layers.4.input_layernorm.weight"])
+    assert torch.equal(
+        last["decoder.layers.1.input_layernorm.weight"], full["model"]["model.layers.4.input_layernorm.weight"]
+    )
     assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
     assert "decoder.final_layernorm.weight" in last and "embedding.word_embeddings.weight" not in last
     _, back = round_trip(cfg, layout, full)
@@ -140,8 +153,10 @@ def test_virtual_pipeline_chunks():
     # chunk c = v*P + p: stage 0 holds layers 0 (v0) and 2 (v1); stage 1 holds 1 and 3
     m = full["model"]
     for st_, v, layer in ((s0, 0, 0), (s0, 1, 2), (s1, 0, 1), (s1, 1, 3)):
-        assert torch.equal(st_[f"model{v}"]["decoder.layers.0.pre_mlp_layernorm.weight"],
-                           m[f"model.layers.{layer}.post_attention_layernorm.weight"])
+        assert torch.equal(
+            st_[f"model{v}"]["decoder.layers.0.pre_mlp_layernorm.weight"],
+            m[f"model.layers.{layer}.post_attention_layernorm.weight"],
+        )
     assert "embedding.word_embeddings.weight" in s0["model0"] and "embedding.word_embeddings.weight" not in s0["model1"]
     assert "output_layer.weight" in s1["model1"] and "output_layer.weight" not in s1["model0"]
     assert set(s0["optimizer"]["state"]) == {"model0", "model1"}
@@ -155,9 +170,13 @@ def test_expert_parallel_local_numbering():
     layout = parse_layout("tp1pp1ep2dp2")
     local = shard(full, cfg, layout, 1)["model"]  # dp 1 -> ep 1: experts 2, 3 as local 0, 1
     names = sorted(k for k in local if "local_experts" in k and "layers.0." in k)
-    assert names == [f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc{i}.weight" for e in (0, 1) for i in (1, 2)]
-    assert torch.equal(local["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"],
-                       full["model"]["model.layers.0.block_sparse_moe.experts.3.w2.weight"])
+    assert names == [
+        f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc{i}.weight" for e in (0, 1) for i in (1, 2)
+    ]
+    assert torch.equal(
+        local["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"],
+        full["model"]["model.layers.0.block_sparse_moe.experts.3.w2.weight"],
+    )
 
 
 def test_tied_embeddings_pp2():
@@ -170,8 +189,10 @@ def test_tied_embeddings_pp2():
         last = shard(full, cfg, layout, r)
         first = shard(full, cfg, layout, r - 2)
         assert torch.equal(last["model"]["output_layer.weight"], first["model"]["embedding.word_embeddings.weight"])
-        assert torch.equal(last["optimizer"]["state"]["model"]["output_layer.weight"]["exp_avg"],
-                           first["optimizer"]["state"]["model"]["embedding.word_embeddings.weight"]["exp_avg"])
+        assert torch.equal(
+            last["optimizer"]["state"]["model"]["output_layer.weight"]["exp_avg"],
+            first["optimizer"]["state"]["model"]["embedding.word_embeddings.weight"]["exp_avg"],
+        )
         # the copy is never written
         assert not any(p.atom == "model.embed_tokens.weight" for lt in owned_pieces(cfg, layout, r) for p in lt.pieces)
     # pp1: no separate output layer at all
@@ -199,16 +220,21 @@ def test_zero_flat_buffer_matches_contract(text):
                 if state is None:
                     if layout.zero < 3:
                         continue
-                    tensors = [t for name, t in ref["model"].items() if ("local_experts" in name) == (group == "expert")]
+                    tensors = [
+                        t for name, t in ref["model"].items() if ("local_experts" in name) == (group == "expert")
+                    ]
                     buf = got["model_flat"][group]
                 else:
-                    tensors = [d[state] for name, d in ref["optimizer"]["state"]["model"].items()
-                               if ("local_experts" in name) == (group == "expert")]
+                    tensors = [
+                        d[state]
+                        for name, d in ref["optimizer"]["state"]["model"].items()
+                        if ("local_experts" in name) == (group == "expert")
+                    ]
                     buf = got["optimizer"]["flat"][group][state]
                 cat = torch.cat([t.reshape(-1) for t in tensors])
                 per = -(-cat.numel() // members)
                 cat = torch.cat([cat, torch.zeros(per * members - cat.numel())])
-                assert torch.equal(buf, cat[index * per:(index + 1) * per])
+                assert torch.equal(buf, cat[index * per : (index + 1) * per])
         for lt in local_plan(cfg, layout, rank):
             for p in lt.pieces:
                 if lt.flat and len(p.atom_box) == 2 and p.atom_box[0][1] - p.atom_box[0][0] == 1:
@@ -223,8 +249,11 @@ def test_zero_flat_buffer_matches_contract(text):
 
 
 def ownership_counts(cfg, layout, states=STATES):
-    counts = {(a, s): np.zeros(shape, dtype=np.int64) for a, (shape, _) in canonical_atoms(cfg).items()
-              for s in (None,) + states}
+    counts = {
+        (a, s): np.zeros(shape, dtype=np.int64)
+        for a, (shape, _) in canonical_atoms(cfg).items()
+        for s in (None,) + states
+    }
     writers = Counter()
     for rank in range(layout.world_size):
         for lt in owned_pieces(cfg, layout, rank, states):
@@ -234,8 +263,9 @@ def ownership_counts(cfg, layout, states=STATES):
     return counts, writers
 
 
-@pytest.mark.parametrize("text", ["tp2pp2dp2", "tp2pp2vpp2ep2dp2zero1", "tp2pp1ep2dp4zero3", "tp1pp3dp3zero2",
-                                  "tp2pp2ep2dp4"])
+@pytest.mark.parametrize(
+    "text", ["tp2pp2dp2", "tp2pp2vpp2ep2dp2zero1", "tp2pp1ep2dp4zero3", "tp1pp3dp3zero2", "tp2pp2ep2dp4"]
+)
 def test_every_element_has_exactly_one_writer(text):
     cfg = config(num_hidden_layers=4 if "pp3" not in text else 3, num_local_experts=4, tie_word_embeddings=True)
     layout = parse_layout(text)
@@ -304,8 +334,15 @@ def test_chunk_write_plan_is_consistent(text):
 
 
 def test_plan_of_one_rank_at_scale():
-    cfg = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8)
+    cfg = MixtralConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+    )
     layout = parse_layout("tp8pp16ep8dp128zero1")
     assert layout.world_size == 16384
     rank = layout.rank(tp=3, dp=77, pp=15)
@@ -354,11 +391,18 @@ def model_and_layout(draw):
         extra = draw(st.lists(st.integers(0, chunks - 1), min_size=layers - chunks, max_size=layers - chunks))
         stage_layers = [1 + extra.count(c) for c in range(chunks)]
     cfg = MixtralConfig(
-        vocab_size=draw(st.integers(3, 20)), hidden_size=draw(st.integers(1, 4)),
-        intermediate_size=tp * draw(st.integers(1, 3)), num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=draw(st.integers(1, 3)), num_local_experts=experts,
-        tie_word_embeddings=draw(st.booleans()), make_vocab_size_divisible_by=draw(st.sampled_from([1, 2, 4])),
-        stage_layers=stage_layers)
+        vocab_size=draw(st.integers(3, 20)),
+        hidden_size=draw(st.integers(1, 4)),
+        intermediate_size=tp * draw(st.integers(1, 3)),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=draw(st.integers(1, 3)),
+        num_local_experts=experts,
+        tie_word_embeddings=draw(st.booleans()),
+        make_vocab_size_divisible_by=draw(st.sampled_from([1, 2, 4])),
+        stage_layers=stage_layers,
+    )
     layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=dp, zero=draw(st.sampled_from([0, 1, 2, 3])))
     return cfg, layout, draw(st.integers(0, 2**16))
 
@@ -411,8 +455,10 @@ def test_chunk_write_plan_property(case, edge):
     plans = [chunk_write_plan(cfg, layout, r, chunk_shape) for r in range(layout.world_size)]
     writes = Counter(w for p in plans for w in p.writes)
     assert all(n == 1 for n in writes.values())
-    expected = sum(int(np.prod([-(-n // min(edge, n)) for n in shape])) * (1 + len(STATES))
-                   for shape, _ in canonical_atoms(cfg).values())
+    expected = sum(
+        int(np.prod([-(-n // min(edge, n)) for n in shape])) * (1 + len(STATES))
+        for shape, _ in canonical_atoms(cfg).values()
+    )
     assert len(writes) == expected
     sends = Counter((r, t.peer, t.atom, t.state, t.atom_box) for r, p in enumerate(plans) for t in p.sends)
     recvs = Counter((t.peer, r, t.atom, t.state, t.atom_box) for r, p in enumerate(plans) for t in p.recvs)

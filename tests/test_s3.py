@@ -42,8 +42,12 @@ def test_cli_inspect_and_verify_on_s3(s3_bucket):
     url = f"s3://{bucket}/cli"
     ucp.save({"model": {"w": torch.ones(3, 3)}}, url, storage_options=options)
     args = ["-o", f"endpoint_url={options['endpoint_url']}"]
-    out = subprocess.run([sys.executable, "-m", "ucp", "inspect", url, *args], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "ucp", "inspect", url, *args], capture_output=True, text=True, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert "model/w" in out.stdout and "3x3" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "ucp", "verify", url, *args], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "ucp", "verify", url, *args], capture_output=True, text=True, check=False
+    )
     assert out.returncode == 0 and ": ok" in out.stdout

@@ -26,8 +26,12 @@ def auth_server():
 
     port = free_port()
     env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="4")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(300):
             try:
@@ -36,14 +40,21 @@ def auth_server():
             except OSError:
                 time.sleep(0.1)
         endpoint = f"http://127.0.0.1:{port}"
-        iam = boto3.client("iam", endpoint_url=endpoint, aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
+        iam = boto3.client(
+            "iam", endpoint_url=endpoint, aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1"
+        )
         iam.create_user(UserName="ucp")
         key = iam.create_access_key(UserName="ucp")["AccessKey"]
         policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
         iam.put_user_policy(UserName="ucp", PolicyName="s3", PolicyDocument=json.dumps(policy))
         good = {"endpoint_url": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=good["key"], aws_secret_access_key=good["secret"],
-                     region_name="us-east-1").create_bucket(Bucket="secured")
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=good["key"],
+            aws_secret_access_key=good["secret"],
+            region_name="us-east-1",
+        ).create_bucket(Bucket="secured")
         yield good
     finally:
         proc.terminate()
@@ -51,8 +62,9 @@ def auth_server():
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ucp", *args], capture_output=True, text=True, timeout=120, check=False,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ucp", *args], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
 
 
 def one_line(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -64,7 +76,11 @@ def one_line(result: subprocess.CompletedProcess, *fragments: str) -> None:
 
 def no_aws_environment() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    return env | {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent", "AWS_DEFAULT_REGION": "us-east-1"}
+    return env | {
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_CONFIG_FILE": "/nonexistent",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
 
 
 def test_a_wrong_secret(auth_server, monkeypatch):
@@ -77,14 +93,30 @@ def test_a_wrong_secret(auth_server, monkeypatch):
     with pytest.raises(StorageAuthError):
         ucp.save({"w": torch.zeros(4)}, "s3://secured/run", step=9, storage_options=wrong)
     assert ucp.CheckpointManager("s3://secured/run", storage_options=auth_server).steps() == [0]
-    one_line(cli("inspect", "s3://secured/run", "-o", f"endpoint_url={auth_server['endpoint_url']}", "-o",
-                 f"key={auth_server['key']}", "-o", "secret=not-the-secret"), "s3://secured/run", "refused the credentials")
+    one_line(
+        cli(
+            "inspect",
+            "s3://secured/run",
+            "-o",
+            f"endpoint_url={auth_server['endpoint_url']}",
+            "-o",
+            f"key={auth_server['key']}",
+            "-o",
+            "secret=not-the-secret",
+        ),
+        "s3://secured/run",
+        "refused the credentials",
+    )
 
 
 def test_no_credentials_at_all(auth_server):
     env = no_aws_environment()
-    one_line(cli("inspect", "s3://secured/run", "-o", f"endpoint_url={auth_server['endpoint_url']}", env=env),
-             "s3://secured/run", "found none", "AWS_ACCESS_KEY_ID")
+    one_line(
+        cli("inspect", "s3://secured/run", "-o", f"endpoint_url={auth_server['endpoint_url']}", env=env),
+        "s3://secured/run",
+        "found none",
+        "AWS_ACCESS_KEY_ID",
+    )
 
 
 def test_a_missing_bucket(s3_bucket):
@@ -93,8 +125,11 @@ def test_a_missing_bucket(s3_bucket):
         ucp.load("s3://no-such-bucket/run", storage_options=options)
     with pytest.raises(BucketNotFoundError, match="bucket does not exist"):
         ucp.save({"w": torch.ones(2)}, "s3://no-such-bucket/run", storage_options=options)
-    one_line(cli("inspect", "s3://no-such-bucket/run", "-o", f"endpoint_url={options['endpoint_url']}"),
-             "no-such-bucket", "does not exist")
+    one_line(
+        cli("inspect", "s3://no-such-bucket/run", "-o", f"endpoint_url={options['endpoint_url']}"),
+        "no-such-bucket",
+        "does not exist",
+    )
 
 
 def test_an_unreachable_endpoint(s3_bucket):
@@ -110,6 +145,14 @@ def test_verbose_shows_the_traceback_and_a_closed_pipe_is_quiet(tmp_path):
     out = cli("-v", "inspect", str(tmp_path / "nothing"))
     assert out.returncode == 1 and "Traceback" in out.stderr and out.stderr.startswith("ucp: error: ")
     ucp.save({"model": {f"w{i}": torch.ones(2) for i in range(200)}}, str(tmp_path / "ckpt"))
-    pipe = subprocess.run(f"{sys.executable} -m ucp inspect {tmp_path / 'ckpt'} | head -1", shell=True, capture_output=True,
-                          text=True, timeout=120, check=False)
-    assert pipe.stdout.startswith("checkpoint") and "Traceback" not in pipe.stderr and "Error" not in pipe.stderr, pipe.stderr
+    pipe = subprocess.run(
+        f"{sys.executable} -m ucp inspect {tmp_path / 'ckpt'} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert pipe.stdout.startswith("checkpoint") and "Traceback" not in pipe.stderr and "Error" not in pipe.stderr, (
+        pipe.stderr
+    )

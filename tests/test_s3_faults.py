@@ -71,12 +71,17 @@ def test_a_store_that_refuses_writes_fails_the_save_naming_the_step(s3_bucket, r
     url = f"s3://{bucket}/refused"
     state = {"model": {"w": torch.randn(64, 64)}}
     ucp.save(state, url, step=1, storage_options=options)
-    refused = {**options, "endpoint_url": refusing_endpoint,
-               "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 10}}
+    refused = {
+        **options,
+        "endpoint_url": refusing_endpoint,
+        "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 10},
+    }
     with pytest.raises(ucp.StorageError) as failure:
         ucp.save({"model": {"w": torch.randn(64, 64)}}, url, step=2, storage_options=refused)
     message = str(failure.value)
-    assert "step 2 was not saved" in message and f"{step_dirname(2)}/attempt-" in message and "\n" not in message, message
+    assert "step 2 was not saved" in message and f"{step_dirname(2)}/attempt-" in message and "\n" not in message, (
+        message
+    )
     assert ucp.CheckpointManager(url, storage_options=options).steps() == [1]
     assert open_storage(url, options).listdir(step_dirname(2)) == [], "the failed attempt was not removed"
     assert_same_state(state, ucp.load(url, storage_options=options))

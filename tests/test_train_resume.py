@@ -34,8 +34,19 @@ SAVED = [*range(INTERVAL, N, INTERVAL), N]
 def start(layout: str, steps: int, metrics: Path, *extra: str) -> tuple[list[subprocess.Popen], Path]:
     """Start `python -m trainer` as the ranks of `layout`, as torchrun would; output goes to log files."""
     logs = metrics.parent / f"logs-{metrics.stem}"
-    argv = ["-m", "trainer", "--config", str(TINY), "--layout", layout, "--steps", str(steps),
-            "--metrics-file", str(metrics), *extra]
+    argv = [
+        "-m",
+        "trainer",
+        "--config",
+        str(TINY),
+        "--layout",
+        layout,
+        "--steps",
+        str(steps),
+        "--metrics-file",
+        str(metrics),
+        *extra,
+    ]
     return launch.start(argv, parse_layout(layout).world_size, logs), logs
 
 
@@ -96,11 +107,14 @@ def resume(saved_in: str, layout: str, tmp: str) -> tuple[list[dict], list[dict]
     return steps, events
 
 
-@pytest.mark.parametrize("saved_in, resumed_in", [
-    ("tp2pp2", "tp1pp1ep2dp2"),          # TP and PP out, EP and DP in; 4 -> 2 processes
-    ("tp1pp2dp2zero1", "tp2pp1"),        # ZeRO-1 flat ranges and PP -> TP
-    ("tp1pp1ep2dp2", "tp1pp2dp2zero1"),  # EP -> PP with ZeRO-1; 2 -> 4 processes
-])
+@pytest.mark.parametrize(
+    "saved_in, resumed_in",
+    [
+        ("tp2pp2", "tp1pp1ep2dp2"),  # TP and PP out, EP and DP in; 4 -> 2 processes
+        ("tp1pp2dp2zero1", "tp2pp1"),  # ZeRO-1 flat ranges and PP -> TP
+        ("tp1pp1ep2dp2", "tp1pp2dp2zero1"),  # EP -> PP with ZeRO-1; 2 -> 4 processes
+    ],
+)
 def test_resume_in_another_layout_continues_the_same_losses(saved_in, resumed_in, tmp):
     steps, _ = resume(saved_in, resumed_in, tmp)
     expected = reference(saved_in, tmp)[N:]
@@ -139,9 +153,12 @@ def test_killed_run_resumes_from_its_last_committed_step(tmp):
     again = [(r["loss"], logged[r["step"]]) for r in steps if r["step"] in logged]
     assert all(a == b for a, b in again)
     # Every K-th step and the last one are committed (K = 2, last = 12), and the checkpoint events say so.
-    assert commit.committed_steps(storage) == sorted(set(committed) | set(range(committed[-1] + interval, last + 1, interval)) | {last})
+    assert commit.committed_steps(storage) == sorted(
+        set(committed) | set(range(committed[-1] + interval, last + 1, interval)) | {last}
+    )
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [
-        s for s in range(committed[-1] + 1, last + 1) if s % interval == 0 or s == last]
+        s for s in range(committed[-1] + 1, last + 1) if s % interval == 0 or s == last
+    ]
 
 
 def test_pretrain_tokens_split_global_batches_and_resume_on_another_dp_size():

@@ -35,8 +35,22 @@ STEPS = 10
 def launch(layout: str, tmp: Path, *extra: str, steps: int = STEPS) -> list[dict]:
     """Train in `layout` on as many local processes as it needs; return rank 0's metrics records."""
     metrics = tmp / f"{layout}-{os.getpid()}-{free_port()}.jsonl"
-    spawn(["-m", "trainer", "--config", str(TINY), "--layout", layout, "--steps", str(steps),
-           "--metrics-file", str(metrics), *extra], parse_layout(layout).world_size)
+    spawn(
+        [
+            "-m",
+            "trainer",
+            "--config",
+            str(TINY),
+            "--layout",
+            layout,
+            "--steps",
+            str(steps),
+            "--metrics-file",
+            str(metrics),
+            *extra,
+        ],
+        parse_layout(layout).world_size,
+    )
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
@@ -128,13 +142,24 @@ def _hf_atoms(hf_model, cfg) -> dict[str, torch.Tensor]:
 
 
 def _hf_model(cfg):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install transformers)"
+    )
     hf_cfg = transformers.MixtralConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-        router_aux_loss_coef=cfg.router_aux_loss_coef, max_position_embeddings=256, attn_implementation="eager",
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        max_position_embeddings=256,
+        attn_implementation="eager",
     )
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(hf_cfg).eval()
@@ -199,14 +224,18 @@ def test_same_config_layout_and_seed_give_bitwise_identical_losses(run, tmp_path
     other_seed = tuple(r["loss"] for r in launch("tp1pp1", tmp_path, "--seed", "99", steps=2))
     assert other_seed != run("tp1pp1")[:2]
 
+
 # --- conformance with ucp's reshaper --------------------------------------------------------------------
 
 
 def _ucp():
     """ucp's layout parser, reshaper and Mixtral family (written in parallel with the trainer)."""
     reason = "ucp's reshaper (ucp/reshard.py, ucp/families/mixtral.py) is not importable"
-    return (pytest.importorskip("ucp.layout", reason=reason), pytest.importorskip("ucp.reshard", reason=reason),
-            pytest.importorskip("ucp.families.mixtral", reason=reason))
+    return (
+        pytest.importorskip("ucp.layout", reason=reason),
+        pytest.importorskip("ucp.reshard", reason=reason),
+        pytest.importorskip("ucp.families.mixtral", reason=reason),
+    )
 
 
 def ucp_config(cfg: ModelConfig, stage_layers: list[int] | None):
@@ -224,11 +253,14 @@ def test_rank_coordinates_and_process_groups_equal_ucp_layout(layout):
             assert sum(rank in members for members in partitions[kind]) == 1
 
 
-@pytest.mark.parametrize(("layout", "tied", "stage_layers"), [
-    ("tp1pp1", False, None),
-    ("tp2pp2ep2dp2zero1", True, [1, 3]),
-    ("tp2pp1ep2dp4", False, None),
-])
+@pytest.mark.parametrize(
+    ("layout", "tied", "stage_layers"),
+    [
+        ("tp1pp1", False, None),
+        ("tp2pp2ep2dp2zero1", True, [1, 3]),
+        ("tp2pp1ep2dp4", False, None),
+    ],
+)
 def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout, tied, stage_layers):
     ucp_layout, reshard, _ = _ucp()
     cfg = load_config(TINY, [f"model.tie_word_embeddings={str(tied).lower()}"]).model
@@ -236,8 +268,14 @@ def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout, tied,
     parsed = parse_layout(layout)
     for rank in range(parsed.world_size):
         c = coords_of(rank, parsed)
-        spec = StageSpec(layers=split_layers(cfg.num_layers, parsed.pp, stage_layers)[c.pp], first=c.pp == 0,
-                         last=c.pp == parsed.pp - 1, tp_size=parsed.tp, ep_size=parsed.ep, ep_rank=c.ep)
+        spec = StageSpec(
+            layers=split_layers(cfg.num_layers, parsed.pp, stage_layers)[c.pp],
+            first=c.pp == 0,
+            last=c.pp == parsed.pp - 1,
+            tp_size=parsed.tp,
+            ep_size=parsed.ep,
+            ep_rank=c.ep,
+        )
         stage = MixtralStage(cfg, spec)
         init_from_seed(stage, 5, c.tp)
         mine = dict(stage.named_parameters())
@@ -264,14 +302,27 @@ dist.destroy_process_group()
 """
 
 
-def _run_and_save(layout: str, tmp_path: Path, steps: int, load_from: Path | None = None,
-                  *extra: str) -> list[dict]:
+def _run_and_save(layout: str, tmp_path: Path, steps: int, load_from: Path | None = None, *extra: str) -> list[dict]:
     """Train in `layout` up to `steps`; return the local states of all ranks."""
     out = tmp_path / f"{layout}-{steps}"
     out.mkdir()
     world = parse_layout(layout).world_size
-    spawn(["-c", RUN_AND_SAVE, str(out), str(load_from or "-"), "--config", str(TINY), "--layout", layout,
-           "--steps", str(steps), *extra], world)
+    spawn(
+        [
+            "-c",
+            RUN_AND_SAVE,
+            str(out),
+            str(load_from or "-"),
+            "--config",
+            str(TINY),
+            "--layout",
+            layout,
+            "--steps",
+            str(steps),
+            *extra,
+        ],
+        world,
+    )
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 

@@ -24,7 +24,9 @@ EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+    return hashlib.sha256(
+        t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    ).hexdigest()
 
 
 def copy(tmp_path: Path, name: str) -> Path:
@@ -37,14 +39,20 @@ def test_a_v1_single_process_checkpoint_loads_bitwise_and_verifies(tmp_path):
     root = copy(tmp_path, "single")
     for step in (4, 5):
         reader = ucp.open_checkpoint(str(root), step)
-        assert reader.manifest.format_version == "1.0" and reader.record.attempt is None and reader.manifest.objects is None
+        assert (
+            reader.manifest.format_version == "1.0"
+            and reader.record.attempt is None
+            and reader.manifest.objects is None
+        )
         state = reader.load_state()
         for name, (dtype, shape, sha) in EXPECTED["single"].items():
             t = state["model"][name]
             assert (str(t.dtype), list(t.shape), digest(t)) == (dtype, shape, sha), name
         assert state["step"] == 5 and state["names"] == ["a", "b"] and state["lr"] != state["lr"]
         assert verify(reader).ok
-    out = subprocess.run([sys.executable, "-m", "ucp", "inspect", str(root)], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "ucp", "inspect", str(root)], capture_output=True, text=True, check=False
+    )
     assert out.returncode == 0 and "UCP 1.0" in out.stdout
 
 
@@ -81,8 +89,10 @@ def test_a_v1_distributed_checkpoint_loads_in_other_layouts(tmp_path):
     assert reader.manifest.layout == "tp2pp1"
     for layout in ("tp1pp1", "tp2pp1", "tp1pp2"):
         target = parse_layout(layout)
-        locals_ = [load_sharded(reader, ShardedModel(config, target, ("exp_avg", "exp_avg_sq")), r)[0]
-                   for r in range(target.world_size)]
+        locals_ = [
+            load_sharded(reader, ShardedModel(config, target, ("exp_avg", "exp_avg_sq")), r)[0]
+            for r in range(target.world_size)
+        ]
         full = assemble(locals_, config, target, ("exp_avg", "exp_avg_sq"))
         assert {n: digest(t) for n, t in full["model"].items()} == EXPECTED["sharded"], layout
     assert verify(reader).ok

@@ -31,26 +31,46 @@ def main(action: str, url: str, layout_name: str, out_dir: str, steps: str) -> N
     local_dir = json.loads(os.environ["UCP_TEST_NODE_DIRS"])[rank]
     layout = parse_layout(layout_name)
     model = ShardedModel(CONFIG, layout, STATES)
-    manager = ucp.CheckpointManager(url, comm=TorchComm(dist.new_group(backend="gloo")), options=OPTIONS,
-                                    local_dir=local_dir, local_keep=2,
-                                    durable_every=int(os.environ.get("UCP_TEST_DURABLE_EVERY", "1")))
+    manager = ucp.CheckpointManager(
+        url,
+        comm=TorchComm(dist.new_group(backend="gloo")),
+        options=OPTIONS,
+        local_dir=local_dir,
+        local_keep=2,
+        durable_every=int(os.environ.get("UCP_TEST_DURABLE_EVERY", "1")),
+    )
     result: dict = {}
     if action == "save":
         for step in map(int, steps.split(",")):
-            manager.save_sharded(step, shard(full_state(step), CONFIG, layout, rank, STATES), model,
-                                 extra={"step": step, "rng": torch.arange(4, dtype=torch.uint8) + step})
+            manager.save_sharded(
+                step,
+                shard(full_state(step), CONFIG, layout, rank, STATES),
+                model,
+                extra={"step": step, "rng": torch.arange(4, dtype=torch.uint8) + step},
+            )
         manager.wait()
     else:
         local, extra, report = manager.restore_sharded(model, rank)
         r = manager.last_restore
         step = extra["step"]
-        result = {"step": step, "exact": same(local, shard(full_state(step), CONFIG, layout, rank, STATES)),
-                  "extra_ok": torch.equal(extra["rng"], torch.arange(4, dtype=torch.uint8) + step),
-                  "source": r.source, "local": r.bytes_local, "peers": r.bytes_peers, "durable": r.bytes_durable,
-                  "damaged": r.damaged, "amplification": report.amplification}
+        result = {
+            "step": step,
+            "exact": same(local, shard(full_state(step), CONFIG, layout, rank, STATES)),
+            "extra_ok": torch.equal(extra["rng"], torch.arange(4, dtype=torch.uint8) + step),
+            "source": r.source,
+            "local": r.bytes_local,
+            "peers": r.bytes_peers,
+            "durable": r.bytes_durable,
+            "damaged": r.damaged,
+            "amplification": report.amplification,
+        }
         for step in (int(s) for s in steps.split(",") if s != "0"):  # the job goes on: it saves the steps it redoes
-            manager.save_sharded(step, shard(full_state(step), CONFIG, layout, rank, STATES), model,
-                                 extra={"step": step, "rng": torch.arange(4, dtype=torch.uint8) + step})
+            manager.save_sharded(
+                step,
+                shard(full_state(step), CONFIG, layout, rank, STATES),
+                model,
+                extra={"step": step, "rng": torch.arange(4, dtype=torch.uint8) + step},
+            )
         manager.wait()
     manager.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -37,11 +37,19 @@ OPTIM_STATES = ("exp_avg", "exp_avg_sq")
 def mixtral_config(m: ModelConfig, stage_layers: list[int] | None = None) -> MixtralConfig:
     """The trainer's model config as ucp's (the one place where the two namings meet)."""
     return MixtralConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-        num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, head_dim=m.kv_channels,
-        tie_word_embeddings=m.tie_word_embeddings, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        stage_layers=stage_layers)
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        num_local_experts=m.num_experts,
+        num_experts_per_tok=m.top_k,
+        head_dim=m.kv_channels,
+        tie_word_embeddings=m.tie_word_embeddings,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        stage_layers=stage_layers,
+    )
 
 
 @dataclass
@@ -60,14 +68,19 @@ class Checkpointer:
     def __init__(self, cfg: Config, trainer: Trainer):
         self.cfg, self.trainer = cfg, trainer
         self.interval = cfg.checkpoint.interval
-        self.model = ShardedModel(mixtral_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout,
-                                  OPTIM_STATES)
+        self.model = ShardedModel(mixtral_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout, OPTIM_STATES)
         # Checkpoint traffic (fragment exchange, barriers) goes over its own gloo group, host memory on any device.
         self.group = dist.new_group(backend="gloo")
         comm = TorchComm(self.group)
-        self.manager = CheckpointManager(cfg.checkpoint.url, mode=cfg.checkpoint.mode, comm=comm,
-                                         keep_last=cfg.checkpoint.keep_last, local_dir=cfg.checkpoint.local,
-                                         local_keep=cfg.checkpoint.local_keep, durable_every=cfg.checkpoint.durable_every)
+        self.manager = CheckpointManager(
+            cfg.checkpoint.url,
+            mode=cfg.checkpoint.mode,
+            comm=comm,
+            keep_last=cfg.checkpoint.keep_last,
+            local_dir=cfg.checkpoint.local,
+            local_keep=cfg.checkpoint.local_keep,
+            durable_every=cfg.checkpoint.durable_every,
+        )
         self.pending: SaveHandle | None = None  # lazy mode: a snapshot that may still read the tensors
 
     def restore(self) -> Resumed | None:
@@ -91,7 +104,9 @@ class Checkpointer:
         totals = torch.tensor([tiers.bytes_local, tiers.bytes_peers, tiers.bytes_durable], dtype=torch.int64)
         dist.all_reduce(totals, group=self.group)  # what the whole job read, from where
         by_tier = dict(zip(("local", "peers", "durable"), totals.tolist()))
-        return Resumed(extra["step"], extra["layout"], report.bytes_read, tiers.source, by_tier, time.perf_counter() - start)
+        return Resumed(
+            extra["step"], extra["layout"], report.bytes_read, tiers.source, by_tier, time.perf_counter() - start
+        )
 
     def before_update(self) -> None:
         """Called before the optimizer step: a lazy snapshot must be complete before the tensors change."""
@@ -112,20 +127,31 @@ class Checkpointer:
             "data": t.data.state_dict(),
             "optimizer_step": t.optimizer.step,
             # The schedule is a pure function of the step and the optim config; both are saved.
-            "scheduler": {"kind": "linear_warmup_cosine", "step": t.optimizer.step,
-                          "last_lr": lr_at(t.optimizer.step, self.cfg.optim)},
+            "scheduler": {
+                "kind": "linear_warmup_cosine",
+                "step": t.optimizer.step,
+                "last_lr": lr_at(t.optimizer.step, self.cfg.optim),
+            },
             "config": self.cfg.to_dict(),
             # what changes the model's computation beyond its shapes, by the names an HF export writes them under
-            "hf_config": {"rope_theta": self.cfg.model.rope_theta, "rms_norm_eps": self.cfg.model.rms_norm_eps,
-                          "router_aux_loss_coef": self.cfg.model.router_aux_loss_coef,
-                          "initializer_range": self.cfg.model.init_std},
+            "hf_config": {
+                "rope_theta": self.cfg.model.rope_theta,
+                "rms_norm_eps": self.cfg.model.rms_norm_eps,
+                "router_aux_loss_coef": self.cfg.model.router_aux_loss_coef,
+                "initializer_range": self.cfg.model.init_std,
+            },
             "rng": rng_state(),
         }
         handle = self.manager.save_sharded(step, t.local_state(), self.model, extra=extra)
         if handle.mode == "lazy":
             self.pending = handle
-        return {"event": "checkpoint", "step": step, "mode": handle.mode, "blocking_s": handle.blocking_s,
-                "call_s": time.perf_counter() - start}
+        return {
+            "event": "checkpoint",
+            "step": step,
+            "mode": handle.mode,
+            "blocking_s": handle.blocking_s,
+            "call_s": time.perf_counter() - start,
+        }
 
     def close(self) -> None:
         """Wait for the save in flight to commit (its error is raised here) and stop the writer threads."""

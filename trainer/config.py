@@ -121,8 +121,13 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     unknown = set(raw) - set(sections)
     if unknown:
         raise ValueError(f"unknown config section(s): {sorted(unknown)}; known: {sorted(sections)}")
-    classes = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig,
-               "checkpoint": CheckpointConfig}
+    classes = {
+        "model": ModelConfig,
+        "optim": OptimConfig,
+        "data": DataConfig,
+        "train": TrainConfig,
+        "checkpoint": CheckpointConfig,
+    }
     return Config(**{name: _build(cls, raw.get(name) or {}, name) for name, cls in classes.items()})
 
 

@@ -18,13 +18,47 @@ from pathlib import Path
 DEFAULT_DIR = Path(__file__).resolve().parent / "data" / "tiny-corpus"
 MANIFEST = "manifest.json"
 
-_SUBJECTS = ("the model", "a checkpoint", "the trainer", "every rank", "the loader", "an expert", "the router",
-             "the pipeline", "a shard", "the optimizer", "the writer", "each stage")
+_SUBJECTS = (
+    "the model",
+    "a checkpoint",
+    "the trainer",
+    "every rank",
+    "the loader",
+    "an expert",
+    "the router",
+    "the pipeline",
+    "a shard",
+    "the optimizer",
+    "the writer",
+    "each stage",
+)
 _VERBS = ("saves", "loads", "reads", "writes", "routes", "splits", "gathers", "sends", "restores", "trains")
-_OBJECTS = ("the atoms", "its state", "a batch", "the tokens", "the gradients", "one chunk", "the experts",
-            "the layers", "every tensor", "the manifest", "its slice", "the activations")
-_ENDINGS = ("after each step", "in any layout", "without a gather", "before the commit", "over the network",
-            "on every rank", "in the background", "from local disk", "at the last step", "when asked")
+_OBJECTS = (
+    "the atoms",
+    "its state",
+    "a batch",
+    "the tokens",
+    "the gradients",
+    "one chunk",
+    "the experts",
+    "the layers",
+    "every tensor",
+    "the manifest",
+    "its slice",
+    "the activations",
+)
+_ENDINGS = (
+    "after each step",
+    "in any layout",
+    "without a gather",
+    "before the commit",
+    "over the network",
+    "on every rank",
+    "in the background",
+    "from local disk",
+    "at the last step",
+    "when asked",
+)
 
 
 def generate_documents(num_documents: int = 1500, seed: int = 0) -> list[str]:

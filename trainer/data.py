@@ -71,8 +71,9 @@ class PretrainTokens:
         # A step-indexed call on a sequential loader: a mismatch means the state was not restored.
         expected = (step - 1) * self.global_batch
         if self.loader.consumed_samples != expected:
-            raise RuntimeError(f"step {step} needs the data position {expected}, "
-                               f"the loader is at {self.loader.consumed_samples}")
+            raise RuntimeError(
+                f"step {step} needs the data position {expected}, the loader is at {self.loader.consumed_samples}"
+            )
         batch = next(self.loader)
         return torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
 

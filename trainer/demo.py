@@ -81,20 +81,42 @@ def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
     def node_dir(name: str) -> Path:
         return run_dir / f"node-{name}-shm"
 
-    argv = ["-m", "trainer", "--config", str(CONFIG), "--layout", args.layouts, "--steps", str(args.steps), "--ckpt", ckpt,
-            "--save-interval", str(args.save_interval), "--durable-every", str(args.durable_every),
-            "--metrics-file", str(run_dir / "metrics.jsonl")]
+    argv = [
+        "-m",
+        "trainer",
+        "--config",
+        str(CONFIG),
+        "--layout",
+        args.layouts,
+        "--steps",
+        str(args.steps),
+        "--ckpt",
+        ckpt,
+        "--save-interval",
+        str(args.save_interval),
+        "--durable-every",
+        str(args.durable_every),
+        "--metrics-file",
+        str(run_dir / "metrics.jsonl"),
+    ]
     job = elastic.Job(argv, "ucp-demo", run_dir, node_args=lambda name: ["--ckpt-local", str(node_dir(name))])
     try:
         for name in ("a", "b"):
             print(f"== node {name}: a torchrun agent with 2 processes, hot tier in {node_dir(name)}", flush=True)
             job.start(name)
-        job.wait_for(lambda: max(hot_steps(node_dir("b"), ckpt), default=0) >= args.kill_after, f"step {args.kill_after}")
+        job.wait_for(
+            lambda: max(hot_steps(node_dir("b"), ckpt), default=0) >= args.kill_after, f"step {args.kill_after}"
+        )
         lost_at = job.lose("b")
         shutil.rmtree(node_dir("b"), ignore_errors=True)
-        print(f"== node b lost: SIGKILL to its agent and processes, its hot tier deleted (hot steps of node a: "
-              f"{hot_steps(node_dir('a'), ckpt)})", flush=True)
-        job.wait_for(lambda: max(hot_steps(node_dir("a"), ckpt), default=0) >= args.rejoin_after, f"step {args.rejoin_after}")
+        print(
+            f"== node b lost: SIGKILL to its agent and processes, its hot tier deleted (hot steps of node a: "
+            f"{hot_steps(node_dir('a'), ckpt)})",
+            flush=True,
+        )
+        job.wait_for(
+            lambda: max(hot_steps(node_dir("a"), ckpt), default=0) >= args.rejoin_after, f"step {args.rejoin_after}"
+        )
         rejoined_at = time.time()
         print(f"== node b is back (empty): a torchrun agent with 2 processes, hot tier in {node_dir('b')}", flush=True)
         job.start("b")
@@ -110,13 +132,17 @@ def report(args: argparse.Namespace, run_dir: Path, times: dict[str, float]) -> 
     records = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in records if "event" not in r]
     restarts = [r for r in records if r.get("event") == "restart"]
-    print("\n== loss per step, with the layout that trained it (after a restart, the steps since the checkpoint it "
-          "resumed from are trained again, on the same data)")
+    print(
+        "\n== loss per step, with the layout that trained it (after a restart, the steps since the checkpoint it "
+        "resumed from are trained again, on the same data)"
+    )
     trained: dict[int, list[float]] = {}
     for r in records:
         if r.get("event") == "restart":
-            print(f"      -- restart: {r['world_size']} processes, layout {r['layout']}, resumed from step "
-                  f"{r['from_step']} ({r['source']} tier)")
+            print(
+                f"      -- restart: {r['world_size']} processes, layout {r['layout']}, resumed from step "
+                f"{r['from_step']} ({r['source']} tier)"
+            )
         elif "event" not in r:
             again = "  (again)" if r["step"] in trained else ""
             trained.setdefault(r["step"], []).append(r["loss"])
@@ -124,15 +150,19 @@ def report(args: argparse.Namespace, run_dir: Path, times: dict[str, float]) -> 
     twice = [v for v in trained.values() if len(v) > 1]
     worst = max((abs(max(v) - min(v)) / abs(v[0]) for v in twice), default=0.0)
     print(f"{len(twice)} steps trained twice: largest relative loss difference {worst:.1e} (same data, another layout)")
-    for r, since, what in ((next((r for r in restarts if r["world_size"] == 2), None), times["lost_at"], "node lost"),
-                           (next((r for r in restarts if r["world_size"] == 4), None), times["rejoined_at"], "node back")):
+    for r, since, what in (
+        (next((r for r in restarts if r["world_size"] == 2), None), times["lost_at"], "node lost"),
+        (next((r for r in restarts if r["world_size"] == 4), None), times["rejoined_at"], "node back"),
+    ):
         if r is None:
             continue
         first = next(s for s in steps if s["time"] >= r["time"])
         tiers = r["bytes_by_tier"]
-        print(f"{what} -> first step on {r['world_size']} processes in {first['time'] - since:.1f} s, resumed from step "
-              f"{r['from_step']}; the ranks read {tiers['local'] / 2**20:.1f} MiB from their own node's memory, "
-              f"{tiers['peers'] / 2**20:.1f} from other nodes, {tiers['durable'] / 2**20:.1f} from the durable URL")
+        print(
+            f"{what} -> first step on {r['world_size']} processes in {first['time'] - since:.1f} s, resumed from step "
+            f"{r['from_step']}; the ranks read {tiers['local'] / 2**20:.1f} MiB from their own node's memory, "
+            f"{tiers['peers'] / 2**20:.1f} from other nodes, {tiers['durable'] / 2**20:.1f} from the durable URL"
+        )
     plot(run_dir, steps, restarts)
 
 
@@ -152,9 +182,16 @@ def plot(run_dir: Path, steps: list[dict], restarts: list[dict]) -> None:
     for world, (xs, ys) in sorted(by_world.items(), reverse=True):
         ax.plot(xs, ys, "o" if world == 4 else "s", ms=3.5, label=f"{world} processes")
     for i, r in enumerate(restarts):
-        ax.axvline(r["from_step"] + 0.5, color="C3", ls="--", lw=1,
-                   label="restart (resumed after the step)" if i == 0 else None)
-        ax.annotate(f"{r['world_size']} procs", (r["from_step"] + 0.6, ax.get_ylim()[1]), va="top", fontsize=8, color="C3")
+        ax.axvline(
+            r["from_step"] + 0.5,
+            color="C3",
+            ls="--",
+            lw=1,
+            label="restart (resumed after the step)" if i == 0 else None,
+        )
+        ax.annotate(
+            f"{r['world_size']} procs", (r["from_step"] + 0.6, ax.get_ylim()[1]), va="top", fontsize=8, color="C3"
+        )
     ax.set(xlabel="step", ylabel="LM loss", title="tiny MoE under torchrun: a node lost, then back")
     ax.legend()
     fig.tight_layout()

@@ -94,24 +94,60 @@ def endpoint() -> str:
     return f"127.0.0.1:{free_port()}"
 
 
-def start_node(name: str, argv: list[str], *, nproc: int, rdzv_endpoint: str, run_id: str, nnodes: str,
-               log: Path, hosts_store: bool, max_restarts: int = 20, env: dict[str, str] | None = None) -> Node:
+def start_node(
+    name: str,
+    argv: list[str],
+    *,
+    nproc: int,
+    rdzv_endpoint: str,
+    run_id: str,
+    nnodes: str,
+    log: Path,
+    hosts_store: bool,
+    max_restarts: int = 20,
+    env: dict[str, str] | None = None,
+) -> Node:
     """Start a torchrun elastic agent running `python *argv` on `nproc` processes, its output to `log`.
 
     `hosts_store`: whether this agent hosts the rendezvous store. Say so explicitly: left to itself, every agent
     whose address matches the endpoint tries to host it, and on one machine a late agent can bind the same port
     beside the first (seen: a rejoining node formed a job of its own instead of joining the running one)."""
-    node_env = os.environ | (env or {}) | {
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_id,
-               "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
-               "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if hosts_store else 'false'}", *argv]
+    node_env = (
+        os.environ
+        | (env or {})
+        | {
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--rdzv-id",
+        run_id,
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.5",
+        "--rdzv-conf",
+        f"{RDZV_CONF},is_host={'true' if hosts_store else 'false'}",
+        *argv,
+    ]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=node_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=node_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return Node(name, proc, log)
 
 
@@ -119,8 +155,17 @@ class Job:
     """An elastic job of simulated nodes of `nproc` processes each, started, lost and brought back by name. The
     first node started hosts the rendezvous store; `node_args(name)` adds per-node arguments (its --ckpt-local)."""
 
-    def __init__(self, argv: list[str], run_id: str, log_dir: Path, *, nproc: int = 2, nnodes: str = "1:2",
-                 node_args: Callable[[str], list[str]] | None = None, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        argv: list[str],
+        run_id: str,
+        log_dir: Path,
+        *,
+        nproc: int = 2,
+        nnodes: str = "1:2",
+        node_args: Callable[[str], list[str]] | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.argv, self.run_id, self.log_dir, self.nproc, self.nnodes = argv, run_id, log_dir, nproc, nnodes
         self.node_args = node_args or (lambda _name: [])
         self.env = env
@@ -130,9 +175,17 @@ class Job:
 
     def start(self, name: str) -> Node:
         self._host = self._host or name
-        self.nodes[name] = start_node(name, [*self.argv, *self.node_args(name)], nproc=self.nproc,
-                                      rdzv_endpoint=self.endpoint, run_id=self.run_id, nnodes=self.nnodes,
-                                      log=self.log_dir / f"node-{name}.log", hosts_store=name == self._host, env=self.env)
+        self.nodes[name] = start_node(
+            name,
+            [*self.argv, *self.node_args(name)],
+            nproc=self.nproc,
+            rdzv_endpoint=self.endpoint,
+            run_id=self.run_id,
+            nnodes=self.nnodes,
+            log=self.log_dir / f"node-{name}.log",
+            hosts_store=name == self._host,
+            env=self.env,
+        )
         return self.nodes[name]
 
     def lose(self, name: str) -> float:

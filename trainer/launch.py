@@ -19,21 +19,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(argv: list[str], world: int, log_dir: Path, rank0_to_terminal: bool = False,
-          env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def start(
+    argv: list[str], world: int, log_dir: Path, rank0_to_terminal: bool = False, env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     """`python *argv` as ranks 0..world-1 of one process group; rank r's output goes to log_dir/rank{r}.log."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     procs = []
     for rank in range(world):
-        rank_env = os.environ | (env or {}) | {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-        }
+        rank_env = (
+            os.environ
+            | (env or {})
+            | {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         with open(log_dir / f"rank{rank}.log", "w") as log:
             out = None if rank == 0 and rank0_to_terminal else log
-            procs.append(subprocess.Popen([sys.executable, *argv], cwd=REPO, env=rank_env, stdout=out,
-                                          stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen([sys.executable, *argv], cwd=REPO, env=rank_env, stdout=out, stderr=subprocess.STDOUT)
+            )
     return procs
 
 

@@ -58,23 +58,32 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         m, d, layout, c = cfg.model, cfg.data, mesh.layout, mesh.coords
         if layout.vpp != 1:
-            raise ValueError("the reference trainer runs one model chunk per stage: vpp > 1 is not supported (ucp checkpoints support it)")
+            raise ValueError(
+                "the reference trainer runs one model chunk per stage: vpp > 1 is not supported (ucp checkpoints support it)"
+            )
 
         stage_layers = split_layers(m.num_layers, layout.pp, cfg.train.stage_layers)[c.pp]
-        spec = StageSpec(layers=stage_layers, first=mesh.is_first_stage, last=mesh.is_last_stage,
-                         tp_size=layout.tp, ep_size=layout.ep, ep_rank=c.ep)
+        spec = StageSpec(
+            layers=stage_layers,
+            first=mesh.is_first_stage,
+            last=mesh.is_last_stage,
+            tp_size=layout.tp,
+            ep_size=layout.ep,
+            ep_rank=c.ep,
+        )
         self.model = MixtralStage(m, spec, mesh.tp_group, mesh.ep_group).to(device)
         init_from_seed(self.model, cfg.train.seed, c.tp)
 
-        self.optimizer = DistributedAdamW(list(self.model.named_parameters()), mesh, cfg.optim,
-                                          m.tie_word_embeddings, is_expert_param)
+        self.optimizer = DistributedAdamW(
+            list(self.model.named_parameters()), mesh, cfg.optim, m.tie_word_embeddings, is_expert_param
+        )
         self.data: TokenSource
         if d.source == "pretrain":
-            self.data = PretrainTokens(d.path or DEFAULT_DIR, d.seq_len, d.global_batch_size, c.dp, layout.dp,
-                                       cfg.train.seed)
+            self.data = PretrainTokens(
+                d.path or DEFAULT_DIR, d.seq_len, d.global_batch_size, c.dp, layout.dp, cfg.train.seed
+            )
         elif d.source == "synthetic":
-            self.data = SyntheticTokens(m.vocab_size, d.seq_len, d.global_batch_size, c.dp, layout.dp,
-                                        cfg.train.seed)
+            self.data = SyntheticTokens(m.vocab_size, d.seq_len, d.global_batch_size, c.dp, layout.dp, cfg.train.seed)
         else:
             raise ValueError(f"data.source must be 'pretrain' or 'synthetic', got {d.source!r}")
 
@@ -129,40 +138,75 @@ class Trainer:
             tally.zero_()
         if dist.get_world_size() > 1:
             dist.all_reduce(tally)
-        return StepMetrics(step=step, loss=tally[0].item() / global_tokens, aux_loss=tally[1].item() / aux_terms,
-                           grad_norm=grad_norm, lr=lr, step_time_s=time.perf_counter() - start)
+        return StepMetrics(
+            step=step,
+            loss=tally[0].item() / global_tokens,
+            aux_loss=tally[1].item() / aux_terms,
+            grad_norm=grad_norm,
+            lr=lr,
+            step_time_s=time.perf_counter() - start,
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="ucp's reference MoE trainer")
     parser.add_argument("--config", help="YAML config file (trainer/configs/*.yaml)")
-    parser.add_argument("--layout", help="e.g. tp2pp2, tp1pp1ep2dp2, tp1pp2dp2zero1, or a comma-separated list: the "
-                        "first whose world size is WORLD_SIZE is taken (overrides train.layout)")
+    parser.add_argument(
+        "--layout",
+        help="e.g. tp2pp2, tp1pp1ep2dp2, tp1pp2dp2zero1, or a comma-separated list: the "
+        "first whose world size is WORLD_SIZE is taken (overrides train.layout)",
+    )
     parser.add_argument("--steps", type=int, help="the step to stop at (overrides train.steps)")
     parser.add_argument("--seed", type=int, help="overrides train.seed")
     parser.add_argument("--metrics-file", help="JSON lines, one per step (overrides train.metrics_file)")
-    parser.add_argument("--ckpt", help="checkpoint root URL (local dir, s3://...): resume from its latest step, "
-                        "save to it (overrides checkpoint.url)")
-    parser.add_argument("--save-interval", type=int, help="save every K steps; the last step is always saved "
-                        "(overrides checkpoint.interval)")
+    parser.add_argument(
+        "--ckpt",
+        help="checkpoint root URL (local dir, s3://...): resume from its latest step, "
+        "save to it (overrides checkpoint.url)",
+    )
+    parser.add_argument(
+        "--save-interval",
+        type=int,
+        help="save every K steps; the last step is always saved (overrides checkpoint.interval)",
+    )
     parser.add_argument("--ckpt-mode", choices=("sync", "async", "lazy"), help="overrides checkpoint.mode")
-    parser.add_argument("--ckpt-local", help="this node's directory for a hot tier of recent steps, e.g. /dev/shm/ucp "
-                        "(overrides checkpoint.local)")
-    parser.add_argument("--durable-every", type=int, help="with --ckpt-local: drain every K-th save to --ckpt "
-                        "(overrides checkpoint.durable_every)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override any config key, e.g. --set model.hidden_size=128 (repeatable)")
+    parser.add_argument(
+        "--ckpt-local",
+        help="this node's directory for a hot tier of recent steps, e.g. /dev/shm/ucp (overrides checkpoint.local)",
+    )
+    parser.add_argument(
+        "--durable-every",
+        type=int,
+        help="with --ckpt-local: drain every K-th save to --ckpt (overrides checkpoint.durable_every)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any config key, e.g. --set model.hidden_size=128 (repeatable)",
+    )
     return parser.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> Config:
     overrides = list(args.overrides)
-    for key, value in (("layout", args.layout), ("steps", args.steps), ("seed", args.seed),
-                       ("metrics_file", args.metrics_file)):
+    for key, value in (
+        ("layout", args.layout),
+        ("steps", args.steps),
+        ("seed", args.seed),
+        ("metrics_file", args.metrics_file),
+    ):
         if value is not None:
             overrides.append(f"train.{key}={value}")
-    for key, value in (("url", args.ckpt), ("interval", args.save_interval), ("mode", args.ckpt_mode),
-                       ("local", args.ckpt_local), ("durable_every", args.durable_every)):
+    for key, value in (
+        ("url", args.ckpt),
+        ("interval", args.save_interval),
+        ("mode", args.ckpt_mode),
+        ("local", args.ckpt_local),
+        ("durable_every", args.durable_every),
+    ):
         if value is not None:
             overrides.append(f"checkpoint.{key}={value}")
     return load_config(args.config, overrides)
@@ -219,8 +263,11 @@ def train(trainer: Trainer, started: float | None = None) -> None:
     last_logged = last_logged_step_time(cfg.train.metrics_file) if write_metrics else None
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
-        print(f"world size {dist.get_world_size()}: layout {trainer.mesh.layout}"
-              + (f" (restart {restart_count})" if restart_count else ""), flush=True)
+        print(
+            f"world size {dist.get_world_size()}: layout {trainer.mesh.layout}"
+            + (f" (restart {restart_count})" if restart_count else ""),
+            flush=True,
+        )
 
     def log(record: dict) -> None:
         if metrics_file is not None:
@@ -235,25 +282,44 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                 if rank != 0:
                     continue
                 if resumed is not None and step == resumed.from_step + 1:
-                    resume = {"from_step": resumed.from_step, "saved_layout": resumed.saved_layout,
-                              "layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(),
-                              "bytes_read": resumed.bytes_read, "source": resumed.source,
-                              "bytes_by_tier": resumed.bytes_by_tier, "restore_s": resumed.restore_s,
-                              "time_to_first_step_s": time.perf_counter() - started,
-                              "time": time.time()}
+                    resume = {
+                        "from_step": resumed.from_step,
+                        "saved_layout": resumed.saved_layout,
+                        "layout": str(trainer.mesh.layout),
+                        "world_size": dist.get_world_size(),
+                        "bytes_read": resumed.bytes_read,
+                        "source": resumed.source,
+                        "bytes_by_tier": resumed.bytes_by_tier,
+                        "restore_s": resumed.restore_s,
+                        "time_to_first_step_s": time.perf_counter() - started,
+                        "time": time.time(),
+                    }
                     log({"event": "resume", **resume})
                     if last_logged is not None:  # an earlier incarnation of this run logged steps: a restart
                         # (the failure came after that incarnation's last logged step: an upper bound)
-                        log({"event": "restart", **resume, "restart_count": restart_count,
-                             "failure_to_first_step_s": time.time() - last_logged[1], "last_step_before": last_logged[0]})
+                        log(
+                            {
+                                "event": "restart",
+                                **resume,
+                                "restart_count": restart_count,
+                                "failure_to_first_step_s": time.time() - last_logged[1],
+                                "last_step_before": last_logged[0],
+                            }
+                        )
                     print(f"resumed from step {resumed.from_step} (saved in {resumed.saved_layout})", flush=True)
-                log(asdict(metrics) | {"layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(), "time": time.time()})
+                log(
+                    asdict(metrics)
+                    | {"layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(), "time": time.time()}
+                )
                 if event is not None:
                     log(event)
                 if step % cfg.train.log_every == 0:
-                    print(f"step {step} loss {metrics.loss:.6f} aux {metrics.aux_loss:.4f} "
-                          f"grad_norm {metrics.grad_norm:.4f} lr {metrics.lr:.2e} {metrics.step_time_s:.3f}s"
-                          + (f" ckpt blocked {event['blocking_s']:.3f}s" if event else ""), flush=True)
+                    print(
+                        f"step {step} loss {metrics.loss:.6f} aux {metrics.aux_loss:.4f} "
+                        f"grad_norm {metrics.grad_norm:.4f} lr {metrics.lr:.2e} {metrics.step_time_s:.3f}s"
+                        + (f" ckpt blocked {event['blocking_s']:.3f}s" if event else ""),
+                        flush=True,
+                    )
         finally:
             close = getattr(trainer.data, "close", None)
             if close is not None:

@@ -103,8 +103,18 @@ class OwnerRecord:
     def mine(cls, step: int, attempt: str, lease_s: float) -> OwnerRecord:
         host, boot_id, pid_ns = _this_host()
         pid = os.getpid()
-        return cls(step, attempt, host, boot_id, pid_ns, pid, process_start(pid),
-                   datetime.now(UTC).isoformat(timespec="seconds"), time.time(), lease_s)
+        return cls(
+            step,
+            attempt,
+            host,
+            boot_id,
+            pid_ns,
+            pid,
+            process_start(pid),
+            datetime.now(UTC).isoformat(timespec="seconds"),
+            time.time(),
+            lease_s,
+        )
 
     @classmethod
     def parse(cls, data: bytes | memoryview, where: str) -> OwnerRecord:
@@ -113,7 +123,9 @@ class OwnerRecord:
             record = cls(**{k: doc[k] for k in cls.__dataclass_fields__})
         except (KeyError, TypeError) as e:
             raise FormatError(f"{where} is not an attempt owner record ({e!r})") from None
-        numbers_ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (record.renewed_at, record.lease_s))
+        numbers_ok = all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in (record.renewed_at, record.lease_s)
+        )
         if not numbers_ok or not isinstance(record.pid, int) or not isinstance(record.host, str):
             raise FormatError(f"{where} is not an attempt owner record (mistyped fields)")
         return record
@@ -203,4 +215,3 @@ def collect_garbage(storage: Storage, *, now: float | None = None) -> list[str]:
         if record is None and removed and removed[-1].startswith(step_dir + "/"):
             storage.remove_empty_dir(step_dir)
     return removed
-

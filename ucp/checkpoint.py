@@ -165,8 +165,9 @@ def save(
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
     pipeline = SavePipeline(io_threads_for(options, storage))
     try:
-        record = pipeline.submit(plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes),
-                                 "sync").result()
+        record = pipeline.submit(
+            plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes), "sync"
+        ).result()
     finally:
         pipeline.close()
     assert record is not None
@@ -179,8 +180,14 @@ def save(
 class CheckpointReader:
     """One committed step, opened for reading: its manifest, and verified reads of its atoms."""
 
-    def __init__(self, storage: Storage, step: int | str | None = "latest", *, io_threads: int | None = None,
-                 committed: tuple[commit.CommitRecord, bytes] | None = None):
+    def __init__(
+        self,
+        storage: Storage,
+        step: int | str | None = "latest",
+        *,
+        io_threads: int | None = None,
+        committed: tuple[commit.CommitRecord, bytes] | None = None,
+    ):
         """`committed`: the step's commit record and manifest bytes, when they came from elsewhere than `storage`
         (the hot tier's peers); they are checked against each other as when read."""
         self.storage = storage
@@ -199,11 +206,15 @@ class CheckpointReader:
         if self.manifest.step != self.step:
             raise FormatError(f"{where} describes step {self.manifest.step}, not {self.step}")
         if self.manifest.format_version.split(".")[0] != self.record.format_version.split(".")[0]:
-            raise FormatError(f"{where} is format {self.manifest.format_version}, its commit marker {self.record.format_version}")
+            raise FormatError(
+                f"{where} is format {self.manifest.format_version}, its commit marker {self.record.format_version}"
+            )
         nbytes = sum(m.nbytes for m in self.manifest.atoms.values())
         if (self.record.atoms, self.record.nbytes) != (len(self.manifest.atoms), nbytes):
-            raise FormatError(f"{where} describes {len(self.manifest.atoms)} atoms of {nbytes} bytes, but its commit recorded "
-                              f"{self.record.atoms} atoms of {self.record.nbytes} bytes")
+            raise FormatError(
+                f"{where} describes {len(self.manifest.atoms)} atoms of {nbytes} bytes, but its commit recorded "
+                f"{self.record.atoms} atoms of {self.record.nbytes} bytes"
+            )
         tree.check_root(self.manifest.tree)
         missing = set(tree.tree_atoms(self.manifest.tree)) - set(self.manifest.atoms)
         if missing:
@@ -222,7 +233,9 @@ class CheckpointReader:
         try:
             raw = self.storage.read(self._atom_key(meta, ZARR_JSON), 0, MAX_DOCUMENT_BYTES + 1)
         except FileNotFoundError:
-            raise IntegrityError(f"atom {meta.path!r} is missing from step {self.step} (no {meta.path}/{ZARR_JSON})") from None
+            raise IntegrityError(
+                f"atom {meta.path!r} is missing from step {self.step} (no {meta.path}/{ZARR_JSON})"
+            ) from None
         meta.check_zarr_json(loads(raw, f"atom {meta.path!r} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
 
     def recorded(self, meta: AtomMeta, index: tuple[int, ...]) -> ObjectSum | None:
@@ -234,7 +247,9 @@ class CheckpointReader:
         """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object."""
         key = meta.chunk_key(index)
         where = f"atom {meta.path!r} chunk {key} (step {self.step})"
-        codec.read_object(self.storage, self._atom_key(meta, key), meta, index, dest_for, where, self.recorded(meta, index))
+        codec.read_object(
+            self.storage, self._atom_key(meta, key), meta, index, dest_for, where, self.recorded(meta, index)
+        )
 
     def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
         """Read, verify and decode one stored object into `out` (the full atom's tensor)."""
@@ -247,7 +262,9 @@ class CheckpointReader:
         own zarr.json, which only other Zarr readers need, is not read here: `ucp verify` checks that it agrees."""
         metas = [self.atoms[p] for p in paths]
         out = {m.path: allocate(m) for m in metas}
-        tasks = [functools.partial(self.read_chunk_into, m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)]
+        tasks = [
+            functools.partial(self.read_chunk_into, m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)
+        ]
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
             run_tasks(pool, tasks)
         return out
@@ -284,6 +301,8 @@ def open_checkpoint(
     return CheckpointReader(open_storage(url, storage_options), step)
 
 
-def load(url: str, *, step: int | str | None = "latest", storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(
+    url: str, *, step: int | str | None = "latest", storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Load a committed step as the nested dict it was saved from (tensors on CPU, bitwise identical)."""
     return open_checkpoint(url, step, storage_options=storage_options).load_state()

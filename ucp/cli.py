@@ -75,9 +75,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ucp", description="Universal checkpoints: inspect, verify, convert, export, import, demo, benchmark.")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="on an error, print its traceback (with its cause) after the one-line message")
+    parser = argparse.ArgumentParser(
+        prog="ucp", description="Universal checkpoints: inspect, verify, convert, export, import, demo, benchmark."
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="on an error, print its traceback (with its cause) after the one-line message",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="show a step: format version, layout, atoms and totals")
@@ -85,8 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", help="re-read every object, check every checksum, each object's size and checksum against its "
-                                      "commit's record, and every atom's, group's and the root's zarr.json (exit 1 if anything is damaged)")
+    p = sub.add_parser(
+        "verify",
+        help="re-read every object, check every checksum, each object's size and checksum against its "
+        "commit's record, and every atom's, group's and the root's zarr.json (exit 1 if anything is damaged)",
+    )
     _add_location(p)
     p.set_defaults(func=cmd_verify)
 

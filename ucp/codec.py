@@ -144,8 +144,12 @@ class InnerChunk:
     crc: bytes | None = None
 
 
-def _verify(payload: Sequence[memoryview | bytes | bytearray], stored_crc: memoryview | bytes | bytearray, where: str,
-            recorded: bytes | None = None) -> None:
+def _verify(
+    payload: Sequence[memoryview | bytes | bytearray],
+    stored_crc: memoryview | bytes | bytearray,
+    where: str,
+    recorded: bytes | None = None,
+) -> None:
     """Check the CRC-32C of the payload (its parts back to back) against the stored checksum and, where the
     commit recorded one, that the stored checksum is the recorded one."""
     if _crc(*payload) != bytes(stored_crc):
@@ -155,16 +159,19 @@ def _verify(payload: Sequence[memoryview | bytes | bytearray], stored_crc: memor
 
 
 def _not_recorded(where: str) -> IntegrityError:
-    return IntegrityError(f"{where}: the object is not the one the commit recorded (its checksum differs): it was "
-                          "moved, swapped, copied from another step or left by another save")
+    return IntegrityError(
+        f"{where}: the object is not the one the commit recorded (its checksum differs): it was "
+        "moved, swapped, copied from another step or left by another save"
+    )
 
 
 def _crc_bytes(value: int) -> bytes:
     return struct.pack("<I", value)
 
 
-def parse_index(meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview, where: str,
-                recorded: ObjectSum | None = None) -> list[InnerChunk]:
+def parse_index(
+    meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview, where: str, recorded: ObjectSum | None = None
+) -> list[InnerChunk]:
     """Verify a shard's head (index and, in format 2, the checksum table, against the checksum the commit
     recorded) and return the inner chunks it lists (boxes in array coordinates)."""
     n, head = index_nbytes(meta), head_nbytes(meta)
@@ -225,8 +232,15 @@ def full_region(out: torch.Tensor) -> DestFn:
     return lambda box: (out[to_slices(box)], tuple(0 for _ in box))
 
 
-def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ...], dest_for: DestFn, where: str,
-                recorded: ObjectSum | None) -> None:
+def read_object(
+    storage: Storage,
+    key: str,
+    meta: AtomMeta,
+    outer: tuple[int, ...],
+    dest_for: DestFn,
+    where: str,
+    recorded: ObjectSum | None,
+) -> None:
     """Read, verify and deliver the stored chunks of one object that `dest_for` wants; `recorded` is the size and
     checksum the commit recorded for the object (None for a format 1.0 step).
 
@@ -248,8 +262,11 @@ def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ..
             return
         boxes = [b for b in _inner_boxes(meta, outer) if b is not None]
         all_wanted = all(dest_for(b) is not None for b in boxes)
-        if (all_wanted and not storage.whole_object_reads
-                and _read_dense_shard(storage, key, meta, outer, boxes, dest_for, where, recorded)):
+        if (
+            all_wanted
+            and not storage.whole_object_reads
+            and _read_dense_shard(storage, key, meta, outer, boxes, dest_for, where, recorded)
+        ):
             return
         whole = storage.read(key) if all_wanted and storage.whole_object_reads else None
         head = whole if whole is not None else storage.read(key, 0, head_nbytes(meta))
@@ -264,8 +281,14 @@ def read_object(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ..
         raise IntegrityError(f"{where} is missing") from None
 
 
-def _read_extents(storage: Storage, key: str, meta: AtomMeta, extents: list[tuple[int, ChunkSink, bytes | None]],
-                  whole: memoryview | None, where: str) -> None:
+def _read_extents(
+    storage: Storage,
+    key: str,
+    meta: AtomMeta,
+    extents: list[tuple[int, ChunkSink, bytes | None]],
+    whole: memoryview | None,
+    where: str,
+) -> None:
     """One scatter read of the stored chunks at `extents` (offset, sink, recorded checksum; ascending) into their
     sinks (or a copy out of `whole`, the object already read), then their checksums."""
     stored = meta.stored_chunk_bytes()
@@ -291,8 +314,16 @@ def _check_length(meta: AtomMeta, start: int, got: int, end: int, where: str) ->
         raise IntegrityError(f"{where}: object is longer than its chunk ({start + got}+ bytes, expected {end})")
 
 
-def _read_dense_shard(storage: Storage, key: str, meta: AtomMeta, outer: tuple[int, ...], boxes: list[Box],
-                      dest_for: DestFn, where: str, recorded: ObjectSum | None) -> bool:
+def _read_dense_shard(
+    storage: Storage,
+    key: str,
+    meta: AtomMeta,
+    outer: tuple[int, ...],
+    boxes: list[Box],
+    dest_for: DestFn,
+    where: str,
+    recorded: ObjectSum | None,
+) -> bool:
     """Read a shard whose inner chunks are all wanted in one request, assuming ucp's layout (head, then the
     present inner chunks back to back in C order). True when done; False when the verified index places the
     chunks elsewhere: nothing was verified, and the caller's read by the index rewrites every destination."""

@@ -68,8 +68,12 @@ class TorchComm:
 
     def exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, int]) -> dict[int, torch.Tensor]:
         received = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in incoming.items()}
-        requests = [self.dist.irecv(buf, self._global(peer), group=self.group) for peer, buf in sorted(received.items())]
-        requests += [self.dist.isend(buf, self._global(peer), group=self.group) for peer, buf in sorted(outgoing.items())]
+        requests = [
+            self.dist.irecv(buf, self._global(peer), group=self.group) for peer, buf in sorted(received.items())
+        ]
+        requests += [
+            self.dist.isend(buf, self._global(peer), group=self.group) for peer, buf in sorted(outgoing.items())
+        ]
         for request in requests:
             if request is not None:  # (None only for a send to this rank itself, which ucp never makes)
                 request.wait()
@@ -81,7 +85,11 @@ class TorchComm:
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         self.dist.broadcast(size, self._global(0), group=self.group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data else torch.empty(int(size), dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.rank == 0 and data
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
         if int(size):
             self.dist.broadcast(buf, self._global(0), group=self.group)
         return bytes(buf.numpy())

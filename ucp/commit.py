@@ -94,8 +94,10 @@ def commit(storage: Storage, step: int, attempt: str, manifest_bytes: bytes, ato
     try:
         storage.create_exclusive(marker_key(step), dumps(record.to_json()))
     except FileExistsError:
-        raise StepExistsError(f"step {step} at {storage.url} was committed by another save meanwhile; "
-                              "committed steps are never overwritten") from None
+        raise StepExistsError(
+            f"step {step} at {storage.url} was committed by another save meanwhile; "
+            "committed steps are never overwritten"
+        ) from None
     return record
 
 
@@ -122,7 +124,9 @@ def parse_marker(raw: bytes | memoryview, step: int, where: str) -> CommitRecord
     check_format_version(version, where)
     attempt = doc.get("attempt")
     if attempt is not None and not is_attempt_dirname(attempt):
-        raise FormatError(f"commit marker {where} names attempt {attempt!r:.80}, which is not an attempt directory name")
+        raise FormatError(
+            f"commit marker {where} names attempt {attempt!r:.80}, which is not an attempt directory name"
+        )
     if attempt is None and not str(version).startswith("1."):
         raise FormatError(f"commit marker {where} names no attempt (format {version} requires one)")
     manifest_nbytes = doc.get("manifest_bytes")
@@ -137,7 +141,9 @@ def parse_marker(raw: bytes | memoryview, step: int, where: str) -> CommitRecord
         committed_at=committed_at,
         format_version=version,  # type: ignore[arg-type]
         attempt=attempt,
-        manifest_nbytes=None if attempt is None else json_int(manifest_nbytes, where, "manifest_bytes", 0, MAX_MANIFEST_BYTES),
+        manifest_nbytes=None
+        if attempt is None
+        else json_int(manifest_nbytes, where, "manifest_bytes", 0, MAX_MANIFEST_BYTES),
     )
     if record.step != step:
         raise FormatError(f"commit marker {where} names step {record.step}, not {step}")
@@ -167,7 +173,9 @@ def _foreign_hint(storage: Storage) -> str:
     """What another framework's checkpoint at `storage` looks like to ucp, with the command that reads it."""
     names = set(storage.listdir(""))
     if "latest_checkpointed_iteration.txt" in names or any(n.startswith(("iter_", "mp_rank_")) for n in names):
-        return ": this is a Megatron-LM checkpoint; make a ucp one with `ucp convert SRC DST --from LAYOUT --to universal`"
+        return (
+            ": this is a Megatron-LM checkpoint; make a ucp one with `ucp convert SRC DST --from LAYOUT --to universal`"
+        )
     if ".metadata" in names:
         return ": this is a PyTorch DCP checkpoint; import it with `ucp import SRC DST --from dcp`"
     if "config.json" in names and any(n.endswith(".safetensors") for n in names):
@@ -184,7 +192,9 @@ def resolve_step(storage: Storage, step: int | str | None) -> tuple[int, CommitR
         committed = committed_steps(storage)
         if not committed:
             pending = f" (uncommitted steps present: {all_steps}; an interrupted save?)" if all_steps else ""
-            raise CheckpointNotFoundError(f"no committed ucp checkpoint at {storage.url}{pending}{_foreign_hint(storage)}")
+            raise CheckpointNotFoundError(
+                f"no committed ucp checkpoint at {storage.url}{pending}{_foreign_hint(storage)}"
+            )
         step = committed[-1]
     if isinstance(step, bool) or not isinstance(step, (int, str)) or not str(step).isdigit():
         raise CheckpointNotFoundError(f"step must be a non-negative integer or 'latest', got {step!r:.80}")
@@ -216,11 +226,16 @@ def check_manifest_bytes(data: bytes, record: CommitRecord, where: str) -> bytes
     """`data` if it is the manifest the commit recorded (size and checksum), else a FormatError."""
     limit = record.manifest_nbytes if record.manifest_nbytes is not None else MAX_MANIFEST_BYTES
     if len(data) > limit or (record.manifest_nbytes is not None and len(data) != record.manifest_nbytes):
-        raise FormatError(f"{where} was modified after the step was committed (it is not {limit} bytes long)"
-                          if record.manifest_nbytes is not None else f"{where} is larger than {limit} bytes")
+        raise FormatError(
+            f"{where} was modified after the step was committed (it is not {limit} bytes long)"
+            if record.manifest_nbytes is not None
+            else f"{where} is larger than {limit} bytes"
+        )
     if manifest_checksum(data) != record.manifest_crc32c:
-        raise FormatError(f"{where} was modified after the step was committed (crc32c {struct.pack('>I', manifest_checksum(data)).hex()} "
-                          f"!= {struct.pack('>I', record.manifest_crc32c).hex()} recorded by the commit)")
+        raise FormatError(
+            f"{where} was modified after the step was committed (crc32c {struct.pack('>I', manifest_checksum(data)).hex()} "
+            f"!= {struct.pack('>I', record.manifest_crc32c).hex()} recorded by the commit)"
+        )
     return data
 
 

@@ -64,7 +64,9 @@ class ShardedModel:
         if isinstance(self.layout, str):
             object.__setattr__(self, "layout", parse_layout(self.layout))
         if not isinstance(self.layout, Layout):
-            raise LayoutError(f"ShardedModel needs a ucp.layout.Layout or a layout string, got {type(self.layout).__name__}")
+            raise LayoutError(
+                f"ShardedModel needs a ucp.layout.Layout or a layout string, got {type(self.layout).__name__}"
+            )
         object.__setattr__(self, "optim_states", tuple(self.optim_states))
 
 
@@ -107,13 +109,16 @@ def _atom_metas_cached(
     return metas
 
 
-def atom_metas(model: ShardedModel, dtype_of: Mapping[str | None, str], policy: ChunkingPolicy) -> dict[AtomKey, AtomMeta]:
+def atom_metas(
+    model: ShardedModel, dtype_of: Mapping[str | None, str], policy: ChunkingPolicy
+) -> dict[AtomKey, AtomMeta]:
     """Every atom of a distributed checkpoint, chunked so that chunk boundaries fall on TP boundaries of the
     writing layout; identical on every rank (a pure function), so no rank needs another's description."""
     config_json = json.dumps(model.config.to_json(), sort_keys=True)
     dtype_items = tuple(sorted(dtype_of.items(), key=lambda kv: kv[0] or ""))
-    return _atom_metas_cached(family_for(model.config).name, config_json, model.layout.tp, model.optim_states, dtype_items,
-                              policy)
+    return _atom_metas_cached(
+        family_for(model.config).name, config_json, model.layout.tp, model.optim_states, dtype_items, policy
+    )
 
 
 def local_tensor(local_state: Mapping[str, Any], key: tuple[str, ...]) -> torch.Tensor:
@@ -168,7 +173,9 @@ class RankSaver:
             tensor = local_tensor(local_state, lt.key).detach().to("cpu")
             for p in lt.pieces:
                 self.owned.setdefault((p.atom, lt.state), []).append((p.atom_box, piece_view(tensor, p)))
-        self.transfers = chunk_write_plan(model.config, model.layout, rank, lambda a, _s: self.metas[(a, None)].chunk_shape, model.optim_states)
+        self.transfers = chunk_write_plan(
+            model.config, model.layout, rank, lambda a, _s: self.metas[(a, None)].chunk_shape, model.optim_states
+        )
 
     def _region(self, key: AtomKey, box: Box) -> torch.Tensor:
         """A box of an atom that lies inside one piece this rank owns."""
@@ -206,7 +213,9 @@ class RankSaver:
             fragments.setdefault((t.atom, t.state), []).append((t.atom_box, values))
         return fragments
 
-    def _chunk_values(self, key: AtomKey, box: Box, fragments: dict[AtomKey, list[tuple[Box, torch.Tensor]]]) -> torch.Tensor:
+    def _chunk_values(
+        self, key: AtomKey, box: Box, fragments: dict[AtomKey, list[tuple[Box, torch.Tensor]]]
+    ) -> torch.Tensor:
         """A chunk's values: a view when one piece holds it, else assembled from pieces and received fragments."""
         sources = [*self.owned.get(key, []), *fragments.get(key, [])]
         for src_box, view in sources:
@@ -219,8 +228,14 @@ class RankSaver:
                 out[to_slices(relative(part, box))] = view[to_slices(relative(part, src_box))]
         return out
 
-    def plan(self, incoming: dict[int, torch.Tensor], session: SaveSession, manifest: StepManifest | None = None,
-             *, commit: bool = True) -> SavePlan:
+    def plan(
+        self,
+        incoming: dict[int, torch.Tensor],
+        session: SaveSession,
+        manifest: StepManifest | None = None,
+        *,
+        commit: bool = True,
+    ) -> SavePlan:
         """This rank's writes in `session`: its share of the atom metadata and every chunk it writes, whole."""
         fragments = self._received_fragments(incoming)
         chunks = []
@@ -232,7 +247,9 @@ class RankSaver:
         return SavePlan(session, metadata, [], chunks, manifest, commit)
 
 
-def manifest_for(model: ShardedModel, metas: Mapping[AtomKey, AtomMeta], extra: dict[str, Any], step: int, chunking: ChunkingPolicy) -> tuple[StepManifest, list[ChunkJob]]:
+def manifest_for(
+    model: ShardedModel, metas: Mapping[AtomKey, AtomMeta], extra: dict[str, Any], step: int, chunking: ChunkingPolicy
+) -> tuple[StepManifest, list[ChunkJob]]:
     """The step manifest (canonical atoms, model config, the caller's extra state), and the chunks of the
     extra state's tensors (small, replicated: rank 0 writes them)."""
     extra_tree, extra_tensors = tree.flatten({"extra": extra}) if extra else ({"dict": {}}, {})
@@ -330,8 +347,18 @@ class VirtualWorld:
     def __init__(self, world_size: int):
         self.world_size = world_size
 
-    def save(self, local_states: list[Mapping[str, Any]], url: str, *, step: int, model: ShardedModel, extra: dict[str, Any] | None = None,
-             storage: Storage | None = None, options: SaveOptions | None = None, storage_options: dict[str, Any] | None = None) -> CommitRecord:
+    def save(
+        self,
+        local_states: list[Mapping[str, Any]],
+        url: str,
+        *,
+        step: int,
+        model: ShardedModel,
+        extra: dict[str, Any] | None = None,
+        storage: Storage | None = None,
+        options: SaveOptions | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> CommitRecord:
         options = options or SaveOptions()
         storage = storage or open_storage(url, storage_options, fsync=options.fsync)
         savers = [RankSaver(s, model, r, options) for r, s in enumerate(local_states)]
@@ -341,7 +368,9 @@ class VirtualWorld:
         try:
             with SaveSession.begin(storage, step) as session:  # one attempt for all ranks, removed if any fails
                 for rank, saver in enumerate(savers):
-                    plan = saver.plan({peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, session, commit=False)
+                    plan = saver.plan(
+                        {peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, session, commit=False
+                    )
                     if rank == 0:
                         _add_rank0_writes(plan, manifest, extra_chunks)
                     pipeline.submit(plan, "sync")
@@ -374,17 +403,23 @@ def model_config_of(reader: CheckpointReader) -> Any:
         doc = dict(reader.manifest.tree["dict"]["model_config"]["value"])
         family = FAMILIES[doc.pop("family")]
     except (KeyError, TypeError):
-        raise FormatError(f"step {reader.step} at {reader.storage.url} carries no model_config (not written by a distributed save)") from None
+        raise FormatError(
+            f"step {reader.step} at {reader.storage.url} carries no model_config (not written by a distributed save)"
+        ) from None
     return family.config_cls.from_json(doc)
 
 
 def check_atom(meta: AtomMeta, shape: tuple[int, ...]) -> None:
     """The stored atom has the shape the model config gives it."""
     if meta.shape != shape:
-        raise FormatError(f"atom {meta.path!r} has shape {list(meta.shape)} in the checkpoint, but the model config needs {list(shape)}")
+        raise FormatError(
+            f"atom {meta.path!r} has shape {list(meta.shape)} in the checkpoint, but the model config needs {list(shape)}"
+        )
 
 
-def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dtype: torch.dtype | None = None) -> tuple[dict[str, Any], LoadReport]:
+def load_sharded(
+    reader: CheckpointReader, model: ShardedModel, rank: int, *, dtype: torch.dtype | None = None
+) -> tuple[dict[str, Any], LoadReport]:
     """The local state of `rank` in `model.layout`, read straight from the atoms: only the regions this rank
     needs, many reads in flight, every inner chunk verified. Parameters are cast to `dtype` when given."""
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
@@ -398,7 +433,9 @@ def load_sharded(reader: CheckpointReader, model: ShardedModel, rank: int, *, dt
             path = atom_path(p.atom, lt.state)
             if path not in reader.atoms:
                 what = "optimizer state" if lt.state else "parameter"
-                raise FormatError(f"step {reader.step} has no atom {path!r} ({what} {p.atom} needed by rank {rank} of {model.layout})")
+                raise FormatError(
+                    f"step {reader.step} has no atom {path!r} ({what} {p.atom} needed by rank {rank} of {model.layout})"
+                )
             meta = reader.atoms[path]
             check_atom(meta, shapes[p.atom][0])
             metas.append(meta)
@@ -444,17 +481,24 @@ def _chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
     return out
 
 
-def piece_reads(reader: CheckpointReader, lt: LocalTensor, metas: Sequence[AtomMeta], tensor: torch.Tensor) -> list[Callable[[], None]]:
+def piece_reads(
+    reader: CheckpointReader, lt: LocalTensor, metas: Sequence[AtomMeta], tensor: torch.Tensor
+) -> list[Callable[[], None]]:
     """The reads that fill `tensor` (local tensor `lt`, in the atoms' stored dtype) from the chunks its pieces
     overlap; `metas` are the pieces' atoms. Each read is one stored object; run them in any order, at once."""
     reads: list[Callable[[], None]] = []
     for p, meta in zip(lt.pieces, metas):
         view = piece_view(tensor, p)
-        reads += [functools.partial(_read_region, reader, meta, i, p.atom_box, view) for i in _chunks_touching(meta, p.atom_box)]
+        reads += [
+            functools.partial(_read_region, reader, meta, i, p.atom_box, view)
+            for i in _chunks_touching(meta, p.atom_box)
+        ]
     return reads
 
 
-def _read_region(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor) -> None:
+def _read_region(
+    reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor
+) -> None:
     """Read the part of chunk object `index` that falls in `box` of the atom into `view` (shaped like `box`)."""
 
     def dest_for(chunk_box: Box) -> tuple[torch.Tensor, tuple[int, ...]] | None:

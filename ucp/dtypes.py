@@ -33,7 +33,9 @@ def zarr_name(dtype: torch.dtype) -> str:
     try:
         return _BY_TORCH[dtype]
     except KeyError:
-        raise StateError(f"tensors of dtype {dtype} cannot be stored; supported: {', '.join(SUPPORTED_DTYPES)}") from None
+        raise StateError(
+            f"tensors of dtype {dtype} cannot be stored; supported: {', '.join(SUPPORTED_DTYPES)}"
+        ) from None
 
 
 def torch_dtype(name: str) -> torch.dtype:

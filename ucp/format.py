@@ -198,21 +198,32 @@ class AtomMeta:
         if any(c < 1 for c in self.chunk_shape):
             raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} has a non-positive extent")
         if self.nbytes > MAX_ATOM_BYTES:
-            raise FormatError(f"{where}: shape {list(self.shape)} declares {self.nbytes} bytes, more than the format's {MAX_ATOM_BYTES}")
+            raise FormatError(
+                f"{where}: shape {list(self.shape)} declares {self.nbytes} bytes, more than the format's {MAX_ATOM_BYTES}"
+            )
         if math.prod(self.chunk_shape) * self.itemsize > MAX_OBJECT_BYTES:
-            raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} declares objects larger than {MAX_OBJECT_BYTES} bytes")
+            raise FormatError(
+                f"{where}: chunk_shape {list(self.chunk_shape)} declares objects larger than {MAX_OBJECT_BYTES} bytes"
+            )
         if math.prod(self.grid) > MAX_OBJECTS_PER_ATOM:
-            raise FormatError(f"{where}: {math.prod(self.grid)} chunk objects, more than the format's {MAX_OBJECTS_PER_ATOM}")
+            raise FormatError(
+                f"{where}: {math.prod(self.grid)} chunk objects, more than the format's {MAX_OBJECTS_PER_ATOM}"
+            )
         if self.inner_chunk_shape is not None:
             inner = self.inner_chunk_shape
             if len(inner) != len(self.shape) or any(i < 1 or c % i for c, i in zip(self.chunk_shape, inner)):
                 raise FormatError(f"{where}: inner_chunk_shape {list(inner)} does not divide {list(self.chunk_shape)}")
             if math.prod(self.inner_grid) > MAX_INNER_PER_OBJECT:
-                raise FormatError(f"{where}: {math.prod(self.inner_grid)} inner chunks per shard, more than the format's {MAX_INNER_PER_OBJECT}")
+                raise FormatError(
+                    f"{where}: {math.prod(self.inner_grid)} inner chunks per shard, more than the format's {MAX_INNER_PER_OBJECT}"
+                )
 
     def zarr_json(self) -> dict[str, Any]:
         """The array's Zarr v3 metadata document."""
-        chunk_codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+        chunk_codecs: list[dict[str, Any]] = [
+            {"name": "bytes", "configuration": {"endian": "little"}},
+            {"name": "crc32c"},
+        ]
         if self.inner_chunk_shape is None:
             codecs = chunk_codecs
         else:
@@ -280,9 +291,16 @@ class AtomMeta:
 def check_atom_path(path: object, where: str) -> str:
     """An atom path: '/'-separated state keys, none empty, '.', '..' or longer than a file name may be."""
     if not isinstance(path, str) or not path or len(path.encode(errors="replace")) > MAX_ATOM_PATH_BYTES:
-        raise FormatError(f"{where}: atom path {path!r:.100} is empty, not a string or longer than {MAX_ATOM_PATH_BYTES} bytes")
+        raise FormatError(
+            f"{where}: atom path {path!r:.100} is empty, not a string or longer than {MAX_ATOM_PATH_BYTES} bytes"
+        )
     for name in path.split("/"):
-        if name in ("", ".", "..") or "\\" in name or "\x00" in name or len(name.encode(errors="replace")) > MAX_KEY_BYTES:
+        if (
+            name in ("", ".", "..")
+            or "\\" in name
+            or "\x00" in name
+            or len(name.encode(errors="replace")) > MAX_KEY_BYTES
+        ):
             raise FormatError(f"{where}: atom path {path!r:.100} has a component that is not a plain name")
     return path
 
@@ -348,7 +366,9 @@ class StepManifest:
             if attrs.get(name) is not None and not isinstance(attrs[name], str):
                 raise FormatError(f"{where}: {name} must be a string")
         atoms = {p: AtomMeta.from_manifest(p, a, crc_table=major >= 2) for p, a in atoms_doc.items()}
-        objects = {p: _object_sums(atoms[p], a.get("objects"), where) for p, a in atoms_doc.items()} if major >= 2 else None
+        objects = (
+            {p: _object_sums(atoms[p], a.get("objects"), where) for p, a in atoms_doc.items()} if major >= 2 else None
+        )
         return cls(
             step=json_int(attrs.get("step"), where, "step"),
             tree=tree,
@@ -373,7 +393,9 @@ def _object_sums(meta: AtomMeta, doc: object, where: str) -> list[ObjectSum]:
             raise FormatError(f"{where}: atom {meta.path!r:.200} has an object entry that is not [nbytes, crc32c]")
         nbytes = json_int(entry[0], where, "an object's nbytes", 0, MAX_OBJECT_BYTES + (1 << 24))
         if plain is not None and nbytes != plain:
-            raise FormatError(f"{where}: atom {meta.path!r:.200} records an object of {nbytes} bytes; its chunks take {plain}")
+            raise FormatError(
+                f"{where}: atom {meta.path!r:.200} records an object of {nbytes} bytes; its chunks take {plain}"
+            )
         sums.append((nbytes, json_int(entry[1], where, "an object's crc32c", 0, 2**32 - 1)))
     return sums
 

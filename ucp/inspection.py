@@ -43,7 +43,11 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
         "committed_at": reader.record.committed_at,
         "writer": reader.manifest.writer,
         "atoms": atoms,
-        "totals": {"atoms": len(atoms), "bytes": sum(a["bytes"] for a in atoms), "chunks": sum(a["chunks"] for a in atoms)},
+        "totals": {
+            "atoms": len(atoms),
+            "bytes": sum(a["bytes"] for a in atoms),
+            "chunks": sum(a["chunks"] for a in atoms),
+        },
     }
 
 
@@ -69,17 +73,36 @@ def model_summary(reader: CheckpointReader) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         return None
     hf = _json_at(reader.manifest.tree, "extra", "hf_config")
-    return {"family": config.get("family"), "config": {k: v for k, v in config.items() if k != "family"},
-            "hf_config": hf if isinstance(hf, dict) else {}}
+    return {
+        "family": config.get("family"),
+        "config": {k: v for k, v in config.items() if k != "family"},
+        "hf_config": hf if isinstance(hf, dict) else {},
+    }
 
 
 def _model_line(model: dict[str, Any] | None) -> list[str]:
     if model is None:
         return []
     c, hf = model["config"], model["hf_config"]
-    shape = ", ".join(f"{k} {c[k]}" for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                                              "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "vocab_size") if k in c)
-    rope = (hf.get("rope_parameters") or {}).get("rope_theta") if isinstance(hf.get("rope_parameters"), dict) else hf.get("rope_theta")
+    shape = ", ".join(
+        f"{k} {c[k]}"
+        for k in (
+            "num_hidden_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "vocab_size",
+        )
+        if k in c
+    )
+    rope = (
+        (hf.get("rope_parameters") or {}).get("rope_theta")
+        if isinstance(hf.get("rope_parameters"), dict)
+        else hf.get("rope_theta")
+    )
     more = {"rope_theta": rope, **{k: hf.get(k) for k in ("rms_norm_eps", "max_position_embeddings", "sliding_window")}}
     extras = ", ".join(f"{k} {v}" for k, v in more.items() if v is not None)
     return [f"model       {model['family']}: {shape}" + (f"; {extras}" if extras else "")]
@@ -103,13 +126,26 @@ def format_table(info: dict[str, Any]) -> str:
         "",
     ]
     header = ("atom", "role", "shape", "dtype", "bytes", "chunks")
-    rows = [(a["name"], a["role"], "x".join(map(str, a["shape"])) or "scalar", a["dtype"], _human(a["bytes"]), str(a["chunks"])) for a in info["atoms"]]
+    rows = [
+        (
+            a["name"],
+            a["role"],
+            "x".join(map(str, a["shape"])) or "scalar",
+            a["dtype"],
+            _human(a["bytes"]),
+            str(a["chunks"]),
+        )
+        for a in info["atoms"]
+    ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:{'>' if i >= 4 else '<'}{w}}}" for i, w in enumerate(widths))
     lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     t = info["totals"]
-    lines += ["", f"total       {t['atoms']} atoms, {_human(t['bytes'])} ({t['bytes']} bytes), {t['chunks']} chunk objects"]
+    lines += [
+        "",
+        f"total       {t['atoms']} atoms, {_human(t['bytes'])} ({t['bytes']} bytes), {t['chunks']} chunk objects",
+    ]
     return "\n".join(lines)
 
 
@@ -153,8 +189,10 @@ def check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...
     if recorded is not None:
         key = f"{reader.prefix}/{meta.path}/{meta.chunk_key(index)}"
         if recorded[0] == 0 or len(reader.storage.read(key, recorded[0] - 1, recorded[0] + 1)) != 1:
-            raise IntegrityError(f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {reader.step}): the object "
-                                 f"is not {recorded[0]} bytes long, the size its commit recorded")
+            raise IntegrityError(
+                f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {reader.step}): the object "
+                f"is not {recorded[0]} bytes long, the size its commit recorded"
+            )
 
 
 def verify(reader: CheckpointReader) -> VerifyReport:
@@ -162,8 +200,12 @@ def verify(reader: CheckpointReader) -> VerifyReport:
     the commit recorded, every atom's and group's zarr.json, and the root's; collect every problem."""
     problems: list[str] = []
     tasks = [functools.partial(_check_root, reader)]
-    tasks += [functools.partial(_check_document, reader, f"{reader.prefix}/{g}/{ZARR_JSON}", group_json(), f"group {g!r}'s zarr.json")
-              for g in group_paths(reader.atoms.values())]
+    tasks += [
+        functools.partial(
+            _check_document, reader, f"{reader.prefix}/{g}/{ZARR_JSON}", group_json(), f"group {g!r}'s zarr.json"
+        )
+        for g in group_paths(reader.atoms.values())
+    ]
     for meta in reader.atoms.values():
         tasks.append(functools.partial(reader.check_atom_metadata, meta))
         tasks += [functools.partial(check_object, reader, meta, i) for i in chunk_indices(meta.grid)]

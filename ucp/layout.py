@@ -145,13 +145,13 @@ def parse_layout(s: str, world_size: int | None = None) -> Layout:
         dp = 1
         if world_size is not None:
             if world_size % (tp * pp):
-                raise LayoutError(
-                    f"layout {s!r}: world size {world_size} is not a multiple of tp*pp = {tp * pp}")
+                raise LayoutError(f"layout {s!r}: world size {world_size} is not a multiple of tp*pp = {tp * pp}")
             dp = world_size // (tp * pp)
     layout = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=dp, zero=zero or 0)
     if world_size is not None and layout.world_size != world_size:
         raise LayoutError(
-            f"layout {s!r} needs world size tp*pp*dp = {layout.world_size}, but the world size is {world_size}")
+            f"layout {s!r} needs world size tp*pp*dp = {layout.world_size}, but the world size is {world_size}"
+        )
     return layout
 
 
@@ -162,7 +162,8 @@ def chunk_layer_counts(layout: Layout, num_layers: int, stage_layers: list[int] 
         counts = [int(x) for x in stage_layers]
         if len(counts) != n:
             raise LayoutError(
-                f"stage_layers has {len(counts)} entries but layout {layout} has pp*vpp = {n} model chunks")
+                f"stage_layers has {len(counts)} entries but layout {layout} has pp*vpp = {n} model chunks"
+            )
         if any(x < 1 for x in counts):
             raise LayoutError(f"stage_layers {counts}: every model chunk needs at least one layer")
         if sum(counts) != num_layers:
@@ -173,7 +174,8 @@ def chunk_layer_counts(layout: Layout, num_layers: int, stage_layers: list[int] 
     if num_layers % n:
         raise LayoutError(
             f"{num_layers} layers do not split evenly over pp*vpp = {n} model chunks of layout {layout}; "
-            "give stage_layers (layers per chunk) explicitly")
+            "give stage_layers (layers per chunk) explicitly"
+        )
     return [num_layers // n] * n
 
 
@@ -184,9 +186,11 @@ def validate_for_model(layout: Layout, model_config: Any) -> None:
     num_hidden_layers, and optionally num_local_experts (0/absent: dense) and stage_layers.
     """
     cfg = model_config
-    for what, value in (("num_attention_heads", cfg.num_attention_heads),
-                        ("num_key_value_heads", cfg.num_key_value_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    for what, value in (
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("num_key_value_heads", cfg.num_key_value_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
         if value % layout.tp:
             raise LayoutError(f"layout {layout}: tp={layout.tp} does not divide {what}={value}")
     experts = getattr(cfg, "num_local_experts", 0) or 0

@@ -61,8 +61,13 @@ class CheckpointManager:
         self.mode = mode
         self.comm = comm
         self.storage: Storage = open_storage(root_url, storage_options, fsync=self.options.fsync)
-        self.hot = HotTier(local_dir, root_url, comm, keep_last=local_keep, durable_every=durable_every,
-                           fsync=self.options.fsync) if local_dir else None
+        self.hot = (
+            HotTier(
+                local_dir, root_url, comm, keep_last=local_keep, durable_every=durable_every, fsync=self.options.fsync
+            )
+            if local_dir
+            else None
+        )
         self.last_restore: RestoreReport | None = None
         self.pipeline = SavePipeline(io_threads_for(self.options, self.storage), staging_bytes, writer)
         if mode != "sync":
@@ -113,8 +118,9 @@ class CheckpointManager:
         if self.comm is None:
             raise ValueError("save_sharded needs the manager's comm (CheckpointManager(..., comm=TorchComm(group)))")
         self.pipeline.wait()
-        plan = plan_sharded_save(local_state, self._target, step=step, model=model, comm=self.comm, extra=extra,
-                                 options=self.options)
+        plan = plan_sharded_save(
+            local_state, self._target, step=step, model=model, comm=self.comm, extra=extra, options=self.options
+        )
         return self._submit(plan, mode)
 
     @property

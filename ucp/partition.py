@@ -51,8 +51,12 @@ class PartitionSpec:
             raise UcpError(f"unknown zero_group {self.zero_group!r}; expected one of {ZERO_GROUPS}")
         if not isinstance(self.tied_to, tuple):
             object.__setattr__(self, "tied_to", tuple(self.tied_to))
-        need = {"split": ("split_dim",), "vocab": ("pad_to_multiple_of", "unpadded"),
-                "fused_qkv": ("part", "num_heads", "num_kv_heads", "head_dim"), "fused_gate_up": ("part",)}
+        need = {
+            "split": ("split_dim",),
+            "vocab": ("pad_to_multiple_of", "unpadded"),
+            "fused_qkv": ("part", "num_heads", "num_kv_heads", "head_dim"),
+            "fused_gate_up": ("part",),
+        }
         for name in need.get(self.kind, ()):
             if getattr(self, name) is None:
                 raise UcpError(f"partition kind {self.kind!r} needs {name}")
@@ -132,7 +136,9 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
             raise LayoutError(f"tp={tp} does not divide the {shape[0]} rows of a gate/up atom")
         s = shape[0] // tp
         k = _PARTS[kind].index(spec.part)
-        return TpShard((2 * s,) + rest, ((_rows(k * s, (k + 1) * s, rest), _rows(tp_rank * s, (tp_rank + 1) * s, rest)),))
+        return TpShard(
+            (2 * s,) + rest, ((_rows(k * s, (k + 1) * s, rest), _rows(tp_rank * s, (tp_rank + 1) * s, rest)),)
+        )
     # fused_qkv
     heads, kv, hd = _given(spec.num_heads), _given(spec.num_kv_heads), _given(spec.head_dim)
     if kv % tp:

@@ -244,7 +244,9 @@ class _ProcessWrites:
                 _release_all(self.staging, batches[i:])
                 raise
             try:
-                future = self.process.write_chunks(self.sid, refs, functools.partial(_release, self.staging, batch, None))
+                future = self.process.write_chunks(
+                    self.sid, refs, functools.partial(_release, self.staging, batch, None)
+                )
             except BaseException:
                 _release_all(self.staging, batches[i + 1 :])  # (the failed batch was released by write_chunks)
                 raise
@@ -255,11 +257,19 @@ class _ProcessWrites:
         staged.wait_ready()  # the child cannot wait on a CUDA event
         assert staged.slot is not None and staged.values is not None
         job = staged.job
-        return ChunkRef(job.key(self.plan.session.prefix), job.meta, job.index, staged.slot.arena.id, staged.slot.offset,
-                        staged.values.dtype, tuple(staged.values.shape))
+        return ChunkRef(
+            job.key(self.plan.session.prefix),
+            job.meta,
+            job.index,
+            staged.slot.arena.id,
+            staged.slot.offset,
+            staged.values.dtype,
+            tuple(staged.values.shape),
+        )
 
     def _counted(self, future: cf.Future) -> cf.Future:
         """Count what the child wrote in this process's stats, and record each chunk object's checksum."""
+
         def count(f: cf.Future) -> None:
             if f.exception() is None:
                 for key, nbytes, crc in f.result():
@@ -395,8 +405,9 @@ class SavePipeline:
 
     # -- stages
 
-    def _write_rest(self, plan: SavePlan, writes: Writes, futures: list[cf.Future],
-                    staged: list[_Staged]) -> CommitRecord | None:
+    def _write_rest(
+        self, plan: SavePlan, writes: Writes, futures: list[cf.Future], staged: list[_Staged]
+    ) -> CommitRecord | None:
         """After the snapshot: hand over the chunks not yet handed over and the zarr.json documents, wait for
         every write and make them durable, then end the attempt. On a failure the writes already handed over end
         before the attempt is ended with the error."""
@@ -430,8 +441,9 @@ class SavePipeline:
             handle.snapshot_done.set()  # (also set by _snapshot; here too, so that no failure leaves a waiter)
         return self._write_rest(plan, writes, futures, staged)
 
-    def _snapshot(self, plan: SavePlan, writes: Writes, handle: SaveHandle,
-                  overlap: bool) -> tuple[list[cf.Future], list[_Staged]]:
+    def _snapshot(
+        self, plan: SavePlan, writes: Writes, handle: SaveHandle, overlap: bool
+    ) -> tuple[list[cf.Future], list[_Staged]]:
         """Copy every chunk into staging. Returns the writes already handed over and the staged chunks not yet
         handed over. With `overlap`, chunks are handed over in batches as they are copied; without, only when
         the staging pool is full (a writer running during the copy slows the copy the caller waits for)."""

@@ -106,8 +106,10 @@ class _AtomInfo:
 def _atom_table_cached(family_name: str, config_json: str) -> dict[str, _AtomInfo]:
     family = FAMILIES[family_name]
     config = family.config_cls.from_json(json.loads(config_json))
-    return {name: _AtomInfo(i, shape, spec, place)
-            for i, (name, shape, spec, place) in enumerate(iter_atoms(family, config))}
+    return {
+        name: _AtomInfo(i, shape, spec, place)
+        for i, (name, shape, spec, place) in enumerate(iter_atoms(family, config))
+    }
 
 
 def _atom_table(config: Any) -> dict[str, _AtomInfo]:
@@ -143,8 +145,14 @@ def local_params(config: Any, layout: Layout, coords: RankCoords) -> list[LocalP
     out: list[LocalParam] = []
     held: set[str] = set()
 
-    def emit(place: str, chunk_key: str, layer: int | None = None, i: int | None = None,
-             expert: int | None = None, e: int | None = None) -> None:
+    def emit(
+        place: str,
+        chunk_key: str,
+        layer: int | None = None,
+        i: int | None = None,
+        expert: int | None = None,
+        e: int | None = None,
+    ) -> None:
         for group in groups[place]:
             if all(r.tied_copy for r in group) and atom_name(group[0], layer, expert) in held:
                 continue  # the rank holds the original of this tied copy
@@ -156,15 +164,25 @@ def local_params(config: Any, layout: Layout, coords: RankCoords) -> list[LocalP
                 spec = atom_spec(rule, config, layer, expert)
                 sh = tp_shard(spec, tuple(rule.shape(config)), layout.tp, coords.tp)
                 if shape is not None and sh.local_shape != shape:
-                    raise UcpError(f"fused parts of {rule.local} disagree on the local shape: {shape} vs {sh.local_shape}")
+                    raise UcpError(
+                        f"fused parts of {rule.local} disagree on the local shape: {shape} vs {sh.local_shape}"
+                    )
                 shape = sh.local_shape
                 pieces += [Piece(atom, a, local_box=lb, tied_copy=rule.tied_copy) for lb, a in sh.pieces]
                 replicated &= spec.kind == "replicated"
                 if not rule.tied_copy:
                     held.add(atom)
             assert shape is not None  # (every group has a rule)
-            out.append(LocalParam(chunk_key, local_name(group[0], i, e), shape, tuple(pieces),
-                                  "expert" if place == "expert" else "dense", replicated))
+            out.append(
+                LocalParam(
+                    chunk_key,
+                    local_name(group[0], i, e),
+                    shape,
+                    tuple(pieces),
+                    "expert" if place == "expert" else "dense",
+                    replicated,
+                )
+            )
 
     last_chunk = layout.num_chunks - 1
     for v in range(layout.vpp):
@@ -237,8 +255,14 @@ def _flat_pieces(param: LocalParam, offset: int, lo: int, hi: int) -> list[Piece
             start = offset + flat_start(cb, param.shape)
             a, b = max(start, lo), min(start + box_numel(cb), hi)
             for box in flat_range_boxes(a - offset, b - offset, param.shape):
-                out.append(Piece(piece.atom, translate(box, delta),
-                                 flat_offset=offset + flat_start(box, param.shape) - lo, tied_copy=piece.tied_copy))
+                out.append(
+                    Piece(
+                        piece.atom,
+                        translate(box, delta),
+                        flat_offset=offset + flat_start(box, param.shape) - lo,
+                        tied_copy=piece.tied_copy,
+                    )
+                )
     return out
 
 
@@ -253,8 +277,9 @@ def _flat_range_pieces(flat: FlatLayout, lo: int, hi: int) -> tuple[Piece, ...]:
 # The local plan
 
 
-def local_plan(config: Any, layout: Layout, rank: int,
-               optim_states: tuple[str, ...] = DEFAULT_STATES) -> list[LocalTensor]:
+def local_plan(
+    config: Any, layout: Layout, rank: int, optim_states: tuple[str, ...] = DEFAULT_STATES
+) -> list[LocalTensor]:
     """Every tensor of ``rank``'s local state (docs/LOCAL_STATE.md) with the atom boxes it holds.
 
     Keys: ("model"|"model{v}", local_name) or ("model_flat", group) for parameters; ("optimizer", "state",
@@ -272,11 +297,15 @@ def local_plan(config: Any, layout: Layout, rank: int,
         out += [LocalTensor((p.chunk_key, p.name), p.shape, None, p.pieces) for p in params]
     for state in optim_states:
         if layout.zero:
-            out += [LocalTensor(("optimizer", "flat", f.group, state), (f.per_member,), state, flat_pieces[f.group], True)
-                    for f in flats]
+            out += [
+                LocalTensor(("optimizer", "flat", f.group, state), (f.per_member,), state, flat_pieces[f.group], True)
+                for f in flats
+            ]
         else:
-            out += [LocalTensor(("optimizer", "state", p.chunk_key, p.name, state), p.shape, state, p.pieces)
-                    for p in params]
+            out += [
+                LocalTensor(("optimizer", "state", p.chunk_key, p.name, state), p.shape, state, p.pieces)
+                for p in params
+            ]
     return out
 
 
@@ -284,8 +313,9 @@ def local_plan(config: Any, layout: Layout, rank: int,
 # Writers: exactly one rank writes each element of each atom
 
 
-def _writer_choice(info: _AtomInfo, state_index: int, n_states: int, flat: bool,
-                   layout: Layout) -> tuple[int | None, int | None]:
+def _writer_choice(
+    info: _AtomInfo, state_index: int, n_states: int, flat: bool, layout: Layout
+) -> tuple[int | None, int | None]:
     """Which replica writes an atom: (tp rank or None if each TP rank writes its own part, DP-group member
     index or None if ZeRO partitions it). Round-robin by atom index (and state), so replicated work is spread
     over replicas instead of piling on rank 0."""
@@ -303,8 +333,9 @@ def _state_index(state: str | None, optim_states: tuple[str, ...]) -> int:
     return 0 if state is None else 1 + optim_states.index(state)
 
 
-def owned_pieces(config: Any, layout: Layout, rank: int,
-                 optim_states: tuple[str, ...] = DEFAULT_STATES) -> list[LocalTensor]:
+def owned_pieces(
+    config: Any, layout: Layout, rank: int, optim_states: tuple[str, ...] = DEFAULT_STATES
+) -> list[LocalTensor]:
     """The plan of ``rank`` cut down to the pieces it writes in a distributed save. Over the world, every
     element of every atom (parameter and optimizer state) is written by exactly one rank; tied copies never."""
     coords = layout.coords(rank)
@@ -338,8 +369,9 @@ def _atom_chunk(info: _AtomInfo, layout: Layout, config: Any) -> int:
     return max(c for c in range(layout.num_chunks) if starts[c] <= layer)
 
 
-def atom_owners(config: Any, layout: Layout, atom: str, state: str | None = None,
-                optim_states: tuple[str, ...] = DEFAULT_STATES) -> list[tuple[int, Box]]:
+def atom_owners(
+    config: Any, layout: Layout, atom: str, state: str | None = None, optim_states: tuple[str, ...] = DEFAULT_STATES
+) -> list[tuple[int, Box]]:
     """Who writes which box of one atom (state None: the parameter; else that optimizer state): (rank, box)
     pairs that partition the atom. Computed from the atom's stage, EP rank and the TP ranks' layouts: it
     visits at most T representative ranks, never the world."""
@@ -364,8 +396,7 @@ def atom_owners(config: Any, layout: Layout, atom: str, state: str | None = None
         if not flat:
             assert dp_choice is not None  # (a parameter held whole has one writing replica)
             owner = layout.rank(t, dp_rank(dp_choice), p)
-            out += [(owner, pc.atom_box) for prm in params for pc in prm.pieces
-                    if pc.atom == atom and not pc.tied_copy]
+            out += [(owner, pc.atom_box) for prm in params for pc in prm.pieces if pc.atom == atom and not pc.tied_copy]
             continue
         fl = next(f for f in flat_layouts(params, layout, coords) if f.group == info.spec.zero_group)
         for prm, offset in fl.params:
@@ -373,13 +404,17 @@ def atom_owners(config: Any, layout: Layout, atom: str, state: str | None = None
                 continue
             per = fl.per_member
             for m in range(offset // per, (offset + prm.numel - 1) // per + 1):
-                out += [(layout.rank(t, dp_rank(m), p), pc.atom_box)
-                        for pc in _flat_pieces(prm, offset, m * per, (m + 1) * per) if pc.atom == atom]
+                out += [
+                    (layout.rank(t, dp_rank(m), p), pc.atom_box)
+                    for pc in _flat_pieces(prm, offset, m * per, (m + 1) * per)
+                    if pc.atom == atom
+                ]
     return out
 
 
-def write_grid(config: Any, layout: Layout, atom: str, state: str | None = None,
-               optim_states: tuple[str, ...] = DEFAULT_STATES) -> tuple[tuple[int, ...], ...]:
+def write_grid(
+    config: Any, layout: Layout, atom: str, state: str | None = None, optim_states: tuple[str, ...] = DEFAULT_STATES
+) -> tuple[tuple[int, ...], ...]:
     """Per dim, the sorted coordinates at which different writers' boxes meet (including 0 and the size).
 
     A storage layer whose chunk boundaries include these never has a chunk spanning two writers. TP splits
@@ -421,13 +456,19 @@ class ChunkWritePlan:
 
 def _chunks_of(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]) -> list[Box]:
     ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, chunk, strict=True)]
-    return [tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunk, shape, strict=True))
-            for idx in itertools.product(*ranges)]
+    return [
+        tuple((i * c, min((i + 1) * c, n)) for i, c, n in zip(idx, chunk, shape, strict=True))
+        for idx in itertools.product(*ranges)
+    ]
 
 
-def chunk_write_plan(config: Any, layout: Layout, rank: int,
-                     chunk_shape: Callable[[str, tuple[int, ...]], tuple[int, ...]],
-                     optim_states: tuple[str, ...] = DEFAULT_STATES) -> ChunkWritePlan:
+def chunk_write_plan(
+    config: Any,
+    layout: Layout,
+    rank: int,
+    chunk_shape: Callable[[str, tuple[int, ...]], tuple[int, ...]],
+    optim_states: tuple[str, ...] = DEFAULT_STATES,
+) -> ChunkWritePlan:
     """Assign every storage chunk one writer (invariant 6) when writer boundaries fall inside chunks.
 
     The scheme: the writer of a chunk is the owner of its first element (C order). Every other owner of part
@@ -498,8 +539,13 @@ def put_local(tree: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
     tree[key[-1]] = value
 
 
-def shard(full_state: Mapping[str, Any], config: Any, layout: Layout, rank: int,
-          optim_states: tuple[str, ...] = DEFAULT_STATES) -> dict[str, Any]:
+def shard(
+    full_state: Mapping[str, Any],
+    config: Any,
+    layout: Layout,
+    rank: int,
+    optim_states: tuple[str, ...] = DEFAULT_STATES,
+) -> dict[str, Any]:
     """The local state of ``rank`` cut from a full (canonical) state.
 
     full_state = {"model": {atom: tensor}, "optimizer": {"state": {atom: {state_name: tensor}}}} (optimizer
@@ -512,8 +558,10 @@ def shard(full_state: Mapping[str, Any], config: Any, layout: Layout, rank: int,
     default_dtype = next(iter(model.values())).dtype if model else torch.float32
     local: dict[str, Any] = {}
     for lt in local_plan(config, layout, rank, optim_states):
+
         def source(atom: str, lt: LocalTensor = lt) -> torch.Tensor:
             return _get(model, (atom,), "full state") if lt.state is None else _get(opt, (atom, lt.state), "full state")
+
         dtype = source(lt.pieces[0].atom).dtype if lt.pieces else default_dtype
         out = torch.zeros(lt.shape, dtype=dtype)
         for p in lt.pieces:
@@ -521,7 +569,7 @@ def shard(full_state: Mapping[str, Any], config: Any, layout: Layout, rank: int,
             if p.flat_offset is None:
                 out[to_slices(p.box)] = block
             else:
-                out[p.flat_offset:p.flat_offset + p.numel] = block.reshape(-1)
+                out[p.flat_offset : p.flat_offset + p.numel] = block.reshape(-1)
         put_local(local, lt.key, out)
     return local
 
@@ -538,16 +586,18 @@ def _infer_states(local_state: Mapping[str, Any]) -> tuple[str, ...]:
     return ()
 
 
-def assemble(local_states: list[Mapping[str, Any]], config: Any, layout: Layout,
-             optim_states: tuple[str, ...] | None = None) -> dict[str, Any]:
+def assemble(
+    local_states: list[Mapping[str, Any]], config: Any, layout: Layout, optim_states: tuple[str, ...] | None = None
+) -> dict[str, Any]:
     """The full (canonical) state from the local states of every rank of the world (list index = rank).
 
     Each atom box is taken from its one writer (``owned_pieces``); optimizer state names are inferred from
     rank 0's state when not given.
     """
     if len(local_states) != layout.world_size:
-        raise LayoutError(f"assemble: got {len(local_states)} local states for layout {layout} "
-                          f"of world size {layout.world_size}")
+        raise LayoutError(
+            f"assemble: got {len(local_states)} local states for layout {layout} of world size {layout.world_size}"
+        )
     if optim_states is None:
         optim_states = _infer_states(local_states[0])
     table = _atom_table(config)
@@ -566,11 +616,12 @@ def assemble(local_states: list[Mapping[str, Any]], config: Any, layout: Layout,
                 if p.flat_offset is None:
                     block = src[to_slices(p.box)]
                 else:
-                    block = src[p.flat_offset:p.flat_offset + p.numel].reshape(box_shape(p.atom_box))
+                    block = src[p.flat_offset : p.flat_offset + p.numel].reshape(box_shape(p.atom_box))
                 target[name][to_slices(p.atom_box)] = block
     order = list(table)
     full: dict[str, Any] = {"model": {a: model[a] for a in order if a in model}}
     if optim_states:
-        full["optimizer"] = {"state": {a: {s: opt[a][s] for s in optim_states if s in opt.get(a, {})}
-                                       for a in order if a in opt}}
+        full["optimizer"] = {
+            "state": {a: {s: opt[a][s] for s in optim_states if s in opt.get(a, {})} for a in order if a in opt}
+        }
     return full

@@ -48,7 +48,11 @@ def ensure_root(storage: Storage) -> None:
     """Make the root a Zarr group that says what it is (created once, by whichever save comes first)."""
     if storage.exists(ZARR_JSON):
         return
-    doc = {"zarr_format": 3, "node_type": "group", "attributes": {"ucp": {"kind": "root", "format_version": FORMAT_VERSION}}}
+    doc = {
+        "zarr_format": 3,
+        "node_type": "group",
+        "attributes": {"ucp": {"kind": "root", "format_version": FORMAT_VERSION}},
+    }
     try:
         storage.create_exclusive(ZARR_JSON, dumps(doc))
     except FileExistsError:
@@ -75,7 +79,9 @@ class SaveSession:
         return self.comm.rank == 0
 
     @classmethod
-    def begin(cls, storage: Storage, step: int, comm: Comm | None = None, *, lease_s: float | None = None) -> SaveSession:
+    def begin(
+        cls, storage: Storage, step: int, comm: Comm | None = None, *, lease_s: float | None = None
+    ) -> SaveSession:
         """Start an attempt at `step` (every rank calls this together)."""
         comm = comm or LocalComm()
         message: dict = {}
@@ -83,7 +89,9 @@ class SaveSession:
         if comm.rank == 0:
             try:
                 if commit.read_marker(storage, step) is not None:
-                    raise StepExistsError(f"step {step} is already committed at {storage.url}; committed steps are never overwritten")
+                    raise StepExistsError(
+                        f"step {step} is already committed at {storage.url}; committed steps are never overwritten"
+                    )
                 ensure_root(storage)
                 record = attempt.OwnerRecord.mine(step, attempt.new_attempt_id(), lease_s or attempt.DEFAULT_LEASE_S)
                 attempt.write_owner(storage, record)
@@ -134,8 +142,9 @@ class SaveSession:
             hook(record)
         return record
 
-    def _end(self, manifest: StepManifest | None, error: BaseException | None
-             ) -> tuple[dict, commit.CommitRecord | None, BaseException | None]:
+    def _end(
+        self, manifest: StepManifest | None, error: BaseException | None
+    ) -> tuple[dict, commit.CommitRecord | None, BaseException | None]:
         """Gather, commit or abort, and share the outcome ({} when committed)."""
         mine = {"failure": _describe(error)} if error is not None else {"objects": self._objects}
         gathered = [mine] if self.comm.world_size == 1 else self._gather(mine)
@@ -190,8 +199,14 @@ class SaveSession:
         self.storage.flush()
         nbytes = sum(a.nbytes for a in manifest.atoms.values())
         record = commit.commit(self.storage, self.step, self.attempt, manifest_bytes, len(manifest.atoms), nbytes)
-        log.info("committed step %d at %s: %d atoms, %d bytes, %.2f s after its save began", self.step, self.storage.url,
-                 record.atoms, nbytes, time.perf_counter() - self._started)
+        log.info(
+            "committed step %d at %s: %d atoms, %d bytes, %.2f s after its save began",
+            self.step,
+            self.storage.url,
+            record.atoms,
+            nbytes,
+            time.perf_counter() - self._started,
+        )
         return record
 
     def _object_sums(self, meta: AtomMeta, objects: dict[str, ObjectSum]) -> list[ObjectSum]:
@@ -208,7 +223,9 @@ class SaveSession:
             self.storage.delete(self.prefix)
             self.storage.remove_empty_dir(commit.step_dirname(self.step))
         except UcpError as e:
-            log.warning("could not remove the failed attempt %s/%s (collect_garbage will): %s", self.storage.url, self.prefix, e)
+            log.warning(
+                "could not remove the failed attempt %s/%s (collect_garbage will): %s", self.storage.url, self.prefix, e
+            )
 
     def _stop_lease(self) -> None:
         if self._lease is not None:
@@ -226,8 +243,10 @@ def _failed(described: dict, session: SaveSession, rank: int | None) -> UcpError
     if kind is StepExistsError:
         return StepExistsError(described["error"])
     where = f" (rank {rank} failed)" if rank is not None else ""
-    return kind(f"step {session.step} was not saved at {session.storage.url}{where}, and what this attempt wrote "
-                f"was removed: {described['error']}")
+    return kind(
+        f"step {session.step} was not saved at {session.storage.url}{where}, and what this attempt wrote "
+        f"was removed: {described['error']}"
+    )
 
 
 def _as_error(described: dict) -> UcpError:

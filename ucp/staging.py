@@ -90,8 +90,12 @@ class StagingPool:
     """Arenas of at most `capacity` bytes in all (None: as many as a save needs), made by `allocate(id, size)`;
     `on_drop` is told when an arena is given up (the writer process unmaps it)."""
 
-    def __init__(self, capacity: int | None = None, allocate: Callable[[int, int], Arena] | None = None,
-                 on_drop: Callable[[Arena], None] | None = None):
+    def __init__(
+        self,
+        capacity: int | None = None,
+        allocate: Callable[[int, int], Arena] | None = None,
+        on_drop: Callable[[Arena], None] | None = None,
+    ):
         self.capacity = capacity
         self._allocate = allocate or (lambda arena_id, size: host_arena(arena_id, size, pinned=False))
         self._on_drop = on_drop

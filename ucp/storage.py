@@ -175,7 +175,9 @@ class LocalStorage(Storage):
             except FileExistsError:
                 mode = os.lstat(path).st_mode
                 if stat.S_ISLNK(mode):
-                    raise StorageError(f"{path} is a symbolic link: ucp does not follow links inside a checkpoint root") from None
+                    raise StorageError(
+                        f"{path} is a symbolic link: ucp does not follow links inside a checkpoint root"
+                    ) from None
                 if not stat.S_ISDIR(mode):
                     raise StorageError(f"{path} is not a directory") from None
         # the new directories, and the existing one that gained an entry, need an fsync before a commit
@@ -256,7 +258,9 @@ class LocalStorage(Storage):
             raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise NotAFileError(f"{path} is a symbolic link: ucp does not follow links inside a checkpoint") from None
+                raise NotAFileError(
+                    f"{path} is a symbolic link: ucp does not follow links inside a checkpoint"
+                ) from None
             raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -416,8 +420,10 @@ class FsspecStorage(Storage):
         except UcpError:
             raise
         except FileNotFoundError as e:  # a write creates any key: what is missing is the bucket
-            raise BucketNotFoundError(f"cannot write {self.url.rstrip('/')}/{key}: the bucket does not exist; create it "
-                                      "first (ucp never creates buckets)") from e
+            raise BucketNotFoundError(
+                f"cannot write {self.url.rstrip('/')}/{key}: the bucket does not exist; create it "
+                "first (ucp never creates buckets)"
+            ) from e
         except Exception as e:
             raise self._error("write", key, e) from e
         self.stats.record_write(key, len(data))
@@ -491,8 +497,10 @@ class FsspecStorage(Storage):
             try:
                 self.fs.call_s3("head_bucket", Bucket=bucket)  # (exists() would take a refused key for no bucket)
             except FileNotFoundError:
-                raise BucketNotFoundError(f"no ucp checkpoint at {self.url}: the bucket {bucket!r} does not exist; "
-                                          "create it first (ucp never creates buckets)") from None
+                raise BucketNotFoundError(
+                    f"no ucp checkpoint at {self.url}: the bucket {bucket!r} does not exist; "
+                    "create it first (ucp never creates buckets)"
+                ) from None
             except Exception as e:
                 raise storage_error(f"cannot look up {self.url}", e, self.fs) from e
             return True
@@ -510,12 +518,31 @@ class FsspecStorage(Storage):
 
 # What the exceptions of botocore, aiobotocore, aiohttp, s3fs and the OS mean, by name (none of them is imported
 # here: a local checkpoint never loads an S3 client).
-_AUTH = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "InvalidAccessKeyId",
-         "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken", "ProfileNotFound"}
-_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
-                "ClientConnectorError", "ServerDisconnectedError", "ProxyConnectionError", "ConnectionRefusedError"}
-_CREDENTIALS_HINT = ("give them as -o key=... -o secret=... (storage_options), in AWS_ACCESS_KEY_ID and "
-                     "AWS_SECRET_ACCESS_KEY, or as an AWS profile (-o profile=NAME)")
+_AUTH = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "InvalidToken",
+    "ExpiredToken",
+    "ProfileNotFound",
+}
+_UNREACHABLE = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ProxyConnectionError",
+    "ConnectionRefusedError",
+}
+_CREDENTIALS_HINT = (
+    "give them as -o key=... -o secret=... (storage_options), in AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY, or as an AWS profile (-o profile=NAME)"
+)
 
 
 def _chain(e: BaseException) -> list[BaseException]:
@@ -530,19 +557,25 @@ def storage_error(what: str, e: BaseException, fs: Any = None) -> StorageError:
     """The one place where a storage library's exception becomes a ucp error: the kind of failure (credentials,
     an unreachable endpoint, a missing bucket, anything else), `what` was being done, the cause in one line; the
     original is kept as `__cause__` by the caller's `raise ... from e`."""
-    endpoint = getattr(getattr(fs, "client_kwargs", None), "get", lambda _k: None)("endpoint_url") or getattr(fs, "endpoint_url", None)
+    endpoint = getattr(getattr(fs, "client_kwargs", None), "get", lambda _k: None)("endpoint_url") or getattr(
+        fs, "endpoint_url", None
+    )
     where = f" ({endpoint})" if endpoint else ""
     cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     for exc in _chain(e):
         name, text = type(exc).__name__, str(exc)
         if name in _AUTH or isinstance(exc, PermissionError) or any(code in text for code in _AUTH):
-            return StorageAuthError(f"{what}: the store{where} refused the credentials, or found none ({cause}); {_CREDENTIALS_HINT}")
+            return StorageAuthError(
+                f"{what}: the store{where} refused the credentials, or found none ({cause}); {_CREDENTIALS_HINT}"
+            )
         if name in _UNREACHABLE or isinstance(exc, (ConnectionRefusedError, TimeoutError)):
-            return StorageUnreachableError(f"{what}: the endpoint{where} cannot be reached after {S3_ATTEMPTS} attempts "
-                                           f"({cause})")
+            return StorageUnreachableError(
+                f"{what}: the endpoint{where} cannot be reached after {S3_ATTEMPTS} attempts ({cause})"
+            )
         if name == "NoSuchBucket" or "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-            return BucketNotFoundError(f"{what}: the bucket does not exist{where}; create it first (ucp never "
-                                       "creates buckets)")
+            return BucketNotFoundError(
+                f"{what}: the bucket does not exist{where}; create it first (ucp never creates buckets)"
+            )
     return StorageError(f"{what}: {cause}")
 
 

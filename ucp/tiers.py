@@ -158,8 +158,12 @@ def _unpack(buf: torch.Tensor) -> tuple[dict[str, memoryview], bool]:
     return out, header["more"]
 
 
-def send_rounds(comm: Comm, sends: dict[int, list[list[Item]]], receives: Iterable[int],
-                on_receive: Callable[[int, dict[str, memoryview]], None]) -> None:
+def send_rounds(
+    comm: Comm,
+    sends: dict[int, list[list[Item]]],
+    receives: Iterable[int],
+    on_receive: Callable[[int, dict[str, memoryview]], None],
+) -> None:
     """Point-to-point transfers in rounds: `sends[peer]` is this rank's batches for `peer` (each a list of items
     filled when the batch is sent, so that one batch at a time is in memory), `receives` the peers that send to
     this rank. Each batch says whether more follow; every peer in `sends` gets at least one (maybe empty) batch.
@@ -168,8 +172,10 @@ def send_rounds(comm: Comm, sends: dict[int, list[list[Item]]], receives: Iterab
     expecting = set(receives)
     while pending or expecting:
         out = {peer: _pack(batches.pop(0), bool(batches[1:])) for peer, batches in pending.items()}
-        lengths = comm.exchange({p: torch.tensor([t.numel()], dtype=torch.int64).view(torch.uint8) for p, t in out.items()},
-                                dict.fromkeys(expecting, 8))
+        lengths = comm.exchange(
+            {p: torch.tensor([t.numel()], dtype=torch.int64).view(torch.uint8) for p, t in out.items()},
+            dict.fromkeys(expecting, 8),
+        )
         data = comm.exchange(out, {p: int(lengths[p].view(torch.int64)) for p in expecting})
         pending = {p: b for p, b in pending.items() if b}
         for peer, buf in data.items():
@@ -198,8 +204,17 @@ class HotTier:
     """One rank's view of a run's hot tier: its node's directory and the other nodes (every rank builds one, in
     the same order: finding the nodes is a collective)."""
 
-    def __init__(self, local_dir: str, durable_url: str, comm: Comm | None, *, keep_last: int = 2,
-                 durable_every: int = 1, transfer_bytes: int = DEFAULT_TRANSFER_BYTES, fsync: bool = True):
+    def __init__(
+        self,
+        local_dir: str,
+        durable_url: str,
+        comm: Comm | None,
+        *,
+        keep_last: int = 2,
+        durable_every: int = 1,
+        transfer_bytes: int = DEFAULT_TRANSFER_BYTES,
+        fsync: bool = True,
+    ):
         if keep_last < 1 or durable_every < 1:
             raise ValueError(f"keep_last and durable_every must be at least 1, got {keep_last} and {durable_every}")
         self.storage = LocalStorage(run_directory(local_dir, durable_url), fsync=fsync)
@@ -220,8 +235,15 @@ class HotTier:
 
     # -- saving
 
-    def attach(self, session: SaveSession, documents: list[str], manifest: StepManifest | None,
-               durable: Storage, options: SaveOptions, on_durable: Callable[[CommitRecord | None], None]) -> None:
+    def attach(
+        self,
+        session: SaveSession,
+        documents: list[str],
+        manifest: StepManifest | None,
+        durable: Storage,
+        options: SaveOptions,
+        on_durable: Callable[[CommitRecord | None], None],
+    ) -> None:
         """Add the hot tier's steps (module doc, 2-4) to a save whose storage is `self.storage`: they run after the
         attempt commits on rank 0's node. `documents`: the zarr.json keys this rank wrote; `manifest`: rank 0's."""
         self.saves += 1
@@ -250,8 +272,10 @@ class HotTier:
                 self.storage.write(key, [data])
                 received += data.nbytes
 
-        batches = [[from_storage(self.storage, k, objects[k][0]) for k in keys]
-                   for keys in pack({k: s[0] for k, s in objects.items()}, self.transfer_bytes)]
+        batches = [
+            [from_storage(self.storage, k, objects[k][0]) for k in keys]
+            for keys in pack({k: s[0] for k, s in objects.items()}, self.transfer_bytes)
+        ]
         send_rounds(self.comm, {buddy: batches} if buddy is not None else {}, self.nodes.senders_to(self.rank), keep)
         self.storage.flush()
         return received
@@ -273,21 +297,29 @@ class HotTier:
             try:
                 self.storage.create_exclusive(commit.marker_key(session.step), bytes(blobs["marker"]))
             except FileExistsError:
-                log.warning("hot tier %s: step %d was committed here before; kept as it was", self.storage.url, session.step)
+                log.warning(
+                    "hot tier %s: step %d was committed here before; kept as it was", self.storage.url, session.step
+                )
 
     def apply_retention(self) -> None:
         for step in commit.committed_steps(self.storage)[: -self.keep_last]:
             commit.delete_step(self.storage, step)
         attempt.collect_garbage(self.storage)
 
-    def drain(self, session: SaveSession, documents: list[str], manifest: StepManifest | None, durable: Storage,
-              options: SaveOptions) -> CommitRecord | None:
+    def drain(
+        self,
+        session: SaveSession,
+        documents: list[str],
+        manifest: StepManifest | None,
+        durable: Storage,
+        options: SaveOptions,
+    ) -> CommitRecord | None:
         """Step 4: copy what this rank wrote to the durable URL and commit the step there (every rank)."""
         target = SaveSession.begin(durable, session.step, self.comm)
         error = None
         try:
             objects = session.objects
-            moved = {key: f"{target.prefix}{key[len(session.prefix):]}" for key in [*objects, *documents]}
+            moved = {key: f"{target.prefix}{key[len(session.prefix) :]}" for key in [*objects, *documents]}
 
             def copy(key: str) -> None:
                 durable.write(moved[key], [bytes(self.storage.read(key))])
@@ -303,7 +335,9 @@ class HotTier:
 
     # -- restoring
 
-    def restore_sharded(self, model: Any, durable: Storage) -> tuple[dict[str, Any], dict[str, Any], Any, RestoreReport]:
+    def restore_sharded(
+        self, model: Any, durable: Storage
+    ) -> tuple[dict[str, Any], dict[str, Any], Any, RestoreReport]:
         """This rank's local state of the newest restorable step (module doc), its extra state, the LoadReport and
         where the bytes came from. Every rank calls it together."""
         from .distributed import extra_state, load_sharded, needed_objects
@@ -312,7 +346,12 @@ class HotTier:
         if chosen.source == "durable":
             reader = CheckpointReader(durable, chosen.step)
             local, report = load_sharded(reader, model, self.rank)
-            return local, extra_state(reader), report, RestoreReport(chosen.step, "durable", bytes_durable=report.bytes_read)
+            return (
+                local,
+                extra_state(reader),
+                report,
+                RestoreReport(chosen.step, "durable", bytes_durable=report.bytes_read),
+            )
         assert chosen.reader is not None and chosen.held is not None
         reader, held = chosen.reader, chosen.held
         objects = _object_list(reader.atoms)
@@ -334,9 +373,13 @@ class HotTier:
                 elif rank == self.rank:
                     receives.add(server)
         fetched: dict[str, bytes] = {}
-        sends = {peer: [[from_storage(self.storage, k, sizes[k]) for k in keys] for keys in pack(sizes, self.transfer_bytes)]
-                 for peer, sizes in serve.items()}
-        send_rounds(self.comm, sends, receives, lambda _peer, items: fetched.update((k, bytes(v)) for k, v in items.items()))
+        sends = {
+            peer: [[from_storage(self.storage, k, sizes[k]) for k in keys] for keys in pack(sizes, self.transfer_bytes)]
+            for peer, sizes in serve.items()
+        }
+        send_rounds(
+            self.comm, sends, receives, lambda _peer, items: fetched.update((k, bytes(v)) for k, v in items.items())
+        )
         my_node = self.nodes.node_of[self.rank]
         usable = {_key(reader, objects[i]) for i in range(len(objects)) if held[my_node][i]}
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
@@ -345,11 +388,21 @@ class HotTier:
         local, report = load_sharded(tiered, model, self.rank)
         extra = extra_state(tiered)
         stats = source.read_stats
-        restore = RestoreReport(chosen.step, "hot", stats["local"].bytes_read, stats["peers"].bytes_read,
-                                stats["durable"].bytes_read, chosen.damaged)
+        restore = RestoreReport(
+            chosen.step,
+            "hot",
+            stats["local"].bytes_read,
+            stats["peers"].bytes_read,
+            stats["durable"].bytes_read,
+            chosen.damaged,
+        )
         if restore.damaged and self.rank == 0:
-            log.warning("hot tier: %d damaged copies of step %d were served by good ones instead: %s",
-                        len(restore.damaged), chosen.step, restore.damaged[:3])
+            log.warning(
+                "hot tier: %d damaged copies of step %d were served by good ones instead: %s",
+                len(restore.damaged),
+                chosen.step,
+                restore.damaged[:3],
+            )
         return local, extra, report, restore
 
     def _choose_step(self, durable: Storage) -> _Choice:
@@ -362,7 +415,9 @@ class HotTier:
         for step in sorted({s for r in reports for s in r["hot"]}, reverse=True):
             if durable_latest is not None and step < durable_latest:
                 break
-            choice = _Choice(step, "hot", [r for r, rep in enumerate(reports) if step in rep["hot"]], durable_latest == step)
+            choice = _Choice(
+                step, "hot", [r for r, rep in enumerate(reports) if step in rep["hot"]], durable_latest == step
+            )
             self._load_holdings(choice)
             assert choice.held is not None
             if choice.durable_too or all(any(node[i] for node in choice.held) for i in range(len(choice.held[0]))):
@@ -393,9 +448,17 @@ class HotTier:
             record = commit.parse_marker(marker, choice.step, f"{self.storage.url}/{commit.marker_key(choice.step)}")
             manifest_bytes = commit.read_manifest_bytes(self.storage, record)
         got: dict[str, bytes] = {}
-        sends = {r: [[from_bytes("marker", marker), from_bytes("manifest", manifest_bytes)]] for r in lacking} if self.rank == holder else {}
-        send_rounds(self.comm, sends, [holder] if self.rank in lacking else [],
-                    lambda _peer, items: got.update((k, bytes(v)) for k, v in items.items()))
+        sends = (
+            {r: [[from_bytes("marker", marker), from_bytes("manifest", manifest_bytes)]] for r in lacking}
+            if self.rank == holder
+            else {}
+        )
+        send_rounds(
+            self.comm,
+            sends,
+            [holder] if self.rank in lacking else [],
+            lambda _peer, items: got.update((k, bytes(v)) for k, v in items.items()),
+        )
         if got:
             marker, manifest_bytes = got["marker"], got["manifest"]
         record = commit.parse_marker(marker, choice.step, f"hot tier step {choice.step} from rank {holder}")
@@ -523,4 +586,3 @@ class TierSource(Storage):
 
     def delete(self, key: str) -> None:
         raise StorageError("a restore source is read-only")
-

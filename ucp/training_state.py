@@ -33,7 +33,10 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     names = _param_names(model, optimizer)
     sd = optimizer.state_dict()
     state = {names[i]: dict(s) for i, s in sd["state"].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+        for g in sd["param_groups"]
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -61,7 +64,13 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": {"version": version, "state": list(mt), "gauss_next": gauss},
-        "numpy": {"name": np_name, "keys": np_keys.tolist(), "pos": int(np_pos), "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "numpy": {
+            "name": np_name,
+            "keys": np_keys.tolist(),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
     }
     if torch.cuda.is_available():
         state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
@@ -73,7 +82,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     n = state["numpy"]
-    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([state["cuda"][str(i)] for i in range(len(state["cuda"]))])
 

@@ -22,11 +22,17 @@ def check_key(key: object, where: str) -> str:
     if not isinstance(key, str):
         raise StateError(f"{where}: keys must be strings, got {type(key).__name__} {key!r}")
     if key in ("", ".", "..") or "/" in key or "\\" in key:
-        raise StateError(f"{where}: key {key!r} would escape the checkpoint root or name no node (no '/', '\\', '.', '..' or '')")
+        raise StateError(
+            f"{where}: key {key!r} would escape the checkpoint root or name no node (no '/', '\\', '.', '..' or '')"
+        )
     if key.startswith("__") or key in RESERVED_NAMES or any(ord(ch) < 32 for ch in key):
-        raise StateError(f"{where}: key {key!r} is reserved (names starting with '__', {sorted(RESERVED_NAMES)}, control characters)")
+        raise StateError(
+            f"{where}: key {key!r} is reserved (names starting with '__', {sorted(RESERVED_NAMES)}, control characters)"
+        )
     if len(key.encode(errors="surrogatepass")) > MAX_KEY_BYTES:
-        raise StateError(f"{where}: key {key[:40]!r}... is longer than {MAX_KEY_BYTES} bytes (it names a file or object)")
+        raise StateError(
+            f"{where}: key {key[:40]!r}... is longer than {MAX_KEY_BYTES} bytes (it names a file or object)"
+        )
     return key
 
 

@@ -26,6 +26,7 @@ def pack(sizes: Mapping[K, int], limit: int) -> list[list[K]]:
 
 def chain(calls: Sequence[Call]) -> Call:
     """One call that runs `calls` in order."""
+
     def run() -> None:
         for call in calls:
             call()

@@ -85,9 +85,18 @@ class WriterProcess:
         try:
             main_thread = threading.current_thread() is threading.main_thread()
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "import sys, ucp.writer_process as w; w.main(sys.argv[1:])",
-                 str(theirs.fileno()), str(io_threads), str(os.getpid()), str(int(main_thread))],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys, ucp.writer_process as w; w.main(sys.argv[1:])",
+                    str(theirs.fileno()),
+                    str(io_threads),
+                    str(os.getpid()),
+                    str(int(main_thread)),
+                ],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
             )
         except OSError as e:
             ours.close()
@@ -357,4 +366,3 @@ def main(argv: list[str]) -> None:
     _die_with_parent(bool(int(argv[3])))
     torch.set_num_threads(1)
     _Server(Connection(fd), io_threads).serve()
-

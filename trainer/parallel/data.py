@@ -120,11 +120,19 @@ def _counted_once(name: str, mesh: Mesh, tied: bool) -> bool:
 class DistributedAdamW:
     """AdamW over the flat "dense" and "expert" buffers (ZeRO-1 when layout.zero >= 1)."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], mesh: Mesh, cfg: OptimConfig,
-                 tied_embeddings: bool, is_expert):
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        mesh: Mesh,
+        cfg: OptimConfig,
+        tied_embeddings: bool,
+        is_expert,
+    ):
         zero = mesh.layout.zero
         if zero > 1:
-            raise ValueError(f"the reference trainer runs zero0 and zero1, not zero{zero} (ucp checkpoints hold ZeRO 0-3)")
+            raise ValueError(
+                f"the reference trainer runs zero0 and zero1, not zero{zero} (ucp checkpoints hold ZeRO 0-3)"
+            )
         self.mesh, self.cfg, self.tied = mesh, cfg, tied_embeddings
         self.step = 0
         self.buffers = {

@@ -16,6 +16,7 @@ from ucp.layout import Layout, RankCoords, parse_layout
 
 __all__ = ["Layout", "Mesh", "RankCoords", "coords_of", "group_partitions", "parse_layout", "rank_of"]
 
+
 def coords_of(rank: int, layout: Layout) -> RankCoords:
     return layout.coords(rank)
 
@@ -33,14 +34,23 @@ def group_partitions(layout: Layout) -> dict[str, list[list[int]]]:
         "dp": [[rank_of(L, t, d, p) for d in range(L.dp)] for t in range(L.tp) for p in range(L.pp)],
         "pp": [[rank_of(L, t, d, p) for p in range(L.pp)] for t in range(L.tp) for d in range(L.dp)],
         # EP: the ranks of one expert-DP index (dp = x*E + e) that hold the other experts.
-        "ep": [[rank_of(L, t, x * L.ep + e, p) for e in range(L.ep)]
-               for t in range(L.tp) for x in range(X) for p in range(L.pp)],
+        "ep": [
+            [rank_of(L, t, x * L.ep + e, p) for e in range(L.ep)]
+            for t in range(L.tp)
+            for x in range(X)
+            for p in range(L.pp)
+        ],
         # Expert-DP: the replicas of one EP rank's experts.
-        "expert_dp": [[rank_of(L, t, x * L.ep + e, p) for x in range(X)]
-                      for t in range(L.tp) for e in range(L.ep) for p in range(L.pp)],
+        "expert_dp": [
+            [rank_of(L, t, x * L.ep + e, p) for x in range(X)]
+            for t in range(L.tp)
+            for e in range(L.ep)
+            for p in range(L.pp)
+        ],
         # Tied embeddings across stages: the first and the last stage's copies share one gradient.
         "embedding": [[rank_of(L, t, d, 0), rank_of(L, t, d, L.pp - 1)] for t in range(L.tp) for d in range(L.dp)]
-        if L.pp > 1 else [],
+        if L.pp > 1
+        else [],
     }
 
 

@@ -88,8 +88,13 @@ def _backward(x: torch.Tensor | None, out: StageOutput, dy: torch.Tensor | None)
     return x.grad if x is not None else None
 
 
-def one_f_one_b(num_microbatches: int, forward_step: Callable[[int, torch.Tensor | None], StageOutput],
-                p2p: P2P, stage: int, stages: int) -> None:
+def one_f_one_b(
+    num_microbatches: int,
+    forward_step: Callable[[int, torch.Tensor | None], StageOutput],
+    p2p: P2P,
+    stage: int,
+    stages: int,
+) -> None:
     """Run forward and backward of every microbatch; gradients accumulate in the parameters' .grad.
 
     forward_step(i, x) runs microbatch i through this stage; x is the received activation (None on the first

@@ -140,8 +140,9 @@ def shard_vocab(full: torch.Tensor, padded_vocab: int, rank: int, size: int) -> 
     return split_dim(padded, 0, rank, size)
 
 
-def shard_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, rank: int,
-              size: int) -> torch.Tensor:
+def shard_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, rank: int, size: int
+) -> torch.Tensor:
     """Megatron's fused QKV: this rank's query groups, each [its query heads; its key head; its value head]."""
     head_dim = k.shape[0] // kv_heads
     per_group = heads // kv_heads

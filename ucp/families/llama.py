@@ -32,12 +32,16 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise UcpError(f"hidden_size={self.hidden_size} is not a multiple of "
-                               f"num_attention_heads={self.num_attention_heads}; give head_dim")
+                raise UcpError(
+                    f"hidden_size={self.hidden_size} is not a multiple of "
+                    f"num_attention_heads={self.num_attention_heads}; give head_dim"
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise UcpError(f"num_key_value_heads={self.num_key_value_heads} does not divide "
-                           f"num_attention_heads={self.num_attention_heads}")
+            raise UcpError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
         if self.stage_layers is not None:
             self.stage_layers = [int(x) for x in self.stage_layers]
 
@@ -67,8 +71,14 @@ def _embed(c: LlamaConfig) -> PartitionSpec:
 
 def _qkv(part: str):
     def spec(c: LlamaConfig) -> PartitionSpec:
-        return PartitionSpec("fused_qkv", part=part, num_heads=c.num_attention_heads,
-                             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        return PartitionSpec(
+            "fused_qkv",
+            part=part,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+        )
+
     return spec
 
 
@@ -83,6 +93,7 @@ def _row(c: LlamaConfig) -> PartitionSpec:
 def _gate_up(part: str):
     def spec(c: LlamaConfig) -> PartitionSpec:
         return PartitionSpec("fused_gate_up", part=part)
+
     return spec
 
 
@@ -98,41 +109,131 @@ _L = "model.layers.{L}."
 _D = "decoder.layers.{i}."
 
 RULES = (
-    Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", "first",
-         lambda c: (c.vocab_size, c.hidden_size), _embed),
-    Rule(_L + "input_layernorm.weight", _D + "input_layernorm.weight", "layer", lambda c: (c.hidden_size,), _replicated),
-    Rule(_L + "self_attn.q_proj.weight", _D + "self_attention.linear_qkv.weight", "layer",
-         lambda c: (_q_rows(c), c.hidden_size), _qkv("q")),
-    Rule(_L + "self_attn.k_proj.weight", _D + "self_attention.linear_qkv.weight", "layer",
-         lambda c: (_kv_rows(c), c.hidden_size), _qkv("k")),
-    Rule(_L + "self_attn.v_proj.weight", _D + "self_attention.linear_qkv.weight", "layer",
-         lambda c: (_kv_rows(c), c.hidden_size), _qkv("v")),
-    Rule(_L + "self_attn.q_proj.bias", _D + "self_attention.linear_qkv.bias", "layer",
-         lambda c: (_q_rows(c),), _qkv("q"), present=lambda c: c.attention_bias),
-    Rule(_L + "self_attn.k_proj.bias", _D + "self_attention.linear_qkv.bias", "layer",
-         lambda c: (_kv_rows(c),), _qkv("k"), present=lambda c: c.attention_bias),
-    Rule(_L + "self_attn.v_proj.bias", _D + "self_attention.linear_qkv.bias", "layer",
-         lambda c: (_kv_rows(c),), _qkv("v"), present=lambda c: c.attention_bias),
-    Rule(_L + "self_attn.q_norm.weight", _D + "self_attention.q_layernorm.weight", "layer",
-         lambda c: (c.head_dim,), _replicated, present=lambda c: c.qk_norm),
-    Rule(_L + "self_attn.k_norm.weight", _D + "self_attention.k_layernorm.weight", "layer",
-         lambda c: (c.head_dim,), _replicated, present=lambda c: c.qk_norm),
-    Rule(_L + "self_attn.o_proj.weight", _D + "self_attention.linear_proj.weight", "layer",
-         lambda c: (c.hidden_size, _q_rows(c)), _row),
-    Rule(_L + "post_attention_layernorm.weight", _D + "pre_mlp_layernorm.weight", "layer",
-         lambda c: (c.hidden_size,), _replicated),
-    Rule(_L + "mlp.gate_proj.weight", _D + "mlp.linear_fc1.weight", "layer",
-         lambda c: (c.intermediate_size, c.hidden_size), _gate_up("gate")),
-    Rule(_L + "mlp.up_proj.weight", _D + "mlp.linear_fc1.weight", "layer",
-         lambda c: (c.intermediate_size, c.hidden_size), _gate_up("up")),
-    Rule(_L + "mlp.down_proj.weight", _D + "mlp.linear_fc2.weight", "layer",
-         lambda c: (c.hidden_size, c.intermediate_size), _row),
+    Rule(
+        "model.embed_tokens.weight",
+        "embedding.word_embeddings.weight",
+        "first",
+        lambda c: (c.vocab_size, c.hidden_size),
+        _embed,
+    ),
+    Rule(
+        _L + "input_layernorm.weight", _D + "input_layernorm.weight", "layer", lambda c: (c.hidden_size,), _replicated
+    ),
+    Rule(
+        _L + "self_attn.q_proj.weight",
+        _D + "self_attention.linear_qkv.weight",
+        "layer",
+        lambda c: (_q_rows(c), c.hidden_size),
+        _qkv("q"),
+    ),
+    Rule(
+        _L + "self_attn.k_proj.weight",
+        _D + "self_attention.linear_qkv.weight",
+        "layer",
+        lambda c: (_kv_rows(c), c.hidden_size),
+        _qkv("k"),
+    ),
+    Rule(
+        _L + "self_attn.v_proj.weight",
+        _D + "self_attention.linear_qkv.weight",
+        "layer",
+        lambda c: (_kv_rows(c), c.hidden_size),
+        _qkv("v"),
+    ),
+    Rule(
+        _L + "self_attn.q_proj.bias",
+        _D + "self_attention.linear_qkv.bias",
+        "layer",
+        lambda c: (_q_rows(c),),
+        _qkv("q"),
+        present=lambda c: c.attention_bias,
+    ),
+    Rule(
+        _L + "self_attn.k_proj.bias",
+        _D + "self_attention.linear_qkv.bias",
+        "layer",
+        lambda c: (_kv_rows(c),),
+        _qkv("k"),
+        present=lambda c: c.attention_bias,
+    ),
+    Rule(
+        _L + "self_attn.v_proj.bias",
+        _D + "self_attention.linear_qkv.bias",
+        "layer",
+        lambda c: (_kv_rows(c),),
+        _qkv("v"),
+        present=lambda c: c.attention_bias,
+    ),
+    Rule(
+        _L + "self_attn.q_norm.weight",
+        _D + "self_attention.q_layernorm.weight",
+        "layer",
+        lambda c: (c.head_dim,),
+        _replicated,
+        present=lambda c: c.qk_norm,
+    ),
+    Rule(
+        _L + "self_attn.k_norm.weight",
+        _D + "self_attention.k_layernorm.weight",
+        "layer",
+        lambda c: (c.head_dim,),
+        _replicated,
+        present=lambda c: c.qk_norm,
+    ),
+    Rule(
+        _L + "self_attn.o_proj.weight",
+        _D + "self_attention.linear_proj.weight",
+        "layer",
+        lambda c: (c.hidden_size, _q_rows(c)),
+        _row,
+    ),
+    Rule(
+        _L + "post_attention_layernorm.weight",
+        _D + "pre_mlp_layernorm.weight",
+        "layer",
+        lambda c: (c.hidden_size,),
+        _replicated,
+    ),
+    Rule(
+        _L + "mlp.gate_proj.weight",
+        _D + "mlp.linear_fc1.weight",
+        "layer",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _gate_up("gate"),
+    ),
+    Rule(
+        _L + "mlp.up_proj.weight",
+        _D + "mlp.linear_fc1.weight",
+        "layer",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _gate_up("up"),
+    ),
+    Rule(
+        _L + "mlp.down_proj.weight",
+        _D + "mlp.linear_fc2.weight",
+        "layer",
+        lambda c: (c.hidden_size, c.intermediate_size),
+        _row,
+    ),
     Rule("model.norm.weight", "decoder.final_layernorm.weight", "last", lambda c: (c.hidden_size,), _replicated),
-    Rule("lm_head.weight", "output_layer.weight", "last",
-         lambda c: (c.vocab_size, c.hidden_size), _vocab, present=lambda c: not c.tie_word_embeddings),
+    Rule(
+        "lm_head.weight",
+        "output_layer.weight",
+        "last",
+        lambda c: (c.vocab_size, c.hidden_size),
+        _vocab,
+        present=lambda c: not c.tie_word_embeddings,
+    ),
     # Tied: the last stage's output layer is a copy of the embedding atom (only where the rank lacks the original).
-    Rule("model.embed_tokens.weight", "output_layer.weight", "last",
-         lambda c: (c.vocab_size, c.hidden_size), _embed, present=lambda c: c.tie_word_embeddings, tied_copy=True),
+    Rule(
+        "model.embed_tokens.weight",
+        "output_layer.weight",
+        "last",
+        lambda c: (c.vocab_size, c.hidden_size),
+        _embed,
+        present=lambda c: c.tie_word_embeddings,
+        tied_copy=True,
+    ),
 )
 
 FAMILY = Family("llama", LlamaConfig, RULES)

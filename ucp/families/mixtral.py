@@ -29,12 +29,16 @@ class MixtralConfig:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise UcpError(f"hidden_size={self.hidden_size} is not a multiple of "
-                               f"num_attention_heads={self.num_attention_heads}; give head_dim")
+                raise UcpError(
+                    f"hidden_size={self.hidden_size} is not a multiple of "
+                    f"num_attention_heads={self.num_attention_heads}; give head_dim"
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise UcpError(f"num_key_value_heads={self.num_key_value_heads} does not divide "
-                           f"num_attention_heads={self.num_attention_heads}")
+            raise UcpError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
         if self.stage_layers is not None:
             self.stage_layers = [int(x) for x in self.stage_layers]
 
@@ -60,8 +64,14 @@ def _embed(c: MixtralConfig) -> PartitionSpec:
 
 def _qkv(part: str):
     def spec(c: MixtralConfig) -> PartitionSpec:
-        return PartitionSpec("fused_qkv", part=part, num_heads=c.num_attention_heads,
-                             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        return PartitionSpec(
+            "fused_qkv",
+            part=part,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+        )
+
     return spec
 
 
@@ -80,6 +90,7 @@ def _row(c: MixtralConfig) -> PartitionSpec:
 def _gate_up(part: str):
     def spec(c: MixtralConfig) -> PartitionSpec:
         return PartitionSpec("fused_gate_up", part=part)
+
     return spec
 
 
@@ -97,35 +108,98 @@ _X = "block_sparse_moe.experts.{X}."
 _E = "mlp.experts.local_experts.{e}."
 
 RULES = (
-    Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", "first",
-         lambda c: (c.vocab_size, c.hidden_size), _embed),
-    Rule(_L + "input_layernorm.weight", _D + "input_layernorm.weight", "layer",
-         lambda c: (c.hidden_size,), _replicated),
-    Rule(_L + "self_attn.q_proj.weight", _D + "self_attention.linear_qkv.weight", "layer",
-         lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size), _qkv("q")),
-    Rule(_L + "self_attn.k_proj.weight", _D + "self_attention.linear_qkv.weight", "layer",
-         lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), _qkv("k")),
-    Rule(_L + "self_attn.v_proj.weight", _D + "self_attention.linear_qkv.weight", "layer",
-         lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), _qkv("v")),
-    Rule(_L + "self_attn.o_proj.weight", _D + "self_attention.linear_proj.weight", "layer",
-         lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), _row),
-    Rule(_L + "post_attention_layernorm.weight", _D + "pre_mlp_layernorm.weight", "layer",
-         lambda c: (c.hidden_size,), _replicated),
-    Rule(_L + "block_sparse_moe.gate.weight", _D + "mlp.router.weight", "layer",
-         lambda c: (c.num_local_experts, c.hidden_size), _replicated),
-    Rule(_L + _X + "w1.weight", _D + _E + "linear_fc1.weight", "expert",
-         lambda c: (c.intermediate_size, c.hidden_size), _gate_up("gate")),
-    Rule(_L + _X + "w3.weight", _D + _E + "linear_fc1.weight", "expert",
-         lambda c: (c.intermediate_size, c.hidden_size), _gate_up("up")),
-    Rule(_L + _X + "w2.weight", _D + _E + "linear_fc2.weight", "expert",
-         lambda c: (c.hidden_size, c.intermediate_size), _row),
-    Rule("model.norm.weight", "decoder.final_layernorm.weight", "last",
-         lambda c: (c.hidden_size,), _replicated),
-    Rule("lm_head.weight", "output_layer.weight", "last",
-         lambda c: (c.vocab_size, c.hidden_size), _vocab, present=_untied),
+    Rule(
+        "model.embed_tokens.weight",
+        "embedding.word_embeddings.weight",
+        "first",
+        lambda c: (c.vocab_size, c.hidden_size),
+        _embed,
+    ),
+    Rule(
+        _L + "input_layernorm.weight", _D + "input_layernorm.weight", "layer", lambda c: (c.hidden_size,), _replicated
+    ),
+    Rule(
+        _L + "self_attn.q_proj.weight",
+        _D + "self_attention.linear_qkv.weight",
+        "layer",
+        lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size),
+        _qkv("q"),
+    ),
+    Rule(
+        _L + "self_attn.k_proj.weight",
+        _D + "self_attention.linear_qkv.weight",
+        "layer",
+        lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size),
+        _qkv("k"),
+    ),
+    Rule(
+        _L + "self_attn.v_proj.weight",
+        _D + "self_attention.linear_qkv.weight",
+        "layer",
+        lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size),
+        _qkv("v"),
+    ),
+    Rule(
+        _L + "self_attn.o_proj.weight",
+        _D + "self_attention.linear_proj.weight",
+        "layer",
+        lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim),
+        _row,
+    ),
+    Rule(
+        _L + "post_attention_layernorm.weight",
+        _D + "pre_mlp_layernorm.weight",
+        "layer",
+        lambda c: (c.hidden_size,),
+        _replicated,
+    ),
+    Rule(
+        _L + "block_sparse_moe.gate.weight",
+        _D + "mlp.router.weight",
+        "layer",
+        lambda c: (c.num_local_experts, c.hidden_size),
+        _replicated,
+    ),
+    Rule(
+        _L + _X + "w1.weight",
+        _D + _E + "linear_fc1.weight",
+        "expert",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _gate_up("gate"),
+    ),
+    Rule(
+        _L + _X + "w3.weight",
+        _D + _E + "linear_fc1.weight",
+        "expert",
+        lambda c: (c.intermediate_size, c.hidden_size),
+        _gate_up("up"),
+    ),
+    Rule(
+        _L + _X + "w2.weight",
+        _D + _E + "linear_fc2.weight",
+        "expert",
+        lambda c: (c.hidden_size, c.intermediate_size),
+        _row,
+    ),
+    Rule("model.norm.weight", "decoder.final_layernorm.weight", "last", lambda c: (c.hidden_size,), _replicated),
+    Rule(
+        "lm_head.weight",
+        "output_layer.weight",
+        "last",
+        lambda c: (c.vocab_size, c.hidden_size),
+        _vocab,
+        present=_untied,
+    ),
     # Tied: the last stage's output layer is a copy of the embedding atom (only where the rank lacks the original).
-    Rule("model.embed_tokens.weight", "output_layer.weight", "last",
-         lambda c: (c.vocab_size, c.hidden_size), _embed, present=_tied, tied_copy=True),
+    Rule(
+        "model.embed_tokens.weight",
+        "output_layer.weight",
+        "last",
+        lambda c: (c.vocab_size, c.hidden_size),
+        _embed,
+        present=_tied,
+        tied_copy=True,
+    ),
 )
 
 FAMILY = Family("mixtral", MixtralConfig, RULES)

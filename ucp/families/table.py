@@ -57,16 +57,23 @@ def local_name(rule: Rule, layer: int | None = None, expert: int | None = None) 
 
 def atom_spec(rule: Rule, config: Any, layer: int | None = None, expert: int | None = None) -> PartitionSpec:
     spec = rule.spec(config)
-    return dataclasses.replace(spec, layer=layer, expert=expert,
-                               zero_group="expert" if rule.place == "expert" else "dense")
+    return dataclasses.replace(
+        spec, layer=layer, expert=expert, zero_group="expert" if rule.place == "expert" else "dense"
+    )
 
 
 def iter_atoms(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ...], PartitionSpec, str]]:
     """(name, shape, spec, place) of every atom, in the fixed canonical order: first-chunk atoms; then layer
     by layer, the layer's atoms followed by its experts' atoms expert by expert; then last-chunk atoms.
     Tied copies have no atom of their own."""
+
     def one(rule: Rule, layer: int | None = None, expert: int | None = None):
-        return atom_name(rule, layer, expert), tuple(rule.shape(config)), atom_spec(rule, config, layer, expert), rule.place
+        return (
+            atom_name(rule, layer, expert),
+            tuple(rule.shape(config)),
+            atom_spec(rule, config, layer, expert),
+            rule.place,
+        )
 
     for rule in family.rules_at("first", config):
         if not rule.tied_copy:

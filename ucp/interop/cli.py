@@ -37,26 +37,45 @@ def _step(text: str) -> int | str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec storage option for a ucp URL, e.g. endpoint_url=http://127.0.0.1:9000")
+    p.add_argument(
+        "-o",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option for a ucp URL, e.g. endpoint_url=http://127.0.0.1:9000",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _streaming(p: argparse.ArgumentParser) -> None:
     """The options of every conversion: tensors stream through within a memory budget, many reads and writes at once."""
-    p.add_argument("--memory-budget", type=_bytes, default=DEFAULT_MEMORY_BUDGET, help="peak tensor memory (default 4GiB)")
+    p.add_argument(
+        "--memory-budget", type=_bytes, default=DEFAULT_MEMORY_BUDGET, help="peak tensor memory (default 4GiB)"
+    )
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel reads and writes (default 8)")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from ucp.interop.megatron import convert
 
-    report = convert(args.src, args.dst, from_layout=args.from_, to_layout=args.to, step=args.step,
-                     iteration=args.iteration, memory_budget=args.memory_budget, workers=args.workers,
-                     vocab_size=args.vocab_size,
-                     storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress)
-    print(f"converted {report.atoms} atoms from {args.from_} to {args.to}: {report.files} files, "
-          f"{report.bytes_written / 2**20:.1f} MiB written (a tensor that several ranks hold is in each of their files)")
+    report = convert(
+        args.src,
+        args.dst,
+        from_layout=args.from_,
+        to_layout=args.to,
+        step=args.step,
+        iteration=args.iteration,
+        memory_budget=args.memory_budget,
+        workers=args.workers,
+        vocab_size=args.vocab_size,
+        storage_options=parse_storage_options(args.storage_option),
+        progress=not args.no_progress,
+    )
+    print(
+        f"converted {report.atoms} atoms from {args.from_} to {args.to}: {report.files} files, "
+        f"{report.bytes_written / 2**20:.1f} MiB written (a tensor that several ranks hold is in each of their files)"
+    )
     if report.dropped:
         print(f"not carried: {', '.join(report.dropped)}")
     return 0
@@ -67,18 +86,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.to == "hf":
         from ucp.interop.hf import export_hf
 
-        report = export_hf(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options,
-                           max_shard_bytes=args.max_shard_size, memory_budget=args.memory_budget, workers=args.workers,
-                           progress=not args.no_progress)
-        print(f"wrote {report.tensors} tensors in {report.files} safetensors files "
-              f"({report.bytes_written / 2**20:.1f} MiB) to {args.dir}")
+        report = export_hf(
+            args.url,
+            args.dir,
+            dtype=args.dtype,
+            step=args.step,
+            storage_options=options,
+            max_shard_bytes=args.max_shard_size,
+            memory_budget=args.memory_budget,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
+        print(
+            f"wrote {report.tensors} tensors in {report.files} safetensors files "
+            f"({report.bytes_written / 2**20:.1f} MiB) to {args.dir}"
+        )
     else:
         from ucp.interop.dcp import export_dcp
 
-        dcp_report = export_dcp(args.url, args.dir, dtype=args.dtype, step=args.step, storage_options=options,
-                                memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
-        print(f"wrote {dcp_report.tensors} tensors ({dcp_report.bytes_written / 2**20:.1f} MiB) as a DCP checkpoint "
-              f"to {args.dir}")
+        dcp_report = export_dcp(
+            args.url,
+            args.dir,
+            dtype=args.dtype,
+            step=args.step,
+            storage_options=options,
+            memory_budget=args.memory_budget,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
+        print(
+            f"wrote {dcp_report.tensors} tensors ({dcp_report.bytes_written / 2**20:.1f} MiB) as a DCP checkpoint "
+            f"to {args.dir}"
+        )
     return 0
 
 
@@ -87,13 +126,30 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.from_ == "hf":
         from ucp.interop.hf import import_hf
 
-        report: Any = import_hf(args.src, args.url, step=args.step, dtype=args.dtype, storage_options=options,
-                                memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
+        report: Any = import_hf(
+            args.src,
+            args.url,
+            step=args.step,
+            dtype=args.dtype,
+            storage_options=options,
+            memory_budget=args.memory_budget,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
     else:
         from ucp.interop.dcp import import_dcp
 
-        report = import_dcp(args.src, args.url, config=args.config, step=args.step, dtype=args.dtype, storage_options=options,
-                            memory_budget=args.memory_budget, workers=args.workers, progress=not args.no_progress)
+        report = import_dcp(
+            args.src,
+            args.url,
+            config=args.config,
+            step=args.step,
+            dtype=args.dtype,
+            storage_options=options,
+            memory_budget=args.memory_budget,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
     print(f"imported {report.atoms} atoms ({report.bytes_read / 2**20:.1f} MiB) as step {report.step} of {args.url}")
     return 0
 
@@ -103,10 +159,20 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("convert", help="reshard a Megatron-LM torch checkpoint (or convert to/from ucp)")
     p.add_argument("src", help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt), or a ucp URL")
     p.add_argument("dst", help="output directory, or a ucp URL with --to universal")
-    p.add_argument("--from", dest="from_", required=True, metavar="LAYOUT", help="layout of SRC (e.g. tp8pp4, tp2ep2), or 'universal'")
+    p.add_argument(
+        "--from",
+        dest="from_",
+        required=True,
+        metavar="LAYOUT",
+        help="layout of SRC (e.g. tp8pp4, tp2ep2), or 'universal'",
+    )
     p.add_argument("--to", required=True, metavar="LAYOUT", help="layout to write (e.g. tp4pp8), or 'universal'")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="true vocabulary size, when the Megatron args only know the padded one")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="true vocabulary size, when the Megatron args only know the padded one",
+    )
     p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
     p.add_argument("--step", type=int, default=None, help="ucp step to write or read (default: the iteration / latest)")
     _streaming(p)
@@ -127,10 +193,14 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("import", help="turn another framework's checkpoint into a ucp checkpoint")
     p.add_argument("src", help="Hugging Face directory (config.json + safetensors) or DCP directory")
     p.add_argument("url", help="ucp checkpoint root to write")
-    p.add_argument("--from", dest="from_", choices=("hf", "dcp"), default="hf", metavar="FORMAT", help="hf or dcp (default hf)")
+    p.add_argument(
+        "--from", dest="from_", choices=("hf", "dcp"), default="hf", metavar="FORMAT", help="hf or dcp (default hf)"
+    )
     p.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
-    p.add_argument("--config", default=None, help="DCP only: the model's Hugging Face config.json (default: SRC/config.json)")
+    p.add_argument(
+        "--config", default=None, help="DCP only: the model's Hugging Face config.json (default: SRC/config.json)"
+    )
     _streaming(p)
     _common(p)
     p.set_defaults(func=cmd_import)

@@ -53,11 +53,27 @@ from ucp.workpool import pack
 METADATA = ".metadata"
 _META_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
-    (_META_MODULE, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+    (_META_MODULE, n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -89,8 +105,12 @@ def read_metadata(root: Path) -> Any:
     if not isinstance(entries, dict):
         raise InteropError(f"{path} is not DCP metadata (it unpickles to a {type(metadata).__name__})")
     for fqn, entry in entries.items():
-        tensor_ok = isinstance(entry, TensorStorageMetadata) and isinstance(getattr(entry.properties, "dtype", None), torch.dtype) \
-            and isinstance(entry.size, tuple) and all(isinstance(n, int) and n >= 0 for n in entry.size)
+        tensor_ok = (
+            isinstance(entry, TensorStorageMetadata)
+            and isinstance(getattr(entry.properties, "dtype", None), torch.dtype)
+            and isinstance(entry.size, tuple)
+            and all(isinstance(n, int) and n >= 0 for n in entry.size)
+        )
         if not isinstance(fqn, str) or not (tensor_ok or isinstance(entry, BytesStorageMetadata)):
             raise InteropError(f"{path}: the entry {fqn!r:.80} is not a tensor's or an object's DCP metadata")
     return metadata
@@ -183,8 +203,10 @@ def plan_import(metadata: Any, config: Any, where: str) -> tuple[list[_Target], 
         elif mapped:
             targets.append(_Target(fqn, tuple(md.size), mapped))
     if unmapped:
-        raise SourceMismatchError(f"{where} holds tensors ucp cannot map to {family_for(config).name.capitalize()} atoms: {unmapped[:5]}"
-                                  f"{' ...' if len(unmapped) > 5 else ''}")
+        raise SourceMismatchError(
+            f"{where} holds tensors ucp cannot map to {family_for(config).name.capitalize()} atoms: {unmapped[:5]}"
+            f"{' ...' if len(unmapped) > 5 else ''}"
+        )
     covered = {a for t in targets for a in t.atoms}
     missing = [a for a in canonical_atoms(config) if a not in covered]
     if missing:
@@ -223,7 +245,9 @@ def _config(config: Any, root: Path) -> tuple[Any, dict[str, Any]]:
         return config, {}
     path = Path(config) if config is not None else root / "config.json"
     if not path.is_file():
-        raise InteropError(f"DCP checkpoints carry no model config: give one (a Hugging Face config.json); {path} does not exist")
+        raise InteropError(
+            f"DCP checkpoints carry no model config: give one (a Hugging Face config.json); {path} does not exist"
+        )
     return ucp_config_from_hf(json.loads(path.read_text()), str(path))
 
 
@@ -234,7 +258,9 @@ def _check_shapes(targets: list[_Target], config: Any, where: str) -> None:
         for atom, part in _split(t, torch.empty(t.shape, device="meta"), config).items():
             if tuple(part.shape) != expected[atom][0]:
                 what = "parameter" if t.state is None else t.state
-                raise InteropError(f"{where}: {what} of {atom} has shape {list(part.shape)}, the config implies {list(expected[atom][0])}")
+                raise InteropError(
+                    f"{where}: {what} of {atom} has shape {list(part.shape)}, the config implies {list(expected[atom][0])}"
+                )
 
 
 def _load_targets(root: Path, metadata: Any, targets: list[_Target], config: Any) -> dict[AtomKey, torch.Tensor]:
@@ -242,7 +268,9 @@ def _load_targets(root: Path, metadata: Any, targets: list[_Target], config: Any
     import torch.distributed.checkpoint as dcp
 
     with _quiet():
-        full = {t.fqn: torch.empty(t.shape, dtype=metadata.state_dict_metadata[t.fqn].properties.dtype) for t in targets}
+        full = {
+            t.fqn: torch.empty(t.shape, dtype=metadata.state_dict_metadata[t.fqn].properties.dtype) for t in targets
+        }
         dcp.load(full, storage_reader=_safe_reader(root), no_dist=True)
     return {(atom, t.state): part for t in targets for atom, part in _split(t, full.pop(t.fqn), config).items()}
 
@@ -251,10 +279,18 @@ def _first_dtype(metadata: Any, targets: list[_Target], state: str | None) -> to
     return next(metadata.state_dict_metadata[t.fqn].properties.dtype for t in targets if t.state == state)
 
 
-def import_dcp(src_dir: str | Path, url: str, *, config: Any | str | Path | None = None, step: int = 0,
-               dtype: str | torch.dtype | None = None, storage_options: dict[str, Any] | None = None,
-               memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = DEFAULT_WORKERS,
-               progress: bool = False) -> DcpImportReport:
+def import_dcp(
+    src_dir: str | Path,
+    url: str,
+    *,
+    config: Any | str | Path | None = None,
+    step: int = 0,
+    dtype: str | torch.dtype | None = None,
+    storage_options: dict[str, Any] | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool = False,
+) -> DcpImportReport:
     """A DCP checkpoint of a Mixtral model (written by dcp.save from any world size, DTensor/FSDP2 shards or
     plain tensors) becomes a ucp checkpoint in layout tp1pp1 that any layout can load: the parameters (cast to
     `dtype` if given) and, where present for every parameter, the per-element optimizer states (as stored).
@@ -273,8 +309,17 @@ def import_dcp(src_dir: str | Path, url: str, *, config: Any | str | Path | None
     groups = pack(sizes, group_limit(memory_budget))
     loads = [functools.partial(_load_targets, root, metadata, [by_fqn[f] for f in g], cfg) for g in groups]
     extra = {"hf_config": hf_fields, "source": {"format": "dcp", "path": str(root.absolute())}}
-    written = save_atoms(url, loads, step=step, model=ShardedModel(cfg, Layout(), optim_states=states), dtype_of=dtype_of,
-                         extra=extra, storage_options=storage_options, workers=workers, progress=progress)
+    written = save_atoms(
+        url,
+        loads,
+        step=step,
+        model=ShardedModel(cfg, Layout(), optim_states=states),
+        dtype_of=dtype_of,
+        extra=extra,
+        storage_options=storage_options,
+        workers=workers,
+        progress=progress,
+    )
     return DcpImportReport(step, len(canonical_atoms(cfg)), written, states, tuple(skipped))
 
 
@@ -302,9 +347,17 @@ def _atom_reading_planner(reader: CheckpointReader, cast: torch.dtype | None, ba
     return AtomReadingPlanner()
 
 
-def export_dcp(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None = None, step: int | str = "latest",
-               storage_options: dict[str, Any] | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-               workers: int = DEFAULT_WORKERS, progress: bool = False) -> DcpExportReport:
+def export_dcp(
+    url: str,
+    out_dir: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    step: int | str = "latest",
+    storage_options: dict[str, Any] | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool = False,
+) -> DcpExportReport:
     """Write a ucp checkpoint's parameters as a DCP checkpoint: a flat state dict of full tensors under their
     canonical (Hugging Face) names, which DCP loads into any world size and any sharding (DTensor / FSDP2).
 
@@ -326,11 +379,17 @@ def export_dcp(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None
     in_flight = max(max(m.nbytes, nbytes(placeholders[n])) for n, m in metas.items()) * 2  # the read, and its cast
     threads = max(1, min(workers, memory_budget // in_flight))
     written = sum(nbytes(t) for t in placeholders.values())
-    with staged_dir(out_dir) as tmp, _quiet(), progress_bar(sum(m.nbytes for m in metas.values()), "export dcp", progress) as bar:
+    with (
+        staged_dir(out_dir) as tmp,
+        _quiet(),
+        progress_bar(sum(m.nbytes for m in metas.values()), "export dcp", progress) as bar,
+    ):
         # staged_dir fsyncs every file before it publishes the directory
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, sync_files=False, thread_count=threads)
         dcp.save(placeholders, storage_writer=writer, planner=_atom_reading_planner(reader, cast, bar), no_dist=True)
         # DCP has no place for a model's config: a config.json beside its files carries it (what import reads)
         config_dtype = cast or dtypes.torch_dtype(next(iter(metas.values())).dtype)
-        (tmp / "config.json").write_text(json.dumps(hf_config_from_ucp(config, stored_hf_config(reader), config_dtype), indent=2) + "\n")
+        (tmp / "config.json").write_text(
+            json.dumps(hf_config_from_ucp(config, stored_hf_config(reader), config_dtype), indent=2) + "\n"
+        )
     return DcpExportReport(len(placeholders), written)

@@ -54,8 +54,16 @@ DEFAULT_SHARD_BYTES = 1 << 30
 
 # Keys that describe the file, not the model: never carried over.
 _FILE_KEYS = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
-_DENSE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "tie_word_embeddings")
+_DENSE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -74,21 +82,53 @@ class HfArch:
 
 
 _COMMON_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_dropout": 0.0}
-HF_ARCHS: dict[str, HfArch] = {a.model_type: a for a in (
-    HfArch("mixtral", "MixtralForCausalLM", MixtralConfig,
-           (*_DENSE_KEYS, "num_local_experts", "num_experts_per_tok"), requires={"hidden_act": "silu"},
-           defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 4096}),
-    HfArch("llama", "LlamaForCausalLM", LlamaConfig, _DENSE_KEYS,
-           requires={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
-           defaults={**_COMMON_DEFAULTS, "rope_theta": 5e5, "max_position_embeddings": 8192}),
-    HfArch("mistral", "MistralForCausalLM", LlamaConfig, _DENSE_KEYS, requires={"hidden_act": "silu"},
-           defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 32768}),
-    HfArch("qwen2", "Qwen2ForCausalLM", LlamaConfig, _DENSE_KEYS, implies={"attention_bias": True},
-           requires={"hidden_act": "silu"}, defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 32768}),
-    HfArch("qwen3", "Qwen3ForCausalLM", LlamaConfig, _DENSE_KEYS, implies={"qk_norm": True},
-           requires={"hidden_act": "silu", "attention_bias": False},
-           defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 40960}),
-)}
+HF_ARCHS: dict[str, HfArch] = {
+    a.model_type: a
+    for a in (
+        HfArch(
+            "mixtral",
+            "MixtralForCausalLM",
+            MixtralConfig,
+            (*_DENSE_KEYS, "num_local_experts", "num_experts_per_tok"),
+            requires={"hidden_act": "silu"},
+            defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 4096},
+        ),
+        HfArch(
+            "llama",
+            "LlamaForCausalLM",
+            LlamaConfig,
+            _DENSE_KEYS,
+            requires={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+            defaults={**_COMMON_DEFAULTS, "rope_theta": 5e5, "max_position_embeddings": 8192},
+        ),
+        HfArch(
+            "mistral",
+            "MistralForCausalLM",
+            LlamaConfig,
+            _DENSE_KEYS,
+            requires={"hidden_act": "silu"},
+            defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 32768},
+        ),
+        HfArch(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            LlamaConfig,
+            _DENSE_KEYS,
+            implies={"attention_bias": True},
+            requires={"hidden_act": "silu"},
+            defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 32768},
+        ),
+        HfArch(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            LlamaConfig,
+            _DENSE_KEYS,
+            implies={"qk_norm": True},
+            requires={"hidden_act": "silu", "attention_bias": False},
+            defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 40960},
+        ),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -142,12 +182,16 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[Any, dict[str, 
     names = doc.get("architectures") or []
     if arch is None or (names and arch.architecture not in names):
         known = ", ".join(f"{a.model_type} ({a.architecture})" for a in HF_ARCHS.values())
-        raise SourceMismatchError(f"{where} describes model_type={doc.get('model_type')!r} architectures={names}; "
-                                  f"ucp imports Hugging Face {known}")
+        raise SourceMismatchError(
+            f"{where} describes model_type={doc.get('model_type')!r} architectures={names}; "
+            f"ucp imports Hugging Face {known}"
+        )
     for key, value in arch.requires.items():
         if doc.get(key, value) != value:
-            raise SourceMismatchError(f"{where}: {key}={doc[key]!r}, but ucp's {arch.model_type} atoms hold {key}={value!r} "
-                                      "only (the weights that setting adds have no atom)")
+            raise SourceMismatchError(
+                f"{where}: {key}={doc[key]!r}, but ucp's {arch.model_type} atoms hold {key}={value!r} "
+                "only (the weights that setting adds have no atom)"
+            )
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if k not in doc]
     if missing:
@@ -166,9 +210,18 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[Any, dict[str, 
 # ---------------------------------------------------------------------------------------------- export
 
 # safetensors' dtype names (the header's "dtype" field)
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                       torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
 
@@ -195,7 +248,9 @@ class SafetensorsWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """The next tensor of the header, in order."""
         if (name, tensor.dtype, tuple(tensor.shape)) != self.specs[self.written]:
-            raise AssertionError(f"{self.path}: got {name} {tensor.dtype}{list(tensor.shape)}, expected {self.specs[self.written]}")
+            raise AssertionError(
+                f"{self.path}: got {name} {tensor.dtype}{list(tensor.shape)}, expected {self.specs[self.written]}"
+            )
         self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self.written += 1
 
@@ -213,10 +268,18 @@ def _read_cast(reader: CheckpointReader, names: list[str], dtype: torch.dtype) -
     return {n: tensors.pop(atom_path(n, None)).to(dtype) for n in names}
 
 
-def export_hf(url: str, out_dir: str | Path, *, dtype: str | torch.dtype | None = None, step: int | str = "latest",
-              storage_options: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              memory_budget: int = DEFAULT_MEMORY_BUDGET, workers: int = DEFAULT_WORKERS,
-              progress: bool = False) -> ExportReport:
+def export_hf(
+    url: str,
+    out_dir: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    step: int | str = "latest",
+    storage_options: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool = False,
+) -> ExportReport:
     """Write the parameters of a ucp checkpoint as a Hugging Face Mixtral directory (config.json, safetensors
     files of at most `max_shard_bytes` and their index). Tensors stream through in groups that fit
     `memory_budget` (`workers` reads at once; each file is written tensor by tensor, the next group read
@@ -306,7 +369,9 @@ def open_hf(src_dir: str | Path) -> HfSource:
         with safe_open(str(root / SINGLE_NAME), framework="pt") as f:
             weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
     else:
-        raise InteropError(f"{root} has neither {INDEX_NAME} nor {SINGLE_NAME} (only safetensors are imported, never pickles)")
+        raise InteropError(
+            f"{root} has neither {INDEX_NAME} nor {SINGLE_NAME} (only safetensors are imported, never pickles)"
+        )
     for fname in sorted(set(weight_map.values())):
         if not (root / fname).is_file():
             raise InteropError(f"{root}/{INDEX_NAME} names {fname}, which is missing")
@@ -349,13 +414,17 @@ def _stored_atoms(src: HfSource) -> Iterator[tuple[str, StoredAtom]]:
                 header = f.get_slice(name)
                 dtype = _TORCH_DTYPES.get(header.get_dtype())
                 if dtype is None:
-                    raise InteropError(f"{src.root / fname}: tensor {name} has dtype {header.get_dtype()}, which ucp does not import")
+                    raise InteropError(
+                        f"{src.root / fname}: tensor {name} has dtype {header.get_dtype()}, which ucp does not import"
+                    )
                 whole = StoredAtom(fname, name, (), tuple(header.get_shape()), dtype)
                 if m := _ROUTER.fullmatch(name):
                     yield f"model.layers.{m[1]}.block_sparse_moe.gate.weight", whole
                 elif m := _FUSED.fullmatch(name):
                     if len(whole.shape) != 3:
-                        raise InteropError(f"{src.root}: tensor {name} has shape {list(whole.shape)}, but fused experts are 3-d")
+                        raise InteropError(
+                            f"{src.root}: tensor {name} has shape {list(whole.shape)}, but fused experts are 3-d"
+                        )
                     base = f"model.layers.{m[1]}.block_sparse_moe.experts."
                     for x in range(whole.shape[0]):
                         if m[2] == "gate_up_proj":
@@ -380,15 +449,21 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
             unexpected.append(name)
             continue
         if stored.shape != expected[name]:
-            raise InteropError(f"{src.root}: tensor {name} has shape {list(stored.shape)}, but config.json implies {list(expected[name])}")
+            raise InteropError(
+                f"{src.root}: tensor {name} has shape {list(stored.shape)}, but config.json implies {list(expected[name])}"
+            )
         located[name] = stored
     if unexpected:
-        raise SourceMismatchError(f"{src.root} holds tensors a {type(src.config).__name__} model does not have: {unexpected[:5]}"
-                                  f"{' ...' if len(unexpected) > 5 else ''}")
+        raise SourceMismatchError(
+            f"{src.root} holds tensors a {type(src.config).__name__} model does not have: {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}"
+        )
     missing = [n for n in expected if n not in located]
     if missing:
-        raise InteropError(f"{src.root} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                           f"({len(missing)} of {len(expected)} missing)")
+        raise InteropError(
+            f"{src.root} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)} of {len(expected)} missing)"
+        )
     return located
 
 
@@ -406,9 +481,17 @@ def read_stored_atoms(root: Path, atoms: dict[str, StoredAtom]) -> dict[AtomKey,
     return out
 
 
-def import_hf(src_dir: str | Path, url: str, *, step: int = 0, dtype: str | torch.dtype | None = None,
-              storage_options: dict[str, Any] | None = None, memory_budget: int = DEFAULT_MEMORY_BUDGET,
-              workers: int = DEFAULT_WORKERS, progress: bool = False) -> ImportReport:
+def import_hf(
+    src_dir: str | Path,
+    url: str,
+    *,
+    step: int = 0,
+    dtype: str | torch.dtype | None = None,
+    storage_options: dict[str, Any] | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool = False,
+) -> ImportReport:
     """Write an HF Mixtral checkpoint as a weights-only ucp checkpoint (layout tp1pp1, no optimizer state) that
     any layout can load with ucp.distributed.load_sharded or ucp.interop.weights.load_weights.
 
@@ -420,7 +503,15 @@ def import_hf(src_dir: str | Path, url: str, *, step: int = 0, dtype: str | torc
     groups = pack({n: s.nbytes for n, s in located.items()}, group_limit(memory_budget))
     loads = [functools.partial(read_stored_atoms, src.root, {n: located[n] for n in g}) for g in groups]
     extra = {"hf_config": src.hf_extra, "source": {"format": "huggingface", "path": str(src.root.absolute())}}
-    written = save_atoms(url, loads, step=step, model=ShardedModel(src.config, Layout(), optim_states=()),
-                         dtype_of={None: param_dtype}, extra=extra, storage_options=storage_options, workers=workers,
-                         progress=progress)
+    written = save_atoms(
+        url,
+        loads,
+        step=step,
+        model=ShardedModel(src.config, Layout(), optim_states=()),
+        dtype_of={None: param_dtype},
+        extra=extra,
+        storage_options=storage_options,
+        workers=workers,
+        progress=progress,
+    )
     return ImportReport(step, len(located), written)

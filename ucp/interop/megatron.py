@@ -69,7 +69,13 @@ CHECKPOINT_VERSION = 3.0
 UNIVERSAL = "universal"
 # Megatron-Core linear layers carry an `_extra_state` entry (None with the local spec, FP8 metadata with TE);
 # a strict load_state_dict needs it present.
-_EXTRA_STATE_OWNERS = ("self_attention.linear_qkv", "self_attention.linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+_EXTRA_STATE_OWNERS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "linear_fc1",
+    "linear_fc2",
+    "output_layer",
+)
 
 # ------------------------------------------------------------------------------------------- safe loading
 
@@ -90,8 +96,11 @@ def _foreign_enum(qualname: str) -> Callable[[Any], ForeignEnum]:
     return make
 
 
-_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.enums.ModelType",
-          "megatron.core.transformer.enums.AttnMaskType")
+_ENUMS = (
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.enums.ModelType",
+    "megatron.core.transformer.enums.AttnMaskType",
+)
 
 
 def _allowlist() -> list[Any]:
@@ -103,8 +112,16 @@ def _allowlist() -> list[Any]:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    allowed: list[Any] = [argparse.Namespace, io.BytesIO, (_reconstruct, "numpy.core.multiarray._reconstruct"),
-                          _reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)), type(np.dtype(np.float64))]
+    allowed: list[Any] = [
+        argparse.Namespace,
+        io.BytesIO,
+        (_reconstruct, "numpy.core.multiarray._reconstruct"),
+        _reconstruct,
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+        type(np.dtype(np.float64)),
+    ]
     allowed += [(_foreign_enum(q), q) for q in _ENUMS]
     return allowed
 
@@ -120,7 +137,9 @@ def _per_element(path: tuple[Any, ...], t: torch.Tensor) -> bool:
     return _is_chunk(path[0]) or (path[0] == "optimizer" and t.dim() > 0 and "grad_scaler" not in path)
 
 
-def _resolve(tree: Any, file: TorchFile, lazy: Callable[[tuple[Any, ...], torch.Tensor], bool], path: tuple[Any, ...] = ()) -> Any:
+def _resolve(
+    tree: Any, file: TorchFile, lazy: Callable[[tuple[Any, ...], torch.Tensor], bool], path: tuple[Any, ...] = ()
+) -> Any:
     """`tree` with every meta tensor that `lazy` does not keep read from `file`."""
     if isinstance(tree, torch.Tensor):
         return file.read(tree) if tree.device.type == "meta" and not lazy(path, tree) else tree
@@ -141,11 +160,15 @@ def open_rank_file(path: Path) -> tuple[dict[str, Any], TorchFile]:
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
         unsupported = next((line for line in first if "Unsupported global" in line), first[0] if first else "")
-        raise InteropError(f"{path}: refused to unpickle a type outside the allowlist ({unsupported.strip()})") from None
+        raise InteropError(
+            f"{path}: refused to unpickle a type outside the allowlist ({unsupported.strip()})"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise InteropError(f"{path} is not a readable torch checkpoint: {e}") from None
     if not isinstance(data, dict) or not any(_is_chunk(k) for k in data):
-        raise InteropError(f"{path} holds no 'model' state dict (keys: {sorted(data) if isinstance(data, dict) else type(data).__name__})")
+        raise InteropError(
+            f"{path} holds no 'model' state dict (keys: {sorted(data) if isinstance(data, dict) else type(data).__name__})"
+        )
     return data, file
 
 
@@ -165,13 +188,19 @@ def parse_megatron_layout(text: str) -> Layout:
     """tp{T}[pp{P}][vpp{V}][ep{E}]: what a Megatron torch checkpoint's files are split by (DP is not saved)."""
     m = _MEGATRON_LAYOUT.fullmatch(text.strip().lower())
     if m is None:
-        raise LayoutError(f"malformed Megatron layout {text!r}: expected tp{{T}}[pp{{P}}][vpp{{V}}][ep{{E}}] (e.g. tp4pp8, tp2ep4) or 'universal'")
+        raise LayoutError(
+            f"malformed Megatron layout {text!r}: expected tp{{T}}[pp{{P}}][vpp{{V}}][ep{{E}}] (e.g. tp4pp8, tp2ep4) or 'universal'"
+        )
     tp, pp, vpp, ep = (int(g) if g else 1 for g in m.groups())
     return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
 
 
 def megatron_name(layout: Layout) -> str:
-    return f"tp{layout.tp}pp{layout.pp}" + (f"vpp{layout.vpp}" if layout.vpp > 1 else "") + (f"ep{layout.ep}" if layout.ep > 1 else "")
+    return (
+        f"tp{layout.tp}pp{layout.pp}"
+        + (f"vpp{layout.vpp}" if layout.vpp > 1 else "")
+        + (f"ep{layout.ep}" if layout.ep > 1 else "")
+    )
 
 
 def rank_dirname(layout: Layout, tp: int, pp: int, ep: int) -> str:
@@ -186,8 +215,12 @@ def rank_dirname(layout: Layout, tp: int, pp: int, ep: int) -> str:
 
 def rank_files(layout: Layout) -> dict[str, int]:
     """Rank directory name -> ucp rank (tp=t, dp=e, pp=p) for every file of a layout."""
-    return {rank_dirname(layout, t, p, e): layout.rank(t, e, p)
-            for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)}
+    return {
+        rank_dirname(layout, t, p, e): layout.rank(t, e, p)
+        for p in range(layout.pp)
+        for e in range(layout.ep)
+        for t in range(layout.tp)
+    }
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -206,7 +239,9 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
     experts = _arg(args, "num_experts", 0)
     family = "Mixtral" if experts else "Llama"
     if not _arg(args, "swiglu", False):
-        raise InteropError(f"{where}: args.swiglu is off; ucp's {family} family is SwiGLU (gate/up fused in linear_fc1)")
+        raise InteropError(
+            f"{where}: args.swiglu is off; ucp's {family} family is SwiGLU (gate/up fused in linear_fc1)"
+        )
     if _arg(args, "add_bias_linear", False):
         raise InteropError(f"{where}: linear biases (add_bias_linear) have no {family} atom")
     if experts and _arg(args, "add_qkv_bias", False):
@@ -218,24 +253,40 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
     vocab = vocab_size or _arg(args, "vocab_size") or _arg(args, "padded_vocab_size")
     if vocab is None:
         raise InteropError(f"{where}: args has neither vocab_size nor padded_vocab_size")
-    shape = {"vocab_size": int(vocab), "hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers,
-             "num_attention_heads": heads, "num_key_value_heads": groups,
-             "head_dim": _arg(args, "kv_channels") or args.hidden_size // heads,
-             "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
-             "make_vocab_size_divisible_by": _arg(args, "make_vocab_size_divisible_by", 128)}
+    shape = {
+        "vocab_size": int(vocab),
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": _arg(args, "kv_channels") or args.hidden_size // heads,
+        "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
+        "make_vocab_size_divisible_by": _arg(args, "make_vocab_size_divisible_by", 128),
+    }
     if experts:
-        config: Any = MixtralConfig(intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
-                                    num_local_experts=experts, num_experts_per_tok=_arg(args, "moe_router_topk", 2), **shape)
+        config: Any = MixtralConfig(
+            intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
+            num_local_experts=experts,
+            num_experts_per_tok=_arg(args, "moe_router_topk", 2),
+            **shape,
+        )
     else:
-        config = LlamaConfig(intermediate_size=args.ffn_hidden_size, attention_bias=bool(_arg(args, "add_qkv_bias", False)),
-                             qk_norm=bool(_arg(args, "qk_layernorm", False)), **shape)
+        config = LlamaConfig(
+            intermediate_size=args.ffn_hidden_size,
+            attention_bias=bool(_arg(args, "add_qkv_bias", False)),
+            qk_norm=bool(_arg(args, "qk_layernorm", False)),
+            **shape,
+        )
     return config, hf_fields_from_args(args, where)
 
 
 # Hugging Face config fields that Megatron's args carry, by their Megatron names (RoPE's base is handled apart: HF
 # keeps it as rope_theta or, with transformers >= 5, in rope_parameters).
-_HF_ARGS = {"rms_norm_eps": "norm_epsilon", "max_position_embeddings": "max_position_embeddings",
-            "router_aux_loss_coef": "moe_aux_loss_coeff"}
+_HF_ARGS = {
+    "rms_norm_eps": "norm_epsilon",
+    "max_position_embeddings": "max_position_embeddings",
+    "router_aux_loss_coef": "moe_aux_loss_coeff",
+}
 # Where a Megatron checkpoint written by ucp keeps the whole Hugging Face config, JSON in one string argument, so
 # that what Megatron's args have no name for (token ids, sliding window, router jitter, ...) comes back too.
 HF_CONFIG_ARG = "ucp_hf_config"
@@ -276,19 +327,43 @@ def args_for(config: Any, layout: Layout, base: Any = None, hf: Mapping[str, Any
     """Megatron args for a target layout: the source's args with the parallel sizes replaced, or (from a ucp
     checkpoint) the model-shape arguments Megatron-LM checks on load."""
     moe = isinstance(config, MixtralConfig)
-    family_args = ({"moe_ffn_hidden_size": config.intermediate_size, "num_experts": config.num_local_experts,
-                    "moe_router_topk": config.num_experts_per_tok} if moe else
-                   {"num_experts": None, "add_qkv_bias": config.attention_bias, "qk_layernorm": config.qk_norm})
-    out = argparse.Namespace(**vars(base)) if base is not None else argparse.Namespace(
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        group_query_attention=config.num_key_value_heads != config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim, **family_args,
-        swiglu=True, add_bias_linear=False, normalization="RMSNorm",
-        position_embedding_type="rope", untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-        vocab_size=config.vocab_size, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-        rotary_base=rope_theta(hf or {}) or 10000, norm_epsilon=(hf or {}).get("rms_norm_eps", 1e-5),
-        **{name: (hf or {})[hf_name] for hf_name, name in _HF_ARGS.items() if hf_name != "rms_norm_eps" and hf_name in (hf or {})})
+    family_args = (
+        {
+            "moe_ffn_hidden_size": config.intermediate_size,
+            "num_experts": config.num_local_experts,
+            "moe_router_topk": config.num_experts_per_tok,
+        }
+        if moe
+        else {"num_experts": None, "add_qkv_bias": config.attention_bias, "qk_layernorm": config.qk_norm}
+    )
+    out = (
+        argparse.Namespace(**vars(base))
+        if base is not None
+        else argparse.Namespace(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size,
+            num_attention_heads=config.num_attention_heads,
+            group_query_attention=config.num_key_value_heads != config.num_attention_heads,
+            num_query_groups=config.num_key_value_heads,
+            kv_channels=config.head_dim,
+            **family_args,
+            swiglu=True,
+            add_bias_linear=False,
+            normalization="RMSNorm",
+            position_embedding_type="rope",
+            untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+            vocab_size=config.vocab_size,
+            make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+            rotary_base=rope_theta(hf or {}) or 10000,
+            norm_epsilon=(hf or {}).get("rms_norm_eps", 1e-5),
+            **{
+                name: (hf or {})[hf_name]
+                for hf_name, name in _HF_ARGS.items()
+                if hf_name != "rms_norm_eps" and hf_name in (hf or {})
+            },
+        )
+    )
     if hf is not None:
         out.ucp_hf_config = json.dumps(hf, sort_keys=True)  # everything, for the way back (HF_CONFIG_ARG)
     m = config.make_vocab_size_divisible_by * layout.tp
@@ -344,8 +419,9 @@ class MegatronSource:
         """The ucp local state of a rank: its model chunk dicts without Megatron's _extra_state entries, and its
         optimizer state when the files hold one."""
         data = self.files[rank]
-        local: dict[str, Any] = {k: {n: t for n, t in data[k].items() if not n.endswith("._extra_state")}
-                                 for k in data if _is_chunk(k)}
+        local: dict[str, Any] = {
+            k: {n: t for n, t in data[k].items() if not n.endswith("._extra_state")} for k in data if _is_chunk(k)
+        }
         if self.optimizer is not None:
             local["optimizer"] = {"state": self.optim_state[rank]}
         return local
@@ -372,12 +448,16 @@ def _iteration(root: Path, iteration: int | None) -> tuple[int, Path]:
 
 
 def _guess_layout(names: set[str], args: Any) -> str:
-    tp, pp, ep = (_arg(args, k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"))
+    tp, pp, ep = (
+        _arg(args, k, 1)
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+    )
     return f"args say tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "") + f"; {len(names)} rank directories"
 
 
-def open_megatron(src: str | Path, layout: str | Layout, *, iteration: int | None = None,
-                  vocab_size: int | None = None) -> MegatronSource:
+def open_megatron(
+    src: str | Path, layout: str | Layout, *, iteration: int | None = None, vocab_size: int | None = None
+) -> MegatronSource:
     """Open a Megatron torch checkpoint that `layout` (e.g. "tp2pp2ep2") must describe exactly."""
     root = Path(src)
     if (root / "zarr.json").is_file():
@@ -396,30 +476,55 @@ def open_megatron(src: str | Path, layout: str | Layout, *, iteration: int | Non
         raise InteropError(f"missing rank file {probe}")
     first, first_reader = open_rank_file(probe)
     args = first.get("args")
-    saved = tuple(_arg(args, k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                               "expert_model_parallel_size", "virtual_pipeline_model_parallel_size"))
+    saved = tuple(
+        _arg(args, k, 1)
+        for k in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+        )
+    )
     if args is not None and saved != (want.tp, want.pp, want.ep, want.vpp):
-        raise SourceMismatchError(f"--from {megatron_name(want)} does not match {root}: its args say "
-                                  f"tp{saved[0]}pp{saved[1]}" + (f"vpp{saved[3]}" if saved[3] > 1 else "")
-                                  + (f"ep{saved[2]}" if saved[2] > 1 else ""))
+        raise SourceMismatchError(
+            f"--from {megatron_name(want)} does not match {root}: its args say "
+            f"tp{saved[0]}pp{saved[1]}"
+            + (f"vpp{saved[3]}" if saved[3] > 1 else "")
+            + (f"ep{saved[2]}" if saved[2] > 1 else "")
+        )
     stray = sorted(present - set(expected))
     if stray:
-        raise SourceMismatchError(f"--from {megatron_name(want)} does not match {iter_dir}: unexpected rank directories "
-                                  f"{stray[:4]} ({_guess_layout(present, args)})")
+        raise SourceMismatchError(
+            f"--from {megatron_name(want)} does not match {iter_dir}: unexpected rank directories "
+            f"{stray[:4]} ({_guess_layout(present, args)})"
+        )
     missing = sorted(set(expected) - present) + sorted(n for n in present if not (iter_dir / n / RANK_FILE).is_file())
     if missing:
-        raise InteropError(f"{iter_dir} is incomplete: missing rank file(s) {[f'{n}/{RANK_FILE}' for n in missing[:4]]}"
-                           f"{' ...' if len(missing) > 4 else ''} of the {len(expected)} that {megatron_name(want)} has")
+        raise InteropError(
+            f"{iter_dir} is incomplete: missing rank file(s) {[f'{n}/{RANK_FILE}' for n in missing[:4]]}"
+            f"{' ...' if len(missing) > 4 else ''} of the {len(expected)} that {megatron_name(want)} has"
+        )
     config, hf = config_from_args(args, str(probe), vocab_size)
     paths = {rank: iter_dir / name / RANK_FILE for name, rank in expected.items()}
     distributed = [p.parent / DISTRIB_OPTIM_FILE for p in paths.values() if (p.parent / DISTRIB_OPTIM_FILE).exists()]
     if distributed:
-        raise InteropError(f"{distributed[0]}: a distributed optimizer's state, which ucp does not convert (its flat "
-                           f"buffers depend on DP and bucketing); save with the non-distributed optimizer, or convert "
-                           f"the weights only from a copy without {DISTRIB_OPTIM_FILE}")
+        raise InteropError(
+            f"{distributed[0]}: a distributed optimizer's state, which ucp does not convert (its flat "
+            f"buffers depend on DP and bucketing); save with the non-distributed optimizer, or convert "
+            f"the weights only from a copy without {DISTRIB_OPTIM_FILE}"
+        )
     opened = {rank: ((first, first_reader) if path == probe else open_rank_file(path)) for rank, path in paths.items()}
-    source = MegatronSource(root, it, want, config, args, hf, {r: d for r, (d, _) in opened.items()}, paths,
-                            {r: f for r, (_, f) in opened.items()})
+    source = MegatronSource(
+        root,
+        it,
+        want,
+        config,
+        args,
+        hf,
+        {r: d for r, (d, _) in opened.items()},
+        paths,
+        {r: f for r, (_, f) in opened.items()},
+    )
     _check_shapes(source)
     _read_optimizer(source)
     return source
@@ -434,7 +539,9 @@ def _read_optimizer(source: MegatronSource) -> None:
         lacking = source.paths[min(set(source.files) - has)]
         raise InteropError(f"{lacking} has no 'optimizer' entry, but other rank files have one")
     for rank in sorted(source.files):
-        state, meta = read_optimizer(source.files[rank]["optimizer"], source.config, source.layout, rank, str(source.paths[rank]))
+        state, meta = read_optimizer(
+            source.files[rank]["optimizer"], source.config, source.layout, rank, str(source.paths[rank])
+        )
         source.optim_state[rank] = state
         source.optimizer = meta if source.optimizer is None else source.optimizer.merge(meta, str(source.paths[rank]))
 
@@ -451,8 +558,10 @@ def _check_shapes(source: MegatronSource) -> None:
             if t is None:
                 raise InteropError(f"{path}: missing tensor {chunk}/{name}")
             if tuple(t.shape) != lt.shape:
-                raise InteropError(f"{path}: {chunk}/{name} has shape {list(t.shape)}, but the other ranks and the args "
-                                   f"imply {list(lt.shape)} for {megatron_name(source.layout)}")
+                raise InteropError(
+                    f"{path}: {chunk}/{name} has shape {list(t.shape)}, but the other ranks and the args "
+                    f"imply {list(lt.shape)} for {megatron_name(source.layout)}"
+                )
         extra = sorted(f"{c}/{n}" for c, tensors in local.items() for n in tensors if (c, n) not in names)
         if extra:
             raise InteropError(f"{path}: tensors ucp cannot map to Mixtral atoms: {extra[:4]}")
@@ -511,7 +620,9 @@ class _PieceIndex:
             self.fill_box(p.atom, lt.state, p.atom_box, piece_view(out, p), cache)
         return out
 
-    def atom(self, atom: str, state: str | None, shape: tuple[int, ...], dtype: torch.dtype, cache: SourceCache) -> torch.Tensor:
+    def atom(
+        self, atom: str, state: str | None, shape: tuple[int, ...], dtype: torch.dtype, cache: SourceCache
+    ) -> torch.Tensor:
         """A whole atom (or one optimizer state of it), read from the source files."""
         out = torch.empty(shape, dtype=dtype)
         self.fill_box(atom, state, tuple((0, n) for n in shape), out, cache)
@@ -545,7 +656,11 @@ class _TargetFiles:
         return self.optimizer.states if self.optimizer is not None else ()
 
     def content(self, name: str, rank: int, local: dict[str, Any]) -> dict[str, Any]:
-        data: dict[str, Any] = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": self.iteration}
+        data: dict[str, Any] = {
+            "args": self.args,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": self.iteration,
+        }
         data.update({k: _with_extra_state(v) for k, v in local.items() if k != "optimizer"})
         if self.optimizer is not None:
             state = local.get("optimizer", {}).get("state", {})  # none before the optimizer's first step
@@ -560,7 +675,9 @@ class _TargetFiles:
 Produce = Callable[[int, LocalTensor], torch.Tensor]  # (target rank, local tensor) -> its values
 
 
-def _deferred_local(target: _TargetFiles, rank: int, produce: Produce, dtype_of: Callable[[LocalTensor], torch.dtype]) -> dict[str, Any]:
+def _deferred_local(
+    target: _TargetFiles, rank: int, produce: Produce, dtype_of: Callable[[LocalTensor], torch.dtype]
+) -> dict[str, Any]:
     """A target rank's local state whose tensors are produced only when their records are written."""
     local: dict[str, Any] = {}
     for lt in local_plan(target.config, target.layout, rank, target.states):
@@ -568,8 +685,15 @@ def _deferred_local(target: _TargetFiles, rank: int, produce: Produce, dtype_of:
     return local
 
 
-def _write_megatron(dst: str | Path, target: _TargetFiles, produce: Produce, dtype_of: Callable[[LocalTensor], torch.dtype],
-                    memory_budget: int, workers: int, progress: bool) -> tuple[int, int]:
+def _write_megatron(
+    dst: str | Path,
+    target: _TargetFiles,
+    produce: Produce,
+    dtype_of: Callable[[LocalTensor], torch.dtype],
+    memory_budget: int,
+    workers: int,
+    progress: bool,
+) -> tuple[int, int]:
     """Write every rank file of the target layout, tensor by tensor (torch_file.save); DST appears only when
     whole. A file being written holds one target tensor and the source tensors it is made from, so as many files
     are written at once as groups of the largest tensor fit in the budget (streaming.group_limit).
@@ -580,7 +704,10 @@ def _write_megatron(dst: str | Path, target: _TargetFiles, produce: Produce, dty
     locals_ = {rank: _deferred_local(target, rank, produce, dtype_of) for rank in files.values()}
     biggest = max(d.nbytes for local in locals_.values() for d in _deferred(local))
     parallel = max(1, min(workers, group_limit(memory_budget) // max(biggest, 1)))
-    with staged_dir(dst) as tmp, tqdm(total=len(files), desc="write rank files", unit="file", disable=not progress) as bar:
+    with (
+        staged_dir(dst) as tmp,
+        tqdm(total=len(files), desc="write rank files", unit="file", disable=not progress) as bar,
+    ):
         iter_dir = tmp / f"iter_{target.iteration:07d}"
 
         def one(name: str, rank: int) -> None:
@@ -619,7 +746,11 @@ def _jsonable(args: Any) -> dict[str, Any]:
     for k, v in vars(args).items():
         if isinstance(v, ForeignEnum):
             v = v.value
-        if v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, list) and all(isinstance(x, (int, float, str)) for x in v)):
+        if (
+            v is None
+            or isinstance(v, (bool, int, float, str))
+            or (isinstance(v, list) and all(isinstance(x, (int, float, str)) for x in v))
+        ):
             out[k] = v
         elif isinstance(v, torch.dtype):
             out[k] = str(v)
@@ -630,9 +761,16 @@ def _universal_extra(source: MegatronSource) -> dict[str, Any]:
     """The JSON (and small tensors) a Megatron -> ucp conversion stores beside the atoms. `optimizer_step` is
     where ucp's trainer keeps the optimizer's step counter; `megatron_optimizer` holds what writing the optimizer
     entry back needs (kind, per-parameter entries, param-group hyperparameters, grad scaler)."""
-    extra: dict[str, Any] = {"hf_config": source.hf, "megatron_args": _jsonable(source.args),
-                             "source": {"format": "megatron", "path": str(source.root.absolute()),
-                                        "iteration": source.iteration, "layout": megatron_name(source.layout)}}
+    extra: dict[str, Any] = {
+        "hf_config": source.hf,
+        "megatron_args": _jsonable(source.args),
+        "source": {
+            "format": "megatron",
+            "path": str(source.root.absolute()),
+            "iteration": source.iteration,
+            "layout": megatron_name(source.layout),
+        },
+    }
     if source.scheduler is not None:
         extra["opt_param_scheduler"] = source.scheduler
     if source.optimizer is not None:
@@ -645,34 +783,63 @@ def _universal_extra(source: MegatronSource) -> dict[str, Any]:
 def _source_dtypes(source: MegatronSource) -> dict[str | None, torch.dtype]:
     """The dtype of the parameters and of each optimizer state in the source files (those of rank 0)."""
     local = source.local_state(0)
-    return {lt.state: local_tensor(local, lt.key).dtype for lt in local_plan(source.config, source.layout, 0, source.states)}
+    return {
+        lt.state: local_tensor(local, lt.key).dtype for lt in local_plan(source.config, source.layout, 0, source.states)
+    }
 
 
-def _to_universal(source: MegatronSource, url: str, step: int, storage_options: dict[str, Any] | None,
-                  memory_budget: int, workers: int, progress: bool) -> ConvertReport:
+def _to_universal(
+    source: MegatronSource,
+    url: str,
+    step: int,
+    storage_options: dict[str, Any] | None,
+    memory_budget: int,
+    workers: int,
+    progress: bool,
+) -> ConvertReport:
     """Megatron -> ucp, written in layout tp1pp1 by `streaming.save_atoms`: atoms move in groups within the
     budget, each atom filled from the source regions holding it; a group's source tensors are read from their
     files and dropped with the group."""
     index = _PieceIndex.of(source)
     dtype_of = _source_dtypes(source)
     shapes = {name: tuple(shape) for name, (shape, _) in canonical_atoms(source.config).items()}
-    sizes = {(a, s): math.prod(shape) * dtype_of[s].itemsize for a, shape in shapes.items() for s in (None, *source.states)}
+    sizes = {
+        (a, s): math.prod(shape) * dtype_of[s].itemsize for a, shape in shapes.items() for s in (None, *source.states)
+    }
 
     def load(keys: list[AtomKey]) -> dict[AtomKey, torch.Tensor]:
         cache: SourceCache = {}
         return {(a, s): index.atom(a, s, shapes[a], dtype_of[s], cache) for a, s in keys}
 
-    written = save_atoms(url, [functools.partial(load, keys) for keys in pack(sizes, group_limit(memory_budget))],
-                         step=step, model=ShardedModel(source.config, Layout(), optim_states=source.states),
-                         dtype_of=dtype_of, extra=_universal_extra(source), storage_options=storage_options,
-                         workers=workers, progress=progress)
+    written = save_atoms(
+        url,
+        [functools.partial(load, keys) for keys in pack(sizes, group_limit(memory_budget))],
+        step=step,
+        model=ShardedModel(source.config, Layout(), optim_states=source.states),
+        dtype_of=dtype_of,
+        extra=_universal_extra(source),
+        storage_options=storage_options,
+        workers=workers,
+        progress=progress,
+    )
     dropped = ("rng_state",) if "rng_state" in source.files[0] else ()  # per rank: no layout-free form
     return ConvertReport(str(source.root), url, len(shapes), 0, written, dropped)
 
 
-def convert(src: str, dst: str, *, from_layout: str, to_layout: str, step: int | None = None, iteration: int | None = None,
-            memory_budget: int = 4 << 30, workers: int = 8, storage_options: dict[str, Any] | None = None,
-            progress: bool = False, vocab_size: int | None = None) -> ConvertReport:
+def convert(
+    src: str,
+    dst: str,
+    *,
+    from_layout: str,
+    to_layout: str,
+    step: int | None = None,
+    iteration: int | None = None,
+    memory_budget: int = 4 << 30,
+    workers: int = 8,
+    storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
+    vocab_size: int | None = None,
+) -> ConvertReport:
     """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
     or from (`from_layout="universal"`) a ucp checkpoint. Carried: model weights, the non-distributed optimizer's
     state, opt_param_scheduler and the iteration; rng_state only into the source's own layout. What is not
@@ -683,12 +850,15 @@ def convert(src: str, dst: str, *, from_layout: str, to_layout: str, step: int |
         return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress)
     source = open_megatron(src, from_layout, iteration=iteration, vocab_size=vocab_size)
     if to_layout == UNIVERSAL:
-        return _to_universal(source, dst, source.iteration if step is None else step, storage_options, memory_budget,
-                             workers, progress)
+        return _to_universal(
+            source, dst, source.iteration if step is None else step, storage_options, memory_budget, workers, progress
+        )
     return _reshard(source, dst, parse_megatron_layout(to_layout), memory_budget, workers, progress)
 
 
-def _reshard(source: MegatronSource, dst: str, layout: Layout, memory_budget: int, workers: int, progress: bool) -> ConvertReport:
+def _reshard(
+    source: MegatronSource, dst: str, layout: Layout, memory_budget: int, workers: int, progress: bool
+) -> ConvertReport:
     """Megatron -> Megatron: each target tensor (parameter or optimizer state) filled from the source regions."""
     local_plan(source.config, layout, 0, ())  # the layout fits the model, before anything is written
     index = _PieceIndex.of(source)
@@ -697,40 +867,80 @@ def _reshard(source: MegatronSource, dst: str, layout: Layout, memory_budget: in
     has_rng = all("rng_state" in f for f in source.files.values())
     same = megatron_name(layout) == megatron_name(source.layout)
     rng = {name: source.files[r]["rng_state"] for name, r in rank_files(layout).items()} if has_rng and same else None
-    target = _TargetFiles(source.config, layout, args_for(source.config, layout, base=source.args), source.iteration,
-                          source.optimizer, source.scheduler, rng)
-    files, written = _write_megatron(dst, target, lambda _rank, lt: index.local(lt, dtype_of[lt.state]),
-                                     lambda lt: dtype_of[lt.state], memory_budget, workers, progress)
+    target = _TargetFiles(
+        source.config,
+        layout,
+        args_for(source.config, layout, base=source.args),
+        source.iteration,
+        source.optimizer,
+        source.scheduler,
+        rng,
+    )
+    files, written = _write_megatron(
+        dst,
+        target,
+        lambda _rank, lt: index.local(lt, dtype_of[lt.state]),
+        lambda lt: dtype_of[lt.state],
+        memory_budget,
+        workers,
+        progress,
+    )
     dropped = ("rng_state",) if has_rng and not same else ()
     return ConvertReport(str(source.root), str(dst), len(canonical_atoms(source.config)), files, written, dropped)
 
 
-def _from_universal(src: str, dst: str, to_layout: str, step: int | None, storage_options: dict[str, Any] | None,
-                    memory_budget: int, workers: int, progress: bool) -> ConvertReport:
+def _from_universal(
+    src: str,
+    dst: str,
+    to_layout: str,
+    step: int | None,
+    storage_options: dict[str, Any] | None,
+    memory_budget: int,
+    workers: int,
+    progress: bool,
+) -> ConvertReport:
     """ucp -> Megatron: each target rank's local state read straight from the atoms. The optimizer entry is
     written when the checkpoint came from Megatron with one (its `megatron_optimizer` says how to build it);
     optimizer state without it (e.g. from ucp's trainer: no Megatron param groups to rebuild) is dropped."""
     reader = _open_universal(src, step, storage_options)
     config = model_config_of(reader)
     if not isinstance(config, (MixtralConfig, LlamaConfig)):
-        raise SourceMismatchError(f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral and Llama")
+        raise SourceMismatchError(
+            f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral and Llama"
+        )
     layout = parse_megatron_layout(to_layout)
     local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written
     extra = _extra(reader)
     hf = extra.get("hf_config")
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
-    target = _TargetFiles(config, layout, args_for(config, layout, hf=hf if isinstance(hf, dict) else None), reader.step,
-                          meta, extra.get("opt_param_scheduler"))
+    target = _TargetFiles(
+        config,
+        layout,
+        args_for(config, layout, hf=hf if isinstance(hf, dict) else None),
+        reader.step,
+        meta,
+        extra.get("opt_param_scheduler"),
+    )
     atom_meta = _atom_metas(reader, config, layout, target.states)
-    dtype_of = {state: dtypes.torch_dtype(meta.dtype) for (_, state), meta in reversed(atom_meta.items())}  # the first atom's
-    files, written = _write_megatron(dst, target, lambda _rank, lt: _read_local(reader, atom_meta, lt, dtype_of[lt.state]),
-                                     lambda lt: dtype_of[lt.state], memory_budget, workers, progress)
+    dtype_of = {
+        state: dtypes.torch_dtype(meta.dtype) for (_, state), meta in reversed(atom_meta.items())
+    }  # the first atom's
+    files, written = _write_megatron(
+        dst,
+        target,
+        lambda _rank, lt: _read_local(reader, atom_meta, lt, dtype_of[lt.state]),
+        lambda lt: dtype_of[lt.state],
+        memory_budget,
+        workers,
+        progress,
+    )
     dropped = ("optimizer",) if meta is None and any(p.startswith("optimizer/") for p in reader.atoms) else ()
     return ConvertReport(src, str(dst), len(canonical_atoms(config)), files, written, dropped)
 
 
-def _atom_metas(reader: CheckpointReader, config: Any, layout: Layout,
-                states: tuple[str, ...]) -> dict[AtomKey, AtomMeta]:
+def _atom_metas(
+    reader: CheckpointReader, config: Any, layout: Layout, states: tuple[str, ...]
+) -> dict[AtomKey, AtomMeta]:
     """The stored atoms every rank of `layout` needs, checked to exist with the config's shapes."""
     shapes = canonical_atoms(config)
     out: dict[AtomKey, AtomMeta] = {}
@@ -738,13 +948,17 @@ def _atom_metas(reader: CheckpointReader, config: Any, layout: Layout,
         for state in (None, *states):
             path = atom_path(atom, state)
             if path not in reader.atoms:
-                raise FormatError(f"step {reader.step} has no atom {path!r}, which the {megatron_name(layout)} files need")
+                raise FormatError(
+                    f"step {reader.step} has no atom {path!r}, which the {megatron_name(layout)} files need"
+                )
             check_atom(reader.atoms[path], tuple(shape))
             out[(atom, state)] = reader.atoms[path]
     return out
 
 
-def _read_local(reader: CheckpointReader, atom_meta: Mapping[AtomKey, AtomMeta], lt: LocalTensor, dtype: torch.dtype) -> torch.Tensor:
+def _read_local(
+    reader: CheckpointReader, atom_meta: Mapping[AtomKey, AtomMeta], lt: LocalTensor, dtype: torch.dtype
+) -> torch.Tensor:
     """One local tensor of a target rank, read from the atom chunks it overlaps (load_sharded, for one tensor;
     padding zero)."""
     out = torch.zeros(lt.shape, dtype=dtype)
@@ -755,7 +969,9 @@ def _read_local(reader: CheckpointReader, atom_meta: Mapping[AtomKey, AtomMeta],
 
 def _open_universal(src: str, step: int | None, storage_options: dict[str, Any] | None) -> CheckpointReader:
     if (Path(src) / TRACKER).is_file():
-        raise SourceMismatchError(f"{src} is a Megatron checkpoint (it has {TRACKER}), not a ucp one: give its layout to --from")
+        raise SourceMismatchError(
+            f"{src} is a Megatron checkpoint (it has {TRACKER}), not a ucp one: give its layout to --from"
+        )
     try:
         return open_checkpoint(src, "latest" if step is None else step, storage_options=storage_options)
     except CheckpointNotFoundError as e:

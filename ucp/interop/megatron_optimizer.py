@@ -33,14 +33,25 @@ from ucp.layout import Layout
 from ucp.reshard import LocalParam, local_params
 
 MASTER = "master"  # ucp's optimizer-state name for fp32 master weights (Megatron's fp32_from_fp16_params)
-GROUP_IDENTIFIER = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")  # Megatron's param_group_identifier_keys
+GROUP_IDENTIFIER = (
+    "wd_mult",
+    "lr_mult",
+    "is_expert_parallel",
+    "is_decoupled_lr",
+)  # Megatron's param_group_identifier_keys
 GroupKey = tuple[Any, ...]
 Groups = list[tuple[GroupKey, list[LocalParam]]]  # one optimizer's param groups in order
 
 # Megatron-Core's GPTModel registers its modules in this order (its named_parameters() order, local spec):
 _MODEL_ORDER = ("embedding.", "decoder.layers.", "decoder.final_layernorm.", "output_layer.")
-_LAYER_ORDER = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
-                "mlp.router.", "mlp.experts.local_experts.")
+_LAYER_ORDER = (
+    "input_layernorm.",
+    "self_attention.linear_proj.",
+    "self_attention.linear_qkv.",
+    "pre_mlp_layernorm.",
+    "mlp.router.",
+    "mlp.experts.local_experts.",
+)
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
 
 
@@ -56,7 +67,13 @@ def _registration_key(p: LocalParam) -> tuple[int, ...]:
         return (chunk, top)
     layer, rest = p.name.removeprefix("decoder.layers.").split(".", 1)
     expert = _EXPERT.fullmatch(rest)
-    return (chunk, top, int(layer), _position(_LAYER_ORDER, rest), *((int(expert[1]), int(expert[2])) if expert else ()))
+    return (
+        chunk,
+        top,
+        int(layer),
+        _position(_LAYER_ORDER, rest),
+        *((int(expert[1]), int(expert[2])) if expert else ()),
+    )
 
 
 def group_key(p: LocalParam, layout: Layout) -> GroupKey:
@@ -81,7 +98,9 @@ class OptimizerMeta:
 
     mixed: bool  # Float16OptimizerWithFloat16Params: fp32 master weights (ucp state MASTER)
     keys: tuple[str, ...]  # each parameter's state entries, in Megatron's order (e.g. step, exp_avg, exp_avg_sq)
-    scalars: dict[str, tuple[Any, str | None]] = field(default_factory=dict)  # 0-d entries: (value, tensor dtype), one for all
+    scalars: dict[str, tuple[Any, str | None]] = field(
+        default_factory=dict
+    )  # 0-d entries: (value, tensor dtype), one for all
     groups: dict[GroupKey, dict[str, Any]] = field(default_factory=dict)  # hyperparameters by group identifier
     grad_scaler: Any = None
 
@@ -103,28 +122,40 @@ class OptimizerMeta:
         twin = (*key[:2], not key[2], *key[3:])
         found = self.groups.get(key) or self.groups.get(twin)
         if found is None:
-            raise InteropError(f"the source optimizer has no param group {dict(zip(GROUP_IDENTIFIER, key))} to copy "
-                               f"hyperparameters from (it has {[dict(zip(GROUP_IDENTIFIER, k)) for k in self.groups]})")
+            raise InteropError(
+                f"the source optimizer has no param group {dict(zip(GROUP_IDENTIFIER, key))} to copy "
+                f"hyperparameters from (it has {[dict(zip(GROUP_IDENTIFIER, k)) for k in self.groups]})"
+            )
         return {**found, "is_expert_parallel": key[2]}
 
     def merge(self, other: OptimizerMeta, where: str) -> OptimizerMeta:
         if (self.mixed, self.keys, self.scalars) != (other.mixed, other.keys, other.scalars):
-            raise InteropError(f"{where}: its optimizer state differs in kind, entries or step from the first rank's "
-                               f"({other.mixed, other.keys, other.scalars} vs {self.mixed, self.keys, self.scalars})")
+            raise InteropError(
+                f"{where}: its optimizer state differs in kind, entries or step from the first rank's "
+                f"({other.mixed, other.keys, other.scalars} vs {self.mixed, self.keys, self.scalars})"
+            )
         return replace(self, groups={**other.groups, **self.groups})
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "float16" if self.mixed else "fp32", "keys": list(self.keys),
-                "scalars": {k: {"value": v, "dtype": d} for k, (v, d) in self.scalars.items()},
-                "param_groups": list(self.groups.values()), "grad_scaler": self.grad_scaler}
+        return {
+            "kind": "float16" if self.mixed else "fp32",
+            "keys": list(self.keys),
+            "scalars": {k: {"value": v, "dtype": d} for k, (v, d) in self.scalars.items()},
+            "param_groups": list(self.groups.values()),
+            "grad_scaler": self.grad_scaler,
+        }
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> OptimizerMeta:
         # JSON turned tuples (Adam's betas) into lists; torch's param groups hold tuples
         groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in doc["param_groups"]]
-        return cls(doc["kind"] == "float16", tuple(doc["keys"]),
-                   {k: (s["value"], s["dtype"]) for k, s in doc["scalars"].items()},
-                   {_identifier(g): g for g in groups}, doc.get("grad_scaler"))
+        return cls(
+            doc["kind"] == "float16",
+            tuple(doc["keys"]),
+            {k: (s["value"], s["dtype"]) for k, s in doc["scalars"].items()},
+            {_identifier(g): g for g in groups},
+            doc.get("grad_scaler"),
+        )
 
 
 def _identifier(group: dict[str, Any]) -> GroupKey:
@@ -139,23 +170,31 @@ def _unwrap(sub: Any, where: str) -> tuple[dict[str, Any], list[list[torch.Tenso
     if isinstance(sub, dict) and isinstance(sub.get("optimizer"), dict):
         masters = sub.get("fp32_from_fp16_params", sub.get("fp32_from_fp16"))
         if masters is None or "state" not in sub["optimizer"]:
-            raise InteropError(f"{where}: its 'optimizer' entry has no per-parameter state (a distributed optimizer "
-                               f"keeps it in distrib_optim.pt, which ucp does not read)")
+            raise InteropError(
+                f"{where}: its 'optimizer' entry has no per-parameter state (a distributed optimizer "
+                f"keeps it in distrib_optim.pt, which ucp does not read)"
+            )
         return sub["optimizer"], masters, sub.get("grad_scaler")
     if isinstance(sub, dict) and "state" in sub and "param_groups" in sub:
         return sub, None, None
-    raise InteropError(f"{where}: its 'optimizer' entry is not a Megatron-Core optimizer state dict "
-                       f"(keys: {sorted(sub) if isinstance(sub, dict) else type(sub).__name__})")
+    raise InteropError(
+        f"{where}: its 'optimizer' entry is not a Megatron-Core optimizer state dict "
+        f"(keys: {sorted(sub) if isinstance(sub, dict) else type(sub).__name__})"
+    )
 
 
-def read_optimizer(entry: Any, config: Any, layout: Layout, rank: int, where: str) -> tuple[LocalOptimState, OptimizerMeta]:
+def read_optimizer(
+    entry: Any, config: Any, layout: Layout, rank: int, where: str
+) -> tuple[LocalOptimState, OptimizerMeta]:
     """A rank file's "optimizer" entry as ucp's local optimizer state (what goes under "optimizer"/"state") and
     its global part."""
     expected = param_groups(config, layout, rank)
     subs = entry if isinstance(entry, list) else [entry]
     if len(subs) != len(expected):
-        raise InteropError(f"{where}: 'optimizer' holds {len(subs)} optimizer state dict(s), but Megatron-Core builds "
-                           f"{len(expected)} for this layout (dense{' and expert' if len(expected) > 1 else ''})")
+        raise InteropError(
+            f"{where}: 'optimizer' holds {len(subs)} optimizer state dict(s), but Megatron-Core builds "
+            f"{len(expected)} for this layout (dense{' and expert' if len(expected) > 1 else ''})"
+        )
     state: LocalOptimState = {}
     meta: OptimizerMeta | None = None
     for sub, groups in zip(subs, expected):
@@ -172,14 +211,21 @@ def _read_one(sub: Any, groups: Groups, state: LocalOptimState, where: str) -> O
     found = [(dict(zip(GROUP_IDENTIFIER, _identifier(g))), len(g["params"])) for g in saved]
     wanted = [(dict(zip(GROUP_IDENTIFIER, k)), len(params)) for k, params in groups]
     if found != wanted:
-        raise InteropError(f"{where}: optimizer param groups {found} are not Megatron-Core's standard ones for this "
-                           f"rank {wanted}; ucp maps only those")
+        raise InteropError(
+            f"{where}: optimizer param groups {found} are not Megatron-Core's standard ones for this "
+            f"rank {wanted}; ucp maps only those"
+        )
     if masters is not None and [len(m) for m in masters] != [n for _, n in wanted]:
-        raise InteropError(f"{where}: not every parameter has an fp32 master weight (fp32 and 16-bit parameters "
-                           f"mixed in one group); ucp carries master weights only for all or none")
-    meta = OptimizerMeta(masters is not None, next((tuple(s) for s in inner["state"].values()), ()),
-                         groups={_identifier(g): {k: v for k, v in g.items() if k != "params"} for g in saved},
-                         grad_scaler=scaler)
+        raise InteropError(
+            f"{where}: not every parameter has an fp32 master weight (fp32 and 16-bit parameters "
+            f"mixed in one group); ucp carries master weights only for all or none"
+        )
+    meta = OptimizerMeta(
+        masters is not None,
+        next((tuple(s) for s in inner["state"].values()), ()),
+        groups={_identifier(g): {k: v for k, v in g.items() if k != "params"} for g in saved},
+        grad_scaler=scaler,
+    )
     for gi, (g, (_, params)) in enumerate(zip(saved, groups)):
         for j, (index, p) in enumerate(zip(g["params"], params)):
             what = f"{where}: optimizer state of {p.chunk_key}/{p.name}"
@@ -233,7 +279,9 @@ def write_optimizer(state: LocalOptimState, meta: OptimizerMeta, config: Any, la
             for i, p in zip(ids, params):
                 if meta.keys:  # torch keeps no entry for a parameter without state (before the first step)
                     per = state[p.chunk_key][p.name]
-                    inner["state"][i] = {k: _scalar(*meta.scalars[k]) if k in meta.scalars else per[k] for k in meta.keys}
+                    inner["state"][i] = {
+                        k: _scalar(*meta.scalars[k]) if k in meta.scalars else per[k] for k in meta.keys
+                    }
         if meta.mixed:
             scaler = {"grad_scaler": meta.grad_scaler} if meta.grad_scaler is not None else {}
             subs.append({"optimizer": inner, **scaler, "fp32_from_fp16_params": masters})

@@ -65,16 +65,25 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _write(pipeline: SavePipeline, session: SaveSession, metadata: list[AtomMeta], groups: list[str],
-           chunks: list[ChunkJob]) -> None:
+def _write(
+    pipeline: SavePipeline, session: SaveSession, metadata: list[AtomMeta], groups: list[str], chunks: list[ChunkJob]
+) -> None:
     """Write array metadata, group metadata and chunk objects: a sync save of part of a step, without commit."""
     pipeline.submit(SavePlan(session, metadata, groups, chunks, commit=False), "sync")
 
 
-def save_atoms(url: str, groups: Sequence[Callable[[], dict[AtomKey, torch.Tensor]]], *, step: int, model: ShardedModel,
-               dtype_of: Mapping[str | None, torch.dtype], extra: dict[str, Any],
-               storage_options: dict[str, Any] | None = None, workers: int = DEFAULT_WORKERS,
-               progress: bool = False) -> int:
+def save_atoms(
+    url: str,
+    groups: Sequence[Callable[[], dict[AtomKey, torch.Tensor]]],
+    *,
+    step: int,
+    model: ShardedModel,
+    dtype_of: Mapping[str | None, torch.dtype],
+    extra: dict[str, Any],
+    storage_options: dict[str, Any] | None = None,
+    workers: int = DEFAULT_WORKERS,
+    progress: bool = False,
+) -> int:
     """Write step `step` of `url` in layout tp1pp1 from `groups`: callables that each load some of the model's
     atoms ({(atom, optimizer state or None): full tensor}), together every atom of `model` exactly once. Values
     are cast to `dtype_of[state]`. A group is read while the previous one is written; a failure leaves no

@@ -73,18 +73,35 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Deferred):
-            args: tuple = (_DeferredStorage(obj), 0, tuple(obj.shape), _contiguous_strides(obj.shape), False, collections.OrderedDict())
+            args: tuple = (
+                _DeferredStorage(obj),
+                0,
+                tuple(obj.shape),
+                _contiguous_strides(obj.shape),
+                False,
+                collections.OrderedDict(),
+            )
             return torch._utils._rebuild_tensor_v2, args
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         storage: Any
         if isinstance(obj, _DeferredStorage):
-            identity, storage, dtype, numel = ("deferred", id(obj.tensor)), obj.tensor, obj.tensor.dtype, torch.Size(obj.tensor.shape).numel()
+            identity, storage, dtype, numel = (
+                ("deferred", id(obj.tensor)),
+                obj.tensor,
+                obj.tensor.dtype,
+                torch.Size(obj.tensor.shape).numel(),
+            )
         elif isinstance(obj, torch.storage.TypedStorage):
             if obj._untyped_storage.device.type != "cpu":
                 raise ValueError(f"torch_file.save writes CPU tensors, not {obj._untyped_storage.device}")
-            identity, storage, dtype, numel = ("storage", obj._untyped_storage._cdata), obj._untyped_storage, obj.dtype, obj._size()
+            identity, storage, dtype, numel = (
+                ("storage", obj._untyped_storage._cdata),
+                obj._untyped_storage,
+                obj.dtype,
+                obj._size(),
+            )
         elif torch.is_storage(obj):
             raise ValueError("torch_file.save writes tensors, not bare untyped storages")
         else:
@@ -117,7 +134,9 @@ def save(obj: Any, path: str | Path) -> None:
 def _write_deferred(writer: Any, name: str, d: Deferred) -> None:
     t = d.produce()
     if tuple(t.shape) != tuple(d.shape) or t.dtype != d.dtype or t.device.type != "cpu":
-        raise ValueError(f"{name}: produced a {t.dtype} {list(t.shape)} tensor on {t.device}, promised {d.dtype} {list(d.shape)} on cpu")
+        raise ValueError(
+            f"{name}: produced a {t.dtype} {list(t.shape)} tensor on {t.device}, promised {d.dtype} {list(d.shape)} on cpu"
+        )
     t = t.contiguous()
     if t.storage_offset() != 0 or t.untyped_storage().nbytes() != d.nbytes:
         t = t.clone()  # a view into a larger storage: write only its own bytes
@@ -134,7 +153,9 @@ class TorchFile:
         reader: Any = torch._C.PyTorchFileReader(str(self.path))  # (its stubs lack has_record, get_record_offset)
         if reader.has_record("byteorder") and reader.get_record("byteorder").decode() != sys.byteorder:
             raise ValueError(f"{self.path} was written on a {reader.get_record('byteorder').decode()}-endian machine")
-        self._offsets = {name: reader.get_record_offset(name) for name in reader.get_all_records() if name.startswith("data/")}
+        self._offsets = {
+            name: reader.get_record_offset(name) for name in reader.get_all_records() if name.startswith("data/")
+        }
         with zipfile.ZipFile(self.path) as z:  # record sizes (names are "<archive>/data/N")
             self._sizes = {info.filename.partition("/")[2]: info.file_size for info in z.infolist()}
         self._keys: dict[int, tuple[str, torch.UntypedStorage]] = {}  # meta storage -> its record key (kept alive)

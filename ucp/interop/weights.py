@@ -43,8 +43,15 @@ def _as_layout(layout: str | Layout) -> Layout:
     return layout if isinstance(layout, Layout) else parse_layout(layout)
 
 
-def load_weights(url: str | CheckpointReader, layout: str | Layout, rank: int, dtype: str | torch.dtype | None = None, *,
-                 step: int | str = "latest", storage_options: dict[str, Any] | None = None) -> LoadedWeights:
+def load_weights(
+    url: str | CheckpointReader,
+    layout: str | Layout,
+    rank: int,
+    dtype: str | torch.dtype | None = None,
+    *,
+    step: int | str = "latest",
+    storage_options: dict[str, Any] | None = None,
+) -> LoadedWeights:
     """The parameters of `rank` in `layout`, read from the atoms of a ucp checkpoint written from any layout
     (local path or any fsspec URL), cast to `dtype`. Only the parameter regions this rank holds are read."""
     reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)
@@ -84,7 +91,9 @@ def hf_source(name: str, config: Any) -> Source | None:
         experts = range(config.num_local_experts)
         if m[2] == "gate_up_proj":
             names = tuple(f"{base}{x}.{w}.weight" for x in experts for w in ("w1", "w3"))
-            return Source(names, lambda a: torch.stack([torch.cat([a[names[2 * x]], a[names[2 * x + 1]]]) for x in experts]))
+            return Source(
+                names, lambda a: torch.stack([torch.cat([a[names[2 * x]], a[names[2 * x + 1]]]) for x in experts])
+            )
         names = tuple(f"{base}{x}.w2.weight" for x in experts)
         return Source(names, lambda a: torch.stack([a[n] for n in names]))
     if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -115,9 +124,15 @@ def _resolver(name_map: NameMap) -> Callable[[str, Any], Source | None]:
     raise StateError(f"name_map must be 'hf', a dict module name -> atom name, or a callable; got {name_map!r}")
 
 
-def load_into_module(url: str | CheckpointReader, module: torch.nn.Module, name_map: NameMap = "hf", *,
-                     step: int | str = "latest", storage_options: dict[str, Any] | None = None,
-                     strict: bool = True) -> LoadReport:
+def load_into_module(
+    url: str | CheckpointReader,
+    module: torch.nn.Module,
+    name_map: NameMap = "hf",
+    *,
+    step: int | str = "latest",
+    storage_options: dict[str, Any] | None = None,
+    strict: bool = True,
+) -> LoadReport:
     """Fill a plain (unsharded) module's parameters and buffers from a ucp checkpoint's atoms, matched by
     name: "hf" for a transformers Mixtral (either expert naming), a dict {module name: atom name}, or a
     callable name -> Source. Values are cast to each tensor's dtype. With strict, a module parameter that no
@@ -136,8 +151,10 @@ def load_into_module(url: str | CheckpointReader, module: torch.nn.Module, name_
             continue
         sources[name] = src
     if strict and unfilled:
-        raise StateError(f"no atom of step {reader.step} fills the module's parameters {unfilled[:5]}"
-                         f"{' ...' if len(unfilled) > 5 else ''}")
+        raise StateError(
+            f"no atom of step {reader.step} fills the module's parameters {unfilled[:5]}"
+            f"{' ...' if len(unfilled) > 5 else ''}"
+        )
     paths = sorted({atom_path(a, None) for s in sources.values() for a in s.atoms})
     before = reader.storage.stats.bytes_read
     atoms = {p.removeprefix("model/"): t for p, t in reader.read_atoms(paths).items()}
@@ -147,6 +164,8 @@ def load_into_module(url: str | CheckpointReader, module: torch.nn.Module, name_
             value = src.compose(atoms)
             target = targets[name]
             if tuple(value.shape) != tuple(target.shape):
-                raise StateError(f"module tensor {name} has shape {list(target.shape)}, the checkpoint gives {list(value.shape)}")
+                raise StateError(
+                    f"module tensor {name} has shape {list(target.shape)}, the checkpoint gives {list(value.shape)}"
+                )
             target.copy_(value.to(target.dtype))
     return LoadReport(bytes_needed=sum(t.numel() * t.element_size() for t in atoms.values()), bytes_read=read)
