@@ -49,6 +49,7 @@ class Model:
     hf: Path  # Hugging Face directory: per-expert safetensors in two files, index, config.json
     dcp: Path  # DCP checkpoint of the flat state dict, with config.json
     megatron: Path  # Megatron-LM torch checkpoint in layout tp2 (iteration 1), converted from `ucp`
+    torch_dist: Path  # Megatron-LM torch_dist checkpoint (iteration 1), converted from `ucp`
     config: MixtralConfig
 
     @property
@@ -81,7 +82,8 @@ def build(root: Path, layers: int) -> Model:
     dcp.save(atoms, checkpoint_id=str(root / "dcp"), no_dist=True)
     (root / "dcp" / "config.json").write_text(config_json)
     convert(str(root / "ucp"), str(root / "megatron"), from_layout="universal", to_layout="tp2")
-    return Model(atoms, root / "ucp", hf, root / "dcp", root / "megatron", cfg)
+    convert(str(root / "ucp"), str(root / "torch_dist"), from_layout="universal", to_layout="torch_dist")
+    return Model(atoms, root / "ucp", hf, root / "dcp", root / "megatron", root / "torch_dist", cfg)
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +152,13 @@ def check_megatron(layout: str) -> Callable[[Path, Model], None]:
     return check
 
 
+def check_torch_dist(out: Path, model: Model) -> None:
+    """Read back through ucp: torch_dist -> ucp gives the atoms."""
+    url = out.parent / f"{out.name}-ucp"
+    convert(str(out), str(url), from_layout="torch_dist", to_layout="universal")
+    check_import(url, model)
+
+
 COMMANDS = {
     "import-hf": (lambda m, dst: ["import", str(m.hf), str(dst)], check_import),
     "import-dcp": (lambda m, dst: ["import", str(m.dcp), str(dst), "--from", "dcp"], check_import),
@@ -165,6 +174,14 @@ COMMANDS = {
     "convert-universal-tp2": (
         lambda m, dst: ["convert", str(m.ucp), str(dst), "--from", "universal", "--to", "tp2"],
         check_megatron("tp2"),
+    ),
+    "convert-torch_dist-tp2": (
+        lambda m, dst: ["convert", str(m.torch_dist), str(dst), "--from", "torch_dist", "--to", "tp2"],
+        check_megatron("tp2"),
+    ),
+    "convert-tp2-torch_dist": (
+        lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "torch_dist"],
+        check_torch_dist,
     ),
     "convert-tp2-tp1ep2": (
         lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "tp1ep2"],

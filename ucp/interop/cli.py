@@ -4,6 +4,8 @@
     ucp convert SRC DST --from tp8pp4 --to tp4pp8      Megatron torch checkpoint, resharded through atoms
     ucp convert SRC URL --from tp2pp2 --to universal   Megatron -> ucp
     ucp convert URL DST --from universal --to tp4      ucp -> Megatron
+    ucp convert SRC DST --from torch_dist --to tp4pp8  Megatron torch_dist (dist_checkpointing) -> torch format
+    ucp convert SRC DST --from tp2pp2 --to torch_dist  (and universal <-> torch_dist): torch_dist loads in any layout
     ucp export URL --to hf DIR [--dtype bf16]          ucp -> Hugging Face Mixtral (safetensors)
     ucp export URL --to dcp DIR                        ucp -> torch.distributed.checkpoint
     ucp import DIR URL [--from hf|dcp]                 Hugging Face (or DCP) -> ucp
@@ -156,7 +158,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add `convert`, `export` and `import` to an argparse subparsers object."""
-    p = subparsers.add_parser("convert", help="reshard a Megatron-LM torch checkpoint (or convert to/from ucp)")
+    p = subparsers.add_parser(
+        "convert", help="reshard a Megatron-LM checkpoint (torch or torch_dist format), or convert it to/from ucp"
+    )
     p.add_argument("src", help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt), or a ucp URL")
     p.add_argument("dst", help="output directory, or a ucp URL with --to universal")
     p.add_argument(
@@ -164,9 +168,15 @@ def register(subparsers: Any) -> None:
         dest="from_",
         required=True,
         metavar="LAYOUT",
-        help="layout of SRC (e.g. tp8pp4, tp2ep2), or 'universal'",
+        help="layout of SRC's torch-format rank files (e.g. tp8pp4, tp2ep2), 'torch_dist' (Megatron's "
+        "dist_checkpointing format: no layout needed) or 'universal' (a ucp checkpoint)",
     )
-    p.add_argument("--to", required=True, metavar="LAYOUT", help="layout to write (e.g. tp4pp8), or 'universal'")
+    p.add_argument(
+        "--to",
+        required=True,
+        metavar="LAYOUT",
+        help="layout of the torch-format rank files to write (e.g. tp4pp8), 'torch_dist' or 'universal'",
+    )
     p.add_argument(
         "--vocab-size",
         type=int,

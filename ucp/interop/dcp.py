@@ -52,28 +52,37 @@ from ucp.workpool import pack
 
 METADATA = ".metadata"
 _META_MODULE = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    (_META_MODULE, n)
-    for n in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
+_ALLOWED = (
+    {
+        (_META_MODULE, n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        # the save plans megatron-core's torch_dist writer keeps in the metadata (`all_local_plans`): plain dataclasses
+        # and an enum, resolved but never used
+        ("torch.distributed.checkpoint.planner", n)
+        for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

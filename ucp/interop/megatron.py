@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -54,6 +54,7 @@ from ucp.families import LlamaConfig, MixtralConfig, canonical_atoms
 from ucp.format import AtomMeta
 from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
+from ucp.interop.megatron_dist import TORCH_DIST, open_torch_dist, write_torch_dist
 from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer, write_optimizer
 from ucp.interop.staging import staged_dir
 from ucp.interop.streaming import group_limit, save_atoms
@@ -150,9 +151,9 @@ def _resolve(
     return tree
 
 
-def open_rank_file(path: Path) -> tuple[dict[str, Any], TorchFile]:
-    """Unpickle one rank file with weights_only=True (nothing outside the allowlist is executed). The per-element
-    tensors stay meta tensors, read on demand with `TorchFile.read`; the rest is read now."""
+def open_torch_file(path: Path) -> tuple[Any, TorchFile]:
+    """Unpickle a torch.save file of Megatron's with weights_only=True (nothing outside the allowlist is executed).
+    The per-element tensors stay meta tensors, read on demand with `TorchFile.read`; the rest is read now."""
     try:
         with torch.serialization.safe_globals(_allowlist()):
             file = TorchFile(path)
@@ -165,6 +166,12 @@ def open_rank_file(path: Path) -> tuple[dict[str, Any], TorchFile]:
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise InteropError(f"{path} is not a readable torch checkpoint: {e}") from None
+    return data, file
+
+
+def open_rank_file(path: Path) -> tuple[dict[str, Any], TorchFile]:
+    """One rank file (`open_torch_file`), checked to hold a model state dict."""
+    data, file = open_torch_file(path)
     if not isinstance(data, dict) or not any(_is_chunk(k) for k in data):
         raise InteropError(
             f"{path} holds no 'model' state dict (keys: {sorted(data) if isinstance(data, dict) else type(data).__name__})"
@@ -388,6 +395,12 @@ def _real_enum(e: ForeignEnum) -> Any:
 # ------------------------------------------------------------------------------------------- source
 
 
+class TensorFile(Protocol):
+    """Where a source's meta tensors are read from: a rank file (TorchFile), or a torch_dist checkpoint."""
+
+    def read(self, t: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class MegatronSource:
     """A Megatron torch checkpoint opened for reading: layout, model config, and the rank files, whose per-element
@@ -401,9 +414,10 @@ class MegatronSource:
     hf: dict[str, Any]
     files: dict[int, dict[str, Any]]  # ucp rank -> unpickled rank file (per-element tensors on the meta device)
     paths: dict[int, Path]
-    readers: dict[int, TorchFile]
+    readers: dict[int, TensorFile]
     optimizer: OptimizerMeta | None = None  # None: the files hold no optimizer state
     optim_state: dict[int, LocalOptimState] = field(default_factory=dict)  # ucp rank -> its local optimizer state
+    not_carried: tuple[str, ...] = ()  # what the source holds that no conversion carries (named in reports)
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -432,7 +446,7 @@ class MegatronSource:
         return self.readers[rank].read(local_tensor(tree, key))
 
 
-def _iteration(root: Path, iteration: int | None) -> tuple[int, Path]:
+def iteration_dir(root: Path, iteration: int | None) -> tuple[int, Path]:
     if iteration is None:
         tracker = root / TRACKER
         if not tracker.is_file():
@@ -463,9 +477,13 @@ def open_megatron(
     if (root / "zarr.json").is_file():
         raise SourceMismatchError(f"{root} is a ucp checkpoint, not a Megatron one: use --from universal")
     want = layout if isinstance(layout, Layout) else parse_megatron_layout(layout)
-    it, iter_dir = _iteration(root, iteration)
+    it, iter_dir = iteration_dir(root, iteration)
     if not iter_dir.is_dir():
         raise InteropError(f"{iter_dir} does not exist (iteration {it} of {root})")
+    if (iter_dir / "metadata.json").is_file():
+        raise SourceMismatchError(
+            f"{iter_dir} is in Megatron's torch_dist format (it has metadata.json): use --from torch_dist"
+        )
     present = {d.name for d in iter_dir.iterdir() if d.name.startswith("mp_rank_")}
     expected = rank_files(want)
     if not present:
@@ -650,6 +668,7 @@ class _TargetFiles:
     optimizer: OptimizerMeta | None = None
     scheduler: Any = None  # opt_param_scheduler: global, the same in every file
     rng: dict[str, Any] | None = None  # rank directory -> rng_state: only when the layout is the source's own
+    format: str = "torch"  # or "torch_dist" (megatron_dist.TORCH_DIST: layout tp1pp1, no optimizer)
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -700,6 +719,8 @@ def _write_megatron(
     Returns (files, bytes of tensors written)."""
     from tqdm import tqdm
 
+    if target.format == TORCH_DIST:
+        return write_torch_dist(dst, target, produce, dtype_of, progress)
     files = rank_files(target.layout)
     locals_ = {rank: _deferred_local(target, rank, produce, dtype_of) for rank in files.values()}
     biggest = max(d.nbytes for local in locals_.values() for d in _deferred(local))
@@ -823,7 +844,7 @@ def _to_universal(
         progress=progress,
     )
     dropped = ("rng_state",) if "rng_state" in source.files[0] else ()  # per rank: no layout-free form
-    return ConvertReport(str(source.root), url, len(shapes), 0, written, dropped)
+    return ConvertReport(str(source.root), url, len(shapes), 0, written, dropped + source.not_carried)
 
 
 def convert(
@@ -841,41 +862,49 @@ def convert(
     vocab_size: int | None = None,
 ) -> ConvertReport:
     """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
-    or from (`from_layout="universal"`) a ucp checkpoint. Carried: model weights, the non-distributed optimizer's
-    state, opt_param_scheduler and the iteration; rng_state only into the source's own layout. What is not
-    carried is listed in `dropped`."""
-    if from_layout == UNIVERSAL and to_layout == UNIVERSAL:
-        raise UcpError("--from universal --to universal: nothing to convert (ucp checkpoints load in any layout)")
+    or from (`from_layout="universal"`) a ucp checkpoint; "torch_dist" on either side is Megatron's
+    dist_checkpointing format (ucp.interop.megatron_dist), which needs no layout. Carried: model weights, the
+    non-distributed optimizer's state (torch format only), opt_param_scheduler and the iteration; rng_state only
+    into the source's own layout. What is not carried is listed in `dropped`."""
+    if from_layout == to_layout and from_layout in (UNIVERSAL, TORCH_DIST):
+        raise UcpError(f"--from {from_layout} --to {to_layout}: nothing to convert (it loads in any layout as it is)")
     if from_layout == UNIVERSAL:
         return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress)
-    source = open_megatron(src, from_layout, iteration=iteration, vocab_size=vocab_size)
+    if from_layout == TORCH_DIST:
+        source = open_torch_dist(src, iteration=iteration, vocab_size=vocab_size)
+    else:
+        source = open_megatron(src, from_layout, iteration=iteration, vocab_size=vocab_size)
     if to_layout == UNIVERSAL:
         return _to_universal(
             source, dst, source.iteration if step is None else step, storage_options, memory_budget, workers, progress
         )
-    return _reshard(source, dst, parse_megatron_layout(to_layout), memory_budget, workers, progress)
+    return _reshard(source, dst, to_layout, memory_budget, workers, progress)
+
+
+def _target_layout(to_layout: str) -> tuple[Layout, str]:
+    """The layout and format a --to names: a Megatron layout (torch format), or torch_dist (layout-free: written
+    as tp1pp1, which Megatron's loader reshards to any layout)."""
+    if to_layout == TORCH_DIST:
+        return Layout(), TORCH_DIST
+    return parse_megatron_layout(to_layout), "torch"
 
 
 def _reshard(
-    source: MegatronSource, dst: str, layout: Layout, memory_budget: int, workers: int, progress: bool
+    source: MegatronSource, dst: str, to_layout: str, memory_budget: int, workers: int, progress: bool
 ) -> ConvertReport:
     """Megatron -> Megatron: each target tensor (parameter or optimizer state) filled from the source regions."""
+    layout, fmt = _target_layout(to_layout)
     local_plan(source.config, layout, 0, ())  # the layout fits the model, before anything is written
     index = _PieceIndex.of(source)
     dtype_of = _source_dtypes(source)
     # RNG states are per rank: a file of the same layout is the same rank, any other has no source to take them from
     has_rng = all("rng_state" in f for f in source.files.values())
-    same = megatron_name(layout) == megatron_name(source.layout)
+    same = megatron_name(layout) == megatron_name(source.layout) and fmt == "torch"
     rng = {name: source.files[r]["rng_state"] for name, r in rank_files(layout).items()} if has_rng and same else None
-    target = _TargetFiles(
-        source.config,
-        layout,
-        args_for(source.config, layout, base=source.args),
-        source.iteration,
-        source.optimizer,
-        source.scheduler,
-        rng,
-    )
+    args = args_for(source.config, layout, base=source.args)
+    args.ckpt_format = fmt
+    optimizer = source.optimizer if fmt == "torch" else None  # (torch_dist: the distributed optimizer's, not written)
+    target = _TargetFiles(source.config, layout, args, source.iteration, optimizer, source.scheduler, rng, fmt)
     files, written = _write_megatron(
         dst,
         target,
@@ -885,8 +914,11 @@ def _reshard(
         workers,
         progress,
     )
-    dropped = ("rng_state",) if has_rng and not same else ()
-    return ConvertReport(str(source.root), str(dst), len(canonical_atoms(source.config)), files, written, dropped)
+    dropped: tuple[str, ...] = ("rng_state",) if has_rng and not same else ()
+    dropped += ("optimizer",) if source.optimizer is not None and optimizer is None else ()
+    return ConvertReport(
+        str(source.root), str(dst), len(canonical_atoms(source.config)), files, written, dropped + source.not_carried
+    )
 
 
 def _from_universal(
@@ -908,18 +940,21 @@ def _from_universal(
         raise SourceMismatchError(
             f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral and Llama"
         )
-    layout = parse_megatron_layout(to_layout)
+    layout, fmt = _target_layout(to_layout)
     local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written
     extra = _extra(reader)
     hf = extra.get("hf_config")
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
+    args = args_for(config, layout, hf=hf if isinstance(hf, dict) else None)
+    args.ckpt_format = fmt
     target = _TargetFiles(
         config,
         layout,
-        args_for(config, layout, hf=hf if isinstance(hf, dict) else None),
+        args,
         reader.step,
-        meta,
+        meta if fmt == "torch" else None,
         extra.get("opt_param_scheduler"),
+        format=fmt,
     )
     atom_meta = _atom_metas(reader, config, layout, target.states)
     dtype_of = {
@@ -934,7 +969,8 @@ def _from_universal(
         workers,
         progress,
     )
-    dropped = ("optimizer",) if meta is None and any(p.startswith("optimizer/") for p in reader.atoms) else ()
+    has_optimizer = any(p.startswith("optimizer/") for p in reader.atoms)
+    dropped = ("optimizer",) if target.optimizer is None and has_optimizer else ()
     return ConvertReport(src, str(dst), len(canonical_atoms(config)), files, written, dropped)
 
 

@@ -145,21 +145,64 @@ def _write_deferred(writer: Any, name: str, d: Deferred) -> None:
     heap.trim()  # the freed tensor's pages, or a file's worth of them can stay resident
 
 
-class TorchFile:
-    """A torch.save file opened for reading tensor by tensor: `obj` holds meta tensors, `read` fills one."""
+class _Slice(io.RawIOBase):
+    """Bytes [start, start + length) of a file, as a seekable file of their own (a torch.save blob inside a
+    torch.distributed.checkpoint .distcp file)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, f: io.BufferedReader, start: int, length: int):
+        self._f, self._start, self._length, self._pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = {0: 0, 1: self._pos, 2: self._length}[whence] + offset
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")[: max(0, self._length - self._pos)]
+        got = os.preadv(self._f.fileno(), [view], self._start + self._pos) if len(view) else 0
+        self._pos += got
+        return got
+
+
+class TorchFile:
+    """A torch.save file opened for reading tensor by tensor: `obj` holds meta tensors, `read` fills one.
+    `start` and `length` open a torch.save blob stored at that byte range of a larger file."""
+
+    def __init__(self, path: str | Path, start: int = 0, length: int | None = None):
         self.path = Path(path)
-        reader: Any = torch._C.PyTorchFileReader(str(self.path))  # (its stubs lack has_record, get_record_offset)
-        if reader.has_record("byteorder") and reader.get_record("byteorder").decode() != sys.byteorder:
-            raise ValueError(f"{self.path} was written on a {reader.get_record('byteorder').decode()}-endian machine")
-        self._offsets = {
-            name: reader.get_record_offset(name) for name in reader.get_all_records() if name.startswith("data/")
-        }
-        with zipfile.ZipFile(self.path) as z:  # record sizes (names are "<archive>/data/N")
-            self._sizes = {info.filename.partition("/")[2]: info.file_size for info in z.infolist()}
+        self._start = start
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if length is None:
+                length = size - start
+            if start < 0 or length < 0 or start + length > size:
+                raise ValueError(f"{self.path}: bytes [{start}, {start + length}) lie outside its {size} bytes")
+            whole = (start, length) == (0, size)
+            opener: Any = torch._C.PyTorchFileReader  # (its stubs lack has_record, get_record_offset, file objects)
+            reader = opener(str(self.path) if whole else _Slice(f, start, length))
+            if reader.has_record("byteorder") and reader.get_record("byteorder").decode() != sys.byteorder:
+                raise ValueError(
+                    f"{self.path} was written on a {reader.get_record('byteorder').decode()}-endian machine"
+                )
+            self._offsets = {
+                name: reader.get_record_offset(name) for name in reader.get_all_records() if name.startswith("data/")
+            }
+            with zipfile.ZipFile(self.path if whole else _Slice(f, start, length)) as z:
+                self._sizes = {info.filename.partition("/")[2]: info.file_size for info in z.infolist()}
+            for name, offset in self._offsets.items():
+                if offset + self._sizes.get(name, 0) > length:
+                    raise ValueError(f"{self.path}: record {name} runs past the end of its archive")
+            pkl = reader.get_record("data.pkl")
         self._keys: dict[int, tuple[str, torch.UntypedStorage]] = {}  # meta storage -> its record key (kept alive)
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(reader.get_record("data.pkl")), encoding="utf-8")
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pkl), encoding="utf-8")
         unpickler.persistent_load = self._persistent_load  # type: ignore[method-assign]
         self.obj = unpickler.load()
 
@@ -178,7 +221,7 @@ class TorchFile:
         offset = t.storage_offset() * t.element_size()
         span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
         raw = torch.empty(span * t.element_size(), dtype=torch.uint8)
-        view, position = raw.numpy().data, self._offsets[f"data/{key}"] + offset
+        view, position = raw.numpy().data, self._start + self._offsets[f"data/{key}"] + offset
         with open(self.path, "rb", buffering=0) as f:
             while view:  # one pread returns at most ~2 GiB
                 got = os.preadv(f.fileno(), [view], position)

@@ -1,0 +1,166 @@
+"""Megatron-Core on CPU as the oracle of Megatron's torch_dist format (tests/test_megatron_dist.py): the tiny GPT
+MoE model of megatron_worker.py, saved and loaded with megatron-core's own `dist_checkpointing`.
+
+    python tests/megatron_dist_worker.py save TP PP CKPT             as the TP*PP ranks of a world
+    python tests/megatron_dist_worker.py load TP PP OUT CKPT...       as the TP*PP ranks of a world
+
+save: random weights, then CKPT/iter_0000010 as Megatron-LM's save_checkpoint writes it with --ckpt-format torch_dist
+      (the model's sharded state dict; args, iteration and checkpoint_version in the common state) and its tracker.
+load: for each CKPT, a fresh model in layout TP PP loads it with `dist_checkpointing.load` (torch_dist, strict as
+      Megatron-LM's default: a missing key is an error) and rank r writes its parameters to OUT.r as a list,
+      one dict of name -> tensor per CKPT; a checkpoint in Megatron's legacy torch format (mp_rank_* files) is
+      loaded the legacy way instead (`load_state_dict`, strict).
+
+The vocabulary (100) is padded as Megatron-LM pads it, to a multiple of make_vocab_size_divisible_by * TP: 128 rows
+at TP 1 and 2 alike with 64, so that torch_dist checkpoints of one TP load at the other (Megatron's own loader
+requires the same global shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.megatron_worker import FFN, HEADS, ITERATION, KV, E, H, L, V, megatron_args
+
+DIVISIBLE_BY, PADDED = 64, 128  # (the padding at TP 1 and 2)
+
+
+def setup(rank: int, world: int, tp: int, pp: int) -> None:
+    import contextlib
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    moe_utils.te_general_gemm = None
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def build_model(tp: int, pp: int) -> torch.nn.Module:
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=HEADS,
+        num_query_groups=KV,
+        ffn_hidden_size=FFN,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        moe_token_dispatcher_type="allgather",
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm")
+    return GPTModel(
+        cfg,
+        spec,
+        vocab_size=PADDED,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        share_embeddings_and_output_weights=False,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+
+
+def args_for(tp: int, pp: int) -> argparse.Namespace:
+    args = megatron_args()
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.padded_vocab_size, args.make_vocab_size_divisible_by = PADDED, DIVISIBLE_BY
+    args.ckpt_format = "torch_dist"
+    return args
+
+
+def save(tp: int, pp: int, ckpt: str) -> None:
+    from megatron.core import dist_checkpointing, parallel_state
+
+    torch.manual_seed(100 + dist.get_rank())
+    model = build_model(tp, pp)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        # the vocabulary's padding rows stay zero, as ucp's atoms assume (this rank holds rows start.. of them)
+        vocab = [model.embedding.word_embeddings.weight] if model.pre_process else []
+        for w in vocab + ([model.output_layer.weight] if model.post_process else []):
+            start = parallel_state.get_tensor_model_parallel_rank() * w.shape[0]
+            w[max(0, V - start) :] = 0
+    iter_dir = os.path.join(ckpt, f"iter_{ITERATION:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(iter_dir)
+    dist.barrier()
+    state = {
+        "args": args_for(tp, pp),
+        "checkpoint_version": 3.0,
+        "iteration": ITERATION,
+        "model": model.sharded_state_dict(),
+    }
+    dist_checkpointing.save(state, iter_dir, sharded_strategy=("torch_dist", 1))
+    if dist.get_rank() == 0:
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+
+
+def load(tp: int, pp: int, out: str, ckpts: list[str]) -> None:
+    from megatron.core import dist_checkpointing
+
+    results = []
+    for ckpt in ckpts:
+        model = build_model(tp, pp)
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+            iteration = int(f.read())
+        iter_dir = os.path.join(ckpt, f"iter_{iteration:07d}")
+        if os.path.exists(os.path.join(iter_dir, "metadata.json")):
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, iter_dir)
+            model.load_state_dict(loaded["model"], strict=True)
+        else:
+            name = f"mp_rank_{dist.get_rank() % tp:02d}" + (f"_{dist.get_rank() // tp:03d}" if pp > 1 else "")
+            state = torch.load(os.path.join(iter_dir, name, "model_optim_rng.pt"), weights_only=False)
+            model.load_state_dict(state["model"], strict=True)
+        results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    torch.save(results, f"{out}.{dist.get_rank()}")
+
+
+if __name__ == "__main__":
+    mode, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    setup(rank, world, tp, pp)
+    try:
+        if mode == "save":
+            save(tp, pp, sys.argv[4])
+        else:
+            load(tp, pp, sys.argv[4], sys.argv[5:])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    print("ok", flush=True)
+    os._exit(0)  # (as megatron_worker.py: skip a teardown that megatron-core's threads sometimes abort)

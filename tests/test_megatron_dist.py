@@ -1,0 +1,216 @@
+"""Megatron's torch_dist format (megatron-core dist_checkpointing): read by `ucp convert --from torch_dist`,
+written by `--to torch_dist`. megatron-core itself is the oracle (tests/megatron_dist_worker.py): it saves in one
+layout, and its own loads, in another, of the source and of what ucp wrote are bitwise the same; torch's DCP
+reader is the oracle of the files ucp writes."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ucp
+from ucp import cli as ucp_cli
+from ucp.families import LlamaConfig, canonical_atoms
+from ucp.interop.errors import InteropError, SourceMismatchError
+from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
+from ucp.interop.megatron_dist import dist_name
+from ucp.reshard import shard
+
+from .launch import spawn
+from .test_hf import random_full_state, save_in_layout, tiny_config
+
+ITER = "iter_0000003"
+
+
+def configs() -> dict[str, object]:
+    return {
+        "mixtral": tiny_config(),
+        "llama-qkv-bias-qk-norm": LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+            qk_norm=True,
+            make_vocab_size_divisible_by=8,
+        ),
+    }
+
+
+def universal(tmp_path: Path, cfg, layout: str = "tp1", seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+    full = random_full_state(cfg, states=(), seed=seed)
+    save_in_layout(full, cfg, layout, str(tmp_path / "u"), step=3)
+    return tmp_path / "u", full["model"]
+
+
+@pytest.fixture
+def torch_dist(tmp_path):
+    src, atoms = universal(tmp_path, tiny_config())
+    convert(str(src), str(tmp_path / "td"), from_layout="universal", to_layout="torch_dist")
+    return tmp_path / "td", atoms
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("family", list(configs()))
+def test_universal_to_torch_dist_and_back_is_bitwise_and_dcp_reads_megatrons_global_tensors(tmp_path, family):
+    cfg = configs()[family]
+    rng = random.Random()
+    src, atoms = universal(tmp_path, cfg, rng.choice(["tp1", "tp2", "tp2pp2"]), seed=rng.randrange(1000))
+    report = convert(str(src), str(tmp_path / "td"), from_layout="universal", to_layout="torch_dist")
+    assert report.files == 1 and report.dropped == ()
+    it = tmp_path / "td" / ITER
+    assert sorted(p.name for p in it.iterdir()) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert (tmp_path / "td" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+    # torch's own DCP reader: every global tensor, a layer of which is the tensor of a tp1 rank file
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(it)).read_metadata()
+    full = {
+        k: torch.empty(e.size, dtype=e.properties.dtype)
+        for k, e in metadata.state_dict_metadata.items()
+        if isinstance(e, TensorStorageMetadata)
+    }
+    dcp.load(full, checkpoint_id=str(it), no_dist=True)
+    tp1 = shard({"model": atoms}, cfg, parse_megatron_layout("tp1"), 0, ())["model"]
+    for name, t in tp1.items():
+        where = dist_name(name)
+        for key in where.keys:
+            assert torch.equal(full[key][where.index], t), (name, key)
+
+    # back to ucp, and to a Megatron layout: bitwise the atoms
+    convert(str(tmp_path / "td"), str(tmp_path / "u2"), from_layout="torch_dist", to_layout="universal")
+    got = ucp.load(str(tmp_path / "u2"))["model"]
+    assert sorted(got) == sorted(atoms) and all(torch.equal(got[n], atoms[n]) for n in atoms)
+    layout = rng.choice(["tp2", "tp2pp2", "tp1pp4"] if family.startswith("llama") else ["tp2", "tp2pp2", "tp1ep2"])
+    convert(str(tmp_path / "td"), str(tmp_path / "m"), from_layout="torch_dist", to_layout=layout)
+    parsed = parse_megatron_layout(layout)
+    for name, rank in rank_files(parsed).items():
+        data = load_rank_file(tmp_path / "m" / ITER / name / RANK_FILE)
+        assert data["args"].ckpt_format == "torch"
+        for chunk, tensors in shard({"model": atoms}, cfg, parsed, rank, ()).items():
+            for n, t in tensors.items():
+                assert torch.equal(data[chunk][n], t), (layout, name, n)
+
+
+def _edit_metadata(it: Path, edit) -> None:
+    metadata = pickle.loads((it / ".metadata").read_bytes())  # (the test's own file: plain pickle is fine here)
+    edit(metadata)
+    (it / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_bad_torch_dist_sources_are_clear_errors_and_leave_nothing(torch_dist, tmp_path):
+    root, _ = torch_dist
+    it = root / ITER
+    dst = tmp_path / "out"
+
+    def refused(exc, match, from_layout="torch_dist"):
+        with pytest.raises(exc, match=match):
+            convert(str(root), str(dst), from_layout=from_layout, to_layout="tp2")
+        assert not dst.exists()
+
+    refused(SourceMismatchError, "torch_dist format .* use --from torch_dist", from_layout="tp1")
+    shutil.copytree(root, tmp_path / "keep")
+    # a metadata file naming a path outside the directory
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def escape(md):
+        for index, info in md.storage_data.items():
+            md.storage_data[index] = _StorageInfo("../../../etc/passwd", info.offset, info.length)
+
+    _edit_metadata(it, escape)
+    refused(InteropError, r"names the data file '../../../etc/passwd'")
+    # a chunk missing from the metadata
+    shutil.rmtree(root)
+    shutil.copytree(tmp_path / "keep", root)
+
+    def drop_chunk(md):
+        md.state_dict_metadata["decoder.layers.self_attention.linear_proj.weight"].chunks.pop()
+
+    _edit_metadata(it, drop_chunk)
+    refused(InteropError, r"chunks of decoder.layers.self_attention.linear_proj.weight do not cover its slice \[1\]")
+    # a truncated data file
+    shutil.rmtree(root)
+    shutil.copytree(tmp_path / "keep", root)
+    data = it / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    refused(InteropError, r"__0_0.distcp.*(unreadable|outside)")
+    # args that disagree with the metadata's global shapes
+    shutil.rmtree(root)
+    shutil.copytree(tmp_path / "keep", root)
+    common = torch.load(it / "common.pt", weights_only=False)
+    common["args"].num_layers = 3
+    torch.save(common, it / "common.pt")
+    refused(InteropError, r"has global shape \[2, .*in 3 layers")
+    # a type outside the allowlist in common.pt is never unpickled
+    common["evil"] = io.StringIO
+    torch.save(common, it / "common.pt")
+    refused(InteropError, "refused to unpickle")
+    (it / "common.pt").unlink()
+    refused(InteropError, "no common.pt")
+    # another sharded backend
+    (it / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    refused(InteropError, "sharded backend 'zarr'")
+    # garbage for metadata
+    shutil.rmtree(root)
+    shutil.copytree(tmp_path / "keep", root)
+    (it / ".metadata").write_bytes(b"\x80\x04garbage")
+    refused(InteropError, r"\.metadata: refused or unreadable DCP metadata")
+    # a legacy checkpoint given as torch_dist
+    convert(str(tmp_path / "u"), str(tmp_path / "legacy"), from_layout="universal", to_layout="tp2")
+    with pytest.raises(SourceMismatchError, match="not in the torch_dist format .* give the layout"):
+        convert(str(tmp_path / "legacy"), str(dst), from_layout="torch_dist", to_layout="tp1")
+    assert not dst.exists()
+
+
+def test_cli_convert_torch_dist(torch_dist, tmp_path, capsys):
+    root, _ = torch_dist
+    argv = ["convert", str(root), str(tmp_path / "m"), "--from", "torch_dist", "--to", "tp2pp2", "--no-progress"]
+    assert ucp_cli.main(argv) == 0
+    assert "converted 41 atoms from torch_dist to tp2pp2" in capsys.readouterr().out
+    assert ucp_cli.main(["convert", str(root), str(tmp_path / "x"), "--from", "tp2", "--to", "tp1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "use --from torch_dist" in err
+    assert not (tmp_path / "x").exists()
+
+
+LAYOUTS = [(2, 2), (2, 1), (1, 2), (1, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_megatron_loads_what_ucp_converts_from_its_torch_dist_bitwise_as_its_own_reshard(tmp_path):
+    """Megatron saves torch_dist in layout A; ucp converts it to a legacy layout B, to ucp and back to torch_dist;
+    Megatron, in layout B, loads the source and each conversion: every parameter bitwise the same."""
+    rng = random.Random()
+    a = rng.choice(LAYOUTS[:3])
+    b = rng.choice([lay for lay in LAYOUTS if lay != a])
+    env = {"PYTHONWARNINGS": "ignore"}
+    src = tmp_path / "src"
+    spawn(["tests/megatron_dist_worker.py", "save", *map(str, a), str(src)], a[0] * a[1], timeout=300, env=env)
+    legacy = f"tp{b[0]}pp{b[1]}"
+    report = convert(str(src), str(tmp_path / "legacy"), from_layout="torch_dist", to_layout=legacy)
+    assert report.dropped == ()
+    convert(str(src), str(tmp_path / "u"), from_layout="torch_dist", to_layout="universal")
+    assert ucp.open_checkpoint(str(tmp_path / "u")).step == 10
+    convert(str(tmp_path / "u"), str(tmp_path / "back"), from_layout="universal", to_layout="torch_dist")
+    out = tmp_path / "params"
+    ckpts = [src, tmp_path / "legacy", tmp_path / "back"]
+    spawn(["tests/megatron_dist_worker.py", "load", *map(str, b), str(out), *map(str, ckpts)], b[0] * b[1], 300, env)
+    for rank in range(b[0] * b[1]):
+        own, *ours = torch.load(f"{out}.{rank}")
+        assert len(own) > 5
+        for name, got in zip(("legacy " + legacy, "torch_dist"), ours):
+            assert sorted(got) == sorted(own)
+            bad = [n for n in own if not torch.equal(own[n], got[n])]
+            assert not bad, f"A={a} B={b} rank {rank}: {name} differs from Megatron's own load in {bad[:4]}"
+    assert len(canonical_atoms(tiny_config())) == report.atoms
