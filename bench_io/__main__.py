@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import gil
 
         return gil.main(argv[1:])
+    if argv[:1] == ["collectives"]:
+        from . import collectives
+
+        return collectives.main(argv[1:])
     args = build_parser().parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
     for key, value in base.items():
