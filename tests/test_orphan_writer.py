@@ -78,4 +78,6 @@ def test_a_killed_trainers_writer_never_reaches_the_new_jobs_step(tmp_path):
         assert_same_state(winner, reader.load_state())
         assert verify(reader).ok
         assert_same_state(state(1, n=8), ucp.load(root, step=1))
-    assert dead_job_won <= 2, f"the dead job's save finished first in {dead_job_won} of {TRIALS} trials: the race was not run"
+    assert dead_job_won <= 2, (
+        f"the dead job's save finished first in {dead_job_won} of {TRIALS} trials: the race was not run"
+    )

@@ -1,6 +1,6 @@
 """The demo: an elastic job loses a node, shrinks, gets the node back and grows, and its loss curve goes on.
 
-    python -m trainer.demo                # ./ucp-demo-run: checkpoints, metrics, logs, loss.png
+    python -m trainer.demo                # ./ucp-demo-run: checkpoints, metrics, logs, loss.png, report/report.html
 
 1. two simulated nodes (trainer/elastic.py: two torchrun elastic agents on this machine, c10d rendezvous, two
    processes each) train the tiny MoE (trainer/configs/tiny-moe.yaml) in layout tp2pp2, with an asynchronous
@@ -217,7 +217,11 @@ def main(argv: list[str] | None = None) -> None:
     times = run(args, run_dir, ckpt)
     report(args, run_dir, times)
     inspect(ckpt)
-    print(f"\ndemo done in {time.perf_counter() - started:.0f} s; everything is in {run_dir}")
+    from . import report as run_report
+
+    page = run_report.write(run_dir / "metrics.jsonl", run_dir / "report")
+    print(f"\nrun report (step time per phase, memory per rank and stage, restarts): {page}")
+    print(f"demo done in {time.perf_counter() - started:.0f} s; everything is in {run_dir}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from .parallel.data import DistributedAdamW
 from .parallel.mesh import Layout, Mesh, parse_layout
 from .parallel.pipeline import P2P, StageOutput, allreduce_tied_embedding_grads, one_f_one_b, split_layers
 from .parallel.tensor import vocab_parallel_cross_entropy
+from .profile import StepProfile
 from .weights import init_from_seed
 
 
@@ -92,6 +93,7 @@ class Trainer:
             raise ValueError(f"per-DP-rank batch {local_batch} is not divisible by micro_batch_size")
         self.num_microbatches = local_batch // d.micro_batch_size
         self.p2p = P2P(mesh, (d.micro_batch_size, d.seq_len, m.hidden_size), torch.float32, device)
+        self.profile = StepProfile()  # this rank's phases of the current step (reset by train_step)
 
     def local_state(self) -> dict:
         """This rank's model and optimizer state in the form of docs/LOCAL_STATE.md (live tensors, not copies)."""
@@ -107,7 +109,9 @@ class Trainer:
     def train_step(self, step: int, before_update: Callable[[], None] | None = None) -> StepMetrics:
         start = time.perf_counter()
         m, d = self.cfg.model, self.cfg.data
-        microbatches = self.data.get_batch(step).to(self.device).split(d.micro_batch_size)
+        self.profile.reset()
+        with self.profile.phase("data"):
+            microbatches = self.data.get_batch(step).to(self.device).split(d.micro_batch_size)
         # The loss is the global mean over tokens plus the load-balancing loss averaged over (layer, global
         # microbatch): every microbatch adds its share, so summed gradients are those of the global loss.
         global_tokens = d.global_batch_size * d.seq_len
@@ -127,11 +131,16 @@ class Trainer:
             return StageOutput(None, objective + lm_sum / global_tokens)
 
         self.model.zero_grad(set_to_none=True)
-        one_f_one_b(self.num_microbatches, forward_step, self.p2p, self.mesh.coords.pp, self.mesh.layout.pp)
-        allreduce_tied_embedding_grads(self.model, self.mesh, m.tie_word_embeddings)
+        one_f_one_b(
+            self.num_microbatches, forward_step, self.p2p, self.mesh.coords.pp, self.mesh.layout.pp, self.profile
+        )
+        with self.profile.phase("optimizer"):
+            allreduce_tied_embedding_grads(self.model, self.mesh, m.tie_word_embeddings)
         if before_update is not None:
-            before_update()
-        grad_norm, lr = self.optimizer.step_()
+            with self.profile.phase("checkpoint"):
+                before_update()
+        with self.profile.phase("optimizer"):
+            grad_norm, lr = self.optimizer.step_()
 
         # TP ranks hold copies of the same sums: count TP rank 0 only, over all stages and DP ranks.
         if self.mesh.coords.tp != 0:
@@ -278,7 +287,9 @@ def train(trainer: Trainer, started: float | None = None) -> None:
         try:
             for step in range(trainer.optimizer.step + 1, cfg.train.steps + 1):
                 metrics = trainer.train_step(step, checkpointer.before_update if checkpointer else None)
-                event = checkpointer.after_step(step) if checkpointer else None
+                with trainer.profile.phase("checkpoint"):
+                    event = checkpointer.after_step(step) if checkpointer else None
+                ranks = trainer.profile.gather(trainer.mesh.coords, trainer.device)  # (every rank: a collective)
                 if rank != 0:
                     continue
                 if resumed is not None and step == resumed.from_step + 1:
@@ -310,6 +321,7 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                 log(
                     asdict(metrics)
                     | {"layout": str(trainer.mesh.layout), "world_size": dist.get_world_size(), "time": time.time()}
+                    | {"ranks": ranks}
                 )
                 if event is not None:
                     log(event)

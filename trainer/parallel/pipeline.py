@@ -9,6 +9,7 @@ neighbours sending to each other at once cannot deadlock.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..profile import StepProfile
 from .mesh import Mesh
 
 
@@ -94,39 +96,58 @@ def one_f_one_b(
     p2p: P2P,
     stage: int,
     stages: int,
+    profile: StepProfile | None = None,
 ) -> None:
     """Run forward and backward of every microbatch; gradients accumulate in the parameters' .grad.
 
     forward_step(i, x) runs microbatch i through this stage; x is the received activation (None on the first
-    stage, which reads microbatch i's tokens itself).
+    stage, which reads microbatch i's tokens itself). With `profile`, the time of forward, backward and
+    point-to-point communication (pipeline_wait) is added to its phases.
     """
+    phase = profile.phase if profile is not None else (lambda _name: contextlib.nullcontext())
     warmup = min(stages - stage - 1, num_microbatches)
     steady = num_microbatches - warmup
     inputs: deque[torch.Tensor | None] = deque()
     outputs: deque[StageOutput] = deque()
 
+    def forward(i: int, x: torch.Tensor | None) -> StageOutput:
+        with phase("forward"):
+            return forward_step(i, x)
+
+    def backward(x: torch.Tensor | None, out: StageOutput, dy: torch.Tensor | None) -> torch.Tensor | None:
+        with phase("backward"):
+            return _backward(x, out, dy)
+
     for i in range(warmup):
-        x = p2p.recv_forward()
-        out = forward_step(i, x)
-        p2p.send_forward(out.activation)
+        with phase("pipeline_wait"):
+            x = p2p.recv_forward()
+        out = forward(i, x)
+        with phase("pipeline_wait"):
+            p2p.send_forward(out.activation)
         inputs.append(x)
         outputs.append(out)
 
-    x = p2p.recv_forward() if steady > 0 else None
+    with phase("pipeline_wait"):
+        x = p2p.recv_forward() if steady > 0 else None
     for i in range(steady):
-        out = forward_step(warmup + i, x)
-        dy = p2p.send_forward_recv_backward(out.activation)
+        out = forward(warmup + i, x)
+        with phase("pipeline_wait"):
+            dy = p2p.send_forward_recv_backward(out.activation)
         inputs.append(x)
         outputs.append(out)
-        dx = _backward(inputs.popleft(), outputs.popleft(), dy)
-        if i == steady - 1:
-            p2p.send_backward(dx)
-        else:
-            x = p2p.send_backward_recv_forward(dx)
+        dx = backward(inputs.popleft(), outputs.popleft(), dy)
+        with phase("pipeline_wait"):
+            if i == steady - 1:
+                p2p.send_backward(dx)
+            else:
+                x = p2p.send_backward_recv_forward(dx)
 
     for _ in range(warmup):
-        dy = p2p.recv_backward()
-        p2p.send_backward(_backward(inputs.popleft(), outputs.popleft(), dy))
+        with phase("pipeline_wait"):
+            dy = p2p.recv_backward()
+        dx = backward(inputs.popleft(), outputs.popleft(), dy)
+        with phase("pipeline_wait"):
+            p2p.send_backward(dx)
 
 
 def allreduce_tied_embedding_grads(stage: torch.nn.Module, mesh: Mesh, tied: bool) -> None:
