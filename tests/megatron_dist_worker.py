@@ -3,6 +3,7 @@ MoE model of megatron_worker.py, saved and loaded with megatron-core's own `dist
 
     python tests/megatron_dist_worker.py save TP PP CKPT             as the TP*PP ranks of a world
     python tests/megatron_dist_worker.py load TP PP OUT CKPT...       as the TP*PP ranks of a world
+    python tests/megatron_dist_worker.py resave TP PP SRC DST         as the TP*PP ranks of a world
 
 save: random weights, then CKPT/iter_0000010 as Megatron-LM's save_checkpoint writes it with --ckpt-format torch_dist
       (the model's sharded state dict; args, iteration and checkpoint_version in the common state) and its tracker.
@@ -10,7 +11,11 @@ load: for each CKPT, a fresh model in layout TP PP loads it with `dist_checkpoin
       Megatron-LM's default: a missing key is an error) and rank r writes its parameters to OUT.r as a list,
       one dict of name -> tensor per CKPT; a checkpoint in Megatron's legacy torch format (mp_rank_* files) is
       loaded the legacy way instead (`load_state_dict`, strict).
+resave: Megatron's own way from a torch_dist checkpoint to torch-format files of a layout: load SRC in layout
+      TP PP with `dist_checkpointing.load`, then save the rank files at DST as save_checkpoint does with
+      --ckpt-format torch; rank 0 prints {"load_s", "save_s"} (scripts/megatron_dist_bench.py).
 
+UCP_MEGATRON_SHAPE="hidden,ffn,layers,experts,heads,kv" sizes the model (default: the tiny test model).
 The vocabulary (100) is padded as Megatron-LM pads it, to a multiple of make_vocab_size_divisible_by * TP: 128 rows
 at TP 1 and 2 alike with 64, so that torch_dist checkpoints of one TP load at the other (Megatron's own loader
 requires the same global shape).
@@ -28,6 +33,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.megatron_worker import FFN, HEADS, ITERATION, KV, E, H, L, V, megatron_args
+
+if "UCP_MEGATRON_SHAPE" in os.environ:
+    H, FFN, L, E, HEADS, KV = (int(x) for x in os.environ["UCP_MEGATRON_SHAPE"].split(","))
 
 DIVISIBLE_BY, PADDED = 64, 128  # (the padding at TP 1 and 2)
 
@@ -95,6 +103,8 @@ def build_model(tp: int, pp: int) -> torch.nn.Module:
 
 def args_for(tp: int, pp: int) -> argparse.Namespace:
     args = megatron_args()
+    args.num_layers, args.hidden_size, args.ffn_hidden_size, args.moe_ffn_hidden_size = L, H, FFN, FFN
+    args.num_experts, args.num_attention_heads, args.num_query_groups = E, HEADS, KV
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.padded_vocab_size, args.make_vocab_size_divisible_by = PADDED, DIVISIBLE_BY
     args.ckpt_format = "torch_dist"
@@ -150,6 +160,40 @@ def load(tp: int, pp: int, out: str, ckpts: list[str]) -> None:
     torch.save(results, f"{out}.{dist.get_rank()}")
 
 
+def resave(tp: int, pp: int, src: str, dst: str) -> None:
+    import json
+    import time
+
+    from megatron.core import dist_checkpointing
+
+    model = build_model(tp, pp)
+    t0 = time.perf_counter()
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(src, f"iter_{ITERATION:07d}"))
+    model.load_state_dict(loaded["model"], strict=True)
+    del loaded
+    dist.barrier()
+    t1 = time.perf_counter()
+    rank = dist.get_rank()
+    name = f"mp_rank_{rank % tp:02d}" + (f"_{rank // tp:03d}" if pp > 1 else "")
+    path = os.path.join(dst, f"iter_{ITERATION:07d}", name, "model_optim_rng.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    args = args_for(tp, pp)
+    args.ckpt_format = "torch"
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.state_dict()}, path)
+    dist.barrier()
+    t2 = time.perf_counter()
+    import resource
+
+    rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)], dtype=torch.float64)
+    peaks = [torch.zeros_like(rss) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, rss)
+    if rank == 0:
+        with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+        rss_bytes = [int(p.item()) for p in peaks]
+        print(json.dumps({"load_s": t1 - t0, "save_s": t2 - t1, "peak_rss_bytes": rss_bytes}), flush=True)
+
+
 if __name__ == "__main__":
     mode, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -157,6 +201,8 @@ if __name__ == "__main__":
     try:
         if mode == "save":
             save(tp, pp, sys.argv[4])
+        elif mode == "resave":
+            resave(tp, pp, sys.argv[4], sys.argv[5])
         else:
             load(tp, pp, sys.argv[4], sys.argv[5:])
         dist.barrier()

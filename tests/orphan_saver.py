@@ -27,7 +27,7 @@ def main(root: str) -> None:
     manager = ucp.CheckpointManager(root, mode="async", writer="process", options=OPTIONS)
     manager.save(1, state(1, n=8))
     manager.wait()
-    print(json.dumps({"writer_pid": manager.pipeline._process.pid}), flush=True)
+    print(json.dumps({"writer_pid": manager.pipeline.writer_pid}), flush=True)
     manager.save(2, state(2, n=192))  # (12 MiB in 4 KiB inner chunks through one fsyncing thread: seconds)
     print("SAVING", flush=True)
     time.sleep(3600)

@@ -179,7 +179,7 @@ def test_unknown_mode_is_refused(tmp_path):
 @contextlib.contextmanager
 def writer_stopped(manager: ucp.CheckpointManager):
     """SIGSTOP the manager's writer process for the block: nothing is written until it ends."""
-    pid = manager.pipeline._process.pid
+    pid = manager.pipeline.writer_pid
     os.kill(pid, signal.SIGSTOP)
     try:
         yield pid
@@ -189,7 +189,7 @@ def writer_stopped(manager: ucp.CheckpointManager):
 
 def process_manager(url: str, **kwargs) -> ucp.CheckpointManager:
     manager = ucp.CheckpointManager(url, options=OPTIONS, mode="async", writer="process", **kwargs)
-    assert manager.pipeline._process is not None, "an async manager starts its writer process at once"
+    assert manager.pipeline.writer_pid is not None, "an async manager starts its writer process at once"
     return manager
 
 
@@ -237,7 +237,7 @@ def test_a_failed_write_in_the_writer_process_surfaces_and_commits_nothing(tmp_p
     with pytest.raises(ucp.StorageError, match="step 1 was not saved .*step_00000001/attempt-.*/c.* File too large"):
         manager.wait()
     assert manager.steps() == [] and not (tmp_path / "step_00000001").exists()
-    manager.pipeline._process.close()  # a writer without the limit next
+    manager.pipeline.stop_writer()  # a writer without the limit next
     manager.save(2, make_state(2))
     manager.wait()
     assert manager.steps() == [2]
@@ -258,7 +258,7 @@ def test_a_killed_writer_process_fails_the_save_and_the_next_save_restarts_it(tm
     assert [a.live for a in manager.pipeline.staging.arenas] == [0] * len(manager.pipeline.staging.arenas)
     handle = manager.save(2, make_state(2))
     assert handle.result(timeout=60).step == 2
-    assert handle.writer == "process" and manager.pipeline._process.pid != first_pid
+    assert handle.writer == "process" and manager.pipeline.writer_pid != first_pid
     assert manager.steps() == [2]
     assert_same_state(make_state(2), manager.restore())
     manager.close()

@@ -328,6 +328,19 @@ class SavePipeline:
         if self.writer == "process":
             self._writer_process()
 
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's pid while one is started (None with writer threads)."""
+        with self._process_lock:
+            return self._process.pid if self._process is not None else None
+
+    def stop_writer(self) -> None:
+        """Stop the writer process, if one runs; the next async save starts a fresh one."""
+        with self._process_lock:
+            process, self._process = self._process, None
+        if process is not None:
+            process.close()
+
     def wait(self) -> CommitRecord | None:
         """Wait for the save in flight, if any; raises its error."""
         handle, self._inflight = self._inflight, None
