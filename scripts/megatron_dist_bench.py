@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.launch import spawn  # noqa: E402
+from tests.launch import spawn
 
 WRAPPER = (  # the peak RSS of a command run in a fresh, small process (see tests/test_interop_memory.py)
     "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:], stdout=sys.stderr); "
@@ -55,7 +55,12 @@ def megatron(src: Path, dst: Path, target: str, env: dict[str, str]) -> dict:
     out = spawn(["tests/megatron_dist_worker.py", "resave", str(tp), str(pp), str(src), str(dst)], tp * pp, 900, env)
     wall = time.perf_counter() - t0
     line = next(json.loads(x) for x in out[0].splitlines() if x.startswith("{"))
-    return {"wall_s": wall, "load_s": line["load_s"], "save_s": line["save_s"], "peak_rss_bytes": line["peak_rss_bytes"]}
+    return {
+        "wall_s": wall,
+        "load_s": line["load_s"],
+        "save_s": line["save_s"],
+        "peak_rss_bytes": line["peak_rss_bytes"],
+    }
 
 
 def ucp_convert(src: Path, dst: Path, target: str, budget: str) -> dict:

@@ -111,7 +111,7 @@ def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_p
     head_dim = extra.get("head_dim", SHAPE["hidden_size"] // SHAPE["num_attention_heads"])
     spawn(
         [
-            "tests/megatron_dense_worker.py",
+            "tests/megatron_family_worker.py",
             str(tmp_path / "megatron"),
             str(out),
             "1" if arch == "qwen2" else "0",

@@ -90,20 +90,26 @@ def _model_line(model: dict[str, Any] | None) -> list[str]:
             "num_hidden_layers",
             "hidden_size",
             "intermediate_size",
+            "moe_intermediate_size",
             "num_attention_heads",
             "num_key_value_heads",
             "num_local_experts",
             "num_experts_per_tok",
             "vocab_size",
+            "attention_bias",
+            "qk_norm",
         )
-        if k in c
+        if k in c and c[k] is not None and c[k] is not False
     )
     rope = (
         (hf.get("rope_parameters") or {}).get("rope_theta")
         if isinstance(hf.get("rope_parameters"), dict)
         else hf.get("rope_theta")
     )
-    more = {"rope_theta": rope, **{k: hf.get(k) for k in ("rms_norm_eps", "max_position_embeddings", "sliding_window")}}
+    more = {
+        "rope_theta": rope,
+        **{k: hf.get(k) for k in ("rms_norm_eps", "max_position_embeddings", "sliding_window", "norm_topk_prob")},
+    }
     extras = ", ".join(f"{k} {v}" for k, v in more.items() if v is not None)
     return [f"model       {model['family']}: {shape}" + (f"; {extras}" if extras else "")]
 

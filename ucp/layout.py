@@ -182,14 +182,16 @@ def chunk_layer_counts(layout: Layout, num_layers: int, stage_layers: list[int] 
 def validate_for_model(layout: Layout, model_config: Any) -> None:
     """Raise LayoutError when ``layout`` cannot hold the model.
 
-    Uses the attributes every family config has: num_attention_heads, num_key_value_heads, intermediate_size,
-    num_hidden_layers, and optionally num_local_experts (0/absent: dense) and stage_layers.
+    Uses the attributes every family config has: num_attention_heads, num_key_value_heads, intermediate_size (or
+    moe_intermediate_size, the experts' FFN size, where the family has one), num_hidden_layers, and optionally
+    num_local_experts (0/absent: dense) and stage_layers.
     """
     cfg = model_config
+    ffn = ("moe_intermediate_size", cfg.moe_intermediate_size) if hasattr(cfg, "moe_intermediate_size") else None
     for what, value in (
         ("num_attention_heads", cfg.num_attention_heads),
         ("num_key_value_heads", cfg.num_key_value_heads),
-        ("intermediate_size", cfg.intermediate_size),
+        ffn or ("intermediate_size", cfg.intermediate_size),
     ):
         if value % layout.tp:
             raise LayoutError(f"layout {layout}: tp={layout.tp} does not divide {what}={value}")

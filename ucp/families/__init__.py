@@ -10,12 +10,27 @@ from ucp.families.llama import FAMILY as LLAMA
 from ucp.families.llama import LlamaConfig
 from ucp.families.mixtral import FAMILY as MIXTRAL
 from ucp.families.mixtral import MixtralConfig
-from ucp.families.table import Family, Rule
+from ucp.families.qwen3_moe import FAMILY as QWEN3_MOE
+from ucp.families.qwen3_moe import Qwen3MoeConfig
+from ucp.families.table import ExpertNames, Family, Rule, expert_names
 from ucp.partition import PartitionSpec
 
-FAMILIES: dict[str, Family] = {MIXTRAL.name: MIXTRAL, LLAMA.name: LLAMA}
+FAMILIES: dict[str, Family] = {MIXTRAL.name: MIXTRAL, LLAMA.name: LLAMA, QWEN3_MOE.name: QWEN3_MOE}
+MOE_CONFIGS = (MixtralConfig, Qwen3MoeConfig)  # the families whose layers hold experts
 
-__all__ = ["FAMILIES", "Family", "LlamaConfig", "MixtralConfig", "Rule", "canonical_atoms", "family_for"]
+__all__ = [
+    "FAMILIES",
+    "MOE_CONFIGS",
+    "ExpertNames",
+    "Family",
+    "LlamaConfig",
+    "MixtralConfig",
+    "Qwen3MoeConfig",
+    "Rule",
+    "canonical_atoms",
+    "expert_names_of",
+    "family_for",
+]
 
 
 def family_for(config: Any) -> Family:
@@ -28,3 +43,8 @@ def family_for(config: Any) -> Family:
 def canonical_atoms(config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
     """Every canonical atom of the model: name -> (full shape, partition spec), in the family's fixed order."""
     return table.canonical_atoms(family_for(config), config)
+
+
+def expert_names_of(config: Any) -> ExpertNames | None:
+    """The atom names of the model's routers and experts (None for a dense model)."""
+    return expert_names(family_for(config))

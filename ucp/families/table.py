@@ -94,3 +94,38 @@ def iter_atoms(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ..
 def canonical_atoms(family: Family, config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
     """Every atom of the model: name -> (full shape, partition spec), in the order of ``iter_atoms``."""
     return {name: (shape, spec) for name, shape, spec, _ in iter_atoms(family, config)}
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """A MoE family's atom names for a layer's router and each expert's gate, up and down projections (patterns
+    with {L} and {X}), read off its rules. They say how transformers' in-memory fused experts map to atoms:
+    `mlp.experts.gate_up_proj` [experts, 2*ffn, hidden] is, per expert, [gate; up], `down_proj` [experts, hidden,
+    ffn] is down, and the router is `mlp.gate.weight`."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+
+    def router_atom(self, layer: int | str) -> str:
+        return self.router.format(L=layer)
+
+    def gate_up_atoms(self, layer: int | str, experts: int) -> tuple[str, ...]:
+        """gate, up of expert 0, gate, up of expert 1, ..."""
+        return tuple(p.format(L=layer, X=x) for x in range(experts) for p in (self.gate, self.up))
+
+    def down_atoms(self, layer: int | str, experts: int) -> tuple[str, ...]:
+        return tuple(self.down.format(L=layer, X=x) for x in range(experts))
+
+
+def expert_names(family: Family) -> ExpertNames | None:
+    """The family's ExpertNames (None for a dense family): the router is the rule held in Megatron's
+    mlp.router, gate and up the expert rules fused in linear_fc1 (in that order), down the one in linear_fc2."""
+    experts = [r for r in family.rules if r.place == "expert"]
+    if not experts:
+        return None
+    fc1 = [r.canonical for r in experts if r.local.endswith("linear_fc1.weight")]
+    down = next(r.canonical for r in experts if r.local.endswith("linear_fc2.weight"))
+    router = next(r.canonical for r in family.rules if r.local.endswith("mlp.router.weight"))
+    return ExpertNames(router, fc1[0], fc1[1], down)

@@ -34,7 +34,7 @@ import torch
 from ucp import dtypes
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.distributed import AtomKey, ShardedModel, atom_path, model_config_of
-from ucp.families import canonical_atoms, family_for
+from ucp.families import canonical_atoms, expert_names_of, family_for
 from ucp.interop.dtypes import parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.hf import hf_config_from_ucp, stored_hf_config, ucp_config_from_hf
@@ -169,14 +169,13 @@ class _Target:
 def _map_name(name: str, config: Any, atoms: set[str]) -> tuple[str, ...] | None:
     if name in atoms:
         return (name,)
-    if m := _ROUTER.fullmatch(name):
-        return (f"model.layers.{m[1]}.block_sparse_moe.gate.weight",)
-    if m := _FUSED.fullmatch(name):
-        base = f"model.layers.{m[1]}.block_sparse_moe.experts."
-        xs = range(config.num_local_experts)
+    moe = expert_names_of(config)
+    if moe is not None and (m := _ROUTER.fullmatch(name)):
+        return (moe.router_atom(m[1]),)
+    if moe is not None and (m := _FUSED.fullmatch(name)):
         if m[2] == "gate_up_proj":
-            return tuple(f"{base}{x}.{w}.weight" for x in xs for w in ("w1", "w3"))
-        return tuple(f"{base}{x}.w2.weight" for x in xs)
+            return moe.gate_up_atoms(m[1], config.num_local_experts)
+        return moe.down_atoms(m[1], config.num_local_experts)
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return ()
     return None
@@ -229,8 +228,8 @@ def plan_import(metadata: Any, config: Any, where: str) -> tuple[list[_Target], 
 def _split(target: _Target, tensor: torch.Tensor, config: Any) -> dict[str, torch.Tensor]:
     if len(target.atoms) == 1:
         return {target.atoms[0]: tensor}
-    if target.atoms[0].endswith(".w1.weight"):  # gate_up_proj: per expert [w1; w3]
-        ffn = config.intermediate_size
+    if len(target.atoms) == 2 * tensor.shape[0]:  # fused gate_up_proj (or its optimizer state): per expert [gate; up]
+        ffn = tensor.shape[1] // 2
         return {a: tensor[i // 2, :ffn] if i % 2 == 0 else tensor[i // 2, ffn:] for i, a in enumerate(target.atoms)}
     return {a: tensor[i] for i, a in enumerate(target.atoms)}
 

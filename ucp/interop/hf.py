@@ -1,11 +1,13 @@
-"""Hugging Face checkpoints to and from ucp: Mixtral, and the dense Llama, Mistral, Qwen2 and Qwen3 (`HF_ARCHS`).
+"""Hugging Face checkpoints to and from ucp: Mixtral, Qwen3-MoE, and the dense Llama, Mistral, Qwen2 and Qwen3
+(`HF_ARCHS`).
 
 The on-disk Hugging Face format is config.json plus safetensors files named in model.safetensors.index.json. Its
 tensor names are exactly ucp's canonical atom names (for Mixtral the per-expert
-`model.layers.{L}.block_sparse_moe.experts.{X}.w1/w2/w3.weight`), so export and import are renames of nothing: the
-work is the config, sharding into files of bounded size, and refusing what the atoms cannot hold. transformers >= 5
-keeps Mixtral's experts fused in memory (`mlp.experts.gate_up_proj`, `down_proj`) but still reads and writes the
-per-expert form on disk; import accepts both.
+`model.layers.{L}.block_sparse_moe.experts.{X}.w1/w2/w3.weight`, for Qwen3-MoE `mlp.experts.{X}.gate_proj/up_proj/
+down_proj.weight`), so export and import are renames of nothing: the work is the config, sharding into files of
+bounded size, and refusing what the atoms cannot hold. transformers >= 5 keeps a MoE's experts fused in memory
+(`mlp.experts.gate_up_proj`, `down_proj`) but still reads and writes the per-expert form on disk; import accepts
+both (the family's `ExpertNames` say which atoms a fused tensor holds).
 
 HF fields the family config does not model (norm epsilon, rope parameters, token ids, sliding window, ...; the
 model_type too) travel in the checkpoint's extra state under "hf_config", so an import followed by an export (or
@@ -32,7 +34,7 @@ import torch
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.distributed import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
 from ucp.errors import UcpError
-from ucp.families import LlamaConfig, MixtralConfig, canonical_atoms
+from ucp.families import LlamaConfig, MixtralConfig, Qwen3MoeConfig, canonical_atoms, expert_names_of
 from ucp.interop.dtypes import parse_dtype, short_name
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.staging import staged_dir
@@ -79,6 +81,7 @@ class HfArch:
     implies: dict[str, Any] = dataclasses.field(default_factory=dict)
     requires: dict[str, Any] = dataclasses.field(default_factory=dict)
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # another config.json spelling -> the key
 
 
 _COMMON_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_dropout": 0.0}
@@ -92,6 +95,28 @@ HF_ARCHS: dict[str, HfArch] = {
             (*_DENSE_KEYS, "num_local_experts", "num_experts_per_tok"),
             requires={"hidden_act": "silu"},
             defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 4096},
+        ),
+        HfArch(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            Qwen3MoeConfig,
+            (
+                *_DENSE_KEYS,
+                "moe_intermediate_size",
+                "num_local_experts",
+                "num_experts_per_tok",
+                "attention_bias",
+            ),
+            # every layer a MoE layer: dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) have no atoms here
+            requires={"hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": []},
+            defaults={
+                **_COMMON_DEFAULTS,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1e6,
+                "max_position_embeddings": 40960,
+                "norm_topk_prob": True,
+            },
+            aliases={"num_experts": "num_local_experts"},  # (transformers < 5 writes num_experts)
         ),
         HfArch(
             "llama",
@@ -156,6 +181,8 @@ def arch_of(config: Any, hf_extra: dict[str, Any] | None) -> HfArch:
         return stored
     if isinstance(config, MixtralConfig):
         return HF_ARCHS["mixtral"]
+    if isinstance(config, Qwen3MoeConfig):
+        return HF_ARCHS["qwen3_moe"]
     if isinstance(config, LlamaConfig):
         return HF_ARCHS["qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"]
     raise SourceMismatchError(f"a {type(config).__name__} model has no Hugging Face architecture here")
@@ -171,6 +198,7 @@ def hf_config_from_ucp(config: Any, hf_extra: dict[str, Any] | None, dtype: torc
     doc.update(hf_extra or {})
     doc.update({"architectures": [arch.architecture], "model_type": arch.model_type})
     doc.update({k: getattr(config, k) for k in arch.keys})
+    doc.update({alias: doc[key] for alias, key in arch.aliases.items()})  # (readers of either spelling)
     doc["dtype"] = short_name(dtype)
     return doc
 
@@ -179,6 +207,8 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[Any, dict[str, 
     """The family config from an HF config.json, and the HF fields it does not model; refuses architectures, and
     settings of them, whose weights ucp's atoms cannot hold."""
     arch = HF_ARCHS.get(str(doc.get("model_type")))
+    if arch is not None:
+        doc = {arch.aliases.get(k, k): v for k, v in doc.items()}
     names = doc.get("architectures") or []
     if arch is None or (names and arch.architecture not in names):
         known = ", ".join(f"{a.model_type} ({a.architecture})" for a in HF_ARCHS.values())
@@ -346,7 +376,7 @@ class HfSource:
     """An HF checkpoint directory: its config and where each tensor lives."""
 
     root: Path
-    config: Any  # the family config (MixtralConfig, LlamaConfig)
+    config: Any  # the family config (MixtralConfig, Qwen3MoeConfig, LlamaConfig)
     hf_extra: dict[str, Any]
     weight_map: dict[str, str]  # tensor name -> file name
 
@@ -405,7 +435,7 @@ def _stored_atoms(src: HfSource) -> Iterator[tuple[str, StoredAtom]]:
     by_file: dict[str, list[str]] = {}
     for name, fname in src.weight_map.items():
         by_file.setdefault(fname, []).append(name)
-    ffn = src.config.intermediate_size
+    moe = expert_names_of(src.config)
     for fname, names in by_file.items():
         with safe_open(str(src.root / fname), framework="pt") as f:
             for name in names:
@@ -418,20 +448,21 @@ def _stored_atoms(src: HfSource) -> Iterator[tuple[str, StoredAtom]]:
                         f"{src.root / fname}: tensor {name} has dtype {header.get_dtype()}, which ucp does not import"
                     )
                 whole = StoredAtom(fname, name, (), tuple(header.get_shape()), dtype)
-                if m := _ROUTER.fullmatch(name):
-                    yield f"model.layers.{m[1]}.block_sparse_moe.gate.weight", whole
-                elif m := _FUSED.fullmatch(name):
+                if moe is not None and (m := _ROUTER.fullmatch(name)):
+                    yield moe.router_atom(m[1]), whole
+                elif moe is not None and (m := _FUSED.fullmatch(name)):
                     if len(whole.shape) != 3:
                         raise InteropError(
                             f"{src.root}: tensor {name} has shape {list(whole.shape)}, but fused experts are 3-d"
                         )
-                    base = f"model.layers.{m[1]}.block_sparse_moe.experts."
-                    for x in range(whole.shape[0]):
-                        if m[2] == "gate_up_proj":
-                            yield f"{base}{x}.w1.weight", whole.part((x, slice(0, ffn)))
-                            yield f"{base}{x}.w3.weight", whole.part((x, slice(ffn, None)))
-                        else:
-                            yield f"{base}{x}.w2.weight", whole.part((x,))
+                    experts = whole.shape[0]
+                    if m[2] == "gate_up_proj":
+                        ffn = whole.shape[1] // 2
+                        for i, atom in enumerate(moe.gate_up_atoms(m[1], experts)):
+                            yield atom, whole.part((i // 2, slice(0, ffn) if i % 2 == 0 else slice(ffn, None)))
+                    else:
+                        for x, atom in enumerate(moe.down_atoms(m[1], experts)):
+                            yield atom, whole.part((x,))
                 else:
                     yield name, whole
 

@@ -50,7 +50,7 @@ from ucp.distributed import (
     piece_view,
 )
 from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
-from ucp.families import LlamaConfig, MixtralConfig, canonical_atoms
+from ucp.families import LlamaConfig, MixtralConfig, Qwen3MoeConfig, canonical_atoms
 from ucp.format import AtomMeta
 from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
@@ -239,19 +239,21 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
 
 
 def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """The family config from Megatron's args (a MoE GPT model: Mixtral; a dense one: the Llama family, with q/k/v
-    biases and q/k norms as the args say), and the HF fields the config does not model (rope base, norm eps, ...)."""
+    """The family config from Megatron's args (a MoE GPT model: Mixtral, or Qwen3-MoE with q/k norms; a dense one:
+    the Llama family, with q/k/v biases and q/k norms as the args say), and the HF fields the config does not model
+    (rope base, norm eps, ...)."""
     if args is None:
         raise InteropError(f"{where} has no 'args': cannot tell the model's shape")
     experts = _arg(args, "num_experts", 0)
-    family = "Mixtral" if experts else "Llama"
+    qk_norm = bool(_arg(args, "qk_layernorm", False))
+    family = ("Qwen3-MoE" if qk_norm else "Mixtral") if experts else "Llama"
     if not _arg(args, "swiglu", False):
         raise InteropError(
             f"{where}: args.swiglu is off; ucp's {family} family is SwiGLU (gate/up fused in linear_fc1)"
         )
     if _arg(args, "add_bias_linear", False):
         raise InteropError(f"{where}: linear biases (add_bias_linear) have no {family} atom")
-    if experts and _arg(args, "add_qkv_bias", False):
+    if experts and not qk_norm and _arg(args, "add_qkv_bias", False):
         raise InteropError(f"{where}: q/k/v biases (add_qkv_bias) have no Mixtral atom")
     if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
         raise InteropError(f"{where}: normalization={args.normalization!r}; ucp's {family} family uses RMSNorm")
@@ -270,8 +272,17 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
         "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
         "make_vocab_size_divisible_by": _arg(args, "make_vocab_size_divisible_by", 128),
     }
-    if experts:
-        config: Any = MixtralConfig(
+    if experts and qk_norm:
+        config: Any = Qwen3MoeConfig(
+            moe_intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
+            intermediate_size=args.ffn_hidden_size,
+            num_local_experts=experts,
+            num_experts_per_tok=_arg(args, "moe_router_topk", 2),
+            attention_bias=bool(_arg(args, "add_qkv_bias", False)),
+            **shape,
+        )
+    elif experts:
+        config = MixtralConfig(
             intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
             num_local_experts=experts,
             num_experts_per_tok=_arg(args, "moe_router_topk", 2),
@@ -284,7 +295,11 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
             qk_norm=bool(_arg(args, "qk_layernorm", False)),
             **shape,
         )
-    return config, hf_fields_from_args(args, where)
+    hf = hf_fields_from_args(args, where)
+    if isinstance(config, Qwen3MoeConfig) and "norm_topk_prob" not in hf:
+        # Megatron's router: softmax over the top-k scores (= HF's renormalised top-k), or with pre-softmax over all
+        hf["norm_topk_prob"] = not _arg(args, "moe_router_pre_softmax", False)
+    return config, hf
 
 
 # Hugging Face config fields that Megatron's args carry, by their Megatron names (RoPE's base is handled apart: HF
@@ -333,23 +348,33 @@ def hf_fields_from_args(args: Any, where: str) -> dict[str, Any]:
 def args_for(config: Any, layout: Layout, base: Any = None, hf: Mapping[str, Any] | None = None) -> argparse.Namespace:
     """Megatron args for a target layout: the source's args with the parallel sizes replaced, or (from a ucp
     checkpoint) the model-shape arguments Megatron-LM checks on load."""
-    moe = isinstance(config, MixtralConfig)
-    family_args = (
-        {
+    family_args: dict[str, Any]
+    if isinstance(config, Qwen3MoeConfig):
+        family_args = {
+            "moe_ffn_hidden_size": config.moe_intermediate_size,
+            "num_experts": config.num_local_experts,
+            "moe_router_topk": config.num_experts_per_tok,
+            "add_qkv_bias": config.attention_bias,
+            "qk_layernorm": True,
+            # HF's top-k weights renormalised = Megatron's softmax over the top-k; not renormalised = pre-softmax
+            "moe_router_pre_softmax": not (hf or {}).get("norm_topk_prob", True),
+        }
+    elif isinstance(config, MixtralConfig):
+        family_args = {
             "moe_ffn_hidden_size": config.intermediate_size,
             "num_experts": config.num_local_experts,
             "moe_router_topk": config.num_experts_per_tok,
         }
-        if moe
-        else {"num_experts": None, "add_qkv_bias": config.attention_bias, "qk_layernorm": config.qk_norm}
-    )
+    else:
+        family_args = {"num_experts": None, "add_qkv_bias": config.attention_bias, "qk_layernorm": config.qk_norm}
+    ffn = config.intermediate_size if config.intermediate_size is not None else config.moe_intermediate_size
     out = (
         argparse.Namespace(**vars(base))
         if base is not None
         else argparse.Namespace(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
-            ffn_hidden_size=config.intermediate_size,
+            ffn_hidden_size=ffn,
             num_attention_heads=config.num_attention_heads,
             group_query_attention=config.num_key_value_heads != config.num_attention_heads,
             num_query_groups=config.num_key_value_heads,
@@ -582,7 +607,7 @@ def _check_shapes(source: MegatronSource) -> None:
                 )
         extra = sorted(f"{c}/{n}" for c, tensors in local.items() for n in tensors if (c, n) not in names)
         if extra:
-            raise InteropError(f"{path}: tensors ucp cannot map to Mixtral atoms: {extra[:4]}")
+            raise InteropError(f"{path}: tensors ucp cannot map to {type(source.config).__name__} atoms: {extra[:4]}")
 
 
 # ------------------------------------------------------------------------------------------- filling targets
@@ -936,9 +961,9 @@ def _from_universal(
     optimizer state without it (e.g. from ucp's trainer: no Megatron param groups to rebuild) is dropped."""
     reader = _open_universal(src, step, storage_options)
     config = model_config_of(reader)
-    if not isinstance(config, (MixtralConfig, LlamaConfig)):
+    if not isinstance(config, (MixtralConfig, Qwen3MoeConfig, LlamaConfig)):
         raise SourceMismatchError(
-            f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral and Llama"
+            f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral, Qwen3-MoE and Llama"
         )
     layout, fmt = _target_layout(to_layout)
     local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written

@@ -17,6 +17,7 @@ import torch
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.distributed import LoadReport, ShardedModel, atom_path, load_sharded, model_config_of
 from ucp.errors import StateError
+from ucp.families import expert_names_of
 from ucp.interop.dtypes import parse_dtype
 from ucp.layout import Layout, parse_layout
 
@@ -81,20 +82,20 @@ class Source:
 
 def hf_source(name: str, config: Any) -> Source | None:
     """The atoms behind a Hugging Face module tensor: the tensor of the same name (every family's atoms take HF's
-    names), or for a Mixtral's experts either the per-expert or the fused-expert naming; None for tensors no atom
+    names), or for a MoE family's experts either the per-expert or transformers' fused-expert naming; None for tensors no atom
     backs (e.g. rotary buffers)."""
-    if m := _HF_ROUTER.fullmatch(name):
-        atom = f"model.layers.{m[1]}.block_sparse_moe.gate.weight"
+    moe = expert_names_of(config)
+    if moe is not None and (m := _HF_ROUTER.fullmatch(name)):
+        atom = moe.router_atom(m[1])
         return Source((atom,), lambda a: a[atom])
-    if m := _HF_FUSED.fullmatch(name):
-        base = f"model.layers.{m[1]}.block_sparse_moe.experts."
+    if moe is not None and (m := _HF_FUSED.fullmatch(name)):
         experts = range(config.num_local_experts)
         if m[2] == "gate_up_proj":
-            names = tuple(f"{base}{x}.{w}.weight" for x in experts for w in ("w1", "w3"))
+            names = moe.gate_up_atoms(m[1], config.num_local_experts)
             return Source(
                 names, lambda a: torch.stack([torch.cat([a[names[2 * x]], a[names[2 * x + 1]]]) for x in experts])
             )
-        names = tuple(f"{base}{x}.w2.weight" for x in experts)
+        names = moe.down_atoms(m[1], config.num_local_experts)
         return Source(names, lambda a: torch.stack([a[n] for n in names]))
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return Source(("model.embed_tokens.weight",), lambda a: a["model.embed_tokens.weight"])
@@ -134,7 +135,7 @@ def load_into_module(
     strict: bool = True,
 ) -> LoadReport:
     """Fill a plain (unsharded) module's parameters and buffers from a ucp checkpoint's atoms, matched by
-    name: "hf" for a transformers Mixtral (either expert naming), a dict {module name: atom name}, or a
+    name: "hf" for a transformers model of any family (either expert naming), a dict {module name: atom name}, or a
     callable name -> Source. Values are cast to each tensor's dtype. With strict, a module parameter that no
     atom fills, or a shape that disagrees, is an error. Only the atoms the module needs are read."""
     reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)

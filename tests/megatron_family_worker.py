@@ -1,8 +1,11 @@
-"""Megatron-Core on CPU as the oracle of the dense family's Megatron names and TP slicing (tests/test_families.py):
-a GPT model with the local layer spec, q/k/v biases (Qwen2) or q/k layer norms (Qwen3), built in TP 2, loads the
-rank files that `ucp convert` wrote strictly (every name and shape as Megatron's own) and writes its logits.
+"""Megatron-Core on CPU as the oracle of a family's Megatron names and TP slicing (tests/test_families.py,
+tests/test_qwen3_moe.py): a GPT model with the local layer spec, q/k/v biases (Qwen2) or q/k layer norms (Qwen3),
+and with EXPERTS > 0 a mixture of experts in every layer (Qwen3-MoE: q/k norms and experts; PRE_SOFTMAX is
+Megatron's moe_router_pre_softmax), built in TP 2, loads the rank files that `ucp convert` wrote strictly (every
+name and shape as Megatron's own) and writes its logits.
 
-    python tests/megatron_dense_worker.py CKPT OUT BIAS QK_NORM HEAD_DIM    as the ranks of a TP 2 world
+    python tests/megatron_family_worker.py CKPT OUT BIAS QK_NORM HEAD_DIM [EXPERTS FFN PRE_SOFTMAX]
+        as the ranks of a TP 2 world
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from tests.megatron_worker import forward, setup, tokens
 V, H, FFN, L, HEADS, KV = 100, 32, 48, 2, 4, 2
 
 
-def main(ckpt: str, out: str, bias: bool, qk_norm: bool, head_dim: int) -> None:
+def main(
+    ckpt: str,
+    out: str,
+    bias: bool,
+    qk_norm: bool,
+    head_dim: int,
+    experts: int = 0,
+    ffn: int = FFN,
+    pre_softmax: bool = False,
+) -> None:
     rank = int(os.environ["RANK"])
     setup(rank, 2, tp=2)
     from megatron.core.models.gpt import GPTModel
@@ -33,7 +45,18 @@ def main(ckpt: str, out: str, bias: bool, qk_norm: bool, head_dim: int) -> None:
         hidden_size=H,
         num_attention_heads=HEADS,
         num_query_groups=KV,
-        ffn_hidden_size=FFN,
+        ffn_hidden_size=ffn,
+        **(
+            {
+                "num_moe_experts": experts,
+                "moe_router_topk": 2,
+                "moe_ffn_hidden_size": ffn,
+                "moe_token_dispatcher_type": "allgather",
+                "moe_router_pre_softmax": pre_softmax,
+            }
+            if experts
+            else {}
+        ),
         kv_channels=head_dim,
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -48,7 +71,9 @@ def main(ckpt: str, out: str, bias: bool, qk_norm: bool, head_dim: int) -> None:
         attention_dropout=0.0,
         tensor_model_parallel_size=2,
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts or None, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_norm
+    )
     model = GPTModel(
         cfg,
         spec,
@@ -70,4 +95,5 @@ def main(ckpt: str, out: str, bias: bool, qk_norm: bool, head_dim: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", int(sys.argv[5]))
+    moe = (int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "1") if len(sys.argv) > 6 else ()
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", int(sys.argv[5]), *moe)

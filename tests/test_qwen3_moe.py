@@ -1,0 +1,166 @@
+"""The Qwen3-MoE family (ucp.families.qwen3_moe): a random tiny transformers Qwen3MoeForCausalLM goes through
+every path and gives identical logits; the reshaper moves it between layouts; configs it cannot hold are refused."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import ucp
+from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
+from ucp.families import canonical_atoms
+from ucp.families.qwen3_moe import Qwen3MoeConfig
+from ucp.interop.errors import SourceMismatchError
+from ucp.interop.hf import export_hf, import_hf
+from ucp.interop.megatron import convert
+from ucp.layout import parse_layout
+from ucp.reshard import assemble, shard
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "moe_intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def hf_model(tmp_path, **overrides):
+    """A random Qwen3-MoE, saved; non-default hyperparameters drawn at random (each changes the logits)."""
+    rng = random.Random()
+    extra = {
+        "norm_topk_prob": rng.choice([True, False]),
+        "rope_theta": rng.choice([1e4, 1e6]),
+        "rms_norm_eps": rng.choice([1e-6, 1e-5]),
+        "tie_word_embeddings": rng.choice([True, False]),
+    }
+    config = transformers.Qwen3MoeConfig(**{**SHAPE, **extra, **overrides})
+    torch.manual_seed(rng.randrange(1000))
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # (norm weights start at one: make every tensor count)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path / "hf")
+    return model
+
+
+def logits(model):
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def back_in_transformers(out, model):
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
+    return transformers.Qwen3MoeForCausalLM.from_pretrained(out).eval()
+
+
+@pytest.mark.parametrize("layout", ["tp2ep2", "tp2pp2ep2", "tp1pp2"])
+def test_through_megatron_and_back_gives_the_same_logits(tmp_path, layout):
+    model = hf_model(tmp_path)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    cfg = ucp.open_checkpoint(str(tmp_path / "u1"))
+    assert any("mlp.experts.3.down_proj" in a for a in cfg.atoms)
+    convert(str(tmp_path / "u1"), str(tmp_path / "megatron"), from_layout="universal", to_layout=layout)
+    convert(str(tmp_path / "megatron"), str(tmp_path / "u2"), from_layout=layout, to_layout="universal")
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    assert torch.equal(logits(back_in_transformers(tmp_path / "out", model)), logits(model))
+
+
+def test_through_torch_dist_and_dcp_and_back_gives_the_same_logits(tmp_path):
+    from ucp.interop.dcp import export_dcp, import_dcp
+
+    model = hf_model(tmp_path)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    convert(str(tmp_path / "u1"), str(tmp_path / "td"), from_layout="universal", to_layout="torch_dist")
+    convert(str(tmp_path / "td"), str(tmp_path / "u2"), from_layout="torch_dist", to_layout="universal")
+    export_dcp(str(tmp_path / "u2"), tmp_path / "dcp")
+    import_dcp(tmp_path / "dcp", str(tmp_path / "u3"))
+    export_hf(str(tmp_path / "u3"), tmp_path / "out")
+    assert torch.equal(logits(back_in_transformers(tmp_path / "out", model)), logits(model))
+
+
+def test_the_weights_loader_fills_transformers_own_fused_experts(tmp_path):
+    from ucp.interop.weights import load_into_module
+
+    model = hf_model(tmp_path)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    fresh = transformers.Qwen3MoeForCausalLM(model.config).eval()
+    load_into_module(str(tmp_path / "u"), fresh)
+    assert torch.equal(logits(fresh), logits(model))
+
+
+def test_the_reshaper_saves_in_one_layout_and_loads_in_others(tmp_path):
+    config = Qwen3MoeConfig(
+        vocab_size=100, hidden_size=32, moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, head_dim=16, make_vocab_size_divisible_by=8,
+    )  # fmt: skip
+    states = ("exp_avg", "exp_avg_sq")
+    g = torch.Generator().manual_seed(0)
+    atoms = canonical_atoms(config)
+    full = {
+        "model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
+        "optimizer": {"state": {n: {st: torch.randn(s, generator=g) for st in states} for n, (s, _) in atoms.items()}},
+    }
+    source = parse_layout(random.choice(["tp2pp2", "tp1pp2ep2dp2", "tp2pp1ep2dp2"]))
+    VirtualWorld(source.world_size).save(
+        [shard(full, config, source, r, states) for r in range(source.world_size)],
+        str(tmp_path),
+        step=1,
+        model=ShardedModel(config, source, states),
+    )
+    reader = ucp.open_checkpoint(str(tmp_path))
+    for name in ("tp1pp1", "tp2pp1dp2zero1", "tp1pp4ep2dp2"):
+        target = parse_layout(name)
+        local = [load_sharded(reader, ShardedModel(config, target, states), r)[0] for r in range(target.world_size)]
+        back = assemble(local, config, target, states)
+        for n in atoms:
+            assert torch.equal(back["model"][n], full["model"][n]), (name, n)
+            assert all(torch.equal(back["optimizer"]["state"][n][s], full["optimizer"]["state"][n][s]) for s in states)
+
+
+@pytest.mark.parametrize("setting", [{"decoder_sparse_step": 2}, {"mlp_only_layers": [1]}, {"hidden_act": "gelu"}])
+def test_settings_whose_weights_have_no_atom_are_refused(tmp_path, setting):
+    hf_model(tmp_path, **setting)
+    key = next(iter(setting))
+    with pytest.raises(SourceMismatchError, match=f"{key}="):
+        import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    assert not (tmp_path / "u").exists()
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_path, norm_topk_prob):
+    """megatron-core's own MoE GPT model (TP 2, local spec, q/k layer norms, SequentialMLP experts) takes ucp's tp2
+    files with strict=True and computes the logits transformers computes (within float tolerance: another kernel
+    order; HF's renormalised top-k is Megatron's softmax over the top-k, the other its pre-softmax router)."""
+    pytest.importorskip("megatron.core")
+    from .launch import spawn
+    from .megatron_worker import tokens
+
+    # (the worker's model has RoPE base 1e4 and norm epsilon 1e-6)
+    model = hf_model(
+        tmp_path, norm_topk_prob=norm_topk_prob, tie_word_embeddings=False, rope_theta=1e4, rms_norm_eps=1e-6
+    )
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    convert(str(tmp_path / "u"), str(tmp_path / "megatron"), from_layout="universal", to_layout="tp2")
+    out = tmp_path / "logits"
+    argv = ["tests/megatron_family_worker.py", str(tmp_path / "megatron"), str(out), "0", "1", str(SHAPE["head_dim"])]
+    argv += [str(SHAPE["num_experts"]), str(SHAPE["moe_intermediate_size"]), "0" if norm_topk_prob else "1"]
+    spawn(argv, 2, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    with torch.no_grad():
+        expected = model(tokens()).logits
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}", weights_only=True)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (rank, (got - expected).abs().max())
