@@ -1,10 +1,11 @@
 """Megatron-Core on CPU as the oracle of a family's Megatron names and TP slicing (tests/test_families.py,
-tests/test_qwen3_moe.py): a GPT model with the local layer spec, q/k/v biases (Qwen2) or q/k layer norms (Qwen3),
-and with EXPERTS > 0 a mixture of experts in every layer (Qwen3-MoE: q/k norms and experts; PRE_SOFTMAX is
-Megatron's moe_router_pre_softmax), built in TP 2, loads the rank files that `ucp convert` wrote strictly (every
-name and shape as Megatron's own) and writes its logits.
+tests/test_qwen_moe.py): a GPT model with the local layer spec, q/k/v biases (Qwen2) or q/k layer norms (Qwen3),
+and with EXPERTS > 0 a mixture of experts in every layer (Qwen3-MoE: q/k norms and experts; Qwen2-MoE: biases,
+experts and a gated shared expert of SHARED_FFN; PRE_SOFTMAX is Megatron's moe_router_pre_softmax), built in TP 2,
+loads the rank files that `ucp convert` wrote strictly (every name and shape as Megatron's own) and writes its
+logits.
 
-    python tests/megatron_family_worker.py CKPT OUT BIAS QK_NORM HEAD_DIM [EXPERTS FFN PRE_SOFTMAX]
+    python tests/megatron_family_worker.py CKPT OUT BIAS QK_NORM HEAD_DIM [EXPERTS FFN PRE_SOFTMAX SHARED_FFN]
         as the ranks of a TP 2 world
 """
 
@@ -33,6 +34,7 @@ def main(
     experts: int = 0,
     ffn: int = FFN,
     pre_softmax: bool = False,
+    shared_ffn: int = 0,
 ) -> None:
     rank = int(os.environ["RANK"])
     setup(rank, 2, tp=2)
@@ -53,6 +55,8 @@ def main(
                 "moe_ffn_hidden_size": ffn,
                 "moe_token_dispatcher_type": "allgather",
                 "moe_router_pre_softmax": pre_softmax,
+                "moe_shared_expert_intermediate_size": shared_ffn or None,
+                "moe_shared_expert_gate": shared_ffn > 0,
             }
             if experts
             else {}
@@ -95,5 +99,5 @@ def main(
 
 
 if __name__ == "__main__":
-    moe = (int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "1") if len(sys.argv) > 6 else ()
+    moe = (int(sys.argv[6]), int(sys.argv[7]), sys.argv[8] == "1", int(sys.argv[9])) if len(sys.argv) > 6 else ()
     main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", int(sys.argv[5]), *moe)

@@ -10,22 +10,20 @@ from ucp.families.llama import FAMILY as LLAMA
 from ucp.families.llama import LlamaConfig
 from ucp.families.mixtral import FAMILY as MIXTRAL
 from ucp.families.mixtral import MixtralConfig
-from ucp.families.qwen3_moe import FAMILY as QWEN3_MOE
-from ucp.families.qwen3_moe import Qwen3MoeConfig
+from ucp.families.qwen_moe import FAMILY as QWEN_MOE
+from ucp.families.qwen_moe import QwenMoeConfig
 from ucp.families.table import ExpertNames, Family, Rule, expert_names
 from ucp.partition import PartitionSpec
 
-FAMILIES: dict[str, Family] = {MIXTRAL.name: MIXTRAL, LLAMA.name: LLAMA, QWEN3_MOE.name: QWEN3_MOE}
-MOE_CONFIGS = (MixtralConfig, Qwen3MoeConfig)  # the families whose layers hold experts
+FAMILIES: dict[str, Family] = {MIXTRAL.name: MIXTRAL, LLAMA.name: LLAMA, QWEN_MOE.name: QWEN_MOE}
 
 __all__ = [
     "FAMILIES",
-    "MOE_CONFIGS",
     "ExpertNames",
     "Family",
     "LlamaConfig",
     "MixtralConfig",
-    "Qwen3MoeConfig",
+    "QwenMoeConfig",
     "Rule",
     "canonical_atoms",
     "expert_names_of",

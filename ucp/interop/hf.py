@@ -1,9 +1,9 @@
-"""Hugging Face checkpoints to and from ucp: Mixtral, Qwen3-MoE, and the dense Llama, Mistral, Qwen2 and Qwen3
-(`HF_ARCHS`).
+"""Hugging Face checkpoints to and from ucp: Mixtral, Qwen2-MoE and Qwen3-MoE, and the dense Llama, Mistral, Qwen2
+and Qwen3 (`HF_ARCHS`).
 
 The on-disk Hugging Face format is config.json plus safetensors files named in model.safetensors.index.json. Its
 tensor names are exactly ucp's canonical atom names (for Mixtral the per-expert
-`model.layers.{L}.block_sparse_moe.experts.{X}.w1/w2/w3.weight`, for Qwen3-MoE `mlp.experts.{X}.gate_proj/up_proj/
+`model.layers.{L}.block_sparse_moe.experts.{X}.w1/w2/w3.weight`, for the Qwen MoEs `mlp.experts.{X}.gate_proj/up_proj/
 down_proj.weight`), so export and import are renames of nothing: the work is the config, sharding into files of
 bounded size, and refusing what the atoms cannot hold. transformers >= 5 keeps a MoE's experts fused in memory
 (`mlp.experts.gate_up_proj`, `down_proj`) but still reads and writes the per-expert form on disk; import accepts
@@ -34,7 +34,7 @@ import torch
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.distributed import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
 from ucp.errors import UcpError
-from ucp.families import LlamaConfig, MixtralConfig, Qwen3MoeConfig, canonical_atoms, expert_names_of
+from ucp.families import LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms, expert_names_of
 from ucp.interop.dtypes import parse_dtype, short_name
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.staging import staged_dir
@@ -85,6 +85,10 @@ class HfArch:
 
 
 _COMMON_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_dropout": 0.0}
+_QWEN_MOE_KEYS = (*_DENSE_KEYS, "moe_intermediate_size", "num_local_experts", "num_experts_per_tok", "attention_bias")
+# every layer a MoE layer: dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) have no atoms here
+_QWEN_MOE_REQUIRES = {"hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": []}
+_QWEN_MOE_DEFAULTS = {**_COMMON_DEFAULTS, "rms_norm_eps": 1e-6, "rope_theta": 1e6}
 HF_ARCHS: dict[str, HfArch] = {
     a.model_type: a
     for a in (
@@ -99,24 +103,22 @@ HF_ARCHS: dict[str, HfArch] = {
         HfArch(
             "qwen3_moe",
             "Qwen3MoeForCausalLM",
-            Qwen3MoeConfig,
-            (
-                *_DENSE_KEYS,
-                "moe_intermediate_size",
-                "num_local_experts",
-                "num_experts_per_tok",
-                "attention_bias",
-            ),
-            # every layer a MoE layer: dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) have no atoms here
-            requires={"hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": []},
-            defaults={
-                **_COMMON_DEFAULTS,
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 1e6,
-                "max_position_embeddings": 40960,
-                "norm_topk_prob": True,
-            },
+            QwenMoeConfig,
+            _QWEN_MOE_KEYS,
+            implies={"qk_norm": True, "shared_expert_intermediate_size": 0},
+            requires=_QWEN_MOE_REQUIRES,
+            defaults={**_QWEN_MOE_DEFAULTS, "max_position_embeddings": 40960, "norm_topk_prob": True},
             aliases={"num_experts": "num_local_experts"},  # (transformers < 5 writes num_experts)
+        ),
+        HfArch(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            QwenMoeConfig,
+            (*_QWEN_MOE_KEYS, "shared_expert_intermediate_size"),
+            implies={"qk_norm": False},
+            requires=_QWEN_MOE_REQUIRES,
+            defaults={**_QWEN_MOE_DEFAULTS, "max_position_embeddings": 32768, "norm_topk_prob": False},
+            aliases={"num_experts": "num_local_experts", "qkv_bias": "attention_bias"},
         ),
         HfArch(
             "llama",
@@ -181,8 +183,8 @@ def arch_of(config: Any, hf_extra: dict[str, Any] | None) -> HfArch:
         return stored
     if isinstance(config, MixtralConfig):
         return HF_ARCHS["mixtral"]
-    if isinstance(config, Qwen3MoeConfig):
-        return HF_ARCHS["qwen3_moe"]
+    if isinstance(config, QwenMoeConfig):
+        return HF_ARCHS["qwen3_moe" if config.qk_norm else "qwen2_moe"]
     if isinstance(config, LlamaConfig):
         return HF_ARCHS["qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"]
     raise SourceMismatchError(f"a {type(config).__name__} model has no Hugging Face architecture here")
@@ -376,7 +378,7 @@ class HfSource:
     """An HF checkpoint directory: its config and where each tensor lives."""
 
     root: Path
-    config: Any  # the family config (MixtralConfig, Qwen3MoeConfig, LlamaConfig)
+    config: Any  # the family config (MixtralConfig, QwenMoeConfig, LlamaConfig)
     hf_extra: dict[str, Any]
     weight_map: dict[str, str]  # tensor name -> file name
 

@@ -50,7 +50,7 @@ from ucp.distributed import (
     piece_view,
 )
 from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
-from ucp.families import LlamaConfig, MixtralConfig, Qwen3MoeConfig, canonical_atoms
+from ucp.families import LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms
 from ucp.format import AtomMeta
 from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
@@ -239,22 +239,25 @@ def _arg(args: Any, name: str, default: Any = None) -> Any:
 
 
 def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """The family config from Megatron's args (a MoE GPT model: Mixtral, or Qwen3-MoE with q/k norms; a dense one:
-    the Llama family, with q/k/v biases and q/k norms as the args say), and the HF fields the config does not model
-    (rope base, norm eps, ...)."""
+    """The family config from Megatron's args (a MoE GPT model: Mixtral, or the Qwen MoE family when it has q/k
+    norms, q/k/v biases or a shared expert; a dense one: the Llama family, with q/k/v biases and q/k norms as the
+    args say), and the HF fields the config does not model (rope base, norm eps, ...)."""
     if args is None:
         raise InteropError(f"{where} has no 'args': cannot tell the model's shape")
     experts = _arg(args, "num_experts", 0)
     qk_norm = bool(_arg(args, "qk_layernorm", False))
-    family = ("Qwen3-MoE" if qk_norm else "Mixtral") if experts else "Llama"
+    qkv_bias = bool(_arg(args, "add_qkv_bias", False))
+    shared = _arg(args, "moe_shared_expert_intermediate_size") or 0
+    qwen = experts and (qk_norm or qkv_bias or shared)
+    family = ("Qwen MoE" if qwen else "Mixtral") if experts else "Llama"
+    if shared and not _arg(args, "moe_shared_expert_gate", False):
+        raise InteropError(f"{where}: a shared expert without its gate (moe_shared_expert_gate) has no {family} atom")
     if not _arg(args, "swiglu", False):
         raise InteropError(
             f"{where}: args.swiglu is off; ucp's {family} family is SwiGLU (gate/up fused in linear_fc1)"
         )
     if _arg(args, "add_bias_linear", False):
         raise InteropError(f"{where}: linear biases (add_bias_linear) have no {family} atom")
-    if experts and not qk_norm and _arg(args, "add_qkv_bias", False):
-        raise InteropError(f"{where}: q/k/v biases (add_qkv_bias) have no Mixtral atom")
     if _arg(args, "normalization", "RMSNorm") != "RMSNorm":
         raise InteropError(f"{where}: normalization={args.normalization!r}; ucp's {family} family uses RMSNorm")
     heads = args.num_attention_heads
@@ -272,13 +275,15 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
         "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
         "make_vocab_size_divisible_by": _arg(args, "make_vocab_size_divisible_by", 128),
     }
-    if experts and qk_norm:
-        config: Any = Qwen3MoeConfig(
+    if qwen:
+        config: Any = QwenMoeConfig(
             moe_intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
             intermediate_size=args.ffn_hidden_size,
+            shared_expert_intermediate_size=shared,
             num_local_experts=experts,
             num_experts_per_tok=_arg(args, "moe_router_topk", 2),
-            attention_bias=bool(_arg(args, "add_qkv_bias", False)),
+            attention_bias=qkv_bias,
+            qk_norm=qk_norm,
             **shape,
         )
     elif experts:
@@ -296,7 +301,7 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
             **shape,
         )
     hf = hf_fields_from_args(args, where)
-    if isinstance(config, Qwen3MoeConfig) and "norm_topk_prob" not in hf:
+    if isinstance(config, QwenMoeConfig) and "norm_topk_prob" not in hf:
         # Megatron's router: softmax over the top-k scores (= HF's renormalised top-k), or with pre-softmax over all
         hf["norm_topk_prob"] = not _arg(args, "moe_router_pre_softmax", False)
     return config, hf
@@ -349,15 +354,17 @@ def args_for(config: Any, layout: Layout, base: Any = None, hf: Mapping[str, Any
     """Megatron args for a target layout: the source's args with the parallel sizes replaced, or (from a ucp
     checkpoint) the model-shape arguments Megatron-LM checks on load."""
     family_args: dict[str, Any]
-    if isinstance(config, Qwen3MoeConfig):
+    if isinstance(config, QwenMoeConfig):
         family_args = {
             "moe_ffn_hidden_size": config.moe_intermediate_size,
             "num_experts": config.num_local_experts,
             "moe_router_topk": config.num_experts_per_tok,
             "add_qkv_bias": config.attention_bias,
-            "qk_layernorm": True,
+            "qk_layernorm": config.qk_norm,
+            "moe_shared_expert_intermediate_size": config.shared_expert_intermediate_size or None,
+            "moe_shared_expert_gate": config.shared_expert_intermediate_size > 0,
             # HF's top-k weights renormalised = Megatron's softmax over the top-k; not renormalised = pre-softmax
-            "moe_router_pre_softmax": not (hf or {}).get("norm_topk_prob", True),
+            "moe_router_pre_softmax": not (hf or {}).get("norm_topk_prob", config.qk_norm),
         }
     elif isinstance(config, MixtralConfig):
         family_args = {
@@ -961,9 +968,9 @@ def _from_universal(
     optimizer state without it (e.g. from ucp's trainer: no Megatron param groups to rebuild) is dropped."""
     reader = _open_universal(src, step, storage_options)
     config = model_config_of(reader)
-    if not isinstance(config, (MixtralConfig, Qwen3MoeConfig, LlamaConfig)):
+    if not isinstance(config, (MixtralConfig, QwenMoeConfig, LlamaConfig)):
         raise SourceMismatchError(
-            f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral, Qwen3-MoE and Llama"
+            f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral, the Qwen MoEs and Llama"
         )
     layout, fmt = _target_layout(to_layout)
     local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written

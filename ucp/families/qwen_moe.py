@@ -1,9 +1,12 @@
-"""The Qwen3-MoE family: the dense family's attention (GQA, an RMSNorm over each head's q and k, optionally q/k/v
-biases) with a mixture of SwiGLU experts in every layer. Atoms take Hugging Face's names
-(`mlp.gate.weight` for the router, `mlp.experts.{X}.gate_proj/up_proj/down_proj.weight` per expert); Megatron-Core's
-GPT model (local spec, SequentialMLP experts) holds them as the Mixtral family does, with `q_layernorm` and
-`k_layernorm` as the dense family's. Layers whose MLP is dense (`mlp_only_layers`, `decoder_sparse_step` > 1) are
-not modelled: an import of such a config is refused (ucp.interop.hf)."""
+"""The Qwen MoE family: Qwen3-MoE (an RMSNorm over each head's q and k) and Qwen2-MoE (biases on q, k and v, and a
+shared expert with a sigmoid gate beside the routed ones): the dense family's attention with a mixture of SwiGLU
+experts in every layer. Atoms take Hugging Face's names (`mlp.gate.weight` for the router,
+`mlp.experts.{X}.gate_proj/up_proj/down_proj.weight` per expert, `mlp.shared_expert.*_proj.weight` and
+`mlp.shared_expert_gate.weight`); Megatron-Core's GPT model (local spec, SequentialMLP experts) holds the experts as
+the Mixtral family does, the norms as the dense family's `q_layernorm`/`k_layernorm`, and the shared expert as
+`mlp.shared_experts.linear_fc1` (gate and up fused, TP-split like a dense MLP), `linear_fc2` and `gate_weight`.
+Layers whose MLP is dense (`mlp_only_layers`, `decoder_sparse_step` > 1) are not modelled: an import of such a
+config is refused (ucp.interop.hf)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from ucp.families.table import Family, Rule
 
 
 @dataclass
-class Qwen3MoeConfig:
+class QwenMoeConfig:
     vocab_size: int
     hidden_size: int
     moe_intermediate_size: int  # each expert's FFN size
@@ -26,13 +29,13 @@ class Qwen3MoeConfig:
     num_local_experts: int
     num_experts_per_tok: int = 8
     intermediate_size: int | None = None  # a dense MLP's size (HF's config has it; no layer here has one)
+    shared_expert_intermediate_size: int = 0  # the shared expert's FFN size (Qwen2-MoE); 0: none
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k and v (Qwen2-MoE)
+    qk_norm: bool = True  # an RMSNorm over each head's q and k (Qwen3-MoE)
     make_vocab_size_divisible_by: int = 128
     stage_layers: list[int] | None = None  # layers per PP model chunk (c = v*P + p); None: even split
-
-    qk_norm = True  # (always: the dense family's attention rules ask)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -54,11 +57,11 @@ class Qwen3MoeConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Qwen3MoeConfig:
+    def from_json(cls, d: dict[str, Any]) -> QwenMoeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise UcpError(f"Qwen3MoeConfig: unknown fields {unknown}")
+            raise UcpError(f"QwenMoeConfig: unknown fields {unknown}")
         return cls(**d)
 
 
@@ -68,8 +71,20 @@ _X = "mlp.experts.{X}."
 _E = "mlp.experts.local_experts.{e}."
 
 
-def _ffn(c: Qwen3MoeConfig) -> int:
+def _ffn(c: QwenMoeConfig) -> int:
     return c.moe_intermediate_size
+
+
+def _shared(c: QwenMoeConfig) -> int:
+    return c.shared_expert_intermediate_size
+
+
+def _has_shared(c: QwenMoeConfig) -> bool:
+    return c.shared_expert_intermediate_size > 0
+
+
+_S = "mlp.shared_expert."
+_SD = "mlp.shared_experts."
 
 
 RULES = (
@@ -81,6 +96,38 @@ RULES = (
         "layer",
         lambda c: (c.num_local_experts, c.hidden_size),
         mixtral._replicated,
+    ),
+    Rule(
+        _L + _S + "gate_proj.weight",
+        _D + _SD + "linear_fc1.weight",
+        "layer",
+        lambda c: (_shared(c), c.hidden_size),
+        mixtral._gate_up("gate"),
+        present=_has_shared,
+    ),
+    Rule(
+        _L + _S + "up_proj.weight",
+        _D + _SD + "linear_fc1.weight",
+        "layer",
+        lambda c: (_shared(c), c.hidden_size),
+        mixtral._gate_up("up"),
+        present=_has_shared,
+    ),
+    Rule(
+        _L + _S + "down_proj.weight",
+        _D + _SD + "linear_fc2.weight",
+        "layer",
+        lambda c: (c.hidden_size, _shared(c)),
+        mixtral._row,
+        present=_has_shared,
+    ),
+    Rule(
+        _L + "mlp.shared_expert_gate.weight",
+        _D + _SD + "gate_weight",
+        "layer",
+        lambda c: (1, c.hidden_size),
+        mixtral._replicated,
+        present=_has_shared,
     ),
     Rule(
         _L + _X + "gate_proj.weight",
@@ -106,4 +153,4 @@ RULES = (
     *(r for r in llama.RULES if r.place == "last"),
 )
 
-FAMILY = Family("qwen3_moe", Qwen3MoeConfig, RULES)
+FAMILY = Family("qwen_moe", QwenMoeConfig, RULES)
