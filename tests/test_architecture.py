@@ -14,7 +14,7 @@ LAYERS = {
     3: {"codec", "commit", "attempt", "comm", "session"},
     4: {"staging", "writer_process", "pipeline", "checkpoint", "inspection"},
     5: {"layout", "partition", "families", "reshard"},
-    6: {"distributed", "tiers"},
+    6: {"sharded_model", "sharded_save", "sharded_load", "distributed", "tiers"},
     7: {"manager", "training_state", "demo", "interop", "cli", "__init__", "__main__"},
 }
 LAYER = {name: layer for layer, names in LAYERS.items() for name in names}

@@ -8,9 +8,12 @@ from typing import Any, Self
 
 from . import attempt, commit
 from .checkpoint import CheckpointReader, SaveOptions, io_threads_for, plan_save
+from .comm import Comm
 from .commit import CommitRecord
-from .distributed import Comm, LoadReport, ShardedModel, extra_state, load_sharded, plan_sharded_save
 from .pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
+from .sharded_load import LoadReport, load_sharded
+from .sharded_model import ShardedModel, extra_state
+from .sharded_save import plan_sharded_save
 from .storage import Storage, open_storage
 from .tiers import HotTier, RestoreReport
 

@@ -30,7 +30,7 @@ from ucp.boxes import (
     to_slices,
     translate,
 )
-from ucp.errors import LayoutError, UcpError
+from ucp.errors import LayoutError, StateError, UcpError
 from ucp.families import FAMILIES, family_for
 from ucp.families.table import Rule, atom_name, atom_spec, iter_atoms, local_name
 from ucp.layout import Layout, RankCoords, chunk_layer_counts, validate_for_model
@@ -625,3 +625,22 @@ def assemble(
             "state": {a: {s: opt[a][s] for s in optim_states if s in opt.get(a, {})} for a in order if a in opt}
         }
     return full
+
+
+def local_tensor(local_state: Mapping[str, Any], key: tuple[str, ...]) -> torch.Tensor:
+    """The tensor at a LocalTensor key of a rank's local state (docs/LOCAL_STATE.md), or a StateError naming it."""
+    node: Any = local_state
+    for k in key:
+        if not isinstance(node, Mapping) or k not in node:
+            raise StateError(f"the local state has no {'/'.join(key)} (docs/LOCAL_STATE.md lists what a rank holds)")
+        node = node[k]
+    if not isinstance(node, torch.Tensor):
+        raise StateError(f"the local state's {'/'.join(key)} is a {type(node).__name__}, not a tensor")
+    return node
+
+
+def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The part of a local tensor that holds `piece`, shaped like its atom box (a view, never a copy)."""
+    if piece.flat_offset is None:
+        return tensor[to_slices(piece.box)]
+    return tensor[piece.flat_offset : piece.flat_offset + piece.numel].view(box_shape(piece.atom_box))

@@ -340,7 +340,8 @@ class HotTier:
     ) -> tuple[dict[str, Any], dict[str, Any], Any, RestoreReport]:
         """This rank's local state of the newest restorable step (module doc), its extra state, the LoadReport and
         where the bytes came from. Every rank calls it together."""
-        from .distributed import extra_state, load_sharded, needed_objects
+        from .sharded_load import load_sharded, needed_objects
+        from .sharded_model import extra_state
 
         chosen = self._choose_step(durable)
         if chosen.source == "durable":

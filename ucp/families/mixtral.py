@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-from ucp.errors import UcpError
-from ucp.families.table import Family, Rule
+from ucp.families.table import Family, FamilyConfig, Rule
 from ucp.partition import PartitionSpec
 
 
 @dataclass
-class MixtralConfig:
+class MixtralConfig(FamilyConfig):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -25,33 +23,6 @@ class MixtralConfig:
     tie_word_embeddings: bool = False
     make_vocab_size_divisible_by: int = 128
     stage_layers: list[int] | None = None  # layers per PP model chunk (c = v*P + p); None: even split
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise UcpError(
-                    f"hidden_size={self.hidden_size} is not a multiple of "
-                    f"num_attention_heads={self.num_attention_heads}; give head_dim"
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UcpError(
-                f"num_key_value_heads={self.num_key_value_heads} does not divide "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
-        if self.stage_layers is not None:
-            self.stage_layers = [int(x) for x in self.stage_layers]
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> MixtralConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise UcpError(f"MixtralConfig: unknown fields {unknown}")
-        return cls(**d)
 
 
 def _vocab(c: MixtralConfig) -> PartitionSpec:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
+from ucp.errors import UcpError
 from ucp.partition import PartitionSpec
 
 PLACES = ("first", "layer", "expert", "last")
@@ -20,6 +21,44 @@ PLACES = ("first", "layer", "expert", "last")
 
 def _always(config: Any) -> bool:
     return True
+
+
+class FamilyConfig:
+    """What every family's config dataclass shares (it inherits this): head_dim derived when absent, the GQA check,
+    stage_layers as ints, and JSON both ways (unknown fields refused)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None
+    stage_layers: list[int] | None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise UcpError(
+                    f"hidden_size={self.hidden_size} is not a multiple of "
+                    f"num_attention_heads={self.num_attention_heads}; give head_dim"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UcpError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.stage_layers is not None:
+            self.stage_layers = [int(x) for x in self.stage_layers]
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Self:
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UcpError(f"{cls.__name__}: unknown fields {unknown}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)

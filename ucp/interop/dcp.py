@@ -33,7 +33,6 @@ import torch
 
 from ucp import dtypes
 from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.distributed import AtomKey, ShardedModel, atom_path, model_config_of
 from ucp.families import canonical_atoms, expert_names_of, family_for
 from ucp.interop.dtypes import parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
@@ -48,6 +47,7 @@ from ucp.interop.streaming import (
     save_atoms,
 )
 from ucp.layout import Layout
+from ucp.sharded_model import AtomKey, ShardedModel, atom_path, model_config_of
 from ucp.workpool import pack
 
 METADATA = ".metadata"

@@ -32,7 +32,6 @@ from typing import Any, Self
 import torch
 
 from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.distributed import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
 from ucp.errors import UcpError
 from ucp.families import LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms, expert_names_of
 from ucp.interop.dtypes import parse_dtype, short_name
@@ -48,6 +47,7 @@ from ucp.interop.streaming import (
     save_atoms,
 )
 from ucp.layout import Layout
+from ucp.sharded_model import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
 from ucp.workpool import pack
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -39,16 +39,6 @@ import torch
 from ucp import dtypes
 from ucp.boxes import Box, intersect, relative, to_slices
 from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.distributed import (
-    AtomKey,
-    ShardedModel,
-    atom_path,
-    check_atom,
-    local_tensor,
-    model_config_of,
-    piece_reads,
-    piece_view,
-)
 from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
 from ucp.families import LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms
 from ucp.format import AtomMeta
@@ -60,7 +50,9 @@ from ucp.interop.staging import staged_dir
 from ucp.interop.streaming import group_limit, save_atoms
 from ucp.interop.torch_file import Deferred, TorchFile
 from ucp.layout import Layout
-from ucp.reshard import LocalTensor, Piece, local_plan, owned_pieces, put_local
+from ucp.reshard import LocalTensor, Piece, local_plan, local_tensor, owned_pieces, piece_view, put_local
+from ucp.sharded_load import piece_reads
+from ucp.sharded_model import AtomKey, ShardedModel, atom_path, check_atom, model_config_of
 from ucp.workpool import pack
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -1047,6 +1039,6 @@ def _open_universal(src: str, step: int | None, storage_options: dict[str, Any] 
 
 
 def _extra(reader: CheckpointReader) -> dict[str, Any]:
-    from ucp.distributed import extra_state
+    from ucp.sharded_model import extra_state
 
     return extra_state(reader)

@@ -22,10 +22,11 @@ import torch
 
 from ucp import dtypes
 from ucp.checkpoint import SaveOptions, chunk_jobs, group_paths
-from ucp.distributed import AtomKey, ShardedModel, atom_metas, manifest_for
 from ucp.format import AtomMeta
 from ucp.pipeline import ChunkJob, SavePipeline, SavePlan
 from ucp.session import SaveSession
+from ucp.sharded_model import AtomKey, ShardedModel, atom_metas
+from ucp.sharded_save import manifest_for
 from ucp.storage import open_storage
 
 DEFAULT_MEMORY_BUDGET = 4 << 30

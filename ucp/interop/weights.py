@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.distributed import LoadReport, ShardedModel, atom_path, load_sharded, model_config_of
 from ucp.errors import StateError
 from ucp.families import expert_names_of
 from ucp.interop.dtypes import parse_dtype
 from ucp.layout import Layout, parse_layout
+from ucp.sharded_load import LoadReport, load_sharded
+from ucp.sharded_model import ShardedModel, atom_path, model_config_of
 
 
 @dataclass

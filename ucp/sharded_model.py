@@ -1,0 +1,127 @@
+"""The model of a distributed checkpoint: what a sharded save or load knows about the model (`ShardedModel`),
+where each atom lives (`atom_path`), how every atom is chunked for the writing layout (`atom_metas`), and what a
+committed step says about the model and the caller's extra state (`model_config_of`, `extra_state`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from . import dtypes, tree
+from .checkpoint import CheckpointReader, checked
+from .chunking import ChunkingPolicy, choose_chunks
+from .errors import FormatError, LayoutError
+from .families import FAMILIES, canonical_atoms, family_for
+from .format import AtomMeta
+from .layout import Layout, parse_layout
+from .partition import PartitionSpec, tp_shard
+from .reshard import DEFAULT_STATES
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    """What a distributed save or load needs to know about the model: its family config, the parallel layout,
+    and the names of the per-parameter optimizer states (empty: parameters only)."""
+
+    config: Any
+    layout: Layout
+    optim_states: tuple[str, ...] = DEFAULT_STATES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layout, str):
+            object.__setattr__(self, "layout", parse_layout(self.layout))
+        if not isinstance(self.layout, Layout):
+            raise LayoutError(
+                f"ShardedModel needs a ucp.layout.Layout or a layout string, got {type(self.layout).__name__}"
+            )
+        object.__setattr__(self, "optim_states", tuple(self.optim_states))
+
+
+AtomKey = tuple[str, "str | None"]  # (canonical atom name, optimizer state name or None for the parameter)
+
+
+def atom_path(atom: str, state: str | None) -> str:
+    """Where an atom lives in the checkpoint: parameters under model/, states under optimizer/state/."""
+    return f"model/{atom}" if state is None else f"optimizer/state/{atom}/{state}"
+
+
+def _tp_periods(spec: PartitionSpec, shape: tuple[int, ...], tp: int) -> list[int | None]:
+    """Per dimension, the spacing of the boundaries between TP ranks' parts of an atom (None: no boundary)."""
+    cuts: list[set[int]] = [set() for _ in shape]
+    for t in range(tp):
+        for _, atom_box in tp_shard(spec, shape, tp, t).pieces:
+            for d, (a, b) in enumerate(atom_box):
+                cuts[d].update(c for c in (a, b) if 0 < c < shape[d])
+    return [math.gcd(*c) if c else None for c in cuts]
+
+
+@lru_cache(maxsize=8)
+def _atom_metas_cached(
+    family: str, config_json: str, tp: int, optim_states: tuple[str, ...], dtype_items: tuple, policy: ChunkingPolicy
+) -> dict[AtomKey, AtomMeta]:
+    config = FAMILIES[family].config_cls.from_json(json.loads(config_json))
+    dtype_of = dict(dtype_items)
+    metas: dict[AtomKey, AtomMeta] = {}
+    for name, (shape, spec) in canonical_atoms(config).items():
+        periods = _tp_periods(spec, shape, tp)
+        split = next((d for d, p in enumerate(periods) if p), None)
+        for state in (None, *optim_states):
+            dtype = dtype_of[state]
+            chunk, inner = choose_chunks(shape, dtypes.itemsize(dtype), policy, periods, split)
+            attrs: dict[str, Any] = {"role": "param" if state is None else "optimizer_state"}
+            if state is not None:
+                attrs.update(state=state, param=name)
+            attrs.update(partition=spec.to_json(), family=family)
+            metas[(name, state)] = checked(AtomMeta(atom_path(name, state), shape, dtype, chunk, inner, attrs))
+    return metas
+
+
+def atom_metas(
+    model: ShardedModel, dtype_of: Mapping[str | None, str], policy: ChunkingPolicy
+) -> dict[AtomKey, AtomMeta]:
+    """Every atom of a distributed checkpoint, chunked so that chunk boundaries fall on TP boundaries of the
+    writing layout; identical on every rank (a pure function), so no rank needs another's description."""
+    config_json = json.dumps(model.config.to_json(), sort_keys=True)
+    dtype_items = tuple(sorted(dtype_of.items(), key=lambda kv: kv[0] or ""))
+    return _atom_metas_cached(
+        family_for(model.config).name, config_json, model.layout.tp, model.optim_states, dtype_items, policy
+    )
+
+
+def model_config_of(reader: CheckpointReader) -> Any:
+    """The model family config a distributed checkpoint was written with."""
+
+    try:
+        doc = dict(reader.manifest.tree["dict"]["model_config"]["value"])
+        family = FAMILIES[doc.pop("family")]
+    except (KeyError, TypeError):
+        raise FormatError(
+            f"step {reader.step} at {reader.storage.url} carries no model_config (not written by a distributed save)"
+        ) from None
+    return family.config_cls.from_json(doc)
+
+
+def check_atom(meta: AtomMeta, shape: tuple[int, ...]) -> None:
+    """The stored atom has the shape the model config gives it."""
+    if meta.shape != shape:
+        raise FormatError(
+            f"atom {meta.path!r} has shape {list(meta.shape)} in the checkpoint, but the model config needs {list(shape)}"
+        )
+
+
+def extra_state(reader: CheckpointReader) -> dict[str, Any]:
+    """The `extra` state a distributed save stored (JSON, and tensors read whole)."""
+    node = reader.manifest.tree["dict"].get("extra")
+    if node is None:
+        return {}
+    paths = tree.tree_atoms(node)
+    return tree.unflatten({"dict": {"extra": node}}, reader.read_atoms(paths))["extra"]
+
+
+def with_layout(model: ShardedModel, layout: Layout) -> ShardedModel:
+    return dataclasses.replace(model, layout=layout)
