@@ -9,13 +9,11 @@ import json
 import pytest
 import torch
 
-import ucp
-from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
-from ucp.families import LlamaConfig, canonical_atoms
+from ucp.families import LlamaConfig
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
-from ucp.layout import parse_layout
-from ucp.reshard import assemble, shard
+
+from .helpers import assert_reshards
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,28 +70,7 @@ def test_through_megatron_and_back_gives_the_same_logits(tmp_path, arch, layout)
 )
 def test_the_reshaper_saves_in_one_layout_and_loads_in_others(tmp_path, flags):
     config = LlamaConfig(**SHAPE, make_vocab_size_divisible_by=8, **flags)
-    states = ("exp_avg", "exp_avg_sq")
-    g = torch.Generator().manual_seed(0)
-    atoms = canonical_atoms(config)
-    full = {
-        "model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()},
-        "optimizer": {"state": {n: {st: torch.randn(s, generator=g) for st in states} for n, (s, _) in atoms.items()}},
-    }
-    source = parse_layout("tp2pp2")
-    VirtualWorld(4).save(
-        [shard(full, config, source, r, states) for r in range(4)],
-        str(tmp_path),
-        step=1,
-        model=ShardedModel(config, source, states),
-    )
-    reader = ucp.open_checkpoint(str(tmp_path))
-    for name in ("tp1pp1", "tp2pp1dp2zero1", "tp1pp2dp2"):
-        target = parse_layout(name)
-        local = [load_sharded(reader, ShardedModel(config, target, states), r)[0] for r in range(target.world_size)]
-        back = assemble(local, config, target, states)
-        for n in atoms:
-            assert torch.equal(back["model"][n], full["model"][n]), (name, n)
-            assert all(torch.equal(back["optimizer"]["state"][n][s], full["optimizer"]["state"][n][s]) for s in states)
+    assert_reshards(config, str(tmp_path), "tp2pp2", ["tp1pp1", "tp2pp1dp2zero1", "tp1pp2dp2"])
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
