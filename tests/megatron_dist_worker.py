@@ -32,79 +32,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.megatron_worker import FFN, HEADS, ITERATION, KV, E, H, L, V, megatron_args
-
-if "UCP_MEGATRON_SHAPE" in os.environ:
-    H, FFN, L, E, HEADS, KV = (int(x) for x in os.environ["UCP_MEGATRON_SHAPE"].split(","))
+from tests.megatron_worker import (  # (sized by UCP_MEGATRON_SHAPE when set)
+    ITERATION,
+    V,
+    megatron_args,
+    setup,
+)
+from tests.megatron_worker import build_model as test_model
 
 DIVISIBLE_BY, PADDED = 64, 128  # (the padding at TP 1 and 2)
 
 
-def setup(rank: int, world: int, tp: int, pp: int) -> None:
-    import contextlib
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils
-
-    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    moe_utils.te_general_gemm = None
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-
-
 def build_model(tp: int, pp: int) -> torch.nn.Module:
-    import torch.nn.functional as F
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cfg = TransformerConfig(
-        num_layers=L,
-        hidden_size=H,
-        num_attention_heads=HEADS,
-        num_query_groups=KV,
-        ffn_hidden_size=FFN,
-        num_moe_experts=E,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=FFN,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-5,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        moe_token_dispatcher_type="allgather",
-        params_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
-    )
-    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm")
-    return GPTModel(
-        cfg,
-        spec,
-        vocab_size=PADDED,
-        max_sequence_length=64,
-        position_embedding_type="rope",
-        rotary_base=10000,
-        share_embeddings_and_output_weights=False,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    )
+    return test_model(tp=tp, pp=pp, vocab_size=PADDED)
 
 
 def args_for(tp: int, pp: int) -> argparse.Namespace:
     args = megatron_args()
-    args.num_layers, args.hidden_size, args.ffn_hidden_size, args.moe_ffn_hidden_size = L, H, FFN, FFN
-    args.num_experts, args.num_attention_heads, args.num_query_groups = E, HEADS, KV
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.padded_vocab_size, args.make_vocab_size_divisible_by = PADDED, DIVISIBLE_BY
     args.ckpt_format = "torch_dist"
@@ -114,8 +58,8 @@ def args_for(tp: int, pp: int) -> argparse.Namespace:
 def save(tp: int, pp: int, ckpt: str) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
-    torch.manual_seed(100 + dist.get_rank())
     model = build_model(tp, pp)
+    torch.manual_seed(100 + dist.get_rank())
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -197,7 +141,7 @@ def resave(tp: int, pp: int, src: str, dst: str) -> None:
 if __name__ == "__main__":
     mode, tp, pp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    setup(rank, world, tp, pp)
+    setup(rank, world, tp=tp, pp=pp)
     try:
         if mode == "save":
             save(tp, pp, sys.argv[4])

@@ -32,12 +32,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 V, H, FFN, L, HEADS, KV, E = 100, 32, 64, 2, 4, 2, 4
+if "UCP_MEGATRON_SHAPE" in os.environ:  # "hidden,ffn,layers,experts,heads,kv": a larger model (benchmarks)
+    H, FFN, L, E, HEADS, KV = (int(x) for x in os.environ["UCP_MEGATRON_SHAPE"].split(","))
 ITERATION = 10
 
 
-def setup(rank: int, world: int, tp: int = 1, ep: int = 1) -> None:
+def setup(rank: int, world: int, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
     warnings.filterwarnings("ignore")
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None  # (dist_checkpointing calls it)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
@@ -45,10 +48,21 @@ def setup(rank: int, world: int, tp: int = 1, ep: int = 1) -> None:
 
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     moe_utils.te_general_gemm = None
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp
+    )
 
 
-def build_model(tp: int = 1, ep: int = 1, bf16: bool = False, parallel_output: bool = True) -> torch.nn.Module:
+def build_model(
+    tp: int = 1,
+    ep: int = 1,
+    bf16: bool = False,
+    parallel_output: bool = True,
+    pp: int = 1,
+    vocab_size: int | None = None,
+) -> torch.nn.Module:
+    """The test model in this rank's part of layout (tp, pp, ep); vocab_size: its padded vocabulary (default 128 * tp)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -76,18 +90,22 @@ def build_model(tp: int = 1, ep: int = 1, bf16: bool = False, parallel_output: b
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
     )
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm")
     torch.manual_seed(0)
     return GPTModel(
         cfg,
         spec,
-        vocab_size=128 * tp,
+        vocab_size=vocab_size or 128 * tp,
         max_sequence_length=64,
         position_embedding_type="rope",
         rotary_base=10000,
         share_embeddings_and_output_weights=False,
         parallel_output=parallel_output,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
 
 
