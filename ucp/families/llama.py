@@ -5,11 +5,19 @@ gate and up fused in linear_fc1, the q/k norms as q_layernorm and k_layernorm.""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from ucp.families.table import Family, FamilyConfig, Rule
-from ucp.partition import PartitionSpec
+from ucp.families.table import (
+    Family,
+    FamilyConfig,
+    Rule,
+    embedding_spec,
+    gate_up_spec,
+    qkv_spec,
+    replicated,
+    row_split,
+    vocab_spec,
+)
 
 
 @dataclass
@@ -32,42 +40,6 @@ class LlamaConfig(FamilyConfig):
         return 0  # (a dense model: the reshaper asks)
 
 
-def _vocab(c: LlamaConfig) -> PartitionSpec:
-    return PartitionSpec("vocab", pad_to_multiple_of=c.make_vocab_size_divisible_by, unpadded=c.vocab_size)
-
-
-def _embed(c: LlamaConfig) -> PartitionSpec:
-    return dataclasses.replace(_vocab(c), tied_to=("lm_head.weight",) if c.tie_word_embeddings else ())
-
-
-def _qkv(part: str):
-    def spec(c: LlamaConfig) -> PartitionSpec:
-        return PartitionSpec(
-            "fused_qkv",
-            part=part,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-        )
-
-    return spec
-
-
-def _replicated(c: LlamaConfig) -> PartitionSpec:
-    return PartitionSpec()
-
-
-def _row(c: LlamaConfig) -> PartitionSpec:
-    return PartitionSpec("split", split_dim=1)
-
-
-def _gate_up(part: str):
-    def spec(c: LlamaConfig) -> PartitionSpec:
-        return PartitionSpec("fused_gate_up", part=part)
-
-    return spec
-
-
 def _q_rows(c: LlamaConfig) -> int:
     return c.num_attention_heads * c.head_dim  # type: ignore[operator]
 
@@ -85,38 +57,36 @@ RULES = (
         "embedding.word_embeddings.weight",
         "first",
         lambda c: (c.vocab_size, c.hidden_size),
-        _embed,
+        embedding_spec,
     ),
-    Rule(
-        _L + "input_layernorm.weight", _D + "input_layernorm.weight", "layer", lambda c: (c.hidden_size,), _replicated
-    ),
+    Rule(_L + "input_layernorm.weight", _D + "input_layernorm.weight", "layer", lambda c: (c.hidden_size,), replicated),
     Rule(
         _L + "self_attn.q_proj.weight",
         _D + "self_attention.linear_qkv.weight",
         "layer",
         lambda c: (_q_rows(c), c.hidden_size),
-        _qkv("q"),
+        qkv_spec("q"),
     ),
     Rule(
         _L + "self_attn.k_proj.weight",
         _D + "self_attention.linear_qkv.weight",
         "layer",
         lambda c: (_kv_rows(c), c.hidden_size),
-        _qkv("k"),
+        qkv_spec("k"),
     ),
     Rule(
         _L + "self_attn.v_proj.weight",
         _D + "self_attention.linear_qkv.weight",
         "layer",
         lambda c: (_kv_rows(c), c.hidden_size),
-        _qkv("v"),
+        qkv_spec("v"),
     ),
     Rule(
         _L + "self_attn.q_proj.bias",
         _D + "self_attention.linear_qkv.bias",
         "layer",
         lambda c: (_q_rows(c),),
-        _qkv("q"),
+        qkv_spec("q"),
         present=lambda c: c.attention_bias,
     ),
     Rule(
@@ -124,7 +94,7 @@ RULES = (
         _D + "self_attention.linear_qkv.bias",
         "layer",
         lambda c: (_kv_rows(c),),
-        _qkv("k"),
+        qkv_spec("k"),
         present=lambda c: c.attention_bias,
     ),
     Rule(
@@ -132,7 +102,7 @@ RULES = (
         _D + "self_attention.linear_qkv.bias",
         "layer",
         lambda c: (_kv_rows(c),),
-        _qkv("v"),
+        qkv_spec("v"),
         present=lambda c: c.attention_bias,
     ),
     Rule(
@@ -140,7 +110,7 @@ RULES = (
         _D + "self_attention.q_layernorm.weight",
         "layer",
         lambda c: (c.head_dim,),
-        _replicated,
+        replicated,
         present=lambda c: c.qk_norm,
     ),
     Rule(
@@ -148,7 +118,7 @@ RULES = (
         _D + "self_attention.k_layernorm.weight",
         "layer",
         lambda c: (c.head_dim,),
-        _replicated,
+        replicated,
         present=lambda c: c.qk_norm,
     ),
     Rule(
@@ -156,43 +126,43 @@ RULES = (
         _D + "self_attention.linear_proj.weight",
         "layer",
         lambda c: (c.hidden_size, _q_rows(c)),
-        _row,
+        row_split,
     ),
     Rule(
         _L + "post_attention_layernorm.weight",
         _D + "pre_mlp_layernorm.weight",
         "layer",
         lambda c: (c.hidden_size,),
-        _replicated,
+        replicated,
     ),
     Rule(
         _L + "mlp.gate_proj.weight",
         _D + "mlp.linear_fc1.weight",
         "layer",
         lambda c: (c.intermediate_size, c.hidden_size),
-        _gate_up("gate"),
+        gate_up_spec("gate"),
     ),
     Rule(
         _L + "mlp.up_proj.weight",
         _D + "mlp.linear_fc1.weight",
         "layer",
         lambda c: (c.intermediate_size, c.hidden_size),
-        _gate_up("up"),
+        gate_up_spec("up"),
     ),
     Rule(
         _L + "mlp.down_proj.weight",
         _D + "mlp.linear_fc2.weight",
         "layer",
         lambda c: (c.hidden_size, c.intermediate_size),
-        _row,
+        row_split,
     ),
-    Rule("model.norm.weight", "decoder.final_layernorm.weight", "last", lambda c: (c.hidden_size,), _replicated),
+    Rule("model.norm.weight", "decoder.final_layernorm.weight", "last", lambda c: (c.hidden_size,), replicated),
     Rule(
         "lm_head.weight",
         "output_layer.weight",
         "last",
         lambda c: (c.vocab_size, c.hidden_size),
-        _vocab,
+        vocab_spec,
         present=lambda c: not c.tie_word_embeddings,
     ),
     # Tied: the last stage's output layer is a copy of the embedding atom (only where the rank lacks the original).
@@ -201,7 +171,7 @@ RULES = (
         "output_layer.weight",
         "last",
         lambda c: (c.vocab_size, c.hidden_size),
-        _embed,
+        embedding_spec,
         present=lambda c: c.tie_word_embeddings,
         tied_copy=True,
     ),

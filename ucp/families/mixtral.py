@@ -1,12 +1,14 @@
-"""The Mixtral family (also covers dense Llama-like GQA models with SwiGLU experts): config and rules table."""
+"""The Mixtral family: the dense family's attention (GQA, no biases, no q/k norms) with a mixture of SwiGLU experts in
+every layer, under Mixtral's Hugging Face names (`block_sparse_moe.gate` for the router,
+`block_sparse_moe.experts.{X}.w1/w3/w2` per expert). Megatron-Core's GPT MoE (local spec, SequentialMLP) holds the
+experts as `mlp.experts.local_experts.{e}.linear_fc1` (w1 and w3 fused) and `linear_fc2`."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from ucp.families.table import Family, FamilyConfig, Rule
-from ucp.partition import PartitionSpec
+from ucp.families import llama
+from ucp.families.table import Family, FamilyConfig, Rule, gate_up_spec, replicated, row_split
 
 
 @dataclass
@@ -24,53 +26,8 @@ class MixtralConfig(FamilyConfig):
     make_vocab_size_divisible_by: int = 128
     stage_layers: list[int] | None = None  # layers per PP model chunk (c = v*P + p); None: even split
 
-
-def _vocab(c: MixtralConfig) -> PartitionSpec:
-    return PartitionSpec("vocab", pad_to_multiple_of=c.make_vocab_size_divisible_by, unpadded=c.vocab_size)
-
-
-def _embed(c: MixtralConfig) -> PartitionSpec:
-    return dataclasses.replace(_vocab(c), tied_to=("lm_head.weight",) if c.tie_word_embeddings else ())
-
-
-def _qkv(part: str):
-    def spec(c: MixtralConfig) -> PartitionSpec:
-        return PartitionSpec(
-            "fused_qkv",
-            part=part,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-        )
-
-    return spec
-
-
-def _replicated(c: MixtralConfig) -> PartitionSpec:
-    return PartitionSpec()
-
-
-def _column(c: MixtralConfig) -> PartitionSpec:
-    return PartitionSpec("split", split_dim=0)
-
-
-def _row(c: MixtralConfig) -> PartitionSpec:
-    return PartitionSpec("split", split_dim=1)
-
-
-def _gate_up(part: str):
-    def spec(c: MixtralConfig) -> PartitionSpec:
-        return PartitionSpec("fused_gate_up", part=part)
-
-    return spec
-
-
-def _tied(c: MixtralConfig) -> bool:
-    return c.tie_word_embeddings
-
-
-def _untied(c: MixtralConfig) -> bool:
-    return not c.tie_word_embeddings
+    attention_bias = False  # (no q/k/v biases, no q/k norms: what the dense family's attention rules ask)
+    qk_norm = False
 
 
 _L = "model.layers.{L}."
@@ -79,98 +36,37 @@ _X = "block_sparse_moe.experts.{X}."
 _E = "mlp.experts.local_experts.{e}."
 
 RULES = (
-    Rule(
-        "model.embed_tokens.weight",
-        "embedding.word_embeddings.weight",
-        "first",
-        lambda c: (c.vocab_size, c.hidden_size),
-        _embed,
-    ),
-    Rule(
-        _L + "input_layernorm.weight", _D + "input_layernorm.weight", "layer", lambda c: (c.hidden_size,), _replicated
-    ),
-    Rule(
-        _L + "self_attn.q_proj.weight",
-        _D + "self_attention.linear_qkv.weight",
-        "layer",
-        lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size),
-        _qkv("q"),
-    ),
-    Rule(
-        _L + "self_attn.k_proj.weight",
-        _D + "self_attention.linear_qkv.weight",
-        "layer",
-        lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size),
-        _qkv("k"),
-    ),
-    Rule(
-        _L + "self_attn.v_proj.weight",
-        _D + "self_attention.linear_qkv.weight",
-        "layer",
-        lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size),
-        _qkv("v"),
-    ),
-    Rule(
-        _L + "self_attn.o_proj.weight",
-        _D + "self_attention.linear_proj.weight",
-        "layer",
-        lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim),
-        _row,
-    ),
-    Rule(
-        _L + "post_attention_layernorm.weight",
-        _D + "pre_mlp_layernorm.weight",
-        "layer",
-        lambda c: (c.hidden_size,),
-        _replicated,
-    ),
+    *(r for r in llama.RULES if r.place == "first"),
+    *(r for r in llama.RULES if r.place == "layer" and ".mlp." not in r.canonical),  # attention and the two norms
     Rule(
         _L + "block_sparse_moe.gate.weight",
         _D + "mlp.router.weight",
         "layer",
         lambda c: (c.num_local_experts, c.hidden_size),
-        _replicated,
+        replicated,
     ),
     Rule(
         _L + _X + "w1.weight",
         _D + _E + "linear_fc1.weight",
         "expert",
         lambda c: (c.intermediate_size, c.hidden_size),
-        _gate_up("gate"),
+        gate_up_spec("gate"),
     ),
     Rule(
         _L + _X + "w3.weight",
         _D + _E + "linear_fc1.weight",
         "expert",
         lambda c: (c.intermediate_size, c.hidden_size),
-        _gate_up("up"),
+        gate_up_spec("up"),
     ),
     Rule(
         _L + _X + "w2.weight",
         _D + _E + "linear_fc2.weight",
         "expert",
         lambda c: (c.hidden_size, c.intermediate_size),
-        _row,
+        row_split,
     ),
-    Rule("model.norm.weight", "decoder.final_layernorm.weight", "last", lambda c: (c.hidden_size,), _replicated),
-    Rule(
-        "lm_head.weight",
-        "output_layer.weight",
-        "last",
-        lambda c: (c.vocab_size, c.hidden_size),
-        _vocab,
-        present=_untied,
-    ),
-    # Tied: the last stage's output layer is a copy of the embedding atom (only where the rank lacks the original).
-    Rule(
-        "model.embed_tokens.weight",
-        "output_layer.weight",
-        "last",
-        lambda c: (c.vocab_size, c.hidden_size),
-        _embed,
-        present=_tied,
-        tied_copy=True,
-    ),
+    *(r for r in llama.RULES if r.place == "last"),
 )
 
 FAMILY = Family("mixtral", MixtralConfig, RULES)

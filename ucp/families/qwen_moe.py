@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ucp.families import llama, mixtral
-from ucp.families.table import Family, FamilyConfig, Rule
+from ucp.families import llama
+from ucp.families.table import Family, FamilyConfig, Rule, gate_up_spec, replicated, row_split
 
 
 @dataclass
@@ -66,14 +66,14 @@ RULES = (
         _D + "mlp.router.weight",
         "layer",
         lambda c: (c.num_local_experts, c.hidden_size),
-        mixtral._replicated,
+        replicated,
     ),
     Rule(
         _L + _S + "gate_proj.weight",
         _D + _SD + "linear_fc1.weight",
         "layer",
         lambda c: (_shared(c), c.hidden_size),
-        mixtral._gate_up("gate"),
+        gate_up_spec("gate"),
         present=_has_shared,
     ),
     Rule(
@@ -81,7 +81,7 @@ RULES = (
         _D + _SD + "linear_fc1.weight",
         "layer",
         lambda c: (_shared(c), c.hidden_size),
-        mixtral._gate_up("up"),
+        gate_up_spec("up"),
         present=_has_shared,
     ),
     Rule(
@@ -89,7 +89,7 @@ RULES = (
         _D + _SD + "linear_fc2.weight",
         "layer",
         lambda c: (c.hidden_size, _shared(c)),
-        mixtral._row,
+        row_split,
         present=_has_shared,
     ),
     Rule(
@@ -97,7 +97,7 @@ RULES = (
         _D + _SD + "gate_weight",
         "layer",
         lambda c: (1, c.hidden_size),
-        mixtral._replicated,
+        replicated,
         present=_has_shared,
     ),
     Rule(
@@ -105,21 +105,21 @@ RULES = (
         _D + _E + "linear_fc1.weight",
         "expert",
         lambda c: (_ffn(c), c.hidden_size),
-        mixtral._gate_up("gate"),
+        gate_up_spec("gate"),
     ),
     Rule(
         _L + _X + "up_proj.weight",
         _D + _E + "linear_fc1.weight",
         "expert",
         lambda c: (_ffn(c), c.hidden_size),
-        mixtral._gate_up("up"),
+        gate_up_spec("up"),
     ),
     Rule(
         _L + _X + "down_proj.weight",
         _D + _E + "linear_fc2.weight",
         "expert",
         lambda c: (c.hidden_size, _ffn(c)),
-        mixtral._row,
+        row_split,
     ),
     *(r for r in llama.RULES if r.place == "last"),
 )

@@ -61,6 +61,45 @@ class FamilyConfig:
         return cls(**d)
 
 
+# Partition spec builders the families' tables share (a rule's `spec` is called with the family config).
+
+
+def vocab_spec(c: Any) -> PartitionSpec:
+    return PartitionSpec("vocab", pad_to_multiple_of=c.make_vocab_size_divisible_by, unpadded=c.vocab_size)
+
+
+def embedding_spec(c: Any) -> PartitionSpec:
+    return dataclasses.replace(vocab_spec(c), tied_to=("lm_head.weight",) if c.tie_word_embeddings else ())
+
+
+def qkv_spec(part: str) -> Callable[[Any], PartitionSpec]:
+    def spec(c: Any) -> PartitionSpec:
+        return PartitionSpec(
+            "fused_qkv",
+            part=part,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+        )
+
+    return spec
+
+
+def replicated(c: Any) -> PartitionSpec:
+    return PartitionSpec()
+
+
+def row_split(c: Any) -> PartitionSpec:
+    return PartitionSpec("split", split_dim=1)
+
+
+def gate_up_spec(part: str) -> Callable[[Any], PartitionSpec]:
+    def spec(c: Any) -> PartitionSpec:
+        return PartitionSpec("fused_gate_up", part=part)
+
+    return spec
+
+
 @dataclass(frozen=True)
 class Rule:
     canonical: str  # canonical atom name pattern ({L}, {X})
