@@ -58,6 +58,16 @@ def _streaming(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel reads and writes (default 8)")
 
 
+def _streaming_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The options every converter takes the same way (`_streaming` and `_common` add them to each parser)."""
+    return {
+        "storage_options": parse_storage_options(args.storage_option),
+        "memory_budget": args.memory_budget,
+        "workers": args.workers,
+        "progress": not args.no_progress,
+    }
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from ucp.interop.megatron import convert
 
@@ -68,11 +78,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         to_layout=args.to,
         step=args.step,
         iteration=args.iteration,
-        memory_budget=args.memory_budget,
-        workers=args.workers,
         vocab_size=args.vocab_size,
-        storage_options=parse_storage_options(args.storage_option),
-        progress=not args.no_progress,
+        **_streaming_kwargs(args),
     )
     print(
         f"converted {report.atoms} atoms from {args.from_} to {args.to}: {report.files} files, "
@@ -84,7 +91,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    options = parse_storage_options(args.storage_option)
     if args.to == "hf":
         from ucp.interop.hf import export_hf
 
@@ -93,11 +99,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.dir,
             dtype=args.dtype,
             step=args.step,
-            storage_options=options,
             max_shard_bytes=args.max_shard_size,
-            memory_budget=args.memory_budget,
-            workers=args.workers,
-            progress=not args.no_progress,
+            **_streaming_kwargs(args),
         )
         print(
             f"wrote {report.tensors} tensors in {report.files} safetensors files "
@@ -111,10 +114,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.dir,
             dtype=args.dtype,
             step=args.step,
-            storage_options=options,
-            memory_budget=args.memory_budget,
-            workers=args.workers,
-            progress=not args.no_progress,
+            **_streaming_kwargs(args),
         )
         print(
             f"wrote {dcp_report.tensors} tensors ({dcp_report.bytes_written / 2**20:.1f} MiB) as a DCP checkpoint "
@@ -124,7 +124,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    options = parse_storage_options(args.storage_option)
     if args.from_ == "hf":
         from ucp.interop.hf import import_hf
 
@@ -133,10 +132,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             args.url,
             step=args.step,
             dtype=args.dtype,
-            storage_options=options,
-            memory_budget=args.memory_budget,
-            workers=args.workers,
-            progress=not args.no_progress,
+            **_streaming_kwargs(args),
         )
     else:
         from ucp.interop.dcp import import_dcp
@@ -147,10 +143,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             config=args.config,
             step=args.step,
             dtype=args.dtype,
-            storage_options=options,
-            memory_budget=args.memory_budget,
-            workers=args.workers,
-            progress=not args.no_progress,
+            **_streaming_kwargs(args),
         )
     print(f"imported {report.atoms} atoms ({report.bytes_read / 2**20:.1f} MiB) as step {report.step} of {args.url}")
     return 0
