@@ -40,19 +40,7 @@ CONFIGS = {
 
 def run(work: Path, name: str, layout: str, steps: int, extra: list[str]) -> list[dict]:
     metrics = work / f"{name}.jsonl"
-    argv = [
-        "-m",
-        "trainer",
-        "--config",
-        str(TINY),
-        "--layout",
-        layout,
-        "--steps",
-        str(steps),
-        "--metrics-file",
-        str(metrics),
-        *extra,
-    ]
+    argv = launch.trainer_argv(TINY, layout, steps, metrics, *extra)
     procs = launch.start(argv, parse_layout(layout).world_size, work / f"logs-{name}")
     launch.wait(procs, work / f"logs-{name}")
     return [json.loads(line) for line in metrics.read_text().splitlines()]

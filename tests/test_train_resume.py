@@ -35,19 +35,7 @@ SAVED = [*range(INTERVAL, N, INTERVAL), N]
 def start(layout: str, steps: int, metrics: Path, *extra: str) -> tuple[list[subprocess.Popen], Path]:
     """Start `python -m trainer` as the ranks of `layout`, as torchrun would; output goes to log files."""
     logs = metrics.parent / f"logs-{metrics.stem}"
-    argv = [
-        "-m",
-        "trainer",
-        "--config",
-        str(TINY),
-        "--layout",
-        layout,
-        "--steps",
-        str(steps),
-        "--metrics-file",
-        str(metrics),
-        *extra,
-    ]
+    argv = launch.trainer_argv(TINY, layout, steps, metrics, *extra)
     return launch.start(argv, parse_layout(layout).world_size, logs), logs
 
 

@@ -18,6 +18,7 @@ import torch
 from trainer.checkpoint import mixtral_config
 from trainer.config import ModelConfig, load_config
 from trainer.data import SyntheticTokens
+from trainer.launch import trainer_argv
 from trainer.model import MixtralStage, StageSpec
 from trainer.parallel.mesh import Layout, coords_of, group_partitions, parse_layout
 from trainer.parallel.pipeline import split_layers
@@ -35,22 +36,7 @@ STEPS = 10
 def launch(layout: str, tmp: Path, *extra: str, steps: int = STEPS) -> list[dict]:
     """Train in `layout` on as many local processes as it needs; return rank 0's metrics records."""
     metrics = tmp / f"{layout}-{os.getpid()}-{free_port()}.jsonl"
-    spawn(
-        [
-            "-m",
-            "trainer",
-            "--config",
-            str(TINY),
-            "--layout",
-            layout,
-            "--steps",
-            str(steps),
-            "--metrics-file",
-            str(metrics),
-            *extra,
-        ],
-        parse_layout(layout).world_size,
-    )
+    spawn(trainer_argv(TINY, layout, steps, metrics, *extra), parse_layout(layout).world_size)
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 

@@ -30,6 +30,7 @@ from ucp.storage import LocalStorage, open_storage
 from ucp.tiers import run_directory
 
 from . import elastic
+from .launch import trainer_argv
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-moe.yaml"
 MARKER = ".ucp-trainer-demo"  # the demo only ever deletes a directory that it made
@@ -81,24 +82,13 @@ def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
     def node_dir(name: str) -> Path:
         return run_dir / f"node-{name}-shm"
 
-    argv = [
-        "-m",
-        "trainer",
-        "--config",
-        str(CONFIG),
-        "--layout",
+    argv = trainer_argv(
+        CONFIG,
         args.layouts,
-        "--steps",
-        str(args.steps),
-        "--ckpt",
-        ckpt,
-        "--save-interval",
-        str(args.save_interval),
-        "--durable-every",
-        str(args.durable_every),
-        "--metrics-file",
-        str(run_dir / "metrics.jsonl"),
-    ]
+        args.steps,
+        run_dir / "metrics.jsonl",
+        *("--ckpt", ckpt, "--save-interval", str(args.save_interval), "--durable-every", str(args.durable_every)),
+    )
     job = elastic.Job(argv, "ucp-demo", run_dir, node_args=lambda name: ["--ckpt-local", str(node_dir(name))])
     try:
         for name in ("a", "b"):

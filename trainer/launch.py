@@ -19,6 +19,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def trainer_argv(config: str | Path, layout: str, steps: int, metrics: str | Path, *extra: str) -> list[str]:
+    """The arguments of `python -m trainer` (for `start`): the config, the layout(s), the step to stop at, the
+    metrics file, then `extra`."""
+    return [
+        "-m",
+        "trainer",
+        "--config",
+        str(config),
+        "--layout",
+        layout,
+        "--steps",
+        str(steps),
+        "--metrics-file",
+        str(metrics),
+        *extra,
+    ]
+
+
 def start(
     argv: list[str], world: int, log_dir: Path, rank0_to_terminal: bool = False, env: dict[str, str] | None = None
 ) -> list[subprocess.Popen]:
