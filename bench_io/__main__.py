@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from ucp.cli import add_storage_option
+
 from .methods import DEFAULT_METHODS, METHODS
 from .state import GiB, MiB, large_specs, make_state, small_specs, transformer_state
 from .targets import CACHE_MODES, DEFAULT_TARGETS, TARGETS, Target, is_remote
@@ -72,13 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         " credentials from the AWS environment",
     )
     p.add_argument("--bucket", help="existing bucket to write under (default: a scratch bucket, removed afterwards)")
-    p.add_argument(
-        "-o",
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an s3fs storage option for the s3 target, as every ucp command takes them: endpoint_url=..., key=...,"
+    add_storage_option(
+        p,
+        "an s3fs storage option for the s3 target, as every ucp command takes them: endpoint_url=..., key=...,"
         ' secret=..., profile=NAME, client_kwargs={"region_name": "..."}; the AWS environment applies too',
     )
     p.add_argument(

@@ -22,17 +22,18 @@ def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
+def add_storage_option(
+    p: argparse.ArgumentParser,
+    help: str = "fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (S3 also reads the AWS_* variables)",
+) -> None:
+    """`-o/--storage-option KEY=VALUE`, repeatable, as every command that opens a URL takes it (parse_storage_options)."""
+    p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 def _add_location(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="checkpoint root (local path, file://, memory://, s3://...) or a step directory in it")
     p.add_argument("--step", default="latest", help="step to read (default: the latest committed step)")
-    p.add_argument(
-        "-o",
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (S3 also reads the AWS_* variables)",
-    )
+    add_storage_option(p)
 
 
 def _open(args: argparse.Namespace):

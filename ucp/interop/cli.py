@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ucp.cli import parse_storage_options
+from ucp.cli import add_storage_option, parse_storage_options
 from ucp.interop.streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS
 
 
@@ -39,14 +39,7 @@ def _step(text: str) -> int | str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-o",
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="fsspec storage option for a ucp URL, e.g. endpoint_url=http://127.0.0.1:9000",
-    )
+    add_storage_option(p, "fsspec storage option for a ucp URL, e.g. endpoint_url=http://127.0.0.1:9000")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -62,7 +62,7 @@ CHECKPOINT_VERSION = 3.0
 UNIVERSAL = "universal"
 # Megatron-Core linear layers carry an `_extra_state` entry (None with the local spec, FP8 metadata with TE);
 # a strict load_state_dict needs it present.
-_EXTRA_STATE_OWNERS = (
+EXTRA_STATE_OWNERS = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
     "linear_fc1",
@@ -676,7 +676,7 @@ def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:
     for name, t in chunk.items():
         out[name] = t
         owner = name.removesuffix(".weight")
-        if name.endswith(".weight") and owner.endswith(_EXTRA_STATE_OWNERS):
+        if name.endswith(".weight") and owner.endswith(EXTRA_STATE_OWNERS):
             out[owner + "._extra_state"] = None
     return out
 

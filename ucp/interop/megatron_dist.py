@@ -61,13 +61,6 @@ _NORMS = (  # legacy (local spec) name prefix -> the fused spelling megatron-cor
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
 )
-_EXTRA_STATE_OWNERS = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "linear_fc1",
-    "linear_fc2",
-    "output_layer",
-)
 
 
 def is_torch_dist(iter_dir: Path) -> bool:
@@ -348,7 +341,7 @@ def write_torch_dist(
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     from tqdm import tqdm
 
-    from ucp.interop.megatron import CHECKPOINT_VERSION, TRACKER
+    from ucp.interop.megatron import CHECKPOINT_VERSION, EXTRA_STATE_OWNERS, TRACKER
     from ucp.interop.staging import staged_dir
 
     plan = local_plan(target.config, Layout(), 0, ())
@@ -374,7 +367,7 @@ def write_torch_dist(
                     )
                 written += t.numel() * t.element_size()
                 owner = where.keys[0].removesuffix(".weight")
-                if lt.key[1].endswith(".weight") and owner.endswith(_EXTRA_STATE_OWNERS):
+                if lt.key[1].endswith(".weight") and owner.endswith(EXTRA_STATE_OWNERS):
                     # megatron-core's ShardedObject for the layer's extra state (None without Transformer Engine)
                     shard = (where.index, lead) if where.index else ((0,), (1,))
                     data.obj(
