@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ucp.boxes import Box, intersect, relative, to_slices
+from ucp.boxes import Box, box_numel, box_shape, intersect, relative, to_slices
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.torch_file import TorchFile
@@ -115,6 +115,7 @@ class DistTensors:
     root: Path
     metadata: Any
     where: dict[int, tuple[str, tuple[int, ...], torch.Tensor]] = field(default_factory=dict)  # id -> key, index, t
+    blobs: dict[tuple[str, tuple[int, ...]], TorchFile] = field(default_factory=dict)  # chunks opened and checked
 
     def tensor(self, key: str, index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         dtype = self.metadata.state_dict_metadata[key].properties.dtype
@@ -123,8 +124,6 @@ class DistTensors:
         return t
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
         key, index, _ = self.where[id(t)]
         entry = self.metadata.state_dict_metadata[key]
         rest = entry.size[len(index) :]
@@ -137,44 +136,44 @@ class DistTensors:
             part = intersect(box, chunk_box)
             if part is None:
                 continue
-            info = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
-            if info is None:
-                raise InteropError(f"{self.root / METADATA}: no data file is named for a chunk of {key}")
-            if getattr(info, "transform_descriptors", None):
-                raise InteropError(
-                    f"{self.root / METADATA}: {key} is stored with transforms {info.transform_descriptors}, which ucp does not read"
-                )
-            path = _check_item_path(self.root, info.relative_path, key)
-            try:
-                blob = TorchFile(path, info.offset, info.length)
-            except (RuntimeError, ValueError, OSError, pickle.UnpicklingError) as e:
-                raise InteropError(f"{path}: the chunk of {key} at {list(chunk.offsets)} is unreadable: {e}") from None
-            stored = blob.obj
-            if (
-                not isinstance(stored, torch.Tensor)
-                or tuple(stored.shape) != tuple(chunk.sizes)
-                or stored.dtype != t.dtype
-            ):
-                raise InteropError(
-                    f"{path}: the chunk of {key} at {list(chunk.offsets)} is not the {list(chunk.sizes)} "
-                    f"{t.dtype} tensor the metadata says"
-                )
-            values = blob.read(stored[to_slices(relative(part, chunk_box))])
+            blob = self._blob(key, chunk, t.dtype)
+            values = blob.read(blob.obj[to_slices(relative(part, chunk_box))])
             target = relative(part, box)[len(index) :]
-            out[to_slices(target)] = values.reshape([b - a for a, b in target])
+            out[to_slices(target)] = values.reshape(box_shape(target))
             covered += values.numel()
-        if covered != _volume(box):
+        if covered != box_numel(box):
             raise InteropError(
-                f"{self.root}: the chunks of {key} do not cover its slice {list(index)} ({covered} of {_volume(box)} elements)"
+                f"{self.root}: the chunks of {key} do not cover its slice {list(index)} ({covered} of {box_numel(box)} elements)"
             )
         return out
 
+    def _blob(self, key: str, chunk: Any, dtype: torch.dtype) -> TorchFile:
+        """A chunk's torch.save blob, opened (its pickle read) and checked against the metadata once."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
 
-def _volume(box: Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
+        at = (key, tuple(chunk.offsets))
+        if at in self.blobs:
+            return self.blobs[at]
+        info = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        if info is None:
+            raise InteropError(f"{self.root / METADATA}: no data file is named for a chunk of {key}")
+        if getattr(info, "transform_descriptors", None):
+            raise InteropError(
+                f"{self.root / METADATA}: {key} is stored with transforms {info.transform_descriptors}, which ucp does not read"
+            )
+        path = _check_item_path(self.root, info.relative_path, key)
+        try:
+            blob = TorchFile(path, info.offset, info.length)
+        except (RuntimeError, ValueError, OSError, pickle.UnpicklingError) as e:
+            raise InteropError(f"{path}: the chunk of {key} at {list(chunk.offsets)} is unreadable: {e}") from None
+        stored = blob.obj
+        if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != tuple(chunk.sizes) or stored.dtype != dtype:
+            raise InteropError(
+                f"{path}: the chunk of {key} at {list(chunk.offsets)} is not the {list(chunk.sizes)} "
+                f"{dtype} tensor the metadata says"
+            )
+        self.blobs[at] = blob
+        return blob
 
 
 def read_common(iter_dir: Path) -> dict[str, Any]:
