@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -35,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .targets import free_port
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
@@ -192,12 +193,6 @@ def _worker(rank: int, n: int, port: int, backend: str, cfg: dict[str, Any], out
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def choose_backend(asked: str, world: int) -> str:
     if asked != "auto":
         return asked
@@ -212,7 +207,7 @@ def sweep(world: int, backend: str, cfg: dict[str, Any]) -> list[dict[str, Any]]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         mp.start_processes(
-            _worker, args=(world, _free_port(), backend, cfg, out), nprocs=world, start_method="spawn", join=True
+            _worker, args=(world, free_port(), backend, cfg, out), nprocs=world, start_method="spawn", join=True
         )
         return json.loads(Path(out).read_text())
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,16 +29,12 @@ import numpy as np
 from dataloaders import IndexedDatasetWriter, PretrainLoader
 from dataloaders.blockcache import filesystem
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .targets import free_port
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
     """moto's ThreadedMotoServer in a child process, so its Python threads do not share the loader's GIL."""
-    port = _free_port()
+    port = free_port()
     code = (
         "import time; from moto.server import ThreadedMotoServer; "
         f"s = ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False); s.start(); "

@@ -220,7 +220,8 @@ def s3_filesystem(storage_options: dict[str, Any]) -> Any:
     return s3fs.S3FileSystem(use_listings_cache=False, config_kwargs=config, **options)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a local server or a process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -230,7 +231,7 @@ class MotoServer:
     """moto's S3 server as a subprocess on 127.0.0.1 (not a thread: it would share our GIL)."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         exe = Path(sys.executable).with_name("moto_server")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
