@@ -47,7 +47,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=torch_dtype(name)).element_size()
+    return torch_dtype(name).itemsize
 
 
 def fill_value(name: str) -> bool | int | float:

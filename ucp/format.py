@@ -12,6 +12,7 @@ document gets a FormatError, never an allocation, an overflow or a Python error.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -142,20 +143,21 @@ class AtomMeta:
     # Format 2 shards carry a table of their inner chunks' checksums after the index (section 4); 1.0 shards do not.
     crc_table: bool = field(default=True, compare=False)
 
-    @property
+    # Derived once per atom (the fields are frozen): a save or load of many small atoms asks for these per object.
+    @functools.cached_property
     def itemsize(self) -> int:
         return dtypes.itemsize(self.dtype)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
-    @property
+    @functools.cached_property
     def grid(self) -> tuple[int, ...]:
         """Number of chunks (objects) along each dimension."""
         return tuple(-(-s // c) for s, c in zip(self.shape, self.chunk_shape))
 
-    @property
+    @functools.cached_property
     def inner_grid(self) -> tuple[int, ...]:
         """Inner chunks per shard along each dimension (all ones when not sharded)."""
         if self.inner_chunk_shape is None:

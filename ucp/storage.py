@@ -143,6 +143,29 @@ class Storage(ABC):
         return None
 
 
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
+def file_system_type(path: str) -> str | None:
+    """The type of the file system that holds `path` (or would hold it: its nearest existing parent), from the
+    longest mount point above it in /proc/self/mounts; None where that is unknown (not Linux)."""
+    path = os.path.realpath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for mount_point, fs_type in mounts:
+        mount_point = mount_point.replace("\\040", " ")
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if inside and (best is None or len(mount_point) >= best[0]):
+            best = (len(mount_point), fs_type)
+    return best[1] if best else None
+
+
 class LocalStorage(Storage):
     """Plain POSIX files: vectored writes, fsync for durability, direct reads into preallocated buffers."""
 
@@ -150,6 +173,10 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(root)
         self.url = self.root
         self.fsync = fsync
+        if file_system_type(self.root) in MEMORY_FILE_SYSTEMS:
+            # In memory every write and read is a copy by a CPU: threads beyond two per core only contend (for the
+            # GIL and the cores). Measured on 2 cores, 1 GiB to tmpfs: 4 threads save in 0.33-0.43 s, 16 in 0.55-0.63.
+            self.default_io_threads = min(Storage.default_io_threads, 2 * (os.cpu_count() or 1))
         self.stats = IOStats()
         self._made_dirs: set[str] = set()
         self._unsynced_dirs: set[str] = set()  # gained an entry since the last flush
