@@ -9,9 +9,15 @@ before each run (posix_fadvise DONTNEED, no root needed):
 - ucp, tp1: every parameter of the model (`load_weights(url, "tp1", 0)`);
 - ucp, tp2 rank 0: what one rank of a tp2 job reads (half the matrices);
 - safetensors: `safetensors.torch.load_file` of every file (local), or download + `safetensors.torch.load` (S3),
-  each tensor then copied once. `load_file` maps a file lazily (its pages are read when first touched) and a job's
-  `load_state_dict` copies every tensor into its parameters, so the copy is what makes the parameters filled; ucp's
-  load_weights returns tensors already read and filled.
+  each tensor then copied once. `load_file` maps a file lazily (its pages are read when first touched), so the
+  copy is what makes the parameters filled; ucp's load_weights returns tensors already read and filled.
+
+Each is timed twice, by where the weights land:
+
+- "new": in memory the load allocates (ucp's returned tensors; safetensors' tensors cloned and kept), as a job
+  that builds its model from the checkpoint does. Every page is new to the process, so every page faults.
+- "into": in the job's own parameters, allocated and touched before the timer, as a job that has built its model
+  has them (ucp `load_weights(..., into=params)`; safetensors copied into them, as `load_state_dict` does).
 
 With --s3 the same files go to a moto S3 server on 127.0.0.1 (in process), and S3 rows are added.
 Prints a table: seconds (median of the repeats), bytes read from storage, and the effective rate.
@@ -98,30 +104,57 @@ def timed(fn: Callable[[], int], repeats: int, before: Callable[[], None]) -> tu
     return statistics.median(times), nbytes
 
 
-def ucp_load(url: str, layout: str, storage_options: dict | None) -> Callable[[], int]:
+Params = dict[str, torch.Tensor]
+
+
+def ucp_load(url: str, layout: str, storage_options: dict | None, into: Params | None = None) -> Callable[[], int]:
     from ucp.interop.weights import load_weights
 
     def run() -> int:
-        return load_weights(url, layout, 0, storage_options=storage_options).report.bytes_read
+        return load_weights(url, layout, 0, storage_options=storage_options, into=into).report.bytes_read
 
     return run
 
 
-def safetensors_local(hf: Path) -> Callable[[], int]:
+def ucp_params(url: str, layout: str, storage_options: dict | None) -> Params:
+    """A job's parameters for rank 0 of `layout`: allocated and touched (zeros), as a built model's are."""
+    from ucp.interop.weights import load_weights
+
+    return {
+        n: torch.zeros_like(t) for n, t in load_weights(url, layout, 0, storage_options=storage_options).params.items()
+    }
+
+
+def fill(tensors: dict[str, torch.Tensor], into: Params | None, kept: list[torch.Tensor]) -> None:
+    """What a job does with tensors that a safetensors load returned: copy them into its parameters, or (no
+    parameters yet) into memory of its own."""
+    for name, t in tensors.items():
+        if into is None:
+            kept.append(t.clone())
+        else:
+            into[name].copy_(t)
+
+
+def safetensors_local(hf: Path, into: Params | None = None) -> Callable[[], int]:
     from safetensors.torch import load_file
 
     def run() -> int:
-        n = 0
+        n, kept = 0, []
         for f in sorted(hf.glob("*.safetensors")):
-            for t in load_file(str(f)).values():
-                t.clone()  # filled: the bytes read, as load_state_dict's copy into the parameters would
+            fill(load_file(str(f)), into, kept)
             n += f.stat().st_size
         return n
 
     return run
 
 
-def safetensors_s3(fs, prefix: str) -> Callable[[], int]:
+def safetensors_params(hf: Path) -> Params:
+    from safetensors.torch import load_file
+
+    return {n: torch.zeros_like(t) for f in sorted(hf.glob("*.safetensors")) for n, t in load_file(str(f)).items()}
+
+
+def safetensors_s3(fs, prefix: str, into: Params | None = None) -> Callable[[], int]:
     import concurrent.futures as cf
 
     from safetensors.torch import load
@@ -130,12 +163,24 @@ def safetensors_s3(fs, prefix: str) -> Callable[[], int]:
         files = sorted(p for p in fs.ls(prefix, detail=False) if p.endswith(".safetensors"))
         with cf.ThreadPoolExecutor(8) as pool:
             blobs = list(pool.map(fs.cat_file, files))
+        kept: list[torch.Tensor] = []
         for b in blobs:
-            for t in load(b).values():
-                t.clone()
+            fill(load(b), into, kept)
         return sum(len(b) for b in blobs)
 
     return run
+
+
+def methods(ucp_url: str, hf: Callable[[Params | None], Callable[[], int]], st_params: Params, options: dict | None):
+    """(name, run) of every method, ucp's in both layouts and both destinations, then safetensors'."""
+    out = []
+    for layout, label in (("tp1", "tp1"), ("tp2", "tp2 r0")):
+        job = ucp_params(ucp_url, layout, options)
+        out.append((f"ucp {label}, new", ucp_load(ucp_url, layout, options)))
+        out.append((f"ucp {label}, into", ucp_load(ucp_url, layout, options, job)))
+    out.append(("safetensors, new", hf(None)))
+    out.append(("safetensors, into", hf(st_params)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,21 +205,32 @@ def main(argv: list[str] | None = None) -> int:
         def cold() -> None:
             drop_page_cache(root, "fadvise")
 
-        for method, fn in (
-            ("ucp load_weights tp1", ucp_load(url, "tp1", None)),
-            ("ucp load_weights tp2 r0", ucp_load(url, "tp2", None)),
-            ("safetensors load_file+copy", safetensors_local(hf)),
-        ):
+        st_params = safetensors_params(hf)
+        for method, fn in methods(url, lambda into: safetensors_local(hf, into), st_params, None):
             rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
         if args.s3:
-            rows += _s3_rows(cfg, root, hf, args.repeats)
+            rows += _s3_rows(root, hf, st_params, args.repeats)
         print(f"{'method':<26} {'storage':<7} {'seconds':>9} {'MiB read':>11} {'GiB/s':>9}")
         for row in rows:
             print(row.line())
+        print(ratios(rows))
     return 0
 
 
-def _s3_rows(cfg: MixtralConfig, root: Path, hf: Path, repeats: int) -> list[Row]:
+def ratios(rows: list[Row]) -> str:
+    """ucp's tp1 time over safetensors', per storage and destination (< 1: ucp is faster)."""
+    by = {(r.method, r.storage): r.seconds for r in rows}
+    out = []
+    for storage in dict.fromkeys(r.storage for r in rows):
+        for dest in ("new", "into"):
+            st = by.get((f"safetensors, {dest}", storage))
+            mine = by.get((f"ucp tp1, {dest}", storage))
+            if st and mine:
+                out.append(f"{storage} {dest}: ucp tp1 / safetensors = {mine / st:.2f}x")
+    return "\n".join(out)
+
+
+def _s3_rows(root: Path, hf: Path, st_params: Params, repeats: int) -> list[Row]:
     import s3fs
 
     server = MotoServer()
@@ -190,9 +246,8 @@ def _s3_rows(cfg: MixtralConfig, root: Path, hf: Path, repeats: int) -> list[Row
             return None
 
         return [
-            Row("ucp load_weights tp1", "s3", *timed(ucp_load(url, "tp1", options), repeats, nothing)),
-            Row("ucp load_weights tp2 r0", "s3", *timed(ucp_load(url, "tp2", options), repeats, nothing)),
-            Row("safetensors get+load+copy", "s3", *timed(safetensors_s3(fs, "coldstart/hf"), repeats, nothing)),
+            Row(method, "s3", *timed(fn, repeats, nothing))
+            for method, fn in methods(url, lambda into: safetensors_s3(fs, "coldstart/hf", into), st_params, options)
         ]
     finally:
         server.close()

@@ -79,3 +79,36 @@ def test_load_into_module_refuses_a_module_it_cannot_fill(tmp_path):
     assert torch.equal(module.weight, ucp.load(url)["model"]["lm_head.weight"])
     with pytest.raises(ucp.StateError, match="has shape"):
         load_into_module(url, torch.nn.Linear(32, 7, bias=False), {"weight": "lm_head.weight"})
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_load_weights_fills_the_jobs_own_parameters_in_place(tmp_path, seed):
+    """A job that has built its model passes its parameters: they are filled where they lie (a bf16 one cast),
+    what the job lacks comes back new, and a parameter of the wrong shape is refused by name."""
+    import random
+
+    rng = random.Random(seed)
+    cfg = tiny_config(num_hidden_layers=4)
+    full = random_full_state(cfg)
+    url = str(tmp_path / "ckpt")
+    save_in_layout(full, cfg, rng.choice(["tp2pp2", "tp1pp2dp2zero1", "tp2ep2dp2"]), url, step=1)
+    layout, rank = rng.choice([("tp2", 1), ("tp1pp2vpp2", 1), ("tp2pp2", 2), ("tp1", 0)])
+    want = load_weights(url, layout, rank).params
+    names = sorted(want)
+    rng.shuffle(names)
+    missing, as_bf16 = names[0], set(names[1 : 1 + len(names) // 3])
+    into = {
+        n: torch.nn.Parameter(torch.full_like(want[n], 7.0, dtype=torch.bfloat16 if n in as_bf16 else None))
+        for n in names[1:]
+    }
+    pointers = {n: p.data_ptr() for n, p in into.items()}
+    got = load_weights(url, layout, rank, into=into)
+    for n in names[1:]:
+        assert into[n].data_ptr() == pointers[n] and into[n].requires_grad, n
+        assert torch.equal(into[n], want[n].to(into[n].dtype)), n
+        assert got.params[n].data_ptr() == pointers[n], n
+    assert torch.equal(got.params[missing], want[missing])
+
+    into[names[1]] = torch.nn.Parameter(torch.zeros(3, 5))
+    with pytest.raises(ucp.StateError, match=names[1].replace(".", r"\.")):
+        load_weights(url, layout, rank, into=into)

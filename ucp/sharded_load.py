@@ -15,7 +15,7 @@ import torch
 from . import dtypes
 from .boxes import Box, intersect, relative, to_slices
 from .checkpoint import CheckpointReader
-from .errors import FormatError
+from .errors import FormatError, StateError
 from .families import canonical_atoms
 from .format import AtomMeta
 from .reshard import LocalTensor, local_plan, local_tensor, piece_view, put_local
@@ -36,14 +36,26 @@ class LoadReport:
 
 
 def load_sharded(
-    reader: CheckpointReader, model: ShardedModel, rank: int, *, dtype: torch.dtype | None = None
+    reader: CheckpointReader,
+    model: ShardedModel,
+    rank: int,
+    *,
+    dtype: torch.dtype | None = None,
+    into: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], LoadReport]:
     """The local state of `rank` in `model.layout`, read straight from the atoms: only the regions this rank
-    needs, many reads in flight, every inner chunk verified. Parameters are cast to `dtype` when given."""
+    needs, many reads in flight, every inner chunk verified. Parameters are cast to `dtype` when given.
+
+    `into`: a local state (the same nested keys) whose tensors are filled in place, as a job's own parameters
+    and optimizer state are by `load_state_dict`; the tensors it lacks are made. Memory a process already uses
+    fills several times faster than memory it has never touched (each new page is a fault), so a job that has
+    built its model loads fastest this way. A tensor of another shape is refused; of another dtype, cast. A load
+    that fails may have filled part of them."""
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
     shapes = canonical_atoms(model.config)
     local: dict[str, Any] = {}
     jobs: list[Callable[[], None]] = []
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read in the stored dtype, the caller's tensor)
     bytes_needed = 0
     for lt in plan:
         metas = []
@@ -59,17 +71,43 @@ def load_sharded(
             metas.append(meta)
         stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
         covered = sum(p.numel for p in lt.pieces) == math.prod(lt.shape)
-        tensor = torch.empty(lt.shape, dtype=stored) if covered else torch.zeros(lt.shape, dtype=stored)  # padding: 0
-        put_local(local, lt.key, tensor)
+        given = _given(into, lt)
+        if given is not None and given.dtype == stored:
+            tensor = given if covered else given.zero_()  # padding: 0
+        else:
+            tensor = torch.empty(lt.shape, dtype=stored) if covered else torch.zeros(lt.shape, dtype=stored)
+            if given is not None:
+                casts.append((tensor, given))
+        put_local(local, lt.key, tensor if given is None else given)
         bytes_needed += sum(p.numel for p in lt.pieces) * tensor.element_size()
         jobs += piece_reads(reader, lt, metas, tensor)
     with cf.ThreadPoolExecutor(reader.io_threads) as pool:
         before = reader.storage.stats.bytes_read
         run_tasks(pool, jobs)
         read = reader.storage.stats.bytes_read - before
-    if dtype is not None:
-        local = _cast_params(local, plan, dtype)
+    for tensor, given in casts:
+        given.copy_(tensor)
+    if dtype is not None:  # (the caller's own tensors keep their dtype)
+        local = _cast_params(local, [lt for lt in plan if _given(into, lt) is None], dtype)
     return local, LoadReport(bytes_needed, read)
+
+
+def _given(into: Mapping[str, Any] | None, lt: LocalTensor) -> torch.Tensor | None:
+    """The caller's tensor for `lt` to fill in place, if `into` has one; a StateError if it cannot hold it."""
+    node: Any = into
+    for k in lt.key:
+        if not isinstance(node, Mapping) or k not in node:
+            return None
+        node = node[k]
+    where = "/".join(lt.key)
+    if not isinstance(node, torch.Tensor):
+        raise StateError(f"cannot load into {where}: it is a {type(node).__name__}, not a tensor")
+    if tuple(node.shape) != lt.shape or node.device.type != "cpu":
+        raise StateError(
+            f"cannot load into {where}: it is a {node.device.type} tensor of shape {list(node.shape)}, the layout's "
+            f"local tensor is a cpu tensor of shape {list(lt.shape)}"
+        )
+    return node
 
 
 def needed_objects(atoms: Mapping[str, AtomMeta], model: ShardedModel, rank: int) -> set[tuple[str, tuple[int, ...]]]:

@@ -53,14 +53,38 @@ def load_weights(
     *,
     step: int | str = "latest",
     storage_options: dict[str, Any] | None = None,
+    into: Mapping[str, torch.Tensor] | torch.nn.Module | None = None,
 ) -> LoadedWeights:
     """The parameters of `rank` in `layout`, read from the atoms of a ucp checkpoint written from any layout
-    (local path or any fsspec URL), cast to `dtype`. Only the parameter regions this rank holds are read."""
+    (local path or any fsspec URL), cast to `dtype`. Only the parameter regions this rank holds are read.
+
+    `into`: the job's own parameters, filled in place (a Megatron-Core module, or tensors by the names of
+    `LoadedWeights.params`); each keeps its dtype. Memory already in use fills faster than new memory, and the
+    job needs no copy afterwards. Parameters `into` lacks are returned as new tensors."""
     reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)
     config = model_config_of(reader)
     target = _as_layout(layout)
-    local, report = load_sharded(reader, ShardedModel(config, target, optim_states=()), rank, dtype=parse_dtype(dtype))
+    model = ShardedModel(config, target, optim_states=())
+    with torch.no_grad():
+        local, report = load_sharded(reader, model, rank, dtype=parse_dtype(dtype), into=_local_params(into))
     return LoadedWeights(local, report, config, target)
+
+
+_VIRTUAL_STAGE = re.compile(r"(model\d+)\.(.+)")
+
+
+def _local_params(into: Mapping[str, torch.Tensor] | torch.nn.Module | None) -> dict[str, Any] | None:
+    """`into` as a local state ({"model": {name: tensor}}, or "model0", "model1", ... for names so prefixed);
+    detached, so that a module's parameters are filled without autograd seeing an in-place write."""
+    if into is None:
+        return None
+    named = dict(into.named_parameters()) if isinstance(into, torch.nn.Module) else dict(into)
+    local: dict[str, Any] = {}
+    for name, tensor in named.items():
+        staged = _VIRTUAL_STAGE.fullmatch(name)
+        chunk, local_name = (staged[1], staged[2]) if staged else ("model", name)
+        local.setdefault(chunk, {})[local_name] = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
+    return local
 
 
 # --------------------------------------------------------------------------------- plain nn.Module by name
