@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from ucp.checkpoint import DEFAULT_IO_THREADS
 from ucp.cli import add_storage_option
 
 from .methods import DEFAULT_METHODS, METHODS
@@ -115,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--io-threads",
         type=int,
-        default=16,
-        help="requests in flight for raw, ucp and dcp alike (default 16: ucp's default on local files; ucp takes 64 on"
-        " object stores when left to itself, so give --io-threads 64 to compare there as ucp would run)",
+        default=None,
+        help="requests in flight for raw, ucp and dcp alike (default: on each target what ucp takes there when left"
+        " to itself: 16 on a disk, two per core on tmpfs, 64 on an object store)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write every measurement and the medians to this file")
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        pool = procs.RankPool(args.procs, args.size, args.seed, args.io_threads)
+        pool = procs.RankPool(args.procs, args.size, args.seed, args.io_threads or DEFAULT_IO_THREADS)
         main_state: Any = pool.state
         runs: list[tuple[Any, list[str]]] = []
     else:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Self
 
 from ucp import heap
+from ucp.storage import FsspecStorage, LocalStorage
 
 from .methods import METHODS, Method, plain_copy_s
 from .state import SyntheticState
@@ -156,7 +157,7 @@ class Plan:
     targets: list[Target]
     repeats: int
     cache_mode: str = "auto"
-    io_threads: int = 16
+    io_threads: int | None = None  # None: on each target, what ucp takes there when left to itself
     local_only: frozenset[str] = frozenset()  # states not run on remote targets (the many-small-tensors ones)
 
     def cells(self, names: list[str], state: str | None = None) -> list[tuple[int, str]]:
@@ -176,18 +177,32 @@ class Plan:
                     out.append((i, name))
         return out
 
+    def threads_for(self, target: Target) -> int:
+        """Requests in flight for every method on `target`: the plan's, or ucp's own default there (16 on a disk,
+        two per core in memory, 64 on an object store), so that each baseline runs as ucp would."""
+        if self.io_threads:
+            return self.io_threads
+        if is_remote(target.root):
+            return FsspecStorage.default_io_threads
+        return LocalStorage(str(target.root)).default_io_threads
+
     def count(self) -> int:
         return self.repeats * sum(len(self.cells(methods, state.name)) for state, methods in self.runs)
 
 
 def run(plan: Plan, progress: Callable[[int, int, Measurement], None] | None = None) -> list[Measurement]:
-    methods = {name: METHODS[name](io_threads=plan.io_threads) for _, names in plan.runs for name in names}
+    methods = {
+        (i, name): METHODS[name](io_threads=plan.threads_for(target))
+        for _, names in plan.runs
+        for name in names
+        for i, target in enumerate(plan.targets)
+    }
     results: list[Measurement] = []
     total = plan.count()
     for repeat in range(plan.repeats):
         for state, names in plan.runs:
             for i, name in plan.cells(names, state.name):
-                m = measure(methods[name], state, plan.targets[i], repeat, plan.cache_mode)
+                m = measure(methods[i, name], state, plan.targets[i], repeat, plan.cache_mode)
                 results.append(m)
                 if progress:
                     progress(len(results), total, m)

@@ -29,26 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ucp.storage import file_system_type
+
 CACHE_MODES = ("auto", "drop_caches", "fadvise", "none")
 
 
 def fs_type(path: str | Path) -> str:
-    """The filesystem type of the mount holding `path` (longest matching mount point in /proc/mounts)."""
-    path = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mount = fields[1].replace("\\040", " ")
-                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > len(best):
-                    best, kind = mount, fields[2]
-    except OSError:
-        pass
-    return kind
+    """The file system type of the mount holding `path`, "unknown" where that cannot be told."""
+    return file_system_type(str(path)) or "unknown"
 
 
 def iter_files(directory: Path) -> Iterator[Path]:

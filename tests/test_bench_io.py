@@ -111,6 +111,18 @@ def test_each_method_round_trips(name: str, tmp_path: Path) -> None:
     assert s.verify(m.load(tmp_path)) is None
 
 
+def test_raw_crc_baseline_checks_what_it_reads(tmp_path: Path) -> None:
+    s = state.make_state("t", state.small_specs(6), seed=1)
+    m = methods.METHODS["raw-crc"](io_threads=2)
+    m.save(s, tmp_path)
+    victim = tmp_path / "3.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="3.bin: checksum mismatch"):
+        m.load(tmp_path)
+
+
 def test_cache_drop_on_disk(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(1 << 20))
