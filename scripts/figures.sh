@@ -7,10 +7,10 @@ out=docs/figures
 mkdir -p "$out"
 # Format v1 and the async data path: 1 GiB state, tmpfs and local disk, every method side by side (issues 2, 5).
 python -m bench_io --size 1GiB --repeats 3 --targets tmpfs,disk \
-    --methods raw,ucp,ucp-async,ucp-async-threads,torch,safetensors,dcp,dcp-async,copy \
+    --methods raw,raw-crc,ucp,ucp-async,ucp-async-threads,torch,safetensors,dcp,dcp-async,copy \
     --json "$out/io-1gib.json" --png "$out/io-1gib.png" | tee "$out/io-1gib.txt"
 # The same against an S3 server (embedded moto on 127.0.0.1: per-request cost, not a real store's bandwidth).
-python -m bench_io --size 256MiB --repeats 3 --targets s3 --small-tensors 0 --io-threads 64 \
+python -m bench_io --size 256MiB --repeats 3 --targets s3 --small-tensors 0 \
     --methods raw,ucp,ucp-async,ucp-async-threads,torch,safetensors,dcp,dcp-async,copy \
     --json "$out/io-s3.json" --png "$out/io-s3.png" | tee "$out/io-s3.txt"
 # Resharding at load: a >= 2 GiB Mixtral-shaped state (the model is sized down to whole heads: ask a little more) saved as tp2pp2dp2zero1, loaded in other layouts (issue 3).

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 def test_transformers_on_the_export_matches_the_trainer_model(tmp_path):
     from trainer.config import ModelConfig
-    from trainer.model import MixtralStage, StageSpec
+    from trainer.model import DecoderStage, StageSpec
 
     cfg = tiny_config()
     save_in_layout(random_full_state(cfg), cfg, "tp2pp2", str(tmp_path / "ckpt"))
@@ -33,7 +33,7 @@ def test_transformers_on_the_export_matches_the_trainer_model(tmp_path):
         rope_theta=hf.config.rope_parameters["rope_theta"],
         rms_norm_eps=hf.config.rms_norm_eps,
     )
-    stage = MixtralStage(
+    stage = DecoderStage(
         trainer_cfg, StageSpec(layers=list(range(cfg.num_hidden_layers)), first=True, last=True)
     ).eval()
     # the trainer's parameter names are ucp's local names: the weights-only loader fills it directly

@@ -15,15 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import mixtral_config
-from trainer.config import ModelConfig, load_config
+from trainer.config import load_config
 from trainer.data import SyntheticTokens
 from trainer.launch import trainer_argv
-from trainer.model import MixtralStage, StageSpec
+from trainer.model import DecoderStage, StageSpec
 from trainer.parallel.mesh import Layout, coords_of, group_partitions, parse_layout
 from trainer.parallel.pipeline import split_layers
 from trainer.parallel.tensor import padded_vocab_size, shard_gate_up, shard_qkv, shard_vocab
-from trainer.weights import canonical_shapes, init_from_seed, initial_atom, load_canonical
+from trainer.weights import canonical_shapes, init_from_seed, initial_atom, load_canonical, ucp_config
 from ucp.errors import LayoutError
 
 from .launch import free_port, spawn
@@ -159,7 +158,7 @@ def _hf_model(cfg):
 def test_logits_match_transformers_mixtral(tied):
     cfg = load_config(TINY, [f"model.tie_word_embeddings={str(tied).lower()}"]).model
     hf = _hf_model(cfg)
-    stage = MixtralStage(cfg, StageSpec(layers=list(range(cfg.num_layers)), first=True, last=True))
+    stage = DecoderStage(cfg, StageSpec(layers=list(range(cfg.num_layers)), first=True, last=True))
     load_canonical(stage, _hf_atoms(hf, cfg).__getitem__, tp_rank=0)
     tokens = torch.randint(cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -175,7 +174,7 @@ def test_load_balancing_loss_matches_transformers_for_one_layer():
     # transformers pools the loss over all layers; ours is per layer (then averaged): equal for one layer.
     cfg = load_config(TINY, ["model.num_layers=1"]).model
     hf = _hf_model(cfg)
-    stage = MixtralStage(cfg, StageSpec(layers=[0], first=True, last=True))
+    stage = DecoderStage(cfg, StageSpec(layers=[0], first=True, last=True))
     load_canonical(stage, _hf_atoms(hf, cfg).__getitem__, tp_rank=0)
     tokens = torch.randint(cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -224,10 +223,6 @@ def _ucp():
     )
 
 
-def ucp_config(cfg: ModelConfig, stage_layers: list[int] | None):
-    return mixtral_config(cfg, stage_layers)  # the trainer's one mapping to ucp's MixtralConfig
-
-
 @pytest.mark.parametrize("layout", ["tp2pp2ep2dp2zero1", "tp1pp2ep4dp4", "tp2pp1dp3"])
 def test_rank_coordinates_and_process_groups_equal_ucp_layout(layout):
     ucp_layout = _ucp()[0].parse_layout(layout)
@@ -262,7 +257,7 @@ def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout, tied,
             ep_size=parsed.ep,
             ep_rank=c.ep,
         )
-        stage = MixtralStage(cfg, spec)
+        stage = DecoderStage(cfg, spec)
         init_from_seed(stage, 5, c.tp)
         mine = dict(stage.named_parameters())
         theirs = reshard.shard({"model": atoms}, ucp_config(cfg, stage_layers), ucp_layout.parse_layout(layout), rank)
@@ -339,7 +334,7 @@ def test_mixtral_8x7b_config_has_mixtrals_46_7b_parameters():
     cfg = load_config(REPO / "trainer" / "configs" / "mixtral-8x7b.yaml")
     assert parse_layout(cfg.train.layout).world_size == 64
     with torch.device("meta"):  # shapes only
-        stage = MixtralStage(cfg.model, StageSpec(layers=list(range(cfg.model.num_layers)), first=True, last=True))
+        stage = DecoderStage(cfg.model, StageSpec(layers=list(range(cfg.model.num_layers)), first=True, last=True))
     assert round(sum(p.numel() for p in stage.parameters()) / 1e9, 1) == 46.7
 
 

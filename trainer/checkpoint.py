@@ -20,36 +20,18 @@ import torch.distributed as dist
 
 from ucp.distributed import ShardedModel, TorchComm
 from ucp.errors import CheckpointNotFoundError
-from ucp.families.mixtral import MixtralConfig
 from ucp.manager import CheckpointManager
 from ucp.pipeline import SaveHandle
 from ucp.training_state import rng_state, set_rng_state
 
-from .config import Config, ModelConfig
+from .config import Config
 from .parallel.data import lr_at
+from .weights import ucp_config
 
 if TYPE_CHECKING:
     from .train import Trainer
 
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
-
-
-def mixtral_config(m: ModelConfig, stage_layers: list[int] | None = None) -> MixtralConfig:
-    """The trainer's model config as ucp's (the one place where the two namings meet)."""
-    return MixtralConfig(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_heads,
-        num_key_value_heads=m.num_kv_heads,
-        num_local_experts=m.num_experts,
-        num_experts_per_tok=m.top_k,
-        head_dim=m.kv_channels,
-        tie_word_embeddings=m.tie_word_embeddings,
-        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        stage_layers=stage_layers,
-    )
 
 
 @dataclass
@@ -68,7 +50,7 @@ class Checkpointer:
     def __init__(self, cfg: Config, trainer: Trainer):
         self.cfg, self.trainer = cfg, trainer
         self.interval = cfg.checkpoint.interval
-        self.model = ShardedModel(mixtral_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout, OPTIM_STATES)
+        self.model = ShardedModel(ucp_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout, OPTIM_STATES)
         # Checkpoint traffic (fragment exchange, barriers) goes over its own gloo group, host memory on any device.
         self.group = dist.new_group(backend="gloo")
         comm = TorchComm(self.group)

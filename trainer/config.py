@@ -14,18 +14,22 @@ from typing import Any
 
 import yaml
 
+FAMILIES = ("mixtral", "llama")
+
 
 @dataclass
 class ModelConfig:
-    """Mixtral hyper-parameters, with the meaning (and defaults) of transformers' MixtralConfig."""
+    """Model hyper-parameters, with the meaning (and defaults) of transformers' MixtralConfig. `family` picks the
+    MLP: "mixtral", a routed mixture of experts, or "llama", one dense SwiGLU MLP (the expert fields unused)."""
 
+    family: str = "mixtral"
     vocab_size: int = 512
     hidden_size: int = 64
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int | None = None  # hidden_size // num_heads when None
-    ffn_hidden_size: int = 128  # per expert (Mixtral's intermediate_size)
+    ffn_hidden_size: int = 128  # per expert (Mixtral's intermediate_size), or the dense MLP's (Llama's)
     num_experts: int = 8
     top_k: int = 2
     rope_theta: float = 1e6
@@ -34,6 +38,14 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.01
     init_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # vocab padding, see docs/LOCAL_STATE.md
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"model.family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.family == "mixtral"
 
     @property
     def kv_channels(self) -> int:

@@ -1,6 +1,7 @@
-"""Mixtral (the math of transformers' MixtralForCausalLM), written as one pipeline stage with TP and EP built in.
+"""Mixtral and Llama (the math of transformers' MixtralForCausalLM and LlamaForCausalLM), written as one pipeline
+stage with TP and EP built in: the two differ only in the MLP (routed experts, or one dense SwiGLU).
 
-A `MixtralStage` holds the layers of one pipeline stage; with one stage it is the whole model. Its parameter
+A `DecoderStage` holds the layers of one pipeline stage; with one stage it is the whole model. Its parameter
 names are the local Megatron-Core names of docs/LOCAL_STATE.md (`model.named_parameters()` is the rank's
 local state), in the order of that table. Shapes are local: split over TP, experts split over EP.
 """
@@ -119,6 +120,23 @@ class Expert(nn.Module):
         return F.linear(F.silu(gate) * up, self.linear_fc2.weight)  # partial sum over TP
 
 
+class DenseMLP(nn.Module):
+    """Llama's SwiGLU MLP: fc1 the fused [gate; up] of this TP rank (column-parallel), fc2 row-parallel. Returns
+    the block's output and a zero load-balancing loss (there is no router), as `MoE` does."""
+
+    def __init__(self, cfg: ModelConfig, tp: int, tp_group):
+        super().__init__()
+        if cfg.ffn_hidden_size % tp:
+            raise ValueError(f"ffn_hidden_size={cfg.ffn_hidden_size} must be divisible by tp={tp}")
+        self.tp_group = tp_group
+        self.linear_fc1 = Weight(2 * cfg.ffn_hidden_size // tp, cfg.hidden_size)
+        self.linear_fc2 = Weight(cfg.hidden_size, cfg.ffn_hidden_size // tp)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = column_parallel(x, self.linear_fc1.weight, self.tp_group).chunk(2, dim=-1)
+        return row_parallel(F.silu(gate) * up, self.linear_fc2.weight, self.tp_group), x.new_zeros(())
+
+
 class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: int, count: int):
         super().__init__()
@@ -169,12 +187,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attention = Attention(cfg, spec.tp_size, tp_group)
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, spec.tp_size, spec.ep_size, tp_group, ep_group)
+        self.mlp: nn.Module
+        if cfg.is_moe:
+            self.mlp = MoE(cfg, spec.tp_size, spec.ep_size, tp_group, ep_group)
+        else:
+            self.mlp = DenseMLP(cfg, spec.tp_size, tp_group)
 
     def forward(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.self_attention(self.input_layernorm(x), cos, sin)
-        moe_out, aux_loss = self.mlp(self.pre_mlp_layernorm(x))
-        return x + moe_out, aux_loss
+        mlp_out, aux_loss = self.mlp(self.pre_mlp_layernorm(x))
+        return x + mlp_out, aux_loss
 
 
 class Decoder(nn.Module):
@@ -191,7 +213,7 @@ class VocabEmbedding(nn.Module):
         self.word_embeddings = Weight(rows, hidden)
 
 
-class MixtralStage(nn.Module):
+class DecoderStage(nn.Module):
     """The layers of one pipeline stage. forward: tokens (first stage) or hidden states -> hidden states, or
     local logits [b, s, padded_vocab/T] on the last stage; plus the sum of this stage's load-balancing losses."""
 

@@ -35,7 +35,7 @@ from .checkpoint import Checkpointer
 from .config import Config, load_config
 from .corpus import DEFAULT_DIR, ensure_corpus
 from .data import PretrainTokens, SyntheticTokens, TokenSource
-from .model import MixtralStage, StageSpec, is_expert_param
+from .model import DecoderStage, StageSpec, is_expert_param
 from .parallel.data import DistributedAdamW
 from .parallel.mesh import Layout, Mesh, parse_layout
 from .parallel.pipeline import P2P, StageOutput, allreduce_tied_embedding_grads, one_f_one_b, split_layers
@@ -62,6 +62,10 @@ class Trainer:
             raise ValueError(
                 "the reference trainer runs one model chunk per stage: vpp > 1 is not supported (ucp checkpoints support it)"
             )
+        if layout.ep != 1 and not m.is_moe:
+            raise ValueError(
+                f"layout {cfg.train.layout}: ep > 1 needs a mixture of experts, model.family is {m.family}"
+            )
 
         stage_layers = split_layers(m.num_layers, layout.pp, cfg.train.stage_layers)[c.pp]
         spec = StageSpec(
@@ -72,7 +76,7 @@ class Trainer:
             ep_size=layout.ep,
             ep_rank=c.ep,
         )
-        self.model = MixtralStage(m, spec, mesh.tp_group, mesh.ep_group).to(device)
+        self.model = DecoderStage(m, spec, mesh.tp_group, mesh.ep_group).to(device)
         init_from_seed(self.model, cfg.train.seed, c.tp)
 
         self.optimizer = DistributedAdamW(

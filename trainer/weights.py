@@ -1,8 +1,10 @@
-"""Canonical atoms of the Mixtral family and how a rank's local parameters are cut from them.
+"""Canonical atoms of the model's family (Mixtral or Llama) and how a rank's local parameters are cut from them.
 
 Initialization is layout-independent: every canonical tensor (atom) is drawn in full from a generator seeded
 by (seed, atom name), then sliced into the local shard (docs/LOCAL_STATE.md). Every layout therefore starts
 from the same model. The same slicing loads any set of canonical tensors (e.g. a transformers state dict).
+The atoms themselves (names and shapes) are ucp's family tables', through `ucp_config`, the one place where the
+trainer's config and ucp's meet.
 """
 
 from __future__ import annotations
@@ -12,35 +14,40 @@ from collections.abc import Callable
 
 import torch
 
+from ucp.families import canonical_atoms
+from ucp.families.llama import LlamaConfig
+from ucp.families.mixtral import MixtralConfig
+
 from .config import ModelConfig
-from .model import MixtralStage
+from .model import DecoderStage
 from .parallel.tensor import shard_gate_up, shard_qkv, shard_vocab, split_dim
 from .seed import derive_seed
 
 AtomSource = Callable[[str], torch.Tensor]
 
 
+def ucp_config(m: ModelConfig, stage_layers: list[int] | None = None) -> MixtralConfig | LlamaConfig:
+    """The trainer's model config as ucp's family config (what a checkpoint's atoms and layouts are cut by)."""
+    common = {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.kv_channels,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "stage_layers": stage_layers,
+    }
+    if m.is_moe:
+        return MixtralConfig(**common, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k)
+    return LlamaConfig(**common)
+
+
 def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every atom of the model, in canonical order, with its full shape (Hugging Face names)."""
-    h, hd, ffn = cfg.hidden_size, cfg.kv_channels, cfg.ffn_hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
-    for layer in range(cfg.num_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (cfg.num_heads * hd, h)
-        shapes[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * hd, h)
-        shapes[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * hd, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * hd)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "block_sparse_moe.gate.weight"] = (cfg.num_experts, h)
-        for x in range(cfg.num_experts):
-            shapes[p + f"block_sparse_moe.experts.{x}.w1.weight"] = (ffn, h)
-            shapes[p + f"block_sparse_moe.experts.{x}.w3.weight"] = (ffn, h)
-            shapes[p + f"block_sparse_moe.experts.{x}.w2.weight"] = (h, ffn)
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
+    return {name: shape for name, (shape, _) in canonical_atoms(ucp_config(cfg)).items()}
 
 
 def initial_atom(cfg: ModelConfig, seed: int, name: str) -> torch.Tensor:
@@ -56,7 +63,7 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 
 
-def local_tensor(stage: MixtralStage, local_name: str, atom: AtomSource, tp_rank: int) -> torch.Tensor:
+def local_tensor(stage: DecoderStage, local_name: str, atom: AtomSource, tp_rank: int) -> torch.Tensor:
     """The value of one local parameter, cut from the canonical atoms it is made of."""
     cfg, spec = stage.cfg, stage.spec
     tp = spec.tp_size
@@ -81,6 +88,10 @@ def local_tensor(stage: MixtralStage, local_name: str, atom: AtomSource, tp_rank
         return shard_qkv(q, k, v, cfg.num_heads, cfg.num_kv_heads, tp_rank, tp)
     if rest == "self_attention.linear_proj.weight":
         return split_dim(atom(p + "self_attn.o_proj.weight"), 1, tp_rank, tp)
+    if rest == "mlp.linear_fc1.weight":  # the dense MLP
+        return shard_gate_up(atom(p + "mlp.gate_proj.weight"), atom(p + "mlp.up_proj.weight"), tp_rank, tp)
+    if rest == "mlp.linear_fc2.weight":
+        return split_dim(atom(p + "mlp.down_proj.weight"), 1, tp_rank, tp)
     if rest == "mlp.router.weight":
         return atom(p + "block_sparse_moe.gate.weight")
     expert = _EXPERT.fullmatch(rest)
@@ -93,7 +104,7 @@ def local_tensor(stage: MixtralStage, local_name: str, atom: AtomSource, tp_rank
 
 
 @torch.no_grad()
-def load_canonical(stage: MixtralStage, atom: AtomSource, tp_rank: int) -> None:
+def load_canonical(stage: DecoderStage, atom: AtomSource, tp_rank: int) -> None:
     """Fill every local parameter of `stage` from canonical atoms."""
     for name, param in stage.named_parameters():
         value = local_tensor(stage, name, atom, tp_rank)
@@ -102,5 +113,5 @@ def load_canonical(stage: MixtralStage, atom: AtomSource, tp_rank: int) -> None:
         param.copy_(value)
 
 
-def init_from_seed(stage: MixtralStage, seed: int, tp_rank: int) -> None:
+def init_from_seed(stage: DecoderStage, seed: int, tp_rank: int) -> None:
     load_canonical(stage, lambda name: initial_atom(stage.cfg, seed, name), tp_rank)
