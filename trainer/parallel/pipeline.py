@@ -82,7 +82,10 @@ class P2P:
 
 
 def _backward(x: torch.Tensor | None, out: StageOutput, dy: torch.Tensor | None) -> torch.Tensor | None:
-    tensors, grads = [out.objective], [torch.ones_like(out.objective)]
+    tensors: list[torch.Tensor] = []
+    grads: list[torch.Tensor | None] = []
+    if out.objective.requires_grad:  # (a constant on a dense model's inner stage: no router, no loss there)
+        tensors, grads = [out.objective], [torch.ones_like(out.objective)]
     if out.activation is not None:
         tensors.append(out.activation)
         grads.append(dy)
