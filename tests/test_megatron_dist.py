@@ -5,7 +5,6 @@ reader is the oracle of the files ucp writes."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import pickle
 import random
@@ -64,8 +63,7 @@ def torch_dist(tmp_path):
 def test_universal_to_torch_dist_and_back_is_bitwise_and_dcp_reads_megatrons_global_tensors(tmp_path, family):
     cfg = configs()[family]
     rng = random.Random()
-    saved_in = rng.choice(["tp1", "tp2", "tp2pp2"])
-    src, atoms = universal(tmp_path, cfg, saved_in, seed=rng.randrange(1000))
+    src, atoms = universal(tmp_path, cfg, rng.choice(["tp1", "tp2", "tp2pp2"]), seed=rng.randrange(1000))
     report = convert(str(src), str(tmp_path / "td"), from_layout="universal", to_layout="torch_dist")
     assert report.files == 1 and report.dropped == ()
     it = tmp_path / "td" / ITER
@@ -83,9 +81,7 @@ def test_universal_to_torch_dist_and_back_is_bitwise_and_dcp_reads_megatrons_glo
         if isinstance(e, TensorStorageMetadata)
     }
     dcp.load(full, checkpoint_id=str(it), no_dist=True)
-    # (a tp1 rank file padded as the saving job's TP pads the vocabulary: the default of --for-tp)
-    padded = padded_for(cfg, parse_megatron_layout(saved_in).tp)
-    tp1 = shard({"model": atoms}, padded, parse_megatron_layout("tp1"), 0, ())["model"]
+    tp1 = shard({"model": atoms}, cfg, parse_megatron_layout("tp1"), 0, ())["model"]
     for name, t in tp1.items():
         where = dist_name(name)
         for key in where.keys:
@@ -104,39 +100,6 @@ def test_universal_to_torch_dist_and_back_is_bitwise_and_dcp_reads_megatrons_glo
         for chunk, tensors in shard({"model": atoms}, cfg, parsed, rank, ()).items():
             for n, t in tensors.items():
                 assert torch.equal(data[chunk][n], t), (layout, name, n)
-
-
-def padded_for(cfg, tp: int):
-    """`cfg` with the divisor that pads the vocabulary at tp1 as Megatron pads it at `tp`."""
-    return dataclasses.replace(cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp)
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_torch_dist_pads_the_vocabulary_for_the_tp_that_will_load_it(tmp_path, capsys):
-    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * TP and loads a torch_dist
-    tensor only into the same global shape: --for-tp T writes the rows a TP-T job expects."""
-    cfg = configs()["llama-qkv-bias-qk-norm"]  # vocab 100, divisible by 8: 104 rows at TP 1, 112 at 2, 128 at 4
-    src, atoms = universal(tmp_path, cfg, "tp1")
-    for tp in random.sample([1, 2, 4, 8], 2):
-        dst = tmp_path / f"td{tp}"
-        assert ucp_cli.main(["convert", str(src), str(dst), "--from", "universal", "--to", "torch_dist",
-                             "--for-tp", str(tp), "--no-progress"]) == 0  # fmt: skip
-        rows = -(-100 // (8 * tp)) * 8 * tp
-        import torch.distributed.checkpoint as dcp
-
-        metadata = dcp.FileSystemReader(str(dst / ITER)).read_metadata()
-        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            assert tuple(metadata.state_dict_metadata[key].size) == (rows, cfg.hidden_size), (tp, key)
-        args = torch.load(dst / ITER / "common.pt", weights_only=False)["args"]
-        assert (args.padded_vocab_size, args.make_vocab_size_divisible_by) == (rows, 8)
-        convert(str(dst), str(tmp_path / f"back{tp}"), from_layout="torch_dist", to_layout="universal")
-        got = ucp.load(str(tmp_path / f"back{tp}"))["model"]
-        assert all(torch.equal(got[n], atoms[n]) for n in atoms)
-    for bad in (["--to", "torch_dist", "--for-tp", "0"], ["--to", "tp2", "--for-tp", "2"]):
-        assert ucp_cli.main(["convert", str(src), str(tmp_path / "bad"), "--from", "universal", *bad]) != 0
-        err = capsys.readouterr().err.strip()
-        assert "--for-tp" in err and len(err.splitlines()) == 1
-        assert not (tmp_path / "bad").exists()
 
 
 def _edit_metadata(it: Path, edit) -> None:

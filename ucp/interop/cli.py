@@ -72,7 +72,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
         step=args.step,
         iteration=args.iteration,
         vocab_size=args.vocab_size,
-        for_tp=args.for_tp,
         **_streaming_kwargs(args),
     )
     print(
@@ -169,14 +168,6 @@ def register(subparsers: Any) -> None:
         type=int,
         default=None,
         help="true vocabulary size, when the Megatron args only know the padded one",
-    )
-    p.add_argument(
-        "--for-tp",
-        type=int,
-        default=None,
-        metavar="T",
-        help="with --to torch_dist: pad the vocabulary for a job of tensor-parallel size T, as Megatron-LM does (its "
-        "loader wants the same padded shape; default: the source's TP)",
     )
     p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
     p.add_argument("--step", type=int, default=None, help="ucp step to write or read (default: the iteration / latest)")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import dataclasses
 import enum
 import functools
 import io
@@ -50,7 +49,7 @@ from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_
 from ucp.interop.staging import staged_dir
 from ucp.interop.streaming import group_limit, save_atoms
 from ucp.interop.torch_file import Deferred, TorchFile
-from ucp.layout import Layout, parse_layout
+from ucp.layout import Layout
 from ucp.reshard import LocalTensor, Piece, local_plan, local_tensor, owned_pieces, piece_view, put_local
 from ucp.sharded_load import piece_reads
 from ucp.sharded_model import AtomKey, ShardedModel, atom_path, check_atom, model_config_of
@@ -885,23 +884,16 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
     vocab_size: int | None = None,
-    for_tp: int | None = None,
 ) -> ConvertReport:
     """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
     or from (`from_layout="universal"`) a ucp checkpoint; "torch_dist" on either side is Megatron's
     dist_checkpointing format (ucp.interop.megatron_dist), which needs no layout. Carried: model weights, the
     non-distributed optimizer's state (torch format only), opt_param_scheduler and the iteration; rng_state only
-    into the source's own layout. What is not carried is listed in `dropped`.
-
-    `for_tp` (torch_dist targets only): the tensor-parallel size of the job that will load it. Megatron pads the
-    vocabulary to a multiple of make_vocab_size_divisible_by * TP and its loader wants that very global shape, so a
-    torch_dist checkpoint loads only at TPs that pad alike. Default: the source's TP (1 when it has no layout)."""
+    into the source's own layout. What is not carried is listed in `dropped`."""
     if from_layout == to_layout and from_layout in (UNIVERSAL, TORCH_DIST):
         raise UcpError(f"--from {from_layout} --to {to_layout}: nothing to convert (it loads in any layout as it is)")
-    if for_tp is not None and (to_layout != TORCH_DIST or for_tp < 1):
-        raise UcpError(f"--for-tp {for_tp}: a positive TP, and only with --to {TORCH_DIST} (the vocabulary's padding)")
     if from_layout == UNIVERSAL:
-        return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress, for_tp)
+        return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress)
     if from_layout == TORCH_DIST:
         source = open_torch_dist(src, iteration=iteration, vocab_size=vocab_size)
     else:
@@ -910,7 +902,7 @@ def convert(
         return _to_universal(
             source, dst, source.iteration if step is None else step, storage_options, memory_budget, workers, progress
         )
-    return _reshard(source, dst, to_layout, memory_budget, workers, progress, for_tp or source.layout.tp)
+    return _reshard(source, dst, to_layout, memory_budget, workers, progress)
 
 
 def _target_layout(to_layout: str) -> tuple[Layout, str]:
@@ -921,16 +913,8 @@ def _target_layout(to_layout: str) -> tuple[Layout, str]:
     return parse_megatron_layout(to_layout), "torch"
 
 
-def _padded_for(config: Any, fmt: str, for_tp: int) -> Any:
-    """The config a target is cut by: a torch_dist one (written as tp1) pads its vocabulary as a job of TP `for_tp`
-    does, ceil(vocab / (d * T)) * (d * T): the same as tp1 with a divisor d * T."""
-    if fmt != TORCH_DIST or for_tp == 1:
-        return config
-    return dataclasses.replace(config, make_vocab_size_divisible_by=config.make_vocab_size_divisible_by * for_tp)
-
-
 def _reshard(
-    source: MegatronSource, dst: str, to_layout: str, memory_budget: int, workers: int, progress: bool, for_tp: int
+    source: MegatronSource, dst: str, to_layout: str, memory_budget: int, workers: int, progress: bool
 ) -> ConvertReport:
     """Megatron -> Megatron: each target tensor (parameter or optimizer state) filled from the source regions."""
     layout, fmt = _target_layout(to_layout)
@@ -941,14 +925,10 @@ def _reshard(
     has_rng = all("rng_state" in f for f in source.files.values())
     same = megatron_name(layout) == megatron_name(source.layout) and fmt == "torch"
     rng = {name: source.files[r]["rng_state"] for name, r in rank_files(layout).items()} if has_rng and same else None
-    config = _padded_for(source.config, fmt, for_tp)
-    args = args_for(config, layout, base=source.args)
+    args = args_for(source.config, layout, base=source.args)
     args.ckpt_format = fmt
-    args.make_vocab_size_divisible_by = (
-        source.config.make_vocab_size_divisible_by
-    )  # (the job's own: it pads for its TP)
     optimizer = source.optimizer if fmt == "torch" else None  # (torch_dist: the distributed optimizer's, not written)
-    target = _TargetFiles(config, layout, args, source.iteration, optimizer, source.scheduler, rng, fmt)
+    target = _TargetFiles(source.config, layout, args, source.iteration, optimizer, source.scheduler, rng, fmt)
     files, written = _write_megatron(
         dst,
         target,
@@ -974,7 +954,6 @@ def _from_universal(
     memory_budget: int,
     workers: int,
     progress: bool,
-    for_tp: int | None = None,
 ) -> ConvertReport:
     """ucp -> Megatron: each target rank's local state read straight from the atoms. The optimizer entry is
     written when the checkpoint came from Megatron with one (its `megatron_optimizer` says how to build it);
@@ -990,11 +969,8 @@ def _from_universal(
     extra = _extra(reader)
     hf = extra.get("hf_config")
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
-    divisible_by = config.make_vocab_size_divisible_by
-    config = _padded_for(config, fmt, for_tp or _saved_tp(reader))
     args = args_for(config, layout, hf=hf if isinstance(hf, dict) else None)
     args.ckpt_format = fmt
-    args.make_vocab_size_divisible_by = divisible_by  # (the job's own: it pads for its TP)
     target = _TargetFiles(
         config,
         layout,
@@ -1049,14 +1025,6 @@ def _read_local(
     for read in piece_reads(reader, lt, [atom_meta[(p.atom, lt.state)] for p in lt.pieces], out):
         read()
     return out
-
-
-def _saved_tp(reader: CheckpointReader) -> int:
-    """The TP of the layout that saved a ucp step (1 when it records none)."""
-    try:
-        return parse_layout(reader.manifest.layout).tp if reader.manifest.layout else 1
-    except UcpError:
-        return 1
 
 
 def _open_universal(src: str, step: int | None, storage_options: dict[str, Any] | None) -> CheckpointReader:
