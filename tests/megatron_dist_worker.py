@@ -17,8 +17,8 @@ resave: Megatron's own way from a torch_dist checkpoint to torch-format files of
 
 UCP_MEGATRON_SHAPE="hidden,ffn,layers,experts,heads,kv" sizes the model (default: the tiny test model).
 The vocabulary (100) is padded as Megatron-LM pads it, to a multiple of make_vocab_size_divisible_by * TP: 128 rows
-at TP 1 and 2 alike with 64, so that torch_dist checkpoints of one TP load at the other (Megatron's own loader
-requires the same global shape).
+at TP 1 and 2 alike with 64 (the default); UCP_MEGATRON_DIVISIBLE_BY sets another divisor (8: 104 rows at TP 1, 112
+at TP 2: megatron-core loads the embedding and output layer of another padding, `allow_shape_mismatch`).
 """
 
 from __future__ import annotations
@@ -40,17 +40,22 @@ from tests.megatron_worker import (  # (sized by UCP_MEGATRON_SHAPE when set)
 )
 from tests.megatron_worker import build_model as test_model
 
-DIVISIBLE_BY, PADDED = 64, 128  # (the padding at TP 1 and 2)
+DIVISIBLE_BY = int(os.environ.get("UCP_MEGATRON_DIVISIBLE_BY", "64"))
+
+
+def padded(tp: int) -> int:
+    """The vocabulary rows at `tp`, as Megatron-LM pads them."""
+    return -(-V // (DIVISIBLE_BY * tp)) * DIVISIBLE_BY * tp
 
 
 def build_model(tp: int, pp: int) -> torch.nn.Module:
-    return test_model(tp=tp, pp=pp, vocab_size=PADDED)
+    return test_model(tp=tp, pp=pp, vocab_size=padded(tp))
 
 
 def args_for(tp: int, pp: int) -> argparse.Namespace:
     args = megatron_args()
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    args.padded_vocab_size, args.make_vocab_size_divisible_by = PADDED, DIVISIBLE_BY
+    args.padded_vocab_size, args.make_vocab_size_divisible_by = padded(tp), DIVISIBLE_BY
     args.ckpt_format = "torch_dist"
     return args
 

@@ -214,3 +214,27 @@ def test_megatron_loads_what_ucp_converts_from_its_torch_dist_bitwise_as_its_own
             bad = [n for n in own if not torch.equal(own[n], got[n])]
             assert not bad, f"A={a} B={b} rank {rank}: {name} differs from Megatron's own load in {bad[:4]}"
     assert len(canonical_atoms(tiny_config())) == report.atoms
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_megatron_at_tp2_loads_a_torch_dist_whose_vocabulary_is_padded_as_at_tp1(tmp_path):
+    """With make_vocab_size_divisible_by 8 a vocabulary of 100 is 112 rows at TP 2 and 104 at TP 1, as ucp writes
+    torch_dist. Megatron saves torch_dist at TP 2; converted to ucp and back, its TP-2 load of ucp's file (104 rows:
+    megatron-core marks the embedding and output layer allow_shape_mismatch, the missing rows load as zeros) gets
+    every parameter bitwise as its own load of its own file."""
+    env = {"PYTHONWARNINGS": "ignore", "UCP_MEGATRON_DIVISIBLE_BY": "8"}
+    src = tmp_path / "src"
+    spawn(["tests/megatron_dist_worker.py", "save", "2", "1", str(src)], 2, timeout=300, env=env)
+    convert(str(src), str(tmp_path / "u"), from_layout="torch_dist", to_layout="universal")
+    convert(str(tmp_path / "u"), str(tmp_path / "back"), from_layout="universal", to_layout="torch_dist")
+    import torch.distributed.checkpoint as dcp
+
+    for ckpt, rows in ((src, 112), (tmp_path / "back", 104)):
+        metadata = dcp.FileSystemReader(str(ckpt / "iter_0000010")).read_metadata()
+        assert metadata.state_dict_metadata["embedding.word_embeddings.weight"].size[0] == rows
+    out = tmp_path / "params"
+    spawn(["tests/megatron_dist_worker.py", "load", "2", "1", str(out), str(src), str(tmp_path / "back")], 2, 300, env)
+    for rank in range(2):
+        own, ours = torch.load(f"{out}.{rank}")
+        assert sorted(ours) == sorted(own) and all(torch.equal(own[n], ours[n]) for n in own), rank
