@@ -118,3 +118,34 @@ def assert_reshards(config: Any, url: str, source: str, targets: list[str], seed
         for n in atoms:
             assert torch.equal(back["model"][n], full["model"][n]), (name, n)
             assert all(torch.equal(back["optimizer"]["state"][n][s], full["optimizer"]["state"][n][s]) for s in states)
+
+
+def random_hf_model(arch: str, **config: Any) -> torch.nn.Module:
+    """transformers' `arch` (e.g. "LlamaForCausalLM") of `config`, eager attention, with random weights: norms near
+    1 and every other weight N(0, 0.05), so that every weight matters."""
+    import pytest
+
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install transformers)"
+    )
+    cls = getattr(transformers, arch)
+    model = cls(cls.config_class(**config, max_position_embeddings=256, attn_implementation="eager"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def assert_same_logits(stage: torch.nn.Module, hf: torch.nn.Module, vocab_size: int, seed: int = 1) -> torch.Tensor:
+    """The reference trainer's stage (one stage: the whole model) computes transformers' logits on random tokens
+    (<= 1e-5 of the largest, relative); returns the stage's load-balancing loss."""
+    tokens = torch.randint(vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        logits, aux = stage(tokens)
+    logits = logits[..., :vocab_size]
+    assert logits.shape == expected.shape
+    error = (logits - expected).abs().max() / expected.abs().max()
+    assert error <= 1e-5, f"relative error {error:.3g}"
+    return aux

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import load_config
+from trainer.config import ModelConfig, load_config
 from trainer.data import SyntheticTokens
 from trainer.launch import trainer_argv
 from trainer.model import DecoderStage, StageSpec
@@ -25,6 +25,7 @@ from trainer.parallel.tensor import padded_vocab_size, shard_gate_up, shard_qkv,
 from trainer.weights import canonical_shapes, init_from_seed, initial_atom, load_canonical, ucp_config
 from ucp.errors import LayoutError
 
+from .helpers import assert_same_logits, random_hf_model
 from .launch import free_port, spawn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,32 +127,29 @@ def _hf_atoms(hf_model, cfg) -> dict[str, torch.Tensor]:
     return atoms
 
 
+def hf_fields(cfg: ModelConfig) -> dict:
+    """The transformers config fields that the trainer's model config sets, whatever the family."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+    }
+
+
 def _hf_model(cfg):
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (pip install transformers)"
-    )
-    hf_cfg = transformers.MixtralConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
+    return random_hf_model(
+        "MixtralForCausalLM",
+        **hf_fields(cfg),
         num_local_experts=cfg.num_experts,
         num_experts_per_tok=cfg.top_k,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
-        max_position_embeddings=256,
-        attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(hf_cfg).eval()
-    with torch.no_grad():  # random norms too, so that every weight matters
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-    return model
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -160,14 +158,7 @@ def test_logits_match_transformers_mixtral(tied):
     hf = _hf_model(cfg)
     stage = DecoderStage(cfg, StageSpec(layers=list(range(cfg.num_layers)), first=True, last=True))
     load_canonical(stage, _hf_atoms(hf, cfg).__getitem__, tp_rank=0)
-    tokens = torch.randint(cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(tokens).logits
-        logits, _ = stage(tokens)
-    logits = logits[..., : cfg.vocab_size]
-    assert logits.shape == expected.shape
-    error = (logits - expected).abs().max() / expected.abs().max()
-    assert error <= 1e-5, f"relative error {error:.3g}"
+    assert_same_logits(stage, hf, cfg.vocab_size)
 
 
 def test_load_balancing_loss_matches_transformers_for_one_layer():
@@ -243,8 +234,17 @@ def test_rank_coordinates_and_process_groups_equal_ucp_layout(layout):
     ],
 )
 def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout, tied, stage_layers):
-    ucp_layout, reshard, _ = _ucp()
+    _ucp()
     cfg = load_config(TINY, [f"model.tie_word_embeddings={str(tied).lower()}"]).model
+    assert_initial_params_equal_ucp_shard(cfg, layout, stage_layers)
+
+
+def assert_initial_params_equal_ucp_shard(cfg: ModelConfig, layout: str, stage_layers: list[int] | None) -> None:
+    """Every rank's initial local parameters of `layout` equal ucp's reshaper's shard of the initial atoms: the same
+    names, order and values (the trainer and ucp implement docs/LOCAL_STATE.md independently)."""
+    from ucp.layout import parse_layout as ucp_parse_layout
+    from ucp.reshard import shard
+
     atoms = {name: initial_atom(cfg, 5, name) for name in canonical_shapes(cfg)}
     parsed = parse_layout(layout)
     for rank in range(parsed.world_size):
@@ -260,7 +260,7 @@ def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout, tied,
         stage = DecoderStage(cfg, spec)
         init_from_seed(stage, 5, c.tp)
         mine = dict(stage.named_parameters())
-        theirs = reshard.shard({"model": atoms}, ucp_config(cfg, stage_layers), ucp_layout.parse_layout(layout), rank)
+        theirs = shard({"model": atoms}, ucp_config(cfg, stage_layers), ucp_parse_layout(layout), rank)
         assert list(theirs) == ["model"]
         assert list(theirs["model"]) == list(mine), f"rank {rank}: local names or order differ"
         for name, value in mine.items():

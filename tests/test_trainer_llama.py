@@ -13,21 +13,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from trainer.config import load_config
 from trainer.launch import trainer_argv
 from trainer.model import DecoderStage, DenseMLP, StageSpec
-from trainer.parallel.mesh import coords_of, parse_layout
-from trainer.parallel.pipeline import split_layers
-from trainer.weights import canonical_shapes, init_from_seed, initial_atom, load_canonical, ucp_config
+from trainer.parallel.mesh import parse_layout
+from trainer.weights import canonical_shapes, load_canonical, ucp_config
 from ucp import commit
 from ucp.families.llama import LlamaConfig
-from ucp.layout import parse_layout as ucp_layout
-from ucp.reshard import shard
 from ucp.storage import open_storage
 
+from .helpers import assert_same_logits, random_hf_model
 from .launch import free_port, spawn
+from .test_trainer import assert_initial_params_equal_ucp_shard, hf_fields
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "trainer" / "configs" / "tiny-llama.yaml"
@@ -53,69 +51,24 @@ def assert_close(got: list[float], want: list[float], rel: float = 1e-5) -> None
         assert abs(a - b) <= rel * abs(b), f"loss {step}: {a!r} vs {b!r}"
 
 
-def _hf_llama(cfg, tied: bool):
-    transformers = pytest.importorskip("transformers")
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=tied,
-        max_position_embeddings=256,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(hf_cfg).eval()
-    with torch.no_grad():  # random norms too, so that every weight matters
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-    return model
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_match_transformers_llama(tied):
     cfg = load_config(TINY, [f"model.tie_word_embeddings={str(tied).lower()}"]).model
-    hf = _hf_llama(cfg, tied)
+    hf = random_hf_model("LlamaForCausalLM", **hf_fields(cfg))
     state = {k: v.detach() for k, v in hf.state_dict().items()}  # Llama's HF names are the atoms' names
     assert set(canonical_shapes(cfg)) <= set(state)
     stage = DecoderStage(cfg, StageSpec(layers=list(range(cfg.num_layers)), first=True, last=True))
     assert all(isinstance(layer.mlp, DenseMLP) for layer in stage.decoder.layers)
     load_canonical(stage, state.__getitem__, tp_rank=0)
-    tokens = torch.randint(cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(tokens).logits
-        logits, aux = stage(tokens)
+    aux = assert_same_logits(stage, hf, cfg.vocab_size)
     assert aux.item() == 0.0  # no router, no load-balancing loss
-    logits = logits[..., : cfg.vocab_size]
-    error = (logits - expected).abs().max() / expected.abs().max()
-    assert error <= 1e-5, f"relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("layout", random.sample(["tp1pp1", "tp2pp2", "tp1pp2dp2zero1", "tp2pp1dp2"], 2))
 def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout):
     cfg = load_config(TINY).model
     assert isinstance(ucp_config(cfg), LlamaConfig)
-    atoms = {name: initial_atom(cfg, 5, name) for name in canonical_shapes(cfg)}
-    parsed = parse_layout(layout)
-    for rank in range(parsed.world_size):
-        c = coords_of(rank, parsed)
-        spec = StageSpec(
-            layers=split_layers(cfg.num_layers, parsed.pp, None)[c.pp],
-            first=c.pp == 0,
-            last=c.pp == parsed.pp - 1,
-            tp_size=parsed.tp,
-        )
-        stage = DecoderStage(cfg, spec)
-        init_from_seed(stage, 5, c.tp)
-        mine = dict(stage.named_parameters())
-        theirs = shard({"model": atoms}, ucp_config(cfg), ucp_layout(layout), rank)["model"]
-        assert list(theirs) == list(mine), f"rank {rank}: local names or order differ"
-        for name, value in mine.items():
-            assert torch.equal(value, theirs[name]), f"rank {rank}: {name} differs"
+    assert_initial_params_equal_ucp_shard(cfg, layout, None)
 
 
 @pytest.mark.slow
