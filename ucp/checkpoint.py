@@ -43,7 +43,7 @@ DEFAULT_IO_THREADS = 16  # requests in flight on local files (object stores: Sto
 @dataclass(frozen=True)
 class SaveOptions:
     chunking: ChunkingPolicy = field(default_factory=ChunkingPolicy)
-    io_threads: int | None = None  # requests in flight; None: the storage's default (16 local, 64 object stores)
+    io_threads: int | None = None  # requests in flight; None: the storage's default (16 local, 2/core tmpfs, 64 S3)
     fsync: bool = True  # local files: fsync every object and new directory before the commit
 
 
