@@ -35,7 +35,7 @@ from .format import (
 from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .session import SaveSession
 from .storage import Storage, open_storage
-from .workpool import run_tasks
+from .workpool import run_sized
 
 DEFAULT_IO_THREADS = 16  # requests in flight on local files (object stores: Storage.default_io_threads)
 
@@ -263,10 +263,12 @@ class CheckpointReader:
         metas = [self.atoms[p] for p in paths]
         out = {m.path: allocate(m) for m in metas}
         tasks = [
-            functools.partial(self.read_chunk_into, m, i, out[m.path]) for m in metas for i in chunk_indices(m.grid)
+            (functools.partial(self.read_chunk_into, m, i, out[m.path]), m.object_bytes)
+            for m in metas
+            for i in chunk_indices(m.grid)
         ]
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            run_tasks(pool, tasks)
+            run_sized(pool, tasks)
         return out
 
     def load_state(self) -> dict[str, Any]:

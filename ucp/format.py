@@ -284,6 +284,11 @@ class AtomMeta:
         """The region [start, stop) per dimension of the array that chunk `index` holds (clipped at the edge)."""
         return tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(index, self.chunk_shape, self.shape))
 
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of data in one stored object (a whole chunk, padding included; a shard's head not counted)."""
+        return math.prod(self.chunk_shape) * self.itemsize
+
     def stored_chunk_bytes(self) -> int:
         """Bytes of data in one stored (unsharded or inner) chunk, padding included."""
         shape = self.inner_chunk_shape or self.chunk_shape

@@ -44,7 +44,7 @@ from .format import ZARR_JSON, AtomMeta, StepManifest, dumps, group_json
 from .session import SaveSession
 from .staging import Arena, Slot, StagingPool, close_arena, host_arena, shared_arena
 from .storage import Storage
-from .workpool import chain, wait_all
+from .workpool import SizedPool, chain, wait_all
 from .writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
 from .writer_process import ChunkRef, WriterProcess
 
@@ -182,12 +182,15 @@ class Writes(Protocol):
 class _ThreadWrites:
     """One save's writes by writer threads of this process."""
 
-    def __init__(self, pool: cf.ThreadPoolExecutor, staging: StagingPool, plan: SavePlan):
+    def __init__(self, pool: SizedPool, staging: StagingPool, plan: SavePlan):
         self.pool, self.staging, self.plan = pool, staging, plan
 
     def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
         calls = [functools.partial(self.plan.storage.write, key, [data]) for key, data in documents]
-        return [self.pool.submit(chain(calls[i : i + _BATCH_CALLS])) for i in range(0, len(calls), _BATCH_CALLS)]
+        return [
+            self.pool.submit(chain(calls[i : i + _BATCH_CALLS]), 0)  # (documents are small objects)
+            for i in range(0, len(calls), _BATCH_CALLS)
+        ]
 
     def write_chunks(self, staged: Sequence[_Staged]) -> list[cf.Future]:
         """Queue the writes; from here on the staged chunks are theirs: each slot is released once its write
@@ -196,7 +199,8 @@ class _ThreadWrites:
         batches = _batches(staged)
         for i, batch in enumerate(batches):
             try:
-                future = self.pool.submit(chain([functools.partial(self._write, s) for s in batch]))
+                calls = chain([functools.partial(self._write, s) for s in batch])
+                future = self.pool.submit(calls, sum(s.nbytes for s in batch) // len(batch))
             except BaseException:
                 _release_all(self.staging, batches[i:])
                 raise
@@ -311,7 +315,7 @@ class SavePipeline:
             raise UcpError("a writer process needs Linux (memfd shared memory); use writer='threads'")
         self.io_threads = io_threads
         self.writer = writer
-        self.threads = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="ucp-write")
+        self.threads = SizedPool(io_threads, "ucp-write")
         self.background = cf.ThreadPoolExecutor(1, thread_name_prefix="ucp-save")
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         if writer == "process":

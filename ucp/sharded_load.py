@@ -20,7 +20,7 @@ from .families import canonical_atoms
 from .format import AtomMeta
 from .reshard import LocalTensor, local_plan, local_tensor, piece_view, put_local
 from .sharded_model import ShardedModel, atom_path, check_atom
-from .workpool import run_tasks
+from .workpool import run_sized
 
 
 @dataclass
@@ -54,7 +54,7 @@ def load_sharded(
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
     shapes = canonical_atoms(model.config)
     local: dict[str, Any] = {}
-    jobs: list[Callable[[], None]] = []
+    jobs: list[tuple[Callable[[], None], int]] = []
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read in the stored dtype, the caller's tensor)
     bytes_needed = 0
     for lt in plan:
@@ -83,7 +83,7 @@ def load_sharded(
         jobs += piece_reads(reader, lt, metas, tensor)
     with cf.ThreadPoolExecutor(reader.io_threads) as pool:
         before = reader.storage.stats.bytes_read
-        run_tasks(pool, jobs)
+        run_sized(pool, jobs)
         read = reader.storage.stats.bytes_read - before
     for tensor, given in casts:
         given.copy_(tensor)
@@ -139,14 +139,15 @@ def _chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
 
 def piece_reads(
     reader: CheckpointReader, lt: LocalTensor, metas: Sequence[AtomMeta], tensor: torch.Tensor
-) -> list[Callable[[], None]]:
+) -> list[tuple[Callable[[], None], int]]:
     """The reads that fill `tensor` (local tensor `lt`, in the atoms' stored dtype) from the chunks its pieces
-    overlap; `metas` are the pieces' atoms. Each read is one stored object; run them in any order, at once."""
-    reads: list[Callable[[], None]] = []
+    overlap, each with the bytes of its object; `metas` are the pieces' atoms. Each read is one stored object; run
+    them in any order, at once."""
+    reads: list[tuple[Callable[[], None], int]] = []
     for p, meta in zip(lt.pieces, metas):
         view = piece_view(tensor, p)
         reads += [
-            functools.partial(_read_region, reader, meta, i, p.atom_box, view)
+            (functools.partial(_read_region, reader, meta, i, p.atom_box, view), meta.object_bytes)
             for i in _chunks_touching(meta, p.atom_box)
         ]
     return reads

@@ -54,5 +54,41 @@ def wait_all(futures: Sequence[cf.Future]) -> None:
         raise failed.exception()  # type: ignore[misc]
 
 
-def run_tasks(pool: cf.ThreadPoolExecutor, calls: Sequence[Call], per_task: int | None = None) -> None:
-    wait_all(submit_batched(pool, calls, per_task))
+# An object smaller than this is mostly Python and short system calls: threads working on such objects at once spend
+# their time handing the GIL to each other. Measured on 2 cores, 20,000 objects of 1-64 KiB on tmpfs: a load in
+# 2.1 s with one thread against 3.5-3.9 s with two or four; a save in 4.1 s against 6.2-6.3 s.
+SMALL_OBJECT_BYTES = 256 << 10
+
+
+def run_sized(pool: cf.ThreadPoolExecutor, calls: Sequence[tuple[Call, int]]) -> None:
+    """Run (call, bytes) pairs: the large ones on `pool`, the small ones (SMALL_OBJECT_BYTES) meanwhile in the
+    calling thread, one after another. The first failure cancels what has not started and is raised."""
+    futures = submit_batched(pool, [call for call, n in calls if n >= SMALL_OBJECT_BYTES])
+    try:
+        for call, n in calls:
+            if n < SMALL_OBJECT_BYTES:
+                call()
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        cf.wait(futures)  # running tasks may still use buffers the caller will free
+        raise
+    wait_all(futures)
+
+
+class SizedPool:
+    """Threads for large objects and one more for small ones, for work that runs in the background (saves): the
+    small objects' Python and short system calls then never contend with each other for the GIL (see
+    SMALL_OBJECT_BYTES), while large ones, whose copies and checksums release it, still run many at once."""
+
+    def __init__(self, threads: int, name: str):
+        self.wide = cf.ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self.narrow = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-small")
+
+    def submit(self, call: Call, object_bytes: int) -> cf.Future:
+        """Run `call`, which moves objects of `object_bytes` each (on average), in the lane for their size."""
+        return (self.narrow if object_bytes < SMALL_OBJECT_BYTES else self.wide).submit(call)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.wide.shutdown(wait=wait)
+        self.narrow.shutdown(wait=wait)
