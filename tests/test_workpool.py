@@ -1,0 +1,67 @@
+"""The work pools: small objects in one lane, large ones on the pool, the first failure cancelling the rest."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import threading
+
+import pytest
+
+from ucp.workpool import SMALL_OBJECT_BYTES, SizedPool, run_sized, wait_all
+
+
+def _recorder():
+    seen: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def call(i: int) -> None:
+        with lock:
+            seen.append((i, threading.current_thread().name))
+
+    return seen, call
+
+
+def test_run_sized_runs_small_objects_in_the_calling_thread_and_large_ones_on_the_pool():
+    rng = random.Random()
+    sizes = [rng.choice([1, SMALL_OBJECT_BYTES - 1, SMALL_OBJECT_BYTES, 64 << 20]) for _ in range(200)]
+    seen, call = _recorder()
+    with cf.ThreadPoolExecutor(4, thread_name_prefix="pool") as pool:
+        run_sized(pool, [(lambda i=i: call(i), n) for i, n in enumerate(sizes)])
+    assert sorted(i for i, _ in seen) == list(range(len(sizes)))  # each exactly once
+    for i, thread in seen:
+        small = sizes[i] < SMALL_OBJECT_BYTES
+        assert (thread == threading.current_thread().name) == small, (sizes[i], thread)
+    small_order = [i for i, thread in seen if sizes[i] < SMALL_OBJECT_BYTES]
+    assert small_order == sorted(small_order)  # one after another, in order
+
+
+@pytest.mark.parametrize("failing", ["small", "large"])
+def test_run_sized_raises_the_first_failure_and_runs_nothing_after_it_in_its_lane(failing):
+    ran: list[int] = []
+
+    def ok(i: int) -> None:
+        ran.append(i)
+
+    def boom() -> None:
+        raise OSError("disk full")
+
+    big = 64 << 20
+    calls = [(lambda i=i: ok(i), 1 if failing == "small" else big) for i in range(5)]
+    calls.insert(2, (boom, 1 if failing == "small" else big))
+    with cf.ThreadPoolExecutor(1) as pool, pytest.raises(OSError, match="disk full"):
+        run_sized(pool, calls)
+    if failing == "small":
+        assert ran == [0, 1]  # the calls after the failed one in the same lane never ran
+
+
+def test_sized_pool_puts_small_work_on_its_own_thread():
+    pool = SizedPool(3, "t")
+    seen, call = _recorder()
+    try:
+        wait_all([pool.submit(lambda i=i: call(i), n) for i, n in enumerate([10, 1 << 30, 0, SMALL_OBJECT_BYTES])])
+    finally:
+        pool.shutdown()
+    lanes = dict(seen)
+    assert lanes[0] == lanes[2] and lanes[0].startswith("t-small")
+    assert not lanes[1].startswith("t-small") and not lanes[3].startswith("t-small")
