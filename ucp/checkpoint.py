@@ -268,7 +268,7 @@ class CheckpointReader:
             for i in chunk_indices(m.grid)
         ]
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            run_sized(pool, tasks)
+            run_sized(pool, tasks, self.storage.serial_small_objects(writing=False))
         return out
 
     def load_state(self) -> dict[str, Any]:

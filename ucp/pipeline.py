@@ -184,11 +184,12 @@ class _ThreadWrites:
 
     def __init__(self, pool: SizedPool, staging: StagingPool, plan: SavePlan):
         self.pool, self.staging, self.plan = pool, staging, plan
+        self.serial_small = plan.storage.serial_small_objects(writing=True)
 
     def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
         calls = [functools.partial(self.plan.storage.write, key, [data]) for key, data in documents]
         return [
-            self.pool.submit(chain(calls[i : i + _BATCH_CALLS]), 0)  # (documents are small objects)
+            self.pool.submit(chain(calls[i : i + _BATCH_CALLS]), 0, self.serial_small)  # (documents are small)
             for i in range(0, len(calls), _BATCH_CALLS)
         ]
 
@@ -200,7 +201,7 @@ class _ThreadWrites:
         for i, batch in enumerate(batches):
             try:
                 calls = chain([functools.partial(self._write, s) for s in batch])
-                future = self.pool.submit(calls, sum(s.nbytes for s in batch) // len(batch))
+                future = self.pool.submit(calls, sum(s.nbytes for s in batch) // len(batch), self.serial_small)
             except BaseException:
                 _release_all(self.staging, batches[i:])
                 raise

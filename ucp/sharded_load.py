@@ -83,7 +83,7 @@ def load_sharded(
         jobs += piece_reads(reader, lt, metas, tensor)
     with cf.ThreadPoolExecutor(reader.io_threads) as pool:
         before = reader.storage.stats.bytes_read
-        run_sized(pool, jobs)
+        run_sized(pool, jobs, reader.storage.serial_small_objects(writing=False))
         read = reader.storage.stats.bytes_read - before
     for tensor, given in casts:
         given.copy_(tensor)

@@ -60,13 +60,15 @@ def wait_all(futures: Sequence[cf.Future]) -> None:
 SMALL_OBJECT_BYTES = 256 << 10
 
 
-def run_sized(pool: cf.ThreadPoolExecutor, calls: Sequence[tuple[Call, int]]) -> None:
+def run_sized(pool: cf.ThreadPoolExecutor, calls: Sequence[tuple[Call, int]], serial_small: bool = True) -> None:
     """Run (call, bytes) pairs: the large ones on `pool`, the small ones (SMALL_OBJECT_BYTES) meanwhile in the
-    calling thread, one after another. The first failure cancels what has not started and is raised."""
-    futures = submit_batched(pool, [call for call, n in calls if n >= SMALL_OBJECT_BYTES])
+    calling thread, one after another (unless `serial_small` is False: then every one on the pool). The first
+    failure cancels what has not started and is raised."""
+    small = SMALL_OBJECT_BYTES if serial_small else 0
+    futures = submit_batched(pool, [call for call, n in calls if n >= small])
     try:
         for call, n in calls:
-            if n < SMALL_OBJECT_BYTES:
+            if n < small:
                 call()
     except BaseException:
         for f in futures:
@@ -85,9 +87,11 @@ class SizedPool:
         self.wide = cf.ThreadPoolExecutor(threads, thread_name_prefix=name)
         self.narrow = cf.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-small")
 
-    def submit(self, call: Call, object_bytes: int) -> cf.Future:
-        """Run `call`, which moves objects of `object_bytes` each (on average), in the lane for their size."""
-        return (self.narrow if object_bytes < SMALL_OBJECT_BYTES else self.wide).submit(call)
+    def submit(self, call: Call, object_bytes: int, serial_small: bool = True) -> cf.Future:
+        """Run `call`, which moves objects of `object_bytes` each (on average), in the lane for their size (on the
+        pool, whatever their size, unless `serial_small`)."""
+        small = serial_small and object_bytes < SMALL_OBJECT_BYTES
+        return (self.narrow if small else self.wide).submit(call)
 
     def shutdown(self, wait: bool = True) -> None:
         self.wide.shutdown(wait=wait)
