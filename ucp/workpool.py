@@ -96,3 +96,12 @@ class SizedPool:
     def shutdown(self, wait: bool = True) -> None:
         self.wide.shutdown(wait=wait)
         self.narrow.shutdown(wait=wait)
+
+
+def submit_sized(pool: SizedPool, calls: Sequence[tuple[Call, int]], serial_small: bool) -> list[cf.Future]:
+    """Submit (call, bytes) pairs, batched, each in the lane of its size (every one on the wide pool unless
+    `serial_small`)."""
+    small = SMALL_OBJECT_BYTES if serial_small else 0
+    return submit_batched(pool.narrow, [c for c, n in calls if n < small]) + submit_batched(
+        pool.wide, [c for c, n in calls if n >= small]
+    )

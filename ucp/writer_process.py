@@ -48,7 +48,7 @@ from .errors import UcpError, WriterProcessError
 from .format import AtomMeta
 from .staging import Arena, map_shared_arena
 from .storage import Storage
-from .workpool import submit_batched
+from .workpool import SMALL_OBJECT_BYTES, SizedPool, submit_sized
 
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
@@ -239,7 +239,7 @@ class _Server:
 
     def __init__(self, conn: Connection, io_threads: int):
         self.conn = conn
-        self.pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="ucp-writer")
+        self.pool = SizedPool(io_threads, "ucp-writer")
         self.arenas: dict[int, Arena] = {}
         self.storages: dict[int, Storage] = {}
         # Replies go out from their own thread: the loop that reads requests must never block on a send (the
@@ -279,14 +279,17 @@ class _Server:
     def _start(self, kind: str, req: int, sid: int, payload: Any) -> None:
         storage = self.storages[sid]
         written: Written = []
-        calls: list[Callable[[], object]]
+        calls: list[tuple[Callable[[], object], int]]  # (call, bytes of its object)
         if kind == "chunks":
-            calls = [functools.partial(self._write_chunk, storage, ref, written) for ref in payload]
+            calls = [
+                (functools.partial(self._write_chunk, storage, ref, written), ref.meta.itemsize * math.prod(ref.shape))
+                for ref in payload
+            ]
         elif kind == "documents":
-            calls = [functools.partial(_write_document, storage, key, data, written) for key, data in payload]
+            calls = [(functools.partial(_write_document, storage, key, data, written), 0) for key, data in payload]
         else:
-            calls = [storage.flush]
-        self._reply_when_done(req, submit_batched(self.pool, calls), written)
+            calls = [(storage.flush, SMALL_OBJECT_BYTES)]
+        self._reply_when_done(req, submit_sized(self.pool, calls, storage.serial_small_objects(writing=True)), written)
 
     def _write_chunk(self, storage: Storage, ref: ChunkRef, written: Written) -> None:
         nbytes = ref.meta.itemsize * math.prod(ref.shape)
