@@ -120,21 +120,17 @@ class Expert(nn.Module):
         return F.linear(F.silu(gate) * up, self.linear_fc2.weight)  # partial sum over TP
 
 
-class DenseMLP(nn.Module):
-    """Llama's SwiGLU MLP: fc1 the fused [gate; up] of this TP rank (column-parallel), fc2 row-parallel. Returns
-    the block's output and a zero load-balancing loss (there is no router), as `MoE` does."""
+class DenseMLP(Expert):
+    """Llama's SwiGLU MLP: one expert's weights and math, seeing every token, with the TP copy before it and the
+    TP reduction after (an expert's are in `MoE`). Returns the block's output and a zero load-balancing loss (there
+    is no router), as `MoE` does."""
 
     def __init__(self, cfg: ModelConfig, tp: int, tp_group):
-        super().__init__()
-        if cfg.ffn_hidden_size % tp:
-            raise ValueError(f"ffn_hidden_size={cfg.ffn_hidden_size} must be divisible by tp={tp}")
+        super().__init__(cfg, tp)
         self.tp_group = tp_group
-        self.linear_fc1 = Weight(2 * cfg.ffn_hidden_size // tp, cfg.hidden_size)
-        self.linear_fc2 = Weight(cfg.hidden_size, cfg.ffn_hidden_size // tp)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = column_parallel(x, self.linear_fc1.weight, self.tp_group).chunk(2, dim=-1)
-        return row_parallel(F.silu(gate) * up, self.linear_fc2.weight, self.tp_group), x.new_zeros(())
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return reduce_from_tp(super().forward(copy_to_tp(x, self.tp_group)), self.tp_group), x.new_zeros(())
 
 
 class Experts(nn.Module):

@@ -56,6 +56,7 @@ def load_sharded(
     local: dict[str, Any] = {}
     jobs: list[tuple[Callable[[], None], int]] = []
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read in the stored dtype, the caller's tensor)
+    made: list[LocalTensor] = []  # the local tensors not from `into`
     bytes_needed = 0
     for lt in plan:
         metas = []
@@ -72,6 +73,8 @@ def load_sharded(
         stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
         covered = sum(p.numel for p in lt.pieces) == math.prod(lt.shape)
         given = _given(into, lt)
+        if given is None:
+            made.append(lt)
         if given is not None and given.dtype == stored:
             tensor = given if covered else given.zero_()  # padding: 0
         else:
@@ -88,7 +91,7 @@ def load_sharded(
     for tensor, given in casts:
         given.copy_(tensor)
     if dtype is not None:  # (the caller's own tensors keep their dtype)
-        local = _cast_params(local, [lt for lt in plan if _given(into, lt) is None], dtype)
+        local = _cast_params(local, made, dtype)
     return local, LoadReport(bytes_needed, read)
 
 

@@ -60,15 +60,20 @@ def wait_all(futures: Sequence[cf.Future]) -> None:
 SMALL_OBJECT_BYTES = 256 << 10
 
 
+def in_small_lane(object_bytes: int, serial_small: bool) -> bool:
+    """Whether work on objects of `object_bytes` goes to the one lane for small objects (only where the storage
+    says small objects go faster one at a time: Storage.serial_small_objects)."""
+    return serial_small and object_bytes < SMALL_OBJECT_BYTES
+
+
 def run_sized(pool: cf.ThreadPoolExecutor, calls: Sequence[tuple[Call, int]], serial_small: bool = True) -> None:
     """Run (call, bytes) pairs: the large ones on `pool`, the small ones (SMALL_OBJECT_BYTES) meanwhile in the
     calling thread, one after another (unless `serial_small` is False: then every one on the pool). The first
     failure cancels what has not started and is raised."""
-    small = SMALL_OBJECT_BYTES if serial_small else 0
-    futures = submit_batched(pool, [call for call, n in calls if n >= small])
+    futures = submit_batched(pool, [call for call, n in calls if not in_small_lane(n, serial_small)])
     try:
         for call, n in calls:
-            if n < small:
+            if in_small_lane(n, serial_small):
                 call()
     except BaseException:
         for f in futures:
@@ -90,8 +95,7 @@ class SizedPool:
     def submit(self, call: Call, object_bytes: int, serial_small: bool = True) -> cf.Future:
         """Run `call`, which moves objects of `object_bytes` each (on average), in the lane for their size (on the
         pool, whatever their size, unless `serial_small`)."""
-        small = serial_small and object_bytes < SMALL_OBJECT_BYTES
-        return (self.narrow if small else self.wide).submit(call)
+        return (self.narrow if in_small_lane(object_bytes, serial_small) else self.wide).submit(call)
 
     def shutdown(self, wait: bool = True) -> None:
         self.wide.shutdown(wait=wait)
@@ -101,7 +105,7 @@ class SizedPool:
 def submit_sized(pool: SizedPool, calls: Sequence[tuple[Call, int]], serial_small: bool) -> list[cf.Future]:
     """Submit (call, bytes) pairs, batched, each in the lane of its size (every one on the wide pool unless
     `serial_small`)."""
-    small = SMALL_OBJECT_BYTES if serial_small else 0
-    return submit_batched(pool.narrow, [c for c, n in calls if n < small]) + submit_batched(
-        pool.wide, [c for c, n in calls if n >= small]
+    small = [in_small_lane(n, serial_small) for _, n in calls]
+    return submit_batched(pool.narrow, [c for (c, _), s in zip(calls, small) if s]) + submit_batched(
+        pool.wide, [c for (c, _), s in zip(calls, small) if not s]
     )

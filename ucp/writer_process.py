@@ -65,6 +65,10 @@ class ChunkRef:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
+    @property
+    def nbytes(self) -> int:
+        return self.meta.itemsize * math.prod(self.shape)
+
 
 Written = list[tuple[str, int, "int | None"]]  # (key, bytes, checksum of a chunk object) of each object a request wrote
 _WATCH_S = 0.1  # how often the child checks that its parent lives
@@ -281,10 +285,7 @@ class _Server:
         written: Written = []
         calls: list[tuple[Callable[[], object], int]]  # (call, bytes of its object)
         if kind == "chunks":
-            calls = [
-                (functools.partial(self._write_chunk, storage, ref, written), ref.meta.itemsize * math.prod(ref.shape))
-                for ref in payload
-            ]
+            calls = [(functools.partial(self._write_chunk, storage, ref, written), ref.nbytes) for ref in payload]
         elif kind == "documents":
             calls = [(functools.partial(_write_document, storage, key, data, written), 0) for key, data in payload]
         else:
@@ -292,8 +293,7 @@ class _Server:
         self._reply_when_done(req, submit_sized(self.pool, calls, storage.serial_small_objects(writing=True)), written)
 
     def _write_chunk(self, storage: Storage, ref: ChunkRef, written: Written) -> None:
-        nbytes = ref.meta.itemsize * math.prod(ref.shape)
-        values = self.arenas[ref.arena].memory[ref.offset : ref.offset + nbytes].view(ref.dtype).view(ref.shape)
+        values = self.arenas[ref.arena].memory[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).view(ref.shape)
         encoded = codec.encode(ref.meta, ref.index, values)
         _check_parent()
         storage.write(ref.key, encoded.parts)
