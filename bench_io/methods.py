@@ -96,9 +96,9 @@ class Raw(Method):
     INDEX = "index.json"
     remote = True
 
-    @staticmethod
-    def _write(path: Path, t: torch.Tensor) -> None:
-        view = _as_bytes(t.contiguous())
+    def _write(self, path: Path, t: torch.Tensor) -> list[Any]:
+        """Write one tensor's file (contiguous `t`); returns what the index keeps of it beyond name, dtype, shape."""
+        view = _as_bytes(t)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             while view.nbytes:
@@ -106,9 +106,10 @@ class Raw(Method):
             os.fsync(fd)
         finally:
             os.close(fd)
+        return []
 
-    @staticmethod
-    def _read(path: Path, out: torch.Tensor) -> None:
+    def _read(self, path: Path, out: torch.Tensor, kept: list[Any]) -> None:
+        """Read one tensor's file into `out`; `kept` is what `_write` returned for it."""
         view = _as_bytes(out)
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -132,7 +133,8 @@ class Raw(Method):
             directory.fs.pipe(blobs, batch_size=-1)
             return
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            list(pool.map(lambda p: self._write(directory / index[p][0], state.flat[p]), index))
+            kept = pool.map(lambda p: self._write(directory / index[p][0], state.flat[p].contiguous()), index)
+            index = {p: entry + more for (p, entry), more in zip(index.items(), kept)}
         (directory / self.INDEX).write_text(json.dumps(index))
         fsync_path(directory / self.INDEX)
         fsync_path(directory)
@@ -149,9 +151,9 @@ class Raw(Method):
                 for p, (f, dtype, shape) in index.items()
             }
         index = json.loads((directory / self.INDEX).read_text())
-        out = {p: torch.empty(shape, dtype=getattr(torch, dtype)) for p, (_, dtype, shape) in index.items()}
+        out = {p: torch.empty(shape, dtype=getattr(torch, dtype)) for p, (_, dtype, shape, *_) in index.items()}
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            list(pool.map(lambda p: self._read(directory / index[p][0], out[p]), index))
+            list(pool.map(lambda p: self._read(directory / index[p][0], out[p], index[p][3:]), index))
         return out
 
 
@@ -164,37 +166,14 @@ class RawCrc(Raw):
     description = "raw, plus a CRC-32C of every tensor taken on save (kept in the index) and checked on load"
     remote = False
 
-    def save(self, state: SyntheticState, directory: Any) -> None:
-        names = {p: f"{i}.bin" for i, p in enumerate(state.flat)}
+    def _write(self, path: Path, t: torch.Tensor) -> list[Any]:
+        crc = crc32c.crc32c(_as_bytes(t))
+        return [crc, *super()._write(path, t)]
 
-        def write(path: str) -> int:
-            t = state.flat[path].contiguous()
-            crc = crc32c.crc32c(_as_bytes(t))
-            self._write(directory / names[path], t)
-            return crc
-
-        with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            sums = dict(zip(names, pool.map(write, names)))
-        index = {
-            p: [names[p], str(t.dtype).removeprefix("torch."), list(t.shape), sums[p]] for p, t in state.flat.items()
-        }
-        (directory / self.INDEX).write_text(json.dumps(index))
-        fsync_path(directory / self.INDEX)
-        fsync_path(directory)
-
-    def load(self, directory: Any) -> dict[str, torch.Tensor]:
-        index = json.loads((directory / self.INDEX).read_text())
-        out = {p: torch.empty(shape, dtype=getattr(torch, dtype)) for p, (_, dtype, shape, _) in index.items()}
-
-        def read(path: str) -> None:
-            name, _, _, crc = index[path]
-            self._read(directory / name, out[path])
-            if crc32c.crc32c(_as_bytes(out[path])) != crc:
-                raise ValueError(f"{directory / name}: checksum mismatch")
-
-        with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            list(pool.map(read, index))
-        return out
+    def _read(self, path: Path, out: torch.Tensor, kept: list[Any]) -> None:
+        super()._read(path, out, kept[1:])
+        if crc32c.crc32c(_as_bytes(out)) != kept[0]:
+            raise ValueError(f"{path}: checksum mismatch")
 
 
 @register
