@@ -122,6 +122,29 @@ def test_weights_only_load_in_another_dtype(tmp_path):
         assert torch.equal(local["model"][name], t.to(torch.bfloat16)), name
 
 
+def test_an_optional_state_is_read_where_the_step_has_it_and_left_out_where_it_has_none(tmp_path):
+    """A job that restores from checkpoints with and without fp32 master weights asks for them as optional."""
+    full = full_state()
+    for name, states in full["optimizer"]["state"].items():
+        states["master"] = full["model"][name].clone()
+    saved_in, load_in = parse_layout("tp2pp1dp2zero1"), parse_layout("tp1pp2dp2zero1")
+    for states, url in ((STATES, tmp_path / "without"), ((*STATES, "master"), tmp_path / "with")):
+        VirtualWorld(saved_in.world_size).save(
+            [shard(full, CONFIG, saved_in, r, states) for r in range(saved_in.world_size)],
+            str(url),
+            step=1,
+            model=ShardedModel(CONFIG, saved_in, states),
+            options=OPTIONS,
+        )
+    asking = ShardedModel(CONFIG, load_in, STATES, optional_states=("master",))
+    for rank in range(load_in.world_size):
+        without, _ = load_sharded(ucp.open_checkpoint(str(tmp_path / "without")), asking, rank)
+        assert same(without, shard(full, CONFIG, load_in, rank, STATES)), rank
+        with_, _ = load_sharded(ucp.open_checkpoint(str(tmp_path / "with")), asking, rank)
+        assert same(with_, shard(full, CONFIG, load_in, rank, (*STATES, "master"))), rank
+        assert set(with_["optimizer"]["flat"]["dense"]) == {*STATES, "master"}
+
+
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     layout = parse_layout("tp1pp1")
     VirtualWorld(1).save(

@@ -5,7 +5,8 @@ after every step (it saves when the step is due; in "lazy" mode the next step ca
 optimizer changes the tensors being snapshotted), and `close` at the end (waits for the last commit).
 
 A checkpoint holds the canonical atoms of the model and of Adam's exp_avg/exp_avg_sq (parallelism-free, so a
-run restarts in another layout), and, as extra state, the step, the data loader's position, the optimizer's
+run restarts in another layout), with `train.precision: bf16` also the fp32 master weights (state "master"; the
+parameters are then bf16 atoms), and, as extra state, the step, the data loader's position, the optimizer's
 step counter, the LR schedule, the config and rank 0's RNG states.
 """
 
@@ -25,7 +26,7 @@ from ucp.pipeline import SaveHandle
 from ucp.training_state import rng_state, set_rng_state
 
 from .config import Config
-from .parallel.data import lr_at
+from .parallel.data import MASTER, lr_at
 from .weights import ucp_config
 
 if TYPE_CHECKING:
@@ -50,7 +51,13 @@ class Checkpointer:
     def __init__(self, cfg: Config, trainer: Trainer):
         self.cfg, self.trainer = cfg, trainer
         self.interval = cfg.checkpoint.interval
-        self.model = ShardedModel(ucp_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout, OPTIM_STATES)
+        config, layout = ucp_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout
+        saved_states = OPTIM_STATES + ((MASTER,) if trainer.optimizer.mixed else ())
+        self.model = ShardedModel(config, layout, saved_states)
+        # A restore reads master weights where the step has them, whatever this run's precision: a bf16 run's
+        # masters are the weights an fp32 run continues from, and a bf16 run makes its masters from an fp32 run's
+        # weights (Trainer.load_local_state).
+        self.restore_model = ShardedModel(config, layout, OPTIM_STATES, optional_states=(MASTER,))
         # Checkpoint traffic (fragment exchange, barriers) goes over its own gloo group, host memory on any device.
         self.group = dist.new_group(backend="gloo")
         comm = TorchComm(self.group)
@@ -73,7 +80,7 @@ class Checkpointer:
         t = self.trainer
         start = time.perf_counter()
         try:
-            local, extra, report = self.manager.restore_sharded(self.model, t.mesh.rank)
+            local, extra, report = self.manager.restore_sharded(self.restore_model, t.mesh.rank)
         except CheckpointNotFoundError:
             return None  # (every rank sees the same: the choice of step is shared)
         local["optimizer"]["step"] = extra["optimizer_step"]

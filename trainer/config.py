@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 FAMILIES = ("mixtral", "llama")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.precision: the parameters' dtype
 
 
 @dataclass
@@ -83,6 +85,9 @@ class TrainConfig:
     # One layout, or a comma-separated list: the run takes the first whose world size is the number of processes
     # it was started with (under torchrun's elastic agent, a job that shrinks or grows restarts in another one).
     layout: str = "tp1pp1"
+    # "fp32", or "bf16": bf16 parameters and activations, with fp32 master weights, Adam states, gradient
+    # accumulation, loss and gradient norm (as Megatron's --bf16 with its distributed optimizer).
+    precision: str = "fp32"
     steps: int = 10  # the step to stop at (steps are numbered from 1)
     seed: int = 1234
     # Layers per pipeline stage, e.g. [1, 3]; None splits evenly (an error when the split is uneven).
@@ -92,6 +97,14 @@ class TrainConfig:
     # Collectives that wait longer than this fail (torch's default is 30 minutes): a hung peer ends the run in
     # seconds, so an elastic agent can restart it. A dead peer (its connections reset) fails them at once.
     collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
 
 
 @dataclass

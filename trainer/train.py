@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node 4 -m trainer --config trainer/configs/tiny-moe.yaml --layout tp2pp2 --steps 10
 
-Every rank holds one pipeline stage of the model (trainer/model.py) with its TP and EP slices; a step runs the
-stage's microbatches through the 1F1B schedule (parallel/pipeline.py), then the distributed optimizer syncs
-gradients over DP, clips and updates (parallel/data.py). The logged loss is the LM loss averaged over every
+Every rank holds one pipeline stage of the model (trainer/model.py) with its TP and EP slices, in fp32 or (with
+`train.precision: bf16`) in bf16; a step runs the stage's microbatches through the 1F1B schedule
+(parallel/pipeline.py), then the distributed optimizer syncs gradients over DP, clips and updates the fp32
+weights or master weights (parallel/data.py). The logged loss is the LM loss averaged over every
 token of the global batch, identical in every layout.
 
 With `--ckpt URL` the run resumes from the latest committed step under URL (in whatever layout saved it) and
@@ -38,7 +39,7 @@ from .data import PretrainTokens, SyntheticTokens, TokenSource
 from .model import DecoderStage, StageSpec, is_expert_param
 from .parallel.data import DistributedAdamW
 from .parallel.mesh import Layout, Mesh, parse_layout
-from .parallel.pipeline import P2P, StageOutput, allreduce_tied_embedding_grads, one_f_one_b, split_layers
+from .parallel.pipeline import P2P, StageOutput, one_f_one_b, split_layers
 from .parallel.tensor import vocab_parallel_cross_entropy
 from .profile import StepProfile
 from .weights import init_from_seed
@@ -78,6 +79,7 @@ class Trainer:
         )
         self.model = DecoderStage(m, spec, mesh.tp_group, mesh.ep_group).to(device)
         init_from_seed(self.model, cfg.train.seed, c.tp)
+        self.model.to(cfg.train.dtype)  # (bf16: the optimizer keeps the fp32 masters, made from these values)
 
         self.optimizer = DistributedAdamW(
             list(self.model.named_parameters()), mesh, cfg.optim, m.tie_word_embeddings, is_expert_param
@@ -96,7 +98,7 @@ class Trainer:
         if local_batch % d.micro_batch_size:
             raise ValueError(f"per-DP-rank batch {local_batch} is not divisible by micro_batch_size")
         self.num_microbatches = local_batch // d.micro_batch_size
-        self.p2p = P2P(mesh, (d.micro_batch_size, d.seq_len, m.hidden_size), torch.float32, device)
+        self.p2p = P2P(mesh, (d.micro_batch_size, d.seq_len, m.hidden_size), cfg.train.dtype, device)
         self.profile = StepProfile()  # this rank's phases of the current step (reset by train_step)
 
     def local_state(self) -> dict:
@@ -106,9 +108,10 @@ class Trainer:
 
     @torch.no_grad()
     def load_local_state(self, state: dict) -> None:
+        """Load a local state saved in any precision (master weights, where it has them, set the parameters)."""
         for name, p in self.model.named_parameters():
             p.copy_(state["model"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"], state["model"])
 
     def train_step(self, step: int, before_update: Callable[[], None] | None = None) -> StepMetrics:
         start = time.perf_counter()
@@ -134,12 +137,10 @@ class Trainer:
             tally[0] += lm_sum.detach().double()
             return StageOutput(None, objective + lm_sum / global_tokens)
 
-        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         one_f_one_b(
             self.num_microbatches, forward_step, self.p2p, self.mesh.coords.pp, self.mesh.layout.pp, self.profile
         )
-        with self.profile.phase("optimizer"):
-            allreduce_tied_embedding_grads(self.model, self.mesh, m.tie_word_embeddings)
         if before_update is not None:
             with self.profile.phase("checkpoint"):
                 before_update()

@@ -19,7 +19,7 @@ from .errors import FormatError, StateError
 from .families import canonical_atoms
 from .format import AtomMeta
 from .reshard import LocalTensor, local_plan, local_tensor, piece_view, put_local
-from .sharded_model import ShardedModel, atom_path, check_atom
+from .sharded_model import ShardedModel, atom_path, check_atom, states_held
 from .workpool import run_sized
 
 
@@ -51,6 +51,7 @@ def load_sharded(
     fills several times faster than memory it has never touched (each new page is a fault), so a job that has
     built its model loads fastest this way. A tensor of another shape is refused; of another dtype, cast. A load
     that fails may have filled part of them."""
+    model = states_held(model, reader.atoms)
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
     shapes = canonical_atoms(model.config)
     local: dict[str, Any] = {}
@@ -117,6 +118,7 @@ def needed_objects(atoms: Mapping[str, AtomMeta], model: ShardedModel, rank: int
     """The chunk objects (atom path, grid index) that `load_sharded` reads for `rank`: a pure function of the
     manifest, the model and the rank, so no rank needs to ask another what it will read."""
     out: set[tuple[str, tuple[int, ...]]] = set()
+    model = states_held(model, atoms)
     for lt in local_plan(model.config, model.layout, rank, model.optim_states):
         for p in lt.pieces:
             meta = atoms.get(atom_path(p.atom, lt.state))

@@ -26,11 +26,16 @@ from .reshard import DEFAULT_STATES
 @dataclass(frozen=True)
 class ShardedModel:
     """What a distributed save or load needs to know about the model: its family config, the parallel layout,
-    and the names of the per-parameter optimizer states (empty: parameters only)."""
+    and the names of the per-parameter optimizer states (empty: parameters only).
+
+    `optional_states` are read by a load where the step holds them and left out of the local state where it holds
+    none (a save writes `optim_states` only): fp32 master weights, say, which a mixed-precision job saves and a
+    full-precision one does not, so that either job restores from the other's checkpoints."""
 
     config: Any
     layout: Layout
     optim_states: tuple[str, ...] = DEFAULT_STATES
+    optional_states: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.layout, str):
@@ -40,6 +45,7 @@ class ShardedModel:
                 f"ShardedModel needs a ucp.layout.Layout or a layout string, got {type(self.layout).__name__}"
             )
         object.__setattr__(self, "optim_states", tuple(self.optim_states))
+        object.__setattr__(self, "optional_states", tuple(self.optional_states))
 
 
 AtomKey = tuple[str, "str | None"]  # (canonical atom name, optimizer state name or None for the parameter)
@@ -48,6 +54,15 @@ AtomKey = tuple[str, "str | None"]  # (canonical atom name, optimizer state name
 def atom_path(atom: str, state: str | None) -> str:
     """Where an atom lives in the checkpoint: parameters under model/, states under optimizer/state/."""
     return f"model/{atom}" if state is None else f"optimizer/state/{atom}/{state}"
+
+
+def states_held(model: ShardedModel, atoms: Mapping[str, AtomMeta]) -> ShardedModel:
+    """`model` as a load of a step with these atoms reads it: each optional state the step holds (any atom of it)
+    becomes an ordinary state, the others are dropped. A state the step holds only in part then fails the load
+    with the atom it lacks, as an ordinary state would."""
+    held = {path.rsplit("/", 1)[1] for path in atoms if path.startswith("optimizer/state/")}
+    states = model.optim_states + tuple(s for s in model.optional_states if s in held and s not in model.optim_states)
+    return dataclasses.replace(model, optim_states=states, optional_states=())
 
 
 def _tp_periods(spec: PartitionSpec, shape: tuple[int, ...], tp: int) -> list[int | None]:

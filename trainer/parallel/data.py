@@ -4,12 +4,19 @@ Parameters fall in two groups (docs/LOCAL_STATE.md): "dense" (everything but the
 DP group, and "expert", replicated over the expert-data-parallel group (D/E members). Each group's local
 parameters are laid out end to end, in local-state order, in one flat fp32 buffer padded to a multiple of the
 group size; with ZeRO-1 each member owns one contiguous range of it and keeps AdamW's exp_avg and exp_avg_sq
-for that range only. Without ZeRO every rank owns the whole buffer. A step:
+for that range only. Without ZeRO every rank owns the whole buffer.
 
-  1. flatten the gradients and all-reduce them over the group (every member then holds the full sum);
+Gradients accumulate in fp32 in the flat buffer itself (each parameter's gradient is added there as soon as a
+backward pass has produced it, as Megatron's main_grad does), whatever the parameters' dtype. With bf16
+parameters (`train.precision: bf16`) the optimizer also keeps fp32 master weights of the range it owns, as
+Megatron's distributed optimizer does: AdamW updates the masters, and the parameters are their bf16 copies.
+A step:
+
+  1. all-reduce the flat gradients over the group (every member then holds the full sum), after summing the
+     two copies of tied embeddings over the first and last pipeline stages;
   2. compute the global gradient norm over all ranks, every element counted once, and clip;
-  3. AdamW on the owned range;
-  4. all-gather the owned ranges (ZeRO) and copy the flat parameters back into the model.
+  3. AdamW on the owned range (of the masters, or of the fp32 parameters themselves);
+  4. all-gather the owned ranges (ZeRO) and copy the flat result back into the parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from ..config import OptimConfig
 from .mesh import Mesh, group_rank, group_size
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
+MASTER = "master"  # the fp32 master weights, under ucp's name for them (also Megatron interop's)
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:
@@ -47,7 +55,7 @@ class Entry:
 class FlatBuffer:
     """One parameter group's flat layout and, for the range this rank owns, its optimizer state."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], group, zero: int):
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], group, zero: int, masters: bool):
         self.group, self.zero = group, zero
         self.size = group_size(group)
         self.entries: list[Entry] = []
@@ -72,41 +80,71 @@ class FlatBuffer:
         self.decay_mask = mask[self.start : self.end]
         self.state = {name: torch.zeros(self.end - self.start, device=device) for name in STATE_NAMES}
         self.grad = torch.zeros(self.padded, device=device)
-
-    def gather_grads(self) -> None:
-        """Copy the parameters' gradients into the flat buffer and sum them over the group."""
-        self.grad.zero_()
+        # fp32 master weights of the owned range where the parameters are of lower precision; None where they are
+        # fp32 and serve as their own masters.
+        self.master: torch.Tensor | None = None
+        if masters:
+            self.master = self.owned(self.flatten({e.name: e.param.detach() for e in self.entries})).clone()
         for e in self.entries:
-            if e.param.grad is not None:
-                self.grad[e.offset : e.offset + e.numel].copy_(e.param.grad.flatten())
+            e.param.register_post_accumulate_grad_hook(self._accumulate_into(e))
+
+    def _accumulate_into(self, e: Entry):
+        def hook(param: torch.Tensor) -> None:
+            self.grad[e.offset : e.offset + e.numel].add_(param.grad.flatten())
+            param.grad = None
+
+        return hook
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def allreduce_grads(self) -> None:
+        """Sum the flat gradients over the group."""
         if self.size > 1:
             dist.all_reduce(self.grad, group=self.group)
 
     def grad_of(self, entry: Entry) -> torch.Tensor:
         return self.grad[entry.offset : entry.offset + entry.numel]
 
-    def flat_params(self) -> torch.Tensor:
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The group's tensors of these names (local parameters, or values shaped like them) end to end in fp32."""
         flat = torch.zeros(self.padded, device=self.grad.device)
         for e in self.entries:
-            flat[e.offset : e.offset + e.numel].copy_(e.param.detach().flatten())
+            flat[e.offset : e.offset + e.numel].copy_(tensors[e.name].flatten())
         return flat
+
+    def owned(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start : self.end]
+
+    @torch.no_grad()
+    def publish(self, owned: torch.Tensor) -> None:
+        """Set the parameters from the owned range of their fp32 values (all-gathered over the group with ZeRO),
+        cast to the parameters' dtype."""
+        flat = owned
+        if self.zero and self.size > 1:
+            flat = torch.empty(self.padded, device=owned.device)
+            dist.all_gather_into_tensor(flat, owned.contiguous(), group=self.group)
+        for e in self.entries:
+            e.param.copy_(flat[e.offset : e.offset + e.numel].view_as(e.param))
 
     @torch.no_grad()
     def adamw(self, step: int, lr: float, cfg: OptimConfig) -> None:
-        flat = self.flat_params()
-        p, g = flat[self.start : self.end], self.grad[self.start : self.end]
+        if self.master is not None:
+            p = self.master
+        else:
+            p = self.owned(self.flatten({e.name: e.param.detach() for e in self.entries}))
+        g = self.owned(self.grad)
         m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
         p.mul_(1.0 - lr * cfg.weight_decay * self.decay_mask)
         m.mul_(cfg.beta1).add_(g, alpha=1.0 - cfg.beta1)
         v.mul_(cfg.beta2).addcmul_(g, g, value=1.0 - cfg.beta2)
         denom = (v.sqrt() / math.sqrt(1.0 - cfg.beta2**step)).add_(cfg.eps)
         p.addcdiv_(m, denom, value=-lr / (1.0 - cfg.beta1**step))
-        if self.zero and self.size > 1:
-            gathered = torch.empty_like(flat)
-            dist.all_gather_into_tensor(gathered, p.contiguous(), group=self.group)
-            flat = gathered
-        for e in self.entries:
-            e.param.copy_(flat[e.offset : e.offset + e.numel].view_as(e.param))
+        self.publish(p)
+
+    def states(self) -> dict[str, torch.Tensor]:
+        """The owned range of every per-element state: Adam's, and the master weights where there are any."""
+        return {**self.state, MASTER: self.master} if self.master is not None else dict(self.state)
 
 
 def _counted_once(name: str, mesh: Mesh, tied: bool) -> bool:
@@ -118,7 +156,8 @@ def _counted_once(name: str, mesh: Mesh, tied: bool) -> bool:
 
 
 class DistributedAdamW:
-    """AdamW over the flat "dense" and "expert" buffers (ZeRO-1 when layout.zero >= 1)."""
+    """AdamW over the flat "dense" and "expert" buffers (ZeRO-1 when layout.zero >= 1), with fp32 master weights
+    when the parameters are not fp32."""
 
     def __init__(
         self,
@@ -135,10 +174,22 @@ class DistributedAdamW:
             )
         self.mesh, self.cfg, self.tied = mesh, cfg, tied_embeddings
         self.step = 0
+        self.mixed = any(p.dtype != torch.float32 for _, p in named_params)
         self.buffers = {
-            "dense": FlatBuffer([(n, p) for n, p in named_params if not is_expert(n)], mesh.dp_group, zero),
-            "expert": FlatBuffer([(n, p) for n, p in named_params if is_expert(n)], mesh.expert_dp_group, zero),
+            "dense": FlatBuffer([(n, p) for n, p in named_params if not is_expert(n)], mesh.dp_group, zero, self.mixed),
+            "expert": FlatBuffer(
+                [(n, p) for n, p in named_params if is_expert(n)], mesh.expert_dp_group, zero, self.mixed
+            ),
         }
+
+    def zero_grad(self) -> None:
+        for buffer in self.buffers.values():
+            buffer.zero_grad()
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        """The accumulated fp32 gradient of local parameter `name`."""
+        buffer, e = self._entry(name)
+        return buffer.grad_of(e)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient of the whole model, every element counted once over all ranks."""
@@ -151,10 +202,24 @@ class DistributedAdamW:
         layout = self.mesh.layout
         return math.sqrt(sums[0].item() / layout.dp + sums[1].item() / (layout.dp // layout.ep))
 
+    def _allreduce_tied_embedding_grads(self) -> None:
+        """With tied embeddings over P > 1 stages, the first stage's embedding and the last stage's output layer
+        are two copies of one tensor: both get the sum of their gradients, so they stay equal."""
+        if not self.tied or self.mesh.embedding_group is None:
+            return
+        if self.mesh.is_first_stage:
+            name = "embedding.word_embeddings.weight"
+        elif self.mesh.is_last_stage:
+            name = "output_layer.weight"
+        else:
+            return
+        dist.all_reduce(self.grad_of(name), group=self.mesh.embedding_group)
+
     def step_(self) -> tuple[float, float]:
-        """One optimizer step from the parameters' .grad; returns (grad_norm, lr)."""
+        """One optimizer step from the gradients accumulated since `zero_grad`; returns (grad_norm, lr)."""
+        self._allreduce_tied_embedding_grads()
         for buffer in self.buffers.values():
-            buffer.gather_grads()
+            buffer.allreduce_grads()
         norm = self.grad_norm()
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
             for buffer in self.buffers.values():
@@ -167,43 +232,59 @@ class DistributedAdamW:
 
     # --- access by local name, and the local state of docs/LOCAL_STATE.md ---------------------------------
 
-    def param_state(self, name: str) -> dict[str, torch.Tensor]:
-        """The state of local parameter `name` that this rank owns: full-shaped tensors without ZeRO; with
-        ZeRO the 1-D piece of the owned range that falls inside the parameter (possibly empty), plus
-        "offset" (0-d int64: where that piece starts inside the flattened parameter)."""
+    def _entry(self, name: str) -> tuple[FlatBuffer, Entry]:
         for buffer in self.buffers.values():
             for e in buffer.entries:
-                if e.name != name:
-                    continue
-                lo, hi = max(e.offset, buffer.start), min(e.offset + e.numel, buffer.end)
-                hi = max(lo, hi)
-                out = {s: buffer.state[s][lo - buffer.start : hi - buffer.start] for s in STATE_NAMES}
-                if not buffer.zero:
-                    out = {s: t.view_as(e.param) for s, t in out.items()}
-                else:
-                    out["offset"] = torch.tensor(lo - e.offset)
-                out["step"] = torch.tensor(float(self.step))
-                return out
+                if e.name == name:
+                    return buffer, e
         raise KeyError(name)
 
+    def param_state(self, name: str) -> dict[str, torch.Tensor]:
+        """The state of local parameter `name` that this rank owns (Adam's, and its master weights where there are
+        any): full-shaped tensors without ZeRO; with ZeRO the 1-D piece of the owned range that falls inside the
+        parameter (possibly empty), plus "offset" (0-d int64: where that piece starts inside the flattened
+        parameter)."""
+        buffer, e = self._entry(name)
+        lo, hi = max(e.offset, buffer.start), min(e.offset + e.numel, buffer.end)
+        hi = max(lo, hi)
+        out = {s: t[lo - buffer.start : hi - buffer.start] for s, t in buffer.states().items()}
+        if not buffer.zero:
+            out = {s: t.view_as(e.param) for s, t in out.items()}
+        else:
+            out["offset"] = torch.tensor(lo - e.offset)
+        out["step"] = torch.tensor(float(self.step))
+        return out
+
     def state_dict(self) -> dict:
-        """{"state": {"model": {name: {exp_avg, exp_avg_sq, step}}}, "step": int} without ZeRO,
+        """{"state": {"model": {name: {exp_avg, exp_avg_sq[, master], step}}}, "step": int} without ZeRO,
         {"flat": {"dense": {state: 1-D}, "expert": {state: 1-D}}, "step": int} with ZeRO (the owned ranges)."""
         if self.mesh.layout.zero == 0:
             names = [e.name for b in self.buffers.values() for e in b.entries]
             return {"state": {"model": {n: self.param_state(n) for n in names}}, "step": self.step}
-        return {"flat": {k: dict(b.state) for k, b in self.buffers.items()}, "step": self.step}
+        return {"flat": {k: b.states() for k, b in self.buffers.items()}, "step": self.step}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of state_dict; the per-parameter 0-d "step" tensors are not needed (the top-level one is)."""
-        if self.mesh.layout.zero == 0:
-            for name, values in state["state"]["model"].items():
-                mine = self.param_state(name)
-                for s in STATE_NAMES:
-                    mine[s].copy_(values[s])
-        else:
-            for key, buffer in self.buffers.items():
-                for s in STATE_NAMES:
-                    buffer.state[s].copy_(state["flat"][key][s])
+    def load_state_dict(self, state: dict, params: dict[str, torch.Tensor]) -> None:
+        """Inverse of state_dict (the per-parameter 0-d "step" tensors are not needed: the top-level one is).
+
+        `params` are the parameter values saved with `state`, in their saved precision. Master weights, where
+        `state` has them, set the parameters, whatever their precision (a full-precision run resumes from a
+        mixed-precision one's masters); a mixed-precision run given a state without them (a full-precision
+        run's) takes its masters from `params`."""
+        for key, buffer in self.buffers.items():
+            if self.mesh.layout.zero == 0:
+                per_param = state["state"]["model"]
+                saved = {s: buffer.flatten({e.name: per_param[e.name][s] for e in buffer.entries}) for s in STATE_NAMES}
+                if buffer.entries and MASTER in per_param[buffer.entries[0].name]:
+                    saved[MASTER] = buffer.flatten({e.name: per_param[e.name][MASTER] for e in buffer.entries})
+            else:
+                saved = state["flat"][key]
+            for s in STATE_NAMES:
+                buffer.state[s].copy_(saved[s])
+            if MASTER in saved:
+                if buffer.master is not None:
+                    buffer.master.copy_(saved[MASTER])
+                buffer.publish(saved[MASTER].float())
+            elif buffer.master is not None:
+                buffer.master.copy_(buffer.owned(buffer.flatten(params)))
         self.step = int(state["step"])

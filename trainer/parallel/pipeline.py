@@ -101,7 +101,8 @@ def one_f_one_b(
     stages: int,
     profile: StepProfile | None = None,
 ) -> None:
-    """Run forward and backward of every microbatch; gradients accumulate in the parameters' .grad.
+    """Run forward and backward of every microbatch; gradients go to the parameters'
+    .grad (whence the optimizer's hooks sum them into its fp32 buffers).
 
     forward_step(i, x) runs microbatch i through this stage; x is the received activation (None on the first
     stage, which reads microbatch i's tokens itself). With `profile`, the time of forward, backward and
@@ -151,17 +152,3 @@ def one_f_one_b(
         dx = backward(inputs.popleft(), outputs.popleft(), dy)
         with phase("pipeline_wait"):
             p2p.send_backward(dx)
-
-
-def allreduce_tied_embedding_grads(stage: torch.nn.Module, mesh: Mesh, tied: bool) -> None:
-    """With tied embeddings over P > 1 stages, the first stage's embedding and the last stage's output layer are
-    two copies of one tensor: give both the sum of their gradients, so they stay equal."""
-    if not tied or mesh.embedding_group is None:
-        return
-    if mesh.is_first_stage:
-        weight = stage.embedding.word_embeddings.weight
-    elif mesh.is_last_stage:
-        weight = stage.output_layer.weight
-    else:
-        return
-    dist.all_reduce(weight.grad, group=mesh.embedding_group)
