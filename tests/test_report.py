@@ -32,7 +32,8 @@ def test_a_real_runs_report_breaks_each_step_down_per_rank_and_names_every_rank(
         for r in ranks:
             assert all(r[p] >= 0 for p in PHASES) and r["forward"] > 0 and r["backward"] > 0
             assert r["peak_rss_bytes"] > 50 * 2**20
-            assert sum(r[p] for p in PHASES if p != "checkpoint") <= record["step_time_s"] * 1.05
+            # (each rank's own step: a rank that starts its first step early waits for the others in it)
+            assert sum(r[p] for p in PHASES if p != "checkpoint") <= r["step_s"] * 1.05
         if parse_layout(layout).pp > 1:  # a pipeline's stages wait for each other
             assert max(r["pipeline_wait"] for r in ranks) > 0
     out = tmp_path / "out"

@@ -90,7 +90,8 @@ class TrainConfig:
     precision: str = "fp32"
     steps: int = 10  # the step to stop at (steps are numbered from 1)
     seed: int = 1234
-    # Layers per pipeline stage, e.g. [1, 3]; None splits evenly (an error when the split is uneven).
+    # Layers per model chunk (per pipeline stage, or P*V counts with virtual stages, chunk v*P + p being stage p's
+    # v-th), e.g. [1, 3]; None splits evenly (an error when the split is uneven).
     stage_layers: list[int] | None = None
     metrics_file: str | None = None
     log_every: int = 1

@@ -28,6 +28,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from .data import PretrainTokens, SyntheticTokens, TokenSource
 from .model import DecoderStage, StageSpec, is_expert_param
 from .parallel.data import DistributedAdamW
 from .parallel.mesh import Layout, Mesh, parse_layout
-from .parallel.pipeline import P2P, StageOutput, one_f_one_b, split_layers
+from .parallel.pipeline import P2P, StageOutput, interleaved_one_f_one_b, one_f_one_b, split_layers
 from .parallel.tensor import vocab_parallel_cross_entropy
 from .profile import StepProfile
 from .weights import init_from_seed
@@ -59,31 +60,33 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         m, d, layout, c = cfg.model, cfg.data, mesh.layout, mesh.coords
-        if layout.vpp != 1:
-            raise ValueError(
-                "the reference trainer runs one model chunk per stage: vpp > 1 is not supported (ucp checkpoints support it)"
-            )
         if layout.ep != 1 and not m.is_moe:
             raise ValueError(
                 f"layout {cfg.train.layout}: ep > 1 needs a mixture of experts, model.family is {m.family}"
             )
 
-        stage_layers = split_layers(m.num_layers, layout.pp, cfg.train.stage_layers)[c.pp]
-        spec = StageSpec(
-            layers=stage_layers,
-            first=mesh.is_first_stage,
-            last=mesh.is_last_stage,
-            tp_size=layout.tp,
-            ep_size=layout.ep,
-            ep_rank=c.ep,
-        )
-        self.model = DecoderStage(m, spec, mesh.tp_group, mesh.ep_group).to(device)
-        init_from_seed(self.model, cfg.train.seed, c.tp)
-        self.model.to(cfg.train.dtype)  # (bf16: the optimizer keeps the fp32 masters, made from these values)
+        # This rank's model chunks: one per stage, or with virtual stages (vpp V) chunk v of stage p is model chunk
+        # v*P + p of the P*V (docs/LOCAL_STATE.md), each a DecoderStage, keyed as in the local state.
+        model_chunks = layout.pp * layout.vpp
+        chunk_layers = split_layers(m.num_layers, model_chunks, cfg.train.stage_layers)
+        self.chunks: dict[str, DecoderStage] = {}
+        for v in range(layout.vpp):
+            index = v * layout.pp + c.pp
+            spec = StageSpec(
+                layers=chunk_layers[index],
+                first=index == 0,
+                last=index == model_chunks - 1,
+                tp_size=layout.tp,
+                ep_size=layout.ep,
+                ep_rank=c.ep,
+            )
+            chunk = DecoderStage(m, spec, mesh.tp_group, mesh.ep_group).to(device)
+            init_from_seed(chunk, cfg.train.seed, c.tp)
+            chunk.to(cfg.train.dtype)  # (bf16: the optimizer keeps the fp32 masters, made from these values)
+            self.chunks["model" if layout.vpp == 1 else f"model{v}"] = chunk
 
-        self.optimizer = DistributedAdamW(
-            list(self.model.named_parameters()), mesh, cfg.optim, m.tie_word_embeddings, is_expert_param
-        )
+        named = [(key, name, p) for key, chunk in self.chunks.items() for name, p in chunk.named_parameters()]
+        self.optimizer = DistributedAdamW(named, mesh, cfg.optim, m.tie_word_embeddings, is_expert_param)
         self.data: TokenSource
         if d.source == "pretrain":
             self.data = PretrainTokens(
@@ -98,20 +101,27 @@ class Trainer:
         if local_batch % d.micro_batch_size:
             raise ValueError(f"per-DP-rank batch {local_batch} is not divisible by micro_batch_size")
         self.num_microbatches = local_batch // d.micro_batch_size
-        self.p2p = P2P(mesh, (d.micro_batch_size, d.seq_len, m.hidden_size), cfg.train.dtype, device)
+        if layout.vpp > 1 and self.num_microbatches % layout.pp:
+            raise ValueError(
+                f"an interleaved pipeline (vpp {layout.vpp}) needs the microbatches per DP rank "
+                f"({self.num_microbatches}) to be a multiple of pp ({layout.pp})"
+            )
+        shape = (d.micro_batch_size, d.seq_len, m.hidden_size)
+        self.p2p = P2P(mesh, shape, cfg.train.dtype, device, ring=layout.vpp > 1)
         self.profile = StepProfile()  # this rank's phases of the current step (reset by train_step)
 
     def local_state(self) -> dict:
         """This rank's model and optimizer state in the form of docs/LOCAL_STATE.md (live tensors, not copies)."""
-        params = {name: p.detach() for name, p in self.model.named_parameters()}
-        return {"model": params, "optimizer": self.optimizer.state_dict()}
+        state: dict = {key: {n: p.detach() for n, p in chunk.named_parameters()} for key, chunk in self.chunks.items()}
+        return state | {"optimizer": self.optimizer.state_dict()}
 
     @torch.no_grad()
     def load_local_state(self, state: dict) -> None:
         """Load a local state saved in any precision (master weights, where it has them, set the parameters)."""
-        for name, p in self.model.named_parameters():
-            p.copy_(state["model"][name])
-        self.optimizer.load_state_dict(state["optimizer"], state["model"])
+        for key, chunk in self.chunks.items():
+            for name, p in chunk.named_parameters():
+                p.copy_(state[key][name])
+        self.optimizer.load_state_dict(state["optimizer"], {key: state[key] for key in self.chunks})
 
     def train_step(self, step: int, before_update: Callable[[], None] | None = None) -> StepMetrics:
         start = time.perf_counter()
@@ -126,21 +136,28 @@ class Trainer:
         aux_weight = m.router_aux_loss_coef / aux_terms
         tally = torch.zeros(2, dtype=torch.float64, device=self.device)  # [LM loss sum, aux loss sum]
 
-        def forward_step(i: int, x: torch.Tensor | None) -> StageOutput:
-            tokens = microbatches[i]
-            out, aux = self.model(tokens[:, :-1] if self.mesh.is_first_stage else x)
+        chunks = list(self.chunks.values())
+
+        def forward_step(v: int, i: int, x: torch.Tensor | None) -> StageOutput:
+            """Microbatch i through model chunk v of this rank."""
+            tokens, chunk = microbatches[i], chunks[v]
+            out, aux = chunk(tokens[:, :-1] if chunk.spec.first else x)
             tally[1] += aux.detach().double()
             objective = aux * aux_weight
-            if not self.mesh.is_last_stage:
+            if not chunk.spec.last:
                 return StageOutput(out, objective)
             lm_sum = vocab_parallel_cross_entropy(out, tokens[:, 1:], m.vocab_size, self.mesh.tp_group).sum()
             tally[0] += lm_sum.detach().double()
             return StageOutput(None, objective + lm_sum / global_tokens)
 
         self.optimizer.zero_grad()
-        one_f_one_b(
-            self.num_microbatches, forward_step, self.p2p, self.mesh.coords.pp, self.mesh.layout.pp, self.profile
-        )
+        stage, stages = self.mesh.coords.pp, self.mesh.layout.pp
+        if len(chunks) == 1:
+            one_f_one_b(self.num_microbatches, partial(forward_step, 0), self.p2p, stage, stages, self.profile)
+        else:
+            interleaved_one_f_one_b(
+                self.num_microbatches, forward_step, self.p2p, stage, stages, len(chunks), self.profile
+            )
         if before_update is not None:
             with self.profile.phase("checkpoint"):
                 before_update()
@@ -152,13 +169,14 @@ class Trainer:
             tally.zero_()
         if dist.get_world_size() > 1:
             dist.all_reduce(tally)
+        self.profile.step_s = time.perf_counter() - start
         return StepMetrics(
             step=step,
             loss=tally[0].item() / global_tokens,
             aux_loss=tally[1].item() / aux_terms,
             grad_norm=grad_norm,
             lr=lr,
-            step_time_s=time.perf_counter() - start,
+            step_time_s=self.profile.step_s,
         )
 
 
@@ -167,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", help="YAML config file (trainer/configs/*.yaml)")
     parser.add_argument(
         "--layout",
-        help="e.g. tp2pp2, tp1pp1ep2dp2, tp1pp2dp2zero1, or a comma-separated list: the "
+        help="e.g. tp2pp2, tp1pp1ep2dp2, tp1pp2dp2zero1, tp1pp2vpp2, or a comma-separated list: the "
         "first whose world size is WORLD_SIZE is taken (overrides train.layout)",
     )
     parser.add_argument("--steps", type=int, help="the step to stop at (overrides train.steps)")

@@ -42,10 +42,16 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+# Local parameters by model chunk ("model", or "model0", "model1", ... with virtual pipeline stages), then name:
+# the nesting of the local state (docs/LOCAL_STATE.md).
+Chunks = dict[str, dict[str, torch.Tensor]]
+
+
 @dataclass
 class Entry:
     """Where one local parameter lies in its flat buffer."""
 
+    chunk: str
     name: str
     param: torch.nn.Parameter
     offset: int
@@ -55,13 +61,13 @@ class Entry:
 class FlatBuffer:
     """One parameter group's flat layout and, for the range this rank owns, its optimizer state."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], group, zero: int, masters: bool):
+    def __init__(self, named_params: list[tuple[str, str, torch.nn.Parameter]], group, zero: int, masters: bool):
         self.group, self.zero = group, zero
         self.size = group_size(group)
         self.entries: list[Entry] = []
         offset = 0
-        for name, param in named_params:
-            self.entries.append(Entry(name, param, offset, param.numel()))
+        for chunk, name, param in named_params:
+            self.entries.append(Entry(chunk, name, param, offset, param.numel()))
             offset += param.numel()
         self.numel = offset
         self.padded = -(-offset // self.size) * self.size
@@ -71,7 +77,7 @@ class FlatBuffer:
             self.end = self.start + shard
         else:
             self.start, self.end = 0, self.padded
-        device = named_params[0][1].device if named_params else torch.device("cpu")
+        device = named_params[0][2].device if named_params else torch.device("cpu")
         # 1 where decoupled weight decay applies (matrices), 0 for norm weights.
         mask = torch.zeros(self.padded, device=device)
         for e in self.entries:
@@ -84,7 +90,7 @@ class FlatBuffer:
         # fp32 and serve as their own masters.
         self.master: torch.Tensor | None = None
         if masters:
-            self.master = self.owned(self.flatten({e.name: e.param.detach() for e in self.entries})).clone()
+            self.master = self.owned(self.flatten(self.params())).clone()
         for e in self.entries:
             e.param.register_post_accumulate_grad_hook(self._accumulate_into(e))
 
@@ -106,11 +112,17 @@ class FlatBuffer:
     def grad_of(self, entry: Entry) -> torch.Tensor:
         return self.grad[entry.offset : entry.offset + entry.numel]
 
-    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The group's tensors of these names (local parameters, or values shaped like them) end to end in fp32."""
+    def params(self) -> Chunks:
+        out: Chunks = {}
+        for e in self.entries:
+            out.setdefault(e.chunk, {})[e.name] = e.param.detach()
+        return out
+
+    def flatten(self, tensors: Chunks) -> torch.Tensor:
+        """The group's tensors (its local parameters, or values shaped like them) end to end in fp32."""
         flat = torch.zeros(self.padded, device=self.grad.device)
         for e in self.entries:
-            flat[e.offset : e.offset + e.numel].copy_(tensors[e.name].flatten())
+            flat[e.offset : e.offset + e.numel].copy_(tensors[e.chunk][e.name].flatten())
         return flat
 
     def owned(self, flat: torch.Tensor) -> torch.Tensor:
@@ -132,7 +144,7 @@ class FlatBuffer:
         if self.master is not None:
             p = self.master
         else:
-            p = self.owned(self.flatten({e.name: e.param.detach() for e in self.entries}))
+            p = self.owned(self.flatten(self.params()))
         g = self.owned(self.grad)
         m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
         p.mul_(1.0 - lr * cfg.weight_decay * self.decay_mask)
@@ -157,11 +169,11 @@ def _counted_once(name: str, mesh: Mesh, tied: bool) -> bool:
 
 class DistributedAdamW:
     """AdamW over the flat "dense" and "expert" buffers (ZeRO-1 when layout.zero >= 1), with fp32 master weights
-    when the parameters are not fp32."""
+    when the parameters are not fp32. `named_params`: (model chunk, local name, parameter) in local-state order."""
 
     def __init__(
         self,
-        named_params: list[tuple[str, torch.nn.Parameter]],
+        named_params: list[tuple[str, str, torch.nn.Parameter]],
         mesh: Mesh,
         cfg: OptimConfig,
         tied_embeddings: bool,
@@ -174,21 +186,22 @@ class DistributedAdamW:
             )
         self.mesh, self.cfg, self.tied = mesh, cfg, tied_embeddings
         self.step = 0
-        self.mixed = any(p.dtype != torch.float32 for _, p in named_params)
+        self.mixed = any(p.dtype != torch.float32 for _, _, p in named_params)
+        self.chunks = list(dict.fromkeys(chunk for chunk, _, _ in named_params))
+        dense = [(c, n, p) for c, n, p in named_params if not is_expert(n)]
+        expert = [(c, n, p) for c, n, p in named_params if is_expert(n)]
         self.buffers = {
-            "dense": FlatBuffer([(n, p) for n, p in named_params if not is_expert(n)], mesh.dp_group, zero, self.mixed),
-            "expert": FlatBuffer(
-                [(n, p) for n, p in named_params if is_expert(n)], mesh.expert_dp_group, zero, self.mixed
-            ),
+            "dense": FlatBuffer(dense, mesh.dp_group, zero, self.mixed),
+            "expert": FlatBuffer(expert, mesh.expert_dp_group, zero, self.mixed),
         }
 
     def zero_grad(self) -> None:
         for buffer in self.buffers.values():
             buffer.zero_grad()
 
-    def grad_of(self, name: str) -> torch.Tensor:
-        """The accumulated fp32 gradient of local parameter `name`."""
-        buffer, e = self._entry(name)
+    def grad_of(self, chunk: str, name: str) -> torch.Tensor:
+        """The accumulated fp32 gradient of local parameter `name` of model chunk `chunk`."""
+        buffer, e = self._entry(chunk, name)
         return buffer.grad_of(e)
 
     def grad_norm(self) -> float:
@@ -207,13 +220,13 @@ class DistributedAdamW:
         are two copies of one tensor: both get the sum of their gradients, so they stay equal."""
         if not self.tied or self.mesh.embedding_group is None:
             return
-        if self.mesh.is_first_stage:
-            name = "embedding.word_embeddings.weight"
-        elif self.mesh.is_last_stage:
-            name = "output_layer.weight"
+        if self.mesh.is_first_stage:  # (in its first model chunk)
+            grad = self.grad_of(self.chunks[0], "embedding.word_embeddings.weight")
+        elif self.mesh.is_last_stage:  # (in its last model chunk)
+            grad = self.grad_of(self.chunks[-1], "output_layer.weight")
         else:
             return
-        dist.all_reduce(self.grad_of(name), group=self.mesh.embedding_group)
+        dist.all_reduce(grad, group=self.mesh.embedding_group)
 
     def step_(self) -> tuple[float, float]:
         """One optimizer step from the gradients accumulated since `zero_grad`; returns (grad_norm, lr)."""
@@ -232,19 +245,19 @@ class DistributedAdamW:
 
     # --- access by local name, and the local state of docs/LOCAL_STATE.md ---------------------------------
 
-    def _entry(self, name: str) -> tuple[FlatBuffer, Entry]:
+    def _entry(self, chunk: str, name: str) -> tuple[FlatBuffer, Entry]:
         for buffer in self.buffers.values():
             for e in buffer.entries:
-                if e.name == name:
+                if e.chunk == chunk and e.name == name:
                     return buffer, e
-        raise KeyError(name)
+        raise KeyError(f"{chunk}/{name}")
 
-    def param_state(self, name: str) -> dict[str, torch.Tensor]:
+    def param_state(self, chunk: str, name: str) -> dict[str, torch.Tensor]:
         """The state of local parameter `name` that this rank owns (Adam's, and its master weights where there are
         any): full-shaped tensors without ZeRO; with ZeRO the 1-D piece of the owned range that falls inside the
         parameter (possibly empty), plus "offset" (0-d int64: where that piece starts inside the flattened
         parameter)."""
-        buffer, e = self._entry(name)
+        buffer, e = self._entry(chunk, name)
         lo, hi = max(e.offset, buffer.start), min(e.offset + e.numel, buffer.end)
         hi = max(lo, hi)
         out = {s: t[lo - buffer.start : hi - buffer.start] for s, t in buffer.states().items()}
@@ -256,15 +269,18 @@ class DistributedAdamW:
         return out
 
     def state_dict(self) -> dict:
-        """{"state": {"model": {name: {exp_avg, exp_avg_sq[, master], step}}}, "step": int} without ZeRO,
+        """{"state": {chunk: {name: {exp_avg, exp_avg_sq[, master], step}}}, "step": int} without ZeRO,
         {"flat": {"dense": {state: 1-D}, "expert": {state: 1-D}}, "step": int} with ZeRO (the owned ranges)."""
         if self.mesh.layout.zero == 0:
-            names = [e.name for b in self.buffers.values() for e in b.entries]
-            return {"state": {"model": {n: self.param_state(n) for n in names}}, "step": self.step}
+            per_param: dict[str, dict[str, dict[str, torch.Tensor]]] = {c: {} for c in self.chunks}
+            for b in self.buffers.values():
+                for e in b.entries:
+                    per_param[e.chunk][e.name] = self.param_state(e.chunk, e.name)
+            return {"state": per_param, "step": self.step}
         return {"flat": {k: b.states() for k, b in self.buffers.items()}, "step": self.step}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict, params: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict, params: Chunks) -> None:
         """Inverse of state_dict (the per-parameter 0-d "step" tensors are not needed: the top-level one is).
 
         `params` are the parameter values saved with `state`, in their saved precision. Master weights, where
@@ -272,11 +288,18 @@ class DistributedAdamW:
         mixed-precision one's masters); a mixed-precision run given a state without them (a full-precision
         run's) takes its masters from `params`."""
         for key, buffer in self.buffers.items():
+            if not buffer.entries:
+                continue  # (a dense model's expert buffer)
             if self.mesh.layout.zero == 0:
-                per_param = state["state"]["model"]
-                saved = {s: buffer.flatten({e.name: per_param[e.name][s] for e in buffer.entries}) for s in STATE_NAMES}
-                if buffer.entries and MASTER in per_param[buffer.entries[0].name]:
-                    saved[MASTER] = buffer.flatten({e.name: per_param[e.name][MASTER] for e in buffer.entries})
+                per_param = state["state"]
+                held = {s for e in buffer.entries for s in per_param[e.chunk][e.name]}
+                saved = {
+                    s: buffer.flatten(
+                        {c: {n: states[s] for n, states in names.items()} for c, names in per_param.items()}
+                    )
+                    for s in (*STATE_NAMES, MASTER)
+                    if s in held
+                }
             else:
                 saved = state["flat"][key]
             for s in STATE_NAMES:
