@@ -98,6 +98,13 @@ def _model_line(model: dict[str, Any] | None) -> list[str]:
             "vocab_size",
             "attention_bias",
             "qk_norm",
+            "n_shared_experts",
+            "first_k_dense_replace",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
         )
         if k in c and c[k] is not None and c[k] is not False
     )
@@ -108,7 +115,18 @@ def _model_line(model: dict[str, Any] | None) -> list[str]:
     )
     more = {
         "rope_theta": rope,
-        **{k: hf.get(k) for k in ("rms_norm_eps", "max_position_embeddings", "sliding_window", "norm_topk_prob")},
+        **{
+            k: hf.get(k)
+            for k in (
+                "rms_norm_eps",
+                "max_position_embeddings",
+                "sliding_window",
+                "norm_topk_prob",
+                "n_group",
+                "topk_group",
+                "routed_scaling_factor",
+            )
+        },
     }
     extras = ", ".join(f"{k} {v}" for k, v in more.items() if v is not None)
     return [f"model       {model['family']}: {shape}" + (f"; {extras}" if extras else "")]

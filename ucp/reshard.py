@@ -154,6 +154,10 @@ def local_params(config: Any, layout: Layout, coords: RankCoords) -> list[LocalP
         e: int | None = None,
     ) -> None:
         for group in groups[place]:
+            if layer is not None:
+                group = [r for r in group if r.in_layer(config, layer)]
+                if not group:
+                    continue  # (not in this layer)
             if all(r.tied_copy for r in group) and atom_name(group[0], layer, expert) in held:
                 continue  # the rank holds the original of this tied copy
             shape: tuple[int, ...] | None = None

@@ -6,6 +6,8 @@ from typing import Any
 
 from ucp.errors import UcpError
 from ucp.families import table
+from ucp.families.deepseek import FAMILY as DEEPSEEK_V3
+from ucp.families.deepseek import DeepseekV3Config
 from ucp.families.llama import FAMILY as LLAMA
 from ucp.families.llama import LlamaConfig
 from ucp.families.mixtral import FAMILY as MIXTRAL
@@ -15,10 +17,11 @@ from ucp.families.qwen_moe import QwenMoeConfig
 from ucp.families.table import ExpertNames, Family, Rule, expert_names
 from ucp.partition import PartitionSpec
 
-FAMILIES: dict[str, Family] = {MIXTRAL.name: MIXTRAL, LLAMA.name: LLAMA, QWEN_MOE.name: QWEN_MOE}
+FAMILIES: dict[str, Family] = {f.name: f for f in (MIXTRAL, LLAMA, QWEN_MOE, DEEPSEEK_V3)}
 
 __all__ = [
     "FAMILIES",
+    "DeepseekV3Config",
     "ExpertNames",
     "Family",
     "LlamaConfig",

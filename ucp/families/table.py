@@ -23,6 +23,10 @@ def _always(config: Any) -> bool:
     return True
 
 
+def _every_layer(config: Any, layer: int) -> bool:
+    return True
+
+
 class FamilyConfig:
     """What every family's config dataclass shares (it inherits this): head_dim derived when absent, the GQA check,
     stage_layers as ints, and JSON both ways (unknown fields refused)."""
@@ -93,6 +97,10 @@ def row_split(c: Any) -> PartitionSpec:
     return PartitionSpec("split", split_dim=1)
 
 
+def column_split(c: Any) -> PartitionSpec:
+    return PartitionSpec("split", split_dim=0)
+
+
 def gate_up_spec(part: str) -> Callable[[Any], PartitionSpec]:
     def spec(c: Any) -> PartitionSpec:
         return PartitionSpec("fused_gate_up", part=part)
@@ -109,6 +117,8 @@ class Rule:
     spec: Callable[[Any], PartitionSpec]  # layer, expert, zero_group are filled in by place
     present: Callable[[Any], bool] = _always
     tied_copy: bool = False  # a local copy of the atom ``canonical`` names (tied weights); no atom of its own
+    # Layer and expert rules: the layers that have this tensor (e.g. DeepSeek-V3's first dense layers, then MoE ones)
+    in_layer: Callable[[Any, int], bool] = _every_layer
 
     def __post_init__(self) -> None:
         if self.place not in PLACES:
@@ -160,9 +170,12 @@ def iter_atoms(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ..
     expert_rules = [r for r in family.rules_at("expert", config) if not r.tied_copy]
     for layer in range(config.num_hidden_layers):
         for rule in layer_rules:
-            yield one(rule, layer)
-        for expert in range(getattr(config, "num_local_experts", 0) or 0):
-            for rule in expert_rules:
+            if rule.in_layer(config, layer):
+                yield one(rule, layer)
+        in_layer = [r for r in expert_rules if r.in_layer(config, layer)]
+        experts = (getattr(config, "num_local_experts", 0) or 0) if in_layer else 0
+        for expert in range(experts):
+            for rule in in_layer:
                 yield one(rule, layer, expert)
     for rule in family.rules_at("last", config):
         if not rule.tied_copy:

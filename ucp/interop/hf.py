@@ -33,7 +33,7 @@ import torch
 
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import UcpError
-from ucp.families import LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms, expert_names_of
+from ucp.families import DeepseekV3Config, LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms, expert_names_of
 from ucp.interop.dtypes import parse_dtype, short_name
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.staging import staged_dir
@@ -82,6 +82,7 @@ class HfArch:
     requires: dict[str, Any] = dataclasses.field(default_factory=dict)
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # another config.json spelling -> the key
+    aliases_only: bool = False  # an export writes the aliases alone (else both spellings, for readers of either)
 
 
 _COMMON_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_dropout": 0.0}
@@ -119,6 +120,39 @@ HF_ARCHS: dict[str, HfArch] = {
             requires=_QWEN_MOE_REQUIRES,
             defaults={**_QWEN_MOE_DEFAULTS, "max_position_embeddings": 32768, "norm_topk_prob": False},
             aliases={"num_experts": "num_local_experts", "qkv_bias": "attention_bias"},
+        ),
+        HfArch(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            DeepseekV3Config,
+            (
+                # (not head_dim: DeepSeek's is the RoPE part's size; it travels with the fields not modelled)
+                *(k for k in _DENSE_KEYS if k != "head_dim"),
+                "moe_intermediate_size",
+                "num_local_experts",
+                "num_experts_per_tok",
+                "n_shared_experts",
+                "first_k_dense_replace",
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+            ),
+            requires={"hidden_act": "silu", "attention_bias": False},
+            defaults={
+                **_COMMON_DEFAULTS,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1e4,
+                "rope_interleave": True,
+                "max_position_embeddings": 4096,
+                "n_group": 1,
+                "topk_group": 1,
+                "routed_scaling_factor": 1.0,
+                "norm_topk_prob": True,
+            },
+            aliases={"n_routed_experts": "num_local_experts"},
+            aliases_only=True,
         ),
         HfArch(
             "llama",
@@ -183,6 +217,8 @@ def arch_of(config: Any, hf_extra: dict[str, Any] | None) -> HfArch:
         return stored
     if isinstance(config, MixtralConfig):
         return HF_ARCHS["mixtral"]
+    if isinstance(config, DeepseekV3Config):
+        return HF_ARCHS["deepseek_v3"]
     if isinstance(config, QwenMoeConfig):
         return HF_ARCHS["qwen3_moe" if config.qk_norm else "qwen2_moe"]
     if isinstance(config, LlamaConfig):
@@ -201,6 +237,9 @@ def hf_config_from_ucp(config: Any, hf_extra: dict[str, Any] | None, dtype: torc
     doc.update({"architectures": [arch.architecture], "model_type": arch.model_type})
     doc.update({k: getattr(config, k) for k in arch.keys})
     doc.update({alias: doc[key] for alias, key in arch.aliases.items()})  # (readers of either spelling)
+    if arch.aliases_only:
+        for key in arch.aliases.values():
+            del doc[key]
     doc["dtype"] = short_name(dtype)
     return doc
 
@@ -370,6 +409,7 @@ def stored_hf_config(reader: Any) -> dict[str, Any] | None:
 
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq|.*\._extra_state)$")
 
 
@@ -487,9 +527,17 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
             )
         located[name] = stored
     if unexpected:
+        layers = src.config.num_hidden_layers
+        beyond = [n for n in unexpected if (m := _LAYER.match(n)) and int(m[1]) >= layers]
         raise SourceMismatchError(
             f"{src.root} holds tensors a {type(src.config).__name__} model does not have: {unexpected[:5]}"
             f"{' ...' if len(unexpected) > 5 else ''}"
+            + (
+                f" ({len(beyond)} in layers past num_hidden_layers={layers}: extra layers such as DeepSeek-V3's "
+                "multi-token-prediction ones are not part of the model transformers runs, and have no atoms here)"
+                if beyond
+                else ""
+            )
         )
     missing = [n for n in expected if n not in located]
     if missing:

@@ -40,7 +40,7 @@ from ucp import dtypes
 from ucp.boxes import Box, intersect, relative, to_slices
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
-from ucp.families import LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms
+from ucp.families import DeepseekV3Config, LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms
 from ucp.format import AtomMeta
 from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
@@ -240,9 +240,12 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
     qk_norm = bool(_arg(args, "qk_layernorm", False))
     qkv_bias = bool(_arg(args, "add_qkv_bias", False))
     shared = _arg(args, "moe_shared_expert_intermediate_size") or 0
-    qwen = experts and (qk_norm or qkv_bias or shared)
-    family = ("Qwen MoE" if qwen else "Mixtral") if experts else "Llama"
-    if shared and not _arg(args, "moe_shared_expert_gate", False):
+    mla = bool(_arg(args, "multi_latent_attention", False))
+    qwen = experts and not mla and (qk_norm or qkv_bias or shared)
+    family = "DeepSeek-V3" if mla else ("Qwen MoE" if qwen else "Mixtral") if experts else "Llama"
+    if mla and not experts:
+        raise InteropError(f"{where}: multi-latent attention without experts has no {family} atoms here")
+    if shared and not mla and not _arg(args, "moe_shared_expert_gate", False):
         raise InteropError(f"{where}: a shared expert without its gate (moe_shared_expert_gate) has no {family} atom")
     if not _arg(args, "swiglu", False):
         raise InteropError(
@@ -267,8 +270,10 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
         "tie_word_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
         "make_vocab_size_divisible_by": _arg(args, "make_vocab_size_divisible_by", 128),
     }
-    if qwen:
-        config: Any = QwenMoeConfig(
+    if mla:
+        config: Any = _deepseek_config_from_args(args, where, shape)
+    elif qwen:
+        config = QwenMoeConfig(
             moe_intermediate_size=_arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
             intermediate_size=args.ffn_hidden_size,
             shared_expert_intermediate_size=shared,
@@ -293,10 +298,70 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
             **shape,
         )
     hf = hf_fields_from_args(args, where)
+    if isinstance(config, DeepseekV3Config):
+        hf.update({h: _arg(args, m) for h, m in _DEEPSEEK_ROUTER_ARGS.items() if _arg(args, m) is not None})
+        if _arg(args, "rope_type") == "yarn":
+            rope = hf.pop("rope_parameters", None) or {}
+            rope.update(rope_type="yarn", rope_theta=hf.pop("rope_theta", rope.get("rope_theta")))
+            rope.update({h: _arg(args, m) for h, m in _YARN_ARGS.items() if _arg(args, m) is not None})
+            hf["rope_parameters"] = rope
     if isinstance(config, QwenMoeConfig) and "norm_topk_prob" not in hf:
         # Megatron's router: softmax over the top-k scores (= HF's renormalised top-k), or with pre-softmax over all
         hf["norm_topk_prob"] = not _arg(args, "moe_router_pre_softmax", False)
     return config, hf
+
+
+# DeepSeek-V3's router settings: HF name -> Megatron's (sigmoid scores, grouped top-k, the scaling of the weights)
+_DEEPSEEK_ROUTER_ARGS = {
+    "n_group": "moe_router_num_groups",
+    "topk_group": "moe_router_group_topk",
+    "routed_scaling_factor": "moe_router_topk_scaling_factor",
+}
+# YaRN's RoPE settings (DeepSeek-V3's): HF's rope_parameters field -> Megatron's MLA arg
+_YARN_ARGS = {
+    "factor": "rotary_scaling_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
+
+
+def _deepseek_config_from_args(args: Any, where: str, shape: dict[str, Any]) -> DeepseekV3Config:
+    """DeepSeek-V3's config from Megatron's MLA MoE args: its MoE layers must be the last ones (moe_layer_freq
+    [0]*k + [1]*(n-k), or 1), its router sigmoid with the expert bias (the atom of HF's correction bias)."""
+    layers = shape["num_hidden_layers"]
+    freq = _arg(args, "moe_layer_freq", 1)
+    pattern = [1] * layers if freq == 1 else list(freq) if isinstance(freq, (list, tuple)) else None
+    k = next((i for i, x in enumerate(pattern or []) if x), layers)
+    if pattern is None or len(pattern) != layers or any(x != (i >= k) for i, x in enumerate(pattern)):
+        raise InteropError(
+            f"{where}: moe_layer_freq={freq!r}; ucp's DeepSeek-V3 family has dense layers first, then MoE layers only"
+        )
+    if not _arg(args, "moe_router_enable_expert_bias", False):
+        raise InteropError(
+            f"{where}: moe_router_enable_expert_bias is off; ucp's DeepSeek-V3 family holds the router's expert bias "
+            "(HF's e_score_correction_bias)"
+        )
+    ffn = _arg(args, "moe_ffn_hidden_size") or args.ffn_hidden_size
+    shared = _arg(args, "moe_shared_expert_intermediate_size") or 0
+    if shared % ffn:
+        raise InteropError(f"{where}: moe_shared_expert_intermediate_size={shared} is not a multiple of {ffn}")
+    return DeepseekV3Config(
+        intermediate_size=args.ffn_hidden_size,
+        moe_intermediate_size=ffn,
+        num_local_experts=args.num_experts,
+        num_experts_per_tok=_arg(args, "moe_router_topk", 2),
+        n_shared_experts=shared // ffn,
+        first_k_dense_replace=k,
+        q_lora_rank=_arg(args, "q_lora_rank"),
+        kv_lora_rank=args.kv_lora_rank,
+        qk_nope_head_dim=args.qk_head_dim,
+        qk_rope_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        **{k: v for k, v in shape.items() if k != "head_dim"},
+    )
 
 
 # Hugging Face config fields that Megatron's args carry, by their Megatron names (RoPE's base is handled apart: HF
@@ -346,7 +411,28 @@ def args_for(config: Any, layout: Layout, base: Any = None, hf: Mapping[str, Any
     """Megatron args for a target layout: the source's args with the parallel sizes replaced, or (from a ucp
     checkpoint) the model-shape arguments Megatron-LM checks on load."""
     family_args: dict[str, Any]
-    if isinstance(config, QwenMoeConfig):
+    if isinstance(config, DeepseekV3Config):
+        family_args = {
+            "multi_latent_attention": True,
+            "q_lora_rank": config.q_lora_rank,
+            "kv_lora_rank": config.kv_lora_rank,
+            "qk_head_dim": config.qk_nope_head_dim,
+            "qk_pos_emb_head_dim": config.qk_rope_head_dim,
+            "v_head_dim": config.v_head_dim,
+            "moe_ffn_hidden_size": config.moe_intermediate_size,
+            "num_experts": config.num_local_experts,
+            "moe_router_topk": config.num_experts_per_tok,
+            "moe_shared_expert_intermediate_size": config.moe_intermediate_size * config.n_shared_experts,
+            "moe_layer_freq": [0] * config.first_k_dense_replace
+            + [1] * (config.num_hidden_layers - config.first_k_dense_replace),
+            "moe_router_enable_expert_bias": True,
+            "moe_router_score_function": "sigmoid",
+            **{m: (hf or {})[h] for h, m in _DEEPSEEK_ROUTER_ARGS.items() if h in (hf or {})},
+        }
+        rope = (hf or {}).get("rope_parameters") or {}
+        if rope.get("rope_type") == "yarn":
+            family_args.update(rope_type="yarn", **{m: rope[h] for h, m in _YARN_ARGS.items() if h in rope})
+    elif isinstance(config, QwenMoeConfig):
         family_args = {
             "moe_ffn_hidden_size": config.moe_intermediate_size,
             "num_experts": config.num_local_experts,
@@ -960,14 +1046,20 @@ def _from_universal(
     optimizer state without it (e.g. from ucp's trainer: no Megatron param groups to rebuild) is dropped."""
     reader = _open_universal(src, step, storage_options)
     config = model_config_of(reader)
-    if not isinstance(config, (MixtralConfig, QwenMoeConfig, LlamaConfig)):
+    if not isinstance(config, (MixtralConfig, QwenMoeConfig, LlamaConfig, DeepseekV3Config)):
         raise SourceMismatchError(
-            f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral, the Qwen MoEs and Llama"
+            f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral, the Qwen MoEs, "
+            "DeepSeek-V3 and Llama"
         )
     layout, fmt = _target_layout(to_layout)
     local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written
     extra = _extra(reader)
     hf = extra.get("hf_config")
+    if isinstance(config, DeepseekV3Config) and isinstance(hf, dict) and hf.get("rope_interleave") is False:
+        raise SourceMismatchError(
+            f"{src}: rope_interleave=False, but Megatron's multi-latent attention applies RoPE to interleaved pairs "
+            "(HF's default, rope_interleave=True): Megatron would compute another model"
+        )
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
     args = args_for(config, layout, hf=hf if isinstance(hf, dict) else None)
     args.ckpt_format = fmt

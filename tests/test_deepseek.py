@@ -1,0 +1,286 @@
+"""The DeepSeek-V3 family (ucp.families.deepseek): a random tiny transformers DeepseekV3ForCausalLM (multi-head latent
+attention with and without q compression, first-k dense layers, shared experts, the router's correction bias) goes
+through every path and gives identical logits; the reshaper moves it between layouts; what it cannot hold is
+refused."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ucp
+from ucp.families.deepseek import DeepseekV3Config
+from ucp.interop.errors import SourceMismatchError
+from ucp.interop.hf import export_hf, import_hf
+from ucp.interop.megatron import convert
+
+from .helpers import assert_reshards
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = {
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "max_position_embeddings": 64,
+}
+
+
+def hf_model(tmp_path, **overrides):
+    """A random DeepSeek-V3, saved; structure and non-default hyperparameters drawn at random (each changes the
+    logits, or the atoms)."""
+    rng = random.Random()
+    drawn = {
+        "q_lora_rank": rng.choice([None, 24]),
+        "first_k_dense_replace": rng.choice([0, 1, 2]),
+        "n_shared_experts": rng.choice([1, 2]),
+        "routed_scaling_factor": rng.choice([1.0, 2.5]),
+        "norm_topk_prob": rng.choice([True, False]),
+        "rope_theta": rng.choice([1e4, 5e4]),
+        "rms_norm_eps": rng.choice([1e-6, 1e-5]),
+        "tie_word_embeddings": rng.choice([True, False]),
+    }
+    config = transformers.DeepseekV3Config(**{**SHAPE, **drawn, **overrides})
+    torch.manual_seed(rng.randrange(1000))
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # (norm weights start at one, the correction bias at zero: make every tensor count)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.rand_like(b))
+    model.save_pretrained(tmp_path / "hf")
+    return model
+
+
+def logits(model):
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def back_in_transformers(out, model):
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    for key in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts", "routed_scaling_factor", "norm_topk_prob"):
+        assert config[key] == getattr(model.config, key), key
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(out).eval()
+
+
+def test_import_holds_every_tensor_as_an_atom_of_its_layer(tmp_path):
+    model = hf_model(tmp_path, first_k_dense_replace=1, q_lora_rank=24)
+    report = import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    atoms = ucp.open_checkpoint(str(tmp_path / "u")).atoms
+    assert "model/model.layers.0.mlp.gate_proj.weight" in atoms  # layer 0: dense
+    assert "model/model.layers.0.mlp.gate.weight" not in atoms
+    assert "model/model.layers.1.mlp.gate.e_score_correction_bias" in atoms  # layer 1: MoE
+    assert "model/model.layers.2.mlp.experts.3.down_proj.weight" in atoms
+    assert "model/model.layers.1.mlp.shared_experts.up_proj.weight" in atoms
+    assert "model/model.layers.1.self_attn.q_b_proj.weight" in atoms
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        on_disk = set(f.keys()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    assert {a.removeprefix("model/") for a in atoms} == on_disk
+    assert report.atoms == len(on_disk)
+    shown = subprocess.run(
+        [sys.executable, "-m", "ucp", "inspect", str(tmp_path / "u")], capture_output=True, text=True, check=True
+    ).stdout
+    assert "model       deepseek_v3:" in shown and "first_k_dense_replace 1, q_lora_rank 24, kv_lora_rank 16" in shown
+
+
+@pytest.mark.parametrize("layout", random.sample(["tp2ep2", "tp2pp3ep2", "tp1pp3", "tp2pp1ep4", "tp4"], 2))
+def test_through_megatron_and_back_gives_the_same_logits(tmp_path, layout):
+    model = hf_model(tmp_path)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    convert(str(tmp_path / "u1"), str(tmp_path / "megatron"), from_layout="universal", to_layout=layout)
+    convert(str(tmp_path / "megatron"), str(tmp_path / "u2"), from_layout=layout, to_layout="universal")
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    assert torch.equal(logits(back_in_transformers(tmp_path / "out", model)), logits(model))
+
+
+def test_through_dcp_and_the_weights_loader_gives_the_same_logits(tmp_path):
+    from ucp.interop.dcp import export_dcp, import_dcp
+    from ucp.interop.weights import load_into_module
+
+    model = hf_model(tmp_path)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    export_dcp(str(tmp_path / "u1"), tmp_path / "dcp")
+    import_dcp(tmp_path / "dcp", str(tmp_path / "u2"))
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    assert torch.equal(logits(back_in_transformers(tmp_path / "out", model)), logits(model))
+    fresh = transformers.DeepseekV3ForCausalLM(model.config).eval()
+    load_into_module(str(tmp_path / "u1"), fresh)
+    assert torch.equal(logits(fresh), logits(model))
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_the_reshaper_saves_in_one_layout_and_loads_in_others(tmp_path, q_lora_rank):
+    config = DeepseekV3Config(
+        vocab_size=100, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=4, num_local_experts=4, n_shared_experts=2, first_k_dense_replace=random.choice([1, 2]),
+        q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        make_vocab_size_divisible_by=8,
+    )  # fmt: skip
+    source = random.choice(["tp2pp2", "tp1pp2ep2dp2", "tp2pp1ep2dp2"])
+    assert_reshards(config, str(tmp_path), source, ["tp1pp1", "tp2pp1dp2zero1", "tp1pp4ep2dp2", "tp1pp2vpp2"])
+
+
+@pytest.mark.parametrize("setting", [{"hidden_act": "gelu"}, {"attention_bias": True}])
+def test_settings_whose_weights_have_no_atom_are_refused(tmp_path, setting):
+    hf_model(tmp_path, **setting)
+    key = next(iter(setting))
+    with pytest.raises(SourceMismatchError, match=f"{key}="):
+        import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    assert not (tmp_path / "u").exists()
+
+
+# Non-default values of the fields that change what a DeepSeek-V3 computes (YaRN RoPE, the grouped sigmoid router,
+# norms, token ids) or how it is used.
+FIELDS = {
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 5e4,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+        "mscale": 0.9,
+        "mscale_all_dim": 0.9,
+    },
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 128,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": False,
+    "bos_token_id": 3,
+    "eos_token_id": 4,
+    "initializer_range": 0.05,
+}
+FILE_KEYS = ("transformers_version", "dtype", "torch_dtype")
+
+
+def config_of(directory) -> dict:
+    doc = json.loads((directory / "config.json").read_text())
+    return {k: v for k, v in doc.items() if k not in FILE_KEYS}
+
+
+@pytest.mark.parametrize("path", ["megatron", "dcp"])
+def test_every_hyperparameter_survives_megatron_and_dcp(tmp_path, path):
+    from ucp.interop.dcp import export_dcp, import_dcp
+
+    # (RoPE on halves instead of interleaved pairs: DCP carries it, Megatron cannot run it, see below)
+    model = hf_model(tmp_path, **FIELDS, **({"rope_interleave": False} if path == "dcp" else {}))
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    if path == "megatron":
+        convert(str(tmp_path / "u1"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2ep2")
+        args = torch.load(
+            tmp_path / "m" / "iter_0000000" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False
+        )["args"]  # (a file this test wrote)
+        # Megatron's own names for what they have one for, so that Megatron runs the same router
+        assert args.multi_latent_attention and args.moe_router_enable_expert_bias
+        assert args.moe_router_score_function == "sigmoid"
+        assert (args.moe_router_num_groups, args.moe_router_group_topk) == (2, 1)
+        assert args.moe_router_topk_scaling_factor == 2.5
+        k = model.config.first_k_dense_replace
+        assert args.moe_layer_freq == [0] * k + [1] * (SHAPE["num_hidden_layers"] - k)
+        assert (args.q_lora_rank, args.kv_lora_rank, args.qk_pos_emb_head_dim) == (model.config.q_lora_rank, 16, 8)
+        assert (args.rope_type, args.rotary_scaling_factor, args.mscale, args.beta_fast) == ("yarn", 4.0, 0.9, 16.0)
+        convert(str(tmp_path / "m"), str(tmp_path / "u2"), from_layout="tp2ep2", to_layout="universal")
+    else:
+        export_dcp(str(tmp_path / "u1"), tmp_path / "dcp")
+        import_dcp(tmp_path / "dcp", str(tmp_path / "u2"))
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    assert config_of(tmp_path / "out") == config_of(tmp_path / "hf")
+    assert torch.equal(logits(back_in_transformers(tmp_path / "out", model)), logits(model))
+
+
+def test_a_megatron_checkpoint_says_its_router_and_rope_settings_in_its_own_args(tmp_path):
+    """A checkpoint Megatron wrote (no HF config of ucp's in its args): the router's groups and scaling and YaRN's
+    settings come back into the HF config from Megatron's own arguments."""
+    hf_model(tmp_path, **FIELDS)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    convert(str(tmp_path / "u1"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2")
+    for path in (tmp_path / "m").glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)  # (a file this test wrote)
+        del state["args"].ucp_hf_config
+        torch.save(state, path)
+    convert(str(tmp_path / "m"), str(tmp_path / "u2"), from_layout="tp2", to_layout="universal")
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    got = config_of(tmp_path / "out")
+    for key in ("n_group", "topk_group", "routed_scaling_factor", "rms_norm_eps", "max_position_embeddings"):
+        assert got[key] == FIELDS[key], key
+    assert got["rope_parameters"] == FIELDS["rope_parameters"]
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_path, q_lora_rank):
+    """megatron-core's own GPT model with multi-latent attention (TP 2, local spec), dense first layers, then MoE
+    layers with the sigmoid router, its expert bias, grouped top-k and shared experts, takes ucp's tp2 files with
+    strict=True and computes the logits transformers computes (within float tolerance: another kernel order)."""
+    pytest.importorskip("megatron.core")
+    from .launch import spawn
+    from .megatron_worker import tokens
+
+    # (the worker's model: RoPE base 1e4 on interleaved pairs as Megatron's MLA applies it, norm epsilon 1e-6 (HF's q/kv norms have it
+    # fixed), weights renormalised over the top-k as Megatron's sigmoid router does)
+    k, shared, scaling = random.choice([0, 1, 2]), random.choice([1, 2]), random.choice([1.0, 2.5])
+    model = hf_model(
+        tmp_path,
+        q_lora_rank=q_lora_rank,
+        first_k_dense_replace=k,
+        n_shared_experts=shared,
+        routed_scaling_factor=scaling,
+        norm_topk_prob=True,
+        rope_theta=1e4,
+        rope_interleave=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    convert(str(tmp_path / "u"), str(tmp_path / "megatron"), from_layout="universal", to_layout="tp2")
+    out = tmp_path / "logits"
+    argv = ["tests/megatron_deepseek_worker.py", str(tmp_path / "megatron"), str(out), str(q_lora_rank or 0)]
+    spawn([*argv, str(k), str(shared), str(scaling)], 2, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    with torch.no_grad():
+        expected = model(tokens()).logits
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}", weights_only=True)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (rank, (got - expected).abs().max())
+
+
+def test_a_model_megatron_would_compute_differently_is_not_converted_to_megatron(tmp_path):
+    hf_model(tmp_path, rope_interleave=False)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    with pytest.raises(SourceMismatchError, match="rope_interleave=False"):
+        convert(str(tmp_path / "u"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2")
+    assert not (tmp_path / "m").exists()
+
+
+def test_layers_past_the_models_are_refused_with_what_they_are(tmp_path):
+    """A released DeepSeek-V3 holds a multi-token-prediction layer after its last one: not part of the model that
+    transformers runs, so not imported (and not silently dropped)."""
+    hf_model(tmp_path, num_hidden_layers=3)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(SourceMismatchError, match="in layers past num_hidden_layers=2: .*multi-token-prediction"):
+        import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    assert not (tmp_path / "u").exists()
