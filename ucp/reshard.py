@@ -88,6 +88,7 @@ class LocalParam:
     pieces: tuple[Piece, ...]  # local_box pieces
     zero_group: str
     tp_replicated: bool  # every TP rank holds the same values
+    parameter: bool = True  # False: a buffer in Megatron's model (no optimizer there), e.g. the router's expert bias
 
     @property
     def numel(self) -> int:
@@ -185,6 +186,7 @@ def local_params(config: Any, layout: Layout, coords: RankCoords) -> list[LocalP
                     tuple(pieces),
                     "expert" if place == "expert" else "dense",
                     replicated,
+                    all(r.parameter for r in group),
                 )
             )
 

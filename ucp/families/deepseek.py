@@ -159,6 +159,7 @@ _MLP = (
         lambda c: (c.num_local_experts,),
         replicated,
         in_layer=_moe,
+        parameter=False,
     ),
     Rule(_L + _S + "gate_proj.weight", _D + _S + "linear_fc1.weight", "layer", lambda c: (_shared(c), c.hidden_size), gate_up_spec("gate"), in_layer=_moe),
     Rule(_L + _S + "up_proj.weight", _D + _S + "linear_fc1.weight", "layer", lambda c: (_shared(c), c.hidden_size), gate_up_spec("up"), in_layer=_moe),

@@ -119,6 +119,8 @@ class Rule:
     tied_copy: bool = False  # a local copy of the atom ``canonical`` names (tied weights); no atom of its own
     # Layer and expert rules: the layers that have this tensor (e.g. DeepSeek-V3's first dense layers, then MoE ones)
     in_layer: Callable[[Any, int], bool] = _every_layer
+    # False: Megatron holds the tensor as a buffer, not a parameter (no optimizer state there): the router's expert bias
+    parameter: bool = True
 
     def __post_init__(self) -> None:
         if self.place not in PLACES:

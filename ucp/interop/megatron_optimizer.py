@@ -42,15 +42,29 @@ GROUP_IDENTIFIER = (
 GroupKey = tuple[Any, ...]
 Groups = list[tuple[GroupKey, list[LocalParam]]]  # one optimizer's param groups in order
 
-# Megatron-Core's GPTModel registers its modules in this order (its named_parameters() order, local spec):
+# Megatron-Core's GPTModel registers its modules in this order (its named_parameters() order, local spec; checked
+# against megatron-core's own models by tests/test_megatron_order.py):
 _MODEL_ORDER = ("embedding.", "decoder.layers.", "decoder.final_layernorm.", "output_layer.")
 _LAYER_ORDER = (
     "input_layernorm.",
     "self_attention.linear_proj.",
-    "self_attention.linear_qkv.",
+    "self_attention.linear_qkv.",  # (SelfAttention: linear_qkv, then the q/k norms)
+    "self_attention.linear_q_proj.",  # (MLASelfAttention: the projections, then the q/kv norms)
+    "self_attention.linear_q_down_proj.",
+    "self_attention.linear_q_up_proj.",
+    "self_attention.linear_kv_down_proj.",
+    "self_attention.linear_kv_up_proj.",
+    "self_attention.q_layernorm.",
+    "self_attention.k_layernorm.",
+    "self_attention.kv_layernorm.",
     "pre_mlp_layernorm.",
-    "mlp.router.",
+    "mlp.linear_fc1.",  # (a dense MLP)
+    "mlp.linear_fc2.",
+    "mlp.router.",  # (a MoE layer: router, routed experts, shared experts with their gate first)
     "mlp.experts.local_experts.",
+    "mlp.shared_experts.gate_weight",
+    "mlp.shared_experts.linear_fc1.",
+    "mlp.shared_experts.linear_fc2.",
 )
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight")
 
@@ -86,6 +100,8 @@ def param_groups(config: Any, layout: Layout, rank: int) -> list[Groups]:
     """Per Megatron optimizer (dense, then expert when EP > 1), its param groups in Megatron's order."""
     optimizers: dict[bool, dict[GroupKey, list[LocalParam]]] = {False: {}, True: {}}
     for p in sorted(local_params(config, layout, layout.coords(rank)), key=_registration_key):
+        if not p.parameter:
+            continue  # (a buffer, e.g. the router's expert bias: no gradient, no optimizer state)
         key = group_key(p, layout)
         optimizers[key[2]].setdefault(key, []).append(p)
     # _get_param_groups sorts groups without overrides (wd_mult 1) before the overridden ones (wd_mult 0)

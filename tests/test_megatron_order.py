@@ -1,0 +1,68 @@
+"""The order in which Megatron-Core registers a model's parameters (its named_parameters(): the order of its
+optimizer's param groups and of its distributed optimizer's buffers), which ucp rebuilds to read and write Megatron's
+optimizer state (ucp.interop.megatron_optimizer), checked against megatron-core's own GPT models: a dense model with
+q/k/v biases and q/k norms, a MoE with q/k norms and a gated shared expert, and DeepSeek-V3's multi-latent attention
+(with and without q compression) with a dense first layer and a MoE layer whose router has an expert bias."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ucp.families import DeepseekV3Config, LlamaConfig, QwenMoeConfig
+from ucp.interop.megatron_optimizer import param_groups
+from ucp.layout import parse_layout
+
+from .launch import spawn
+
+SHAPE = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+CONFIGS = {
+    "qwen2_qk_norm": LlamaConfig(
+        **SHAPE, intermediate_size=40, num_key_value_heads=2, attention_bias=True, qk_norm=True
+    ),
+    "qwen_moe_shared": QwenMoeConfig(
+        **SHAPE,
+        moe_intermediate_size=16,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        shared_expert_intermediate_size=16,
+    ),
+    **{
+        f"deepseek_q_lora_{q}": DeepseekV3Config(
+            **SHAPE,
+            intermediate_size=40,
+            moe_intermediate_size=16,
+            num_local_experts=2,
+            first_k_dense_replace=1,
+            q_lora_rank=q,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        )
+        for q in (None, 24)
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_names(tmp_path_factory) -> dict:
+    pytest.importorskip("megatron.core")
+    out = tmp_path_factory.mktemp("order") / "names.json"
+    spawn(["tests/megatron_order_worker.py", str(out)], 1, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("model", list(CONFIGS))
+def test_parameter_order_and_buffers_are_megatrons(megatron_names, model):
+    groups = [
+        p for optimizer in param_groups(CONFIGS[model], parse_layout("tp1pp1"), 0) for _, ps in optimizer for p in ps
+    ]
+    # every parameter of Megatron's is in ucp's groups, and nothing else (its buffers have no optimizer state)
+    assert sorted(p.name for p in groups) == sorted(megatron_names[model]["parameters"])
+    # inside each group, in Megatron's registration order
+    position = {name: i for i, name in enumerate(megatron_names[model]["parameters"])}
+    for optimizer in param_groups(CONFIGS[model], parse_layout("tp1pp1"), 0):
+        for _, params in optimizer:
+            assert [position[p.name] for p in params] == sorted(position[p.name] for p in params), model
