@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,41 +34,30 @@ COMMON = {
 MOE = {"num_moe_experts": 2, "moe_ffn_hidden_size": 16, "moe_token_dispatcher_type": "allgather"}
 
 
-def main(out: str) -> None:
-    setup(0, 1)
+def build(kind: str, tp: int = 1):
+    """megatron-core's GPT model of one kind (tests/test_megatron_order.py's CONFIGS), this rank's part of TP `tp`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     multi_latent_attention.HAVE_TE = False  # (see megatron_deepseek_worker.py)
-
-    def names(cfg, spec) -> dict[str, list[str]]:
-        model = GPTModel(
-            cfg,
-            spec,
-            vocab_size=128,
-            max_sequence_length=64,
-            position_embedding_type="rope",
-            share_embeddings_and_output_weights=False,
+    common = {**COMMON, "tensor_model_parallel_size": tp}
+    if kind == "qwen2_qk_norm":
+        cfg = TransformerConfig(**common, num_query_groups=2, qk_layernorm=True, add_qkv_bias=True)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True)
+    elif kind == "qwen_moe_shared":
+        cfg = TransformerConfig(
+            **common, **MOE, num_query_groups=2, qk_layernorm=True,
+            moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+        )  # fmt: skip
+        spec = get_gpt_layer_local_spec(
+            num_experts=2, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=True
         )
-        return {
-            "parameters": [n for n, _ in model.named_parameters()],
-            "buffers": [n for n, _ in model.named_buffers()],
-        }
-
-    models = {}
-    cfg = TransformerConfig(**COMMON, num_query_groups=2, qk_layernorm=True, add_qkv_bias=True)
-    models["qwen2_qk_norm"] = names(cfg, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True))
-    cfg = TransformerConfig(
-        **COMMON, **MOE, num_query_groups=2, qk_layernorm=True,
-        moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
-    )  # fmt: skip
-    spec = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=True)
-    models["qwen_moe_shared"] = names(cfg, spec)
-    for q_lora in (None, 24):
+    else:
+        q_lora = {"deepseek_q_lora_None": None, "deepseek_q_lora_24": 24}[kind]
         cfg = MLATransformerConfig(
-            **COMMON, **MOE, multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=16, qk_head_dim=8,
+            **common, **MOE, multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=16, qk_head_dim=8,
             qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope", qk_layernorm=True, moe_layer_freq=[0, 1],
             moe_shared_expert_intermediate_size=16, moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
@@ -75,7 +65,30 @@ def main(out: str) -> None:
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = CoreAttention
-        models[f"deepseek_q_lora_{q_lora}"] = names(cfg, spec)
+    torch.manual_seed(0)
+    return GPTModel(
+        cfg,
+        spec,
+        vocab_size=128 * tp,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        parallel_output=False,
+    )
+
+
+KINDS = ("qwen2_qk_norm", "qwen_moe_shared", "deepseek_q_lora_None", "deepseek_q_lora_24")
+
+
+def main(out: str) -> None:
+    setup(0, 1)
+    models = {}
+    for kind in KINDS:
+        model = build(kind)
+        models[kind] = {
+            "parameters": [n for n, _ in model.named_parameters()],
+            "buffers": [n for n, _ in model.named_buffers()],
+        }
     with open(out, "w") as f:
         json.dump(models, f)
     print("ok", flush=True)

@@ -7,8 +7,10 @@ q/k/v biases and q/k norms, a MoE with q/k norms and a gated shared expert, and 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
+import torch
 
 from ucp.families import DeepseekV3Config, LlamaConfig, QwenMoeConfig
 from ucp.interop.megatron_optimizer import param_groups
@@ -66,3 +68,23 @@ def test_parameter_order_and_buffers_are_megatrons(megatron_names, model):
     for optimizer in param_groups(CONFIGS[model], parse_layout("tp1pp1"), 0):
         for _, params in optimizer:
             assert [position[p.name] for p in params] == sorted(position[p.name] for p in params), model
+
+
+@pytest.mark.parametrize("model", random.sample(list(CONFIGS), 2))
+def test_megatrons_optimizer_state_goes_to_tp2_and_back_into_megatron(tmp_path, model):
+    """Adam's state after a step of megatron-core's own optimizer, converted by ucp tp1 -> tp2 -> tp1 and loaded by
+    Megatron's optimizer (which takes it by position in its param groups), is the same, parameter by parameter."""
+    pytest.importorskip("megatron.core")
+    from ucp.families import family_for
+
+    config = CONFIGS[model]
+    (tmp_path / "config.json").write_text(json.dumps({"family": family_for(config).name, **config.to_json()}))
+    out = tmp_path / "states.pt"
+    argv = ["tests/megatron_optim_worker.py", model, str(tmp_path / "config.json"), str(tmp_path), str(out)]
+    spawn(argv, 1, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    states = torch.load(out, weights_only=True)
+    assert set(states["loaded"]) == set(states["saved"])
+    for name, saved in states["saved"].items():
+        assert saved, name  # (a step was taken: every parameter has its Adam state)
+        for key, value in saved.items():
+            assert torch.equal(states["loaded"][name][key], value), (name, key)

@@ -32,7 +32,7 @@ from ucp.boxes import (
 )
 from ucp.errors import LayoutError, StateError, UcpError
 from ucp.families import FAMILIES, family_for
-from ucp.families.table import Rule, atom_name, atom_spec, iter_atoms, local_name
+from ucp.families.table import Rule, atom_name, atom_spec, buffer_atoms, iter_atoms, local_name
 from ucp.layout import Layout, RankCoords, chunk_layer_counts, validate_for_model
 from ucp.partition import PartitionSpec, tp_shard
 
@@ -88,7 +88,7 @@ class LocalParam:
     pieces: tuple[Piece, ...]  # local_box pieces
     zero_group: str
     tp_replicated: bool  # every TP rank holds the same values
-    parameter: bool = True  # False: a buffer in Megatron's model (no optimizer there), e.g. the router's expert bias
+    parameter: bool = True  # False: a buffer (the router's expert bias): no optimizer state, outside ZeRO's buffers
 
     @property
     def numel(self) -> int:
@@ -101,14 +101,16 @@ class _AtomInfo:
     shape: tuple[int, ...]
     spec: PartitionSpec
     place: str
+    parameter: bool  # False: a buffer (no optimizer state, outside ZeRO's flat buffers)
 
 
 @functools.lru_cache(maxsize=16)
 def _atom_table_cached(family_name: str, config_json: str) -> dict[str, _AtomInfo]:
     family = FAMILIES[family_name]
     config = family.config_cls.from_json(json.loads(config_json))
+    buffers = buffer_atoms(family, config)
     return {
-        name: _AtomInfo(i, shape, spec, place)
+        name: _AtomInfo(i, shape, spec, place, name not in buffers)
         for i, (name, shape, spec, place) in enumerate(iter_atoms(family, config))
     }
 
@@ -241,7 +243,7 @@ def flat_layouts(params: list[LocalParam], layout: Layout, coords: RankCoords) -
         members, index = (layout.dp, coords.dp) if group == "dense" else (layout.expert_dp, coords.expert_dp)
         placed, offset = [], 0
         for p in params:
-            if p.zero_group == group:
+            if p.zero_group == group and p.parameter:
                 placed.append((p, offset))
                 offset += p.numel
         padded = -(-offset // members) * members
@@ -299,6 +301,7 @@ def local_plan(
     flat_pieces = {f.group: _flat_range_pieces(f, f.lo, f.hi) for f in flats}
     if layout.zero == 3:
         out += [LocalTensor(("model_flat", f.group), (f.per_member,), None, flat_pieces[f.group], True) for f in flats]
+        out += [LocalTensor((p.chunk_key, p.name), p.shape, None, p.pieces) for p in params if not p.parameter]
     else:
         out += [LocalTensor((p.chunk_key, p.name), p.shape, None, p.pieces) for p in params]
     for state in optim_states:
@@ -311,6 +314,7 @@ def local_plan(
             out += [
                 LocalTensor(("optimizer", "state", p.chunk_key, p.name, state), p.shape, state, p.pieces)
                 for p in params
+                if p.parameter
             ]
     return out
 
@@ -385,9 +389,11 @@ def atom_owners(
     if atom not in table:
         raise UcpError(f"unknown atom {atom!r}")
     info = table[atom]
+    if state is not None and not info.parameter:
+        raise UcpError(f"atom {atom!r} is a buffer: it has no optimizer state {state!r}")
     p = _atom_chunk(info, layout, config) % layout.pp
     ep = info.spec.expert // (config.num_local_experts // layout.ep) if info.spec.zero_group == "expert" else 0
-    flat = layout.zero == 3 if state is None else layout.zero >= 1
+    flat = info.parameter and (layout.zero == 3 if state is None else layout.zero >= 1)
     tp_choice, dp_choice = _writer_choice(info, _state_index(state, optim_states), 1 + len(optim_states), flat, layout)
 
     def dp_rank(member: int) -> int:

@@ -16,7 +16,7 @@ from . import dtypes, tree
 from .checkpoint import CheckpointReader, checked
 from .chunking import ChunkingPolicy, choose_chunks
 from .errors import FormatError, LayoutError
-from .families import FAMILIES, canonical_atoms, family_for
+from .families import FAMILIES, buffer_atoms, canonical_atoms, family_for
 from .format import AtomMeta
 from .layout import Layout, parse_layout
 from .partition import PartitionSpec, tp_shard
@@ -81,11 +81,12 @@ def _atom_metas_cached(
 ) -> dict[AtomKey, AtomMeta]:
     config = FAMILIES[family].config_cls.from_json(json.loads(config_json))
     dtype_of = dict(dtype_items)
+    buffers = buffer_atoms(config)
     metas: dict[AtomKey, AtomMeta] = {}
     for name, (shape, spec) in canonical_atoms(config).items():
         periods = _tp_periods(spec, shape, tp)
         split = next((d for d, p in enumerate(periods) if p), None)
-        for state in (None, *optim_states):
+        for state in (None, *(() if name in buffers else optim_states)):
             dtype = dtype_of[state]
             chunk, inner = choose_chunks(shape, dtypes.itemsize(dtype), policy, periods, split)
             attrs: dict[str, Any] = {"role": "param" if state is None else "optimizer_state"}

@@ -28,6 +28,7 @@ __all__ = [
     "MixtralConfig",
     "QwenMoeConfig",
     "Rule",
+    "buffer_atoms",
     "canonical_atoms",
     "expert_names_of",
     "family_for",
@@ -44,6 +45,11 @@ def family_for(config: Any) -> Family:
 def canonical_atoms(config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
     """Every canonical atom of the model: name -> (full shape, partition spec), in the family's fixed order."""
     return table.canonical_atoms(family_for(config), config)
+
+
+def buffer_atoms(config: Any) -> frozenset[str]:
+    """The atoms that are buffers, not parameters: no optimizer state, outside ZeRO's flat buffers."""
+    return table.buffer_atoms(family_for(config), config)
 
 
 def expert_names_of(config: Any) -> ExpertNames | None:

@@ -152,36 +152,43 @@ def atom_spec(rule: Rule, config: Any, layer: int | None = None, expert: int | N
     )
 
 
+def _rule_atoms(family: Family, config: Any) -> Iterator[tuple[Rule, int | None, int | None]]:
+    """(rule, layer, expert) of every atom, in the fixed canonical order (`iter_atoms`)."""
+    for rule in family.rules_at("first", config):
+        if not rule.tied_copy:
+            yield rule, None, None
+    layer_rules = [r for r in family.rules_at("layer", config) if not r.tied_copy]
+    expert_rules = [r for r in family.rules_at("expert", config) if not r.tied_copy]
+    for layer in range(config.num_hidden_layers):
+        for rule in layer_rules:
+            if rule.in_layer(config, layer):
+                yield rule, layer, None
+        in_layer = [r for r in expert_rules if r.in_layer(config, layer)]
+        experts = (getattr(config, "num_local_experts", 0) or 0) if in_layer else 0
+        for expert in range(experts):
+            for rule in in_layer:
+                yield rule, layer, expert
+    for rule in family.rules_at("last", config):
+        if not rule.tied_copy:
+            yield rule, None, None
+
+
 def iter_atoms(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ...], PartitionSpec, str]]:
     """(name, shape, spec, place) of every atom, in the fixed canonical order: first-chunk atoms; then layer
     by layer, the layer's atoms followed by its experts' atoms expert by expert; then last-chunk atoms.
     Tied copies have no atom of their own."""
-
-    def one(rule: Rule, layer: int | None = None, expert: int | None = None):
-        return (
+    for rule, layer, expert in _rule_atoms(family, config):
+        yield (
             atom_name(rule, layer, expert),
             tuple(rule.shape(config)),
             atom_spec(rule, config, layer, expert),
             rule.place,
         )
 
-    for rule in family.rules_at("first", config):
-        if not rule.tied_copy:
-            yield one(rule)
-    layer_rules = [r for r in family.rules_at("layer", config) if not r.tied_copy]
-    expert_rules = [r for r in family.rules_at("expert", config) if not r.tied_copy]
-    for layer in range(config.num_hidden_layers):
-        for rule in layer_rules:
-            if rule.in_layer(config, layer):
-                yield one(rule, layer)
-        in_layer = [r for r in expert_rules if r.in_layer(config, layer)]
-        experts = (getattr(config, "num_local_experts", 0) or 0) if in_layer else 0
-        for expert in range(experts):
-            for rule in in_layer:
-                yield one(rule, layer, expert)
-    for rule in family.rules_at("last", config):
-        if not rule.tied_copy:
-            yield one(rule)
+
+def buffer_atoms(family: Family, config: Any) -> frozenset[str]:
+    """The atoms that are buffers, not parameters (`Rule.parameter`): no optimizer state, outside ZeRO's buffers."""
+    return frozenset(atom_name(r, layer, x) for r, layer, x in _rule_atoms(family, config) if not r.parameter)
 
 
 def canonical_atoms(family: Family, config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
