@@ -284,3 +284,37 @@ def test_layers_past_the_models_are_refused_with_what_they_are(tmp_path):
     with pytest.raises(SourceMismatchError, match="in layers past num_hidden_layers=2: .*multi-token-prediction"):
         import_hf(tmp_path / "hf", str(tmp_path / "u"))
     assert not (tmp_path / "u").exists()
+
+
+def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_import_and_export(tmp_path):
+    """Released DeepSeek-V3 checkpoints keep the router's correction bias in fp32 beside bf16 weights: every tensor
+    keeps its own dtype, bit for bit, where nothing asked for a cast."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf_model(tmp_path)
+    path = tmp_path / "hf" / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        names = f.keys()
+        tensors = {n: f.get_tensor(n) for n in names}
+    mixed = {n: t if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for n, t in tensors.items()}
+    save_file(mixed, str(path), metadata={"format": "pt"})
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    atoms = ucp.open_checkpoint(str(tmp_path / "u")).atoms
+    assert {m.dtype for p, m in atoms.items() if p.endswith("e_score_correction_bias")} == {"float32"}
+    assert {m.dtype for p, m in atoms.items() if not p.endswith("e_score_correction_bias")} == {"bfloat16"}
+    export_hf(str(tmp_path / "u"), tmp_path / "out")
+    back = {}
+    for out in (tmp_path / "out").glob("*.safetensors"):
+        with safe_open(str(out), framework="pt") as f:
+            names = f.keys()
+            back.update({n: f.get_tensor(n) for n in names})
+    assert set(back) == set(mixed)
+    for name, t in mixed.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    # asked for, a cast applies to every tensor
+    export_hf(str(tmp_path / "u"), tmp_path / "fp32", dtype="fp32")
+    with safe_open(str(next((tmp_path / "fp32").glob("*.safetensors"))), framework="pt") as f:
+        names = f.keys()
+        assert {f.get_tensor(n).dtype for n in names} == {torch.float32}

@@ -87,7 +87,7 @@ def _atom_metas_cached(
         periods = _tp_periods(spec, shape, tp)
         split = next((d for d, p in enumerate(periods) if p), None)
         for state in (None, *(() if name in buffers else optim_states)):
-            dtype = dtype_of[state]
+            dtype = dtype_of[name] if state is None and name in dtype_of else dtype_of[state]
             chunk, inner = choose_chunks(shape, dtypes.itemsize(dtype), policy, periods, split)
             attrs: dict[str, Any] = {"role": "param" if state is None else "optimizer_state"}
             if state is not None:
@@ -101,7 +101,9 @@ def atom_metas(
     model: ShardedModel, dtype_of: Mapping[str | None, str], policy: ChunkingPolicy
 ) -> dict[AtomKey, AtomMeta]:
     """Every atom of a distributed checkpoint, chunked so that chunk boundaries fall on TP boundaries of the
-    writing layout; identical on every rank (a pure function), so no rank needs another's description."""
+    writing layout; identical on every rank (a pure function), so no rank needs another's description.
+    `dtype_of`: the parameters' dtype (key None), each optimizer state's (its name), and where a parameter atom has
+    a dtype of its own (an import that keeps a bf16 model's fp32 router bias), that one (the atom's name)."""
     config_json = json.dumps(model.config.to_json(), sort_keys=True)
     dtype_items = tuple(sorted(dtype_of.items(), key=lambda kv: kv[0] or ""))
     return _atom_metas_cached(

@@ -334,9 +334,9 @@ class SafetensorsWriter:
             raise AssertionError(f"{self.path}: {len(self.specs) - self.written} tensors never written")
 
 
-def _read_cast(reader: CheckpointReader, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_cast(reader: CheckpointReader, names: list[str], dtype_of: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
     tensors = reader.read_atoms([atom_path(n, None) for n in names])
-    return {n: tensors.pop(atom_path(n, None)).to(dtype) for n in names}
+    return {n: tensors.pop(atom_path(n, None)).to(dtype_of[n]) for n in names}
 
 
 def export_hf(
@@ -365,9 +365,10 @@ def export_hf(
     missing = [n for n in names if n not in metas]
     if missing:
         raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
-    stored = {m.dtype for m in metas.values()}
-    out_dtype = target or _torch_dtype_of(stored.pop() if len(stored) == 1 else "float32")
-    sizes = {n: m.nbytes // m.itemsize * out_dtype.itemsize for n, m in metas.items()}
+    # each tensor as stored (a bf16 model's fp32 router bias stays fp32), or all cast to `dtype`
+    dtype_of = {n: target or _torch_dtype_of(m.dtype) for n, m in metas.items()}
+    out_dtype = _most_common(list(dtype_of.values()))  # (what config.json says the model is)
+    sizes = {n: m.nbytes // m.itemsize * dtype_of[n].itemsize for n, m in metas.items()}
     files = pack(sizes, max_shard_bytes)
     limit = group_limit(memory_budget)
     hf_extra = stored_hf_config(reader)
@@ -375,7 +376,7 @@ def export_hf(
     with staged_dir(out_dir) as tmp, progress_bar(sum(sizes.values()), "export hf", progress) as bar:
         for k, file_names in enumerate(files):
             fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-            specs = [(n, out_dtype, metas[n].shape) for n in file_names]
+            specs = [(n, dtype_of[n], metas[n].shape) for n in file_names]
             with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as out:
 
                 def write(tensors: dict[str, torch.Tensor], out: SafetensorsWriter = out) -> None:
@@ -384,13 +385,17 @@ def export_hf(
                         bar.update(nbytes(t))
 
                 groups = pack({n: max(metas[n].nbytes, sizes[n]) for n in file_names}, limit)  # read, then cast
-                pipelined([functools.partial(_read_cast, reader, g, out_dtype) for g in groups], write)
+                pipelined([functools.partial(_read_cast, reader, g, dtype_of) for g in groups], write)
             weight_map.update(dict.fromkeys(file_names, fname))
         written = sum(sizes.values())
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config_from_ucp(config, hf_extra, out_dtype), indent=2) + "\n")
     return ExportReport(len(files), len(weight_map), written)
+
+
+def _most_common(dtypes: list[torch.dtype]) -> torch.dtype:
+    return max(dict.fromkeys(dtypes), key=dtypes.count) if dtypes else torch.float32
 
 
 def _torch_dtype_of(zarr_name: str) -> torch.dtype:
@@ -580,7 +585,12 @@ def import_hf(
     fit `memory_budget`. A failed write leaves no committed step."""
     src = open_hf(src_dir)
     located = locate_hf_atoms(src)
-    param_dtype = parse_dtype(dtype) or next(iter(located.values())).dtype
+    # each atom as stored (a bf16 model's fp32 router bias stays fp32), or all cast to `dtype`
+    cast = parse_dtype(dtype)
+    param_dtype = cast or _most_common([s.dtype for s in located.values()])
+    own_dtypes: dict[str | None, torch.dtype] = {}
+    if cast is None:
+        own_dtypes = {n: s.dtype for n, s in located.items() if s.dtype != param_dtype}
     groups = pack({n: s.nbytes for n, s in located.items()}, group_limit(memory_budget))
     loads = [functools.partial(read_stored_atoms, src.root, {n: located[n] for n in g}) for g in groups]
     extra = {"hf_config": src.hf_extra, "source": {"format": "huggingface", "path": str(src.root.absolute())}}
@@ -589,7 +599,7 @@ def import_hf(
         loads,
         step=step,
         model=ShardedModel(src.config, Layout(), optim_states=()),
-        dtype_of={None: param_dtype},
+        dtype_of={None: param_dtype, **own_dtypes},
         extra=extra,
         storage_options=storage_options,
         workers=workers,

@@ -87,8 +87,9 @@ def save_atoms(
 ) -> int:
     """Write step `step` of `url` in layout tp1pp1 from `groups`: callables that each load some of the model's
     atoms ({(atom, optimizer state or None): full tensor}), together every atom of `model` exactly once. Values
-    are cast to `dtype_of[state]`. A group is read while the previous one is written; a failure leaves no
-    committed step (and removes what was written). Returns the atom bytes written."""
+    are cast to `dtype_of[state]` (or, for a parameter atom named in `dtype_of`, to its own). A group is read
+    while the previous one is written; a failure leaves no committed step (and removes what was written).
+    Returns the atom bytes written."""
     if model.layout.world_size != 1:
         raise ValueError(f"save_atoms writes layout tp1pp1, not {model.layout}")
     options = SaveOptions(io_threads=workers)
