@@ -131,6 +131,28 @@ def assert_reshards(config: Any, url: str, source: str, targets: list[str], seed
                 assert n not in back["optimizer"]["state"], (name, n)
 
 
+def hf_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+    """A transformers causal LM's logits on a fixed batch of tokens."""
+    tokens = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def train_records(config: Path, layout: str, steps: int, tmp: Path, *extra: str) -> list[dict]:
+    """Every record rank 0 of `python -m trainer` writes to its metrics file, run in `layout` (as many local processes
+    as it needs) up to `steps`; logs under `tmp`."""
+    import json
+
+    from trainer import launch
+    from trainer.parallel.mesh import parse_layout
+
+    metrics = tmp / f"{layout}-{launch.free_port()}.jsonl"
+    logs = tmp / f"logs-{metrics.stem}"
+    argv = launch.trainer_argv(config, layout, steps, metrics, *extra)
+    launch.wait(launch.start(argv, parse_layout(layout).world_size, logs), logs, 300)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
 def random_hf_model(arch: str, **config: Any) -> torch.nn.Module:
     """transformers' `arch` (e.g. "LlamaForCausalLM") of `config`, eager attention, with random weights: norms near
     1 and every other weight N(0, 0.05), so that every weight matters."""

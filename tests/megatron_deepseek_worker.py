@@ -12,7 +12,6 @@ is checked, every weight's name, shape and TP slice, is all Megatron's).
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.megatron_worker import forward, setup, tokens
+from tests.megatron_worker import setup, write_tp2_logits
 
 # the shape of tests/test_deepseek.py's SHAPE
 H, FFN, MOE_FFN, L, HEADS, EXPERTS, KV_LORA, NOPE, ROPE, V_DIM = 32, 40, 16, 3, 4, 4, 16, 8, 8, 8
@@ -45,7 +44,6 @@ class CoreAttention(torch.nn.Module):
 def main(ckpt: str, out: str, q_lora: int, k_dense: int, shared: int, scaling: float) -> None:
     rank = int(os.environ["RANK"])
     setup(rank, 2, tp=2)
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -94,24 +92,7 @@ def main(ckpt: str, out: str, q_lora: int, k_dense: int, shared: int, scaling: f
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = CoreAttention
-    model = GPTModel(
-        cfg,
-        spec,
-        vocab_size=128 * 2,
-        max_sequence_length=64,
-        position_embedding_type="rope",
-        rotary_base=10000,
-        share_embeddings_and_output_weights=False,
-        parallel_output=False,
-    )
-    (path,) = glob.glob(os.path.join(ckpt, "iter_*", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
-    model.load_state_dict(torch.load(path, weights_only=False)["model"], strict=True)
-    model.eval()
-    with torch.no_grad():
-        torch.save(forward(model, tokens()), f"{out}.{rank}")
-    torch.distributed.destroy_process_group()
-    print("ok", flush=True)
-    os._exit(0)
+    write_tp2_logits(cfg, spec, ckpt, out, rank)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ logits.
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.megatron_worker import forward, setup, tokens
+from tests.megatron_worker import setup, write_tp2_logits
 
 V, H, FFN, L, HEADS, KV = 100, 32, 48, 2, 4, 2
 
@@ -38,7 +37,6 @@ def main(
 ) -> None:
     rank = int(os.environ["RANK"])
     setup(rank, 2, tp=2)
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -78,24 +76,7 @@ def main(
     spec = get_gpt_layer_local_spec(
         num_experts=experts or None, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_norm
     )
-    model = GPTModel(
-        cfg,
-        spec,
-        vocab_size=128 * 2,
-        max_sequence_length=64,
-        position_embedding_type="rope",
-        rotary_base=10000,
-        share_embeddings_and_output_weights=False,
-        parallel_output=False,
-    )
-    (path,) = glob.glob(os.path.join(ckpt, "iter_*", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
-    model.load_state_dict(torch.load(path, weights_only=False)["model"], strict=True)
-    model.eval()
-    with torch.no_grad():
-        torch.save(forward(model, tokens()), f"{out}.{rank}")
-    torch.distributed.destroy_process_group()
-    print("ok", flush=True)
-    os._exit(0)
+    write_tp2_logits(cfg, spec, ckpt, out, rank)
 
 
 if __name__ == "__main__":

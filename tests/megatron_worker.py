@@ -234,6 +234,34 @@ def forward(model: torch.nn.Module, toks: torch.Tensor) -> torch.Tensor:
     return model(toks, pos, mask)[..., :V]
 
 
+def write_tp2_logits(cfg, spec, ckpt: str, out: str, rank: int) -> None:
+    """The oracle workers' end (megatron_family_worker.py, megatron_deepseek_worker.py): megatron-core's GPT model of
+    `cfg` and `spec` in TP 2 loads this rank's file under CKPT strictly (every name and shape its own) and writes its
+    gathered logits to OUT.rank; then the process exits."""
+    import glob
+
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        cfg,
+        spec,
+        vocab_size=128 * 2,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        share_embeddings_and_output_weights=False,
+        parallel_output=False,
+    )
+    (path,) = glob.glob(os.path.join(ckpt, "iter_*", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
+    model.load_state_dict(torch.load(path, weights_only=False)["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        torch.save(forward(model, tokens()), f"{out}.{rank}")
+    dist.destroy_process_group()
+    print("ok", flush=True)
+    os._exit(0)
+
+
 def rank_path(ckpt: str, name: str) -> str:
     return os.path.join(ckpt, f"iter_{ITERATION:07d}", name, "model_optim_rng.pt")
 

@@ -16,7 +16,7 @@ from ucp.interop.errors import SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
 
-from .helpers import assert_reshards
+from .helpers import assert_reshards, hf_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,9 +64,7 @@ def hf_model(tmp_path, arch, **overrides):
 
 
 def logits(model):
-    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        return model(tokens).logits
+    return hf_logits(model, SHAPE["vocab_size"])
 
 
 def back_in_transformers(out, model):

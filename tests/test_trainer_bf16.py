@@ -13,7 +13,6 @@ in fp32 too) that amplifies any rounding difference, so they are not compared ac
 from __future__ import annotations
 
 import functools
-import json
 import random
 import shutil
 from pathlib import Path
@@ -22,13 +21,13 @@ import pytest
 import torch
 
 import ucp
-from trainer import launch
 from trainer.config import load_config
 from trainer.parallel.mesh import parse_layout
 from trainer.weights import ucp_config
 from ucp.layout import parse_layout as ucp_parse_layout
 from ucp.reshard import assemble
 
+from .helpers import train_records
 from .launch import spawn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,14 +46,7 @@ def tmp(tmp_path_factory) -> str:
 
 def train(layout: str, steps: int, tmp: Path, *extra: str) -> list[dict]:
     """Rank 0's per-step records of `python -m trainer` run in `layout` up to `steps`."""
-    metrics = tmp / f"{layout}-{launch.free_port()}.jsonl"
-    logs = tmp / f"logs-{metrics.stem}"
-    procs = launch.start(
-        launch.trainer_argv(TINY, layout, steps, metrics, *extra), parse_layout(layout).world_size, logs
-    )
-    launch.wait(procs, logs, 300)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r for r in records if "event" not in r]
+    return [r for r in train_records(TINY, layout, steps, tmp, *extra) if "event" not in r]
 
 
 @functools.cache

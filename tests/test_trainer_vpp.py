@@ -8,7 +8,6 @@ model chunk receives can be checked message by message; then the trainer runs it
 from __future__ import annotations
 
 import functools
-import json
 import queue
 import random
 import shutil
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import launch
 from trainer.config import load_config
 from trainer.parallel.mesh import parse_layout
 from trainer.parallel.pipeline import ACTIVATION, GRADIENT, StageOutput, interleaved_one_f_one_b
@@ -26,6 +24,7 @@ from trainer.weights import ucp_config
 from ucp.layout import parse_layout as ucp_parse_layout
 from ucp.reshard import assemble
 
+from .helpers import train_records
 from .launch import spawn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,11 +138,7 @@ def tmp(tmp_path_factory) -> str:
 
 def train(layout: str, steps: int, tmp: Path, *extra: str) -> list[dict]:
     """Rank 0's records of `python -m trainer` run in `layout` up to `steps`."""
-    metrics = tmp / f"{layout}-{launch.free_port()}.jsonl"
-    logs = tmp / f"logs-{metrics.stem}"
-    argv = launch.trainer_argv(TINY, layout, steps, metrics, *extra)
-    launch.wait(launch.start(argv, parse_layout(layout).world_size, logs), logs, 300)
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return train_records(TINY, layout, steps, tmp, *extra)
 
 
 def losses(records: list[dict]) -> list[tuple[float, float]]:
