@@ -48,14 +48,35 @@ def padded(tp: int) -> int:
     return -(-V // (DIVISIBLE_BY * tp)) * DIVISIBLE_BY * tp
 
 
+# UCP_MEGATRON_KIND names another model kind of megatron_order_worker.build (e.g. DeepSeek-V3's MLA; TP only, the
+# vocabulary padded as at 128), UCP_MEGATRON_CONFIG its ucp family config as JSON (for its Megatron args).
+KIND = os.environ.get("UCP_MEGATRON_KIND")
+
+
 def build_model(tp: int, pp: int) -> torch.nn.Module:
+    if KIND is not None:
+        from tests.megatron_order_worker import build
+
+        assert pp == 1, "another model kind runs in TP only"
+        return build(KIND, tp)
     return test_model(tp=tp, pp=pp, vocab_size=padded(tp))
 
 
 def args_for(tp: int, pp: int) -> argparse.Namespace:
-    args = megatron_args()
+    if KIND is not None:
+        import json
+
+        from ucp.families import FAMILIES
+        from ucp.interop.megatron import args_for as ucp_args_for
+        from ucp.layout import parse_layout
+
+        doc = json.loads(os.environ["UCP_MEGATRON_CONFIG"])
+        config = FAMILIES[doc.pop("family")].config_cls.from_json(doc)
+        args = ucp_args_for(config, parse_layout(f"tp{tp}pp{pp}"))
+    else:
+        args = megatron_args()
+        args.padded_vocab_size, args.make_vocab_size_divisible_by = padded(tp), DIVISIBLE_BY
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    args.padded_vocab_size, args.make_vocab_size_divisible_by = padded(tp), DIVISIBLE_BY
     args.ckpt_format = "torch_dist"
     return args
 

@@ -316,3 +316,34 @@ def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_import_and_export(
     with safe_open(str(next((tmp_path / "fp32").glob("*.safetensors"))), framework="pt") as f:
         names = f.keys()
         assert {f.get_tensor(n).dtype for n in names} == {torch.float32}
+
+
+def test_megatron_core_loads_what_ucp_converts_from_its_own_torch_dist(tmp_path):
+    """megatron-core saves its MLA GPT (a dense layer, then a MoE layer with the router's expert bias) at TP 2 with its
+    own dist_checkpointing (torch_dist); ucp converts that to ucp, to tp1 rank files and back to torch_dist, and
+    megatron-core at TP 1 loads each (torch_dist strictly) to the very parameters it loads from its own save."""
+    pytest.importorskip("megatron.core")
+    from ucp.families import family_for
+
+    from .launch import spawn
+    from .test_megatron_order import CONFIGS
+
+    kind = random.choice(["deepseek_q_lora_None", "deepseek_q_lora_24"])
+    config = CONFIGS[kind]
+    env = {
+        "UCP_MEGATRON_KIND": kind,
+        "UCP_MEGATRON_CONFIG": json.dumps({"family": family_for(config).name, **config.to_json()}),
+        "PYTHONWARNINGS": "ignore",
+    }
+    src, out = tmp_path / "src", tmp_path / "params"
+    spawn(["tests/megatron_dist_worker.py", "save", "2", "1", str(src)], 2, timeout=300, env=env)
+    convert(str(src), str(tmp_path / "u"), from_layout="torch_dist", to_layout="universal")
+    convert(str(tmp_path / "u"), str(tmp_path / "tp1"), from_layout="universal", to_layout="tp1")
+    convert(str(tmp_path / "u"), str(tmp_path / "td"), from_layout="universal", to_layout="torch_dist")
+    ckpts = [str(src), str(tmp_path / "tp1"), str(tmp_path / "td")]
+    spawn(["tests/megatron_dist_worker.py", "load", "1", "1", str(out), *ckpts], 1, timeout=300, env=env)
+    own, *ours = torch.load(f"{out}.0", weights_only=True)
+    for loaded in ours:
+        assert set(loaded) == set(own)
+        for name, value in own.items():
+            assert torch.equal(loaded[name], value), name

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ucp.boxes import Box, box_numel, box_shape, intersect, relative, to_slices
+from ucp.families import DeepseekV3Config
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.torch_file import TorchFile
@@ -56,6 +57,10 @@ BACKEND = {
 }
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# multi-latent attention's linears, which save an extra state in torch_dist as the others of EXTRA_STATE_OWNERS do
+_MLA_LINEARS = tuple(
+    f"self_attention.linear_{x}" for x in ("q_proj", "q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj")
+)
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _NORMS = (  # legacy (local spec) name prefix -> the fused spelling megatron-core's local spec saves it under
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
@@ -76,21 +81,30 @@ class DistName:
     index: tuple[int, ...]
 
 
-def dist_name(name: str) -> DistName:
-    """The torch_dist key(s) and index of a tensor of a tp1pp1 legacy rank file (e.g. decoder.layers.3.mlp...)."""
+def per_layer_keys(config: Any) -> bool:
+    """Whether megatron-core saves the model's layers under keys of their own (`decoder.layers.{L}.…`) instead of
+    stacked on a prepended layer axis: it does when the layers differ (a `moe_layer_freq` list, as DeepSeek-V3's
+    dense first layers need)."""
+    return isinstance(config, DeepseekV3Config)
+
+
+def dist_name(name: str, per_layer: bool = False) -> DistName:
+    """The torch_dist key(s) and index of a tensor of a tp1pp1 legacy rank file (e.g. decoder.layers.3.mlp...);
+    `per_layer`: the layers are keyed each on its own (`per_layer_keys`), only experts on a prepended axis."""
     m = _LAYER.fullmatch(name)
     if m is None:
         return DistName((name,), ())
-    index: tuple[int, ...] = (int(m[1]),)
+    index: tuple[int, ...] = () if per_layer else (int(m[1]),)
     rest = m[2]
     expert = _EXPERT.fullmatch(rest)
     if expert is not None:
-        index, rest = (index[0], int(expert[1])), f"mlp.experts.experts.{expert[2]}"
+        index, rest = (*index, int(expert[1])), f"mlp.experts.experts.{expert[2]}"
     spellings = [rest]
     for legacy, fused in _NORMS:
         if rest.startswith(legacy):
             spellings = [fused + rest[len(legacy) :], rest]
-    return DistName(tuple(f"decoder.layers.{s}" for s in spellings), index)
+    prefix = f"decoder.layers.{m[1]}." if per_layer else "decoder.layers."
+    return DistName(tuple(prefix + s for s in spellings), index)
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -230,13 +244,13 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
     used: set[str] = set()
     for lt in local_plan(config, Layout(), 0, ()):
         name = lt.key[1]
-        where = dist_name(name)
+        where = dist_name(name, per_layer_keys(config))
         key = next((k for k in where.keys if k in entries), None)
         if key is None:
             raise InteropError(f"{iter_dir}: no tensor {' or '.join(where.keys)} (for {name}) in its metadata")
         chunk[name] = tensors.tensor(key, where.index, lt.shape)
         used.update(where.keys)  # (a second spelling, as ucp writes norms, is the same tensor)
-        _check_global(iter_dir, key, entries[key], where.index, lt, config)
+        _check_global(iter_dir, key, entries[key], where.index, lt, config, per_layer_keys(config))
     unknown = sorted(
         k
         for k, e in entries.items()
@@ -258,7 +272,9 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
     )
 
 
-def _check_global(iter_dir: Path, key: str, entry: Any, index: tuple[int, ...], lt: LocalTensor, config: Any) -> None:
+def _check_global(
+    iter_dir: Path, key: str, entry: Any, index: tuple[int, ...], lt: LocalTensor, config: Any, per_layer: bool
+) -> None:
     """The metadata's global shape is the model's: prepended axes that hold the index, then the tp1 tensor's
     shape (rows of a vocabulary-sized tensor: at least the real vocabulary)."""
     size = tuple(entry.size)
@@ -268,7 +284,7 @@ def _check_global(iter_dir: Path, key: str, entry: Any, index: tuple[int, ...], 
         len(size) == len(index) + len(lt.shape)
         and all(0 <= i < n for i, n in zip(index, lead))
         and (rest[1:] == lt.shape[1:] and rest[0] >= config.vocab_size if vocab else rest == lt.shape)
-        and (not index or lead[0] == config.num_hidden_layers)
+        and lead == _prepended(config, index, per_layer)
     )
     if not fits:
         raise InteropError(
@@ -322,9 +338,10 @@ class _DataFile:
         self.storage_data[MetadataIndex(key)] = _StorageInfo(DATA_FILE, offset, length)
 
 
-def _prepended(config: Any, index: tuple[int, ...]) -> tuple[int, ...]:
-    """The global sizes of the prepended axes: layers, then experts."""
-    return (config.num_hidden_layers, getattr(config, "num_local_experts", 0))[: len(index)]
+def _prepended(config: Any, index: tuple[int, ...], per_layer: bool = False) -> tuple[int, ...]:
+    """The global sizes of the prepended axes: layers (unless each layer has keys of its own), then experts."""
+    axes = (() if per_layer else (config.num_hidden_layers,)) + (getattr(config, "num_local_experts", 0),)
+    return axes[: len(index)]
 
 
 def write_torch_dist(
@@ -353,10 +370,11 @@ def write_torch_dist(
             tqdm(total=len(plan), desc="write torch_dist", unit="tensor", disable=not progress) as bar,
         ):
             data = _DataFile(f)
+            per_layer = per_layer_keys(target.config)
             for lt in plan:
-                where = dist_name(lt.key[1])
+                where = dist_name(lt.key[1], per_layer)
                 t = produce(0, lt).to(dtype_of(lt))
-                lead = _prepended(target.config, where.index)
+                lead = _prepended(target.config, where.index, per_layer)
                 for key in where.keys:
                     data.tensor(
                         key,
@@ -366,7 +384,7 @@ def write_torch_dist(
                     )
                 written += t.numel() * t.element_size()
                 owner = where.keys[0].removesuffix(".weight")
-                if lt.key[1].endswith(".weight") and owner.endswith(EXTRA_STATE_OWNERS):
+                if lt.key[1].endswith(".weight") and owner.endswith((*EXTRA_STATE_OWNERS, *_MLA_LINEARS)):
                     # megatron-core's ShardedObject for the layer's extra state (None without Transformer Engine)
                     shard = (where.index, lead) if where.index else ((0,), (1,))
                     data.obj(
