@@ -82,9 +82,9 @@ class DistName:
 
 
 def per_layer_keys(config: Any) -> bool:
-    """Whether megatron-core saves the model's layers under keys of their own (`decoder.layers.{L}.…`) instead of
-    stacked on a prepended layer axis: it does when the layers differ (a `moe_layer_freq` list, as DeepSeek-V3's
-    dense first layers need)."""
+    """Whether ucp writes the model's layers under keys of their own (`decoder.layers.{L}.…`) instead of stacked on a
+    prepended layer axis, as megatron-core does when the layers differ (a `moe_layer_freq` list, which ucp's args
+    give DeepSeek-V3 for its dense first layers). A reader goes by the keys it finds."""
     return isinstance(config, DeepseekV3Config)
 
 
@@ -242,15 +242,16 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
     entries = metadata.state_dict_metadata
     chunk: dict[str, torch.Tensor] = {}
     used: set[str] = set()
+    per_layer = any(k.startswith("decoder.layers.0.") for k in entries)
     for lt in local_plan(config, Layout(), 0, ()):
         name = lt.key[1]
-        where = dist_name(name, per_layer_keys(config))
+        where = dist_name(name, per_layer)
         key = next((k for k in where.keys if k in entries), None)
         if key is None:
             raise InteropError(f"{iter_dir}: no tensor {' or '.join(where.keys)} (for {name}) in its metadata")
         chunk[name] = tensors.tensor(key, where.index, lt.shape)
         used.update(where.keys)  # (a second spelling, as ucp writes norms, is the same tensor)
-        _check_global(iter_dir, key, entries[key], where.index, lt, config, per_layer_keys(config))
+        _check_global(iter_dir, key, entries[key], where.index, lt, config, per_layer)
     unknown = sorted(
         k
         for k, e in entries.items()
