@@ -167,6 +167,14 @@ def test_interleaved_layouts_train_like_tp1pp1(layout, tmp):
     assert_close(reference(layout, tmp), reference("tp1pp1", tmp))
 
 
+def test_tied_embeddings_over_an_interleaved_pipeline_train_like_tp1pp1(tmp_path):
+    """The embedding lives in stage 0's first model chunk, its copy in the last stage's last chunk: their gradients
+    are summed over the two, as without virtual stages."""
+    tied = ("--set", "model.tie_word_embeddings=true")
+    layout = random.choice(["tp1pp2vpp2", "tp2pp2vpp2"])
+    assert_close(losses(train(layout, N, tmp_path, *tied)), losses(train("tp1pp1", N, tmp_path, *tied)))
+
+
 @functools.cache
 def checkpointed(layout: str, tmp: str) -> Path:
     root = Path(tmp) / f"ckpt-{layout}"
