@@ -284,9 +284,10 @@ def test_layers_past_the_models_are_refused_with_what_they_are(tmp_path):
     assert not (tmp_path / "u").exists()
 
 
-def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_import_and_export(tmp_path):
+@pytest.mark.parametrize("path", ["hf", "megatron"])
+def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_every_path(tmp_path, path):
     """Released DeepSeek-V3 checkpoints keep the router's correction bias in fp32 beside bf16 weights: every tensor
-    keeps its own dtype, bit for bit, where nothing asked for a cast."""
+    keeps its own dtype, bit for bit, where nothing asked for a cast (Megatron holds the bias in an fp32 buffer)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -301,6 +302,18 @@ def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_import_and_export(
     atoms = ucp.open_checkpoint(str(tmp_path / "u")).atoms
     assert {m.dtype for p, m in atoms.items() if p.endswith("e_score_correction_bias")} == {"float32"}
     assert {m.dtype for p, m in atoms.items() if not p.endswith("e_score_correction_bias")} == {"bfloat16"}
+    if path == "megatron":
+        convert(str(tmp_path / "u"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2ep2")
+        rank_file = torch.load(
+            next((tmp_path / "m").glob("iter_*/mp_rank_00_000/model_optim_rng.pt")), weights_only=False
+        )
+        biases = [t for n, t in rank_file["model"].items() if n.endswith("router.expert_bias")]
+        assert biases and {t.dtype for t in biases} == {torch.float32}
+        assert rank_file["model"]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+        convert(str(tmp_path / "m"), str(tmp_path / "m2"), from_layout="tp2ep2", to_layout="tp1pp2ep2")  # resharded
+        convert(str(tmp_path / "m2"), str(tmp_path / "u2"), from_layout="tp1pp2ep2", to_layout="universal")
+        (tmp_path / "u").rename(tmp_path / "u-imported")
+        (tmp_path / "u2").rename(tmp_path / "u")
     export_hf(str(tmp_path / "u"), tmp_path / "out")
     back = {}
     for out in (tmp_path / "out").glob("*.safetensors"):

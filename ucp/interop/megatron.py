@@ -40,7 +40,7 @@ from ucp import dtypes
 from ucp.boxes import Box, intersect, relative, to_slices
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
-from ucp.families import DeepseekV3Config, LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms
+from ucp.families import DeepseekV3Config, LlamaConfig, MixtralConfig, QwenMoeConfig, buffer_atoms, canonical_atoms
 from ucp.format import AtomMeta
 from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
@@ -911,12 +911,43 @@ def _universal_extra(source: MegatronSource) -> dict[str, Any]:
     return extra
 
 
-def _source_dtypes(source: MegatronSource) -> dict[str | None, torch.dtype]:
-    """The dtype of the parameters and of each optimizer state in the source files (those of rank 0)."""
-    local = source.local_state(0)
-    return {
-        lt.state: local_tensor(local, lt.key).dtype for lt in local_plan(source.config, source.layout, 0, source.states)
-    }
+@dataclass(frozen=True)
+class Dtypes:
+    """The dtypes of a checkpoint's tensors: each optimizer state's (and the parameters' most common, key None), and
+    each parameter atom's own (a bf16 model's fp32 router bias stays fp32 through every conversion)."""
+
+    of_state: dict[str | None, torch.dtype]
+    of_atom: dict[str, torch.dtype]
+
+    def of(self, lt: LocalTensor) -> torch.dtype:
+        """A local tensor's dtype: its first atom's for a parameter, its state's for an optimizer state."""
+        if lt.state is None and lt.pieces:
+            return self.of_atom.get(lt.pieces[0].atom, self.of_state[None])
+        return self.of_state[lt.state]
+
+    def atom(self, atom: str, state: str | None) -> torch.dtype:
+        return self.of_atom.get(atom, self.of_state[None]) if state is None else self.of_state[state]
+
+    def save_dtypes(self) -> dict[str | None, torch.dtype]:
+        """`streaming.save_atoms`' dtype_of: the states', and the parameter atoms' not of the common dtype."""
+        common = self.of_state[None]
+        return {**self.of_state, **{a: d for a, d in self.of_atom.items() if d != common}}
+
+
+def _source_dtypes(source: MegatronSource) -> Dtypes:
+    """The dtypes of the source files' tensors (from their headers: no tensor is read)."""
+    of_state: dict[str | None, torch.dtype] = {}
+    of_atom: dict[str, torch.dtype] = {}
+    for rank in source.files:
+        local = source.local_state(rank)
+        for lt in local_plan(source.config, source.layout, rank, source.states):
+            dtype = local_tensor(local, lt.key).dtype
+            of_state.setdefault(lt.state, dtype)
+            if lt.state is None:
+                of_atom.update({p.atom: dtype for p in lt.pieces if p.atom not in of_atom})
+    params = list(of_atom.values())
+    of_state[None] = max(dict.fromkeys(params), key=params.count) if params else of_state.get(None, torch.float32)
+    return Dtypes(of_state, of_atom)
 
 
 def _to_universal(
@@ -932,22 +963,21 @@ def _to_universal(
     budget, each atom filled from the source regions holding it; a group's source tensors are read from their
     files and dropped with the group."""
     index = _PieceIndex.of(source)
-    dtype_of = _source_dtypes(source)
+    dtypes_ = _source_dtypes(source)
     shapes = {name: tuple(shape) for name, (shape, _) in canonical_atoms(source.config).items()}
-    sizes = {
-        (a, s): math.prod(shape) * dtype_of[s].itemsize for a, shape in shapes.items() for s in (None, *source.states)
-    }
+    keys = [(a, s) for a in shapes for s in ((None,) if a in buffer_atoms(source.config) else (None, *source.states))]
+    sizes = {(a, s): math.prod(shapes[a]) * dtypes_.atom(a, s).itemsize for a, s in keys}
 
     def load(keys: list[AtomKey]) -> dict[AtomKey, torch.Tensor]:
         cache: SourceCache = {}
-        return {(a, s): index.atom(a, s, shapes[a], dtype_of[s], cache) for a, s in keys}
+        return {(a, s): index.atom(a, s, shapes[a], dtypes_.atom(a, s), cache) for a, s in keys}
 
     written = save_atoms(
         url,
         [functools.partial(load, keys) for keys in pack(sizes, group_limit(memory_budget))],
         step=step,
         model=ShardedModel(source.config, Layout(), optim_states=source.states),
-        dtype_of=dtype_of,
+        dtype_of=dtypes_.save_dtypes(),
         extra=_universal_extra(source),
         storage_options=storage_options,
         workers=workers,
@@ -1006,7 +1036,7 @@ def _reshard(
     layout, fmt = _target_layout(to_layout)
     local_plan(source.config, layout, 0, ())  # the layout fits the model, before anything is written
     index = _PieceIndex.of(source)
-    dtype_of = _source_dtypes(source)
+    dtypes_ = _source_dtypes(source)
     # RNG states are per rank: a file of the same layout is the same rank, any other has no source to take them from
     has_rng = all("rng_state" in f for f in source.files.values())
     same = megatron_name(layout) == megatron_name(source.layout) and fmt == "torch"
@@ -1018,8 +1048,8 @@ def _reshard(
     files, written = _write_megatron(
         dst,
         target,
-        lambda _rank, lt: index.local(lt, dtype_of[lt.state]),
-        lambda lt: dtype_of[lt.state],
+        lambda _rank, lt: index.local(lt, dtypes_.of(lt)),
+        dtypes_.of,
         memory_budget,
         workers,
         progress,
@@ -1073,14 +1103,13 @@ def _from_universal(
         format=fmt,
     )
     atom_meta = _atom_metas(reader, config, layout, target.states)
-    dtype_of = {
-        state: dtypes.torch_dtype(meta.dtype) for (_, state), meta in reversed(atom_meta.items())
-    }  # the first atom's
+    of_state = {state: dtypes.torch_dtype(meta.dtype) for (_, state), meta in reversed(atom_meta.items())}
+    stored = Dtypes(of_state, {a: dtypes.torch_dtype(m.dtype) for (a, s), m in atom_meta.items() if s is None})
     files, written = _write_megatron(
         dst,
         target,
-        lambda _rank, lt: _read_local(reader, atom_meta, lt, dtype_of[lt.state]),
-        lambda lt: dtype_of[lt.state],
+        lambda _rank, lt: _read_local(reader, atom_meta, lt, stored.of(lt)),
+        stored.of,
         memory_budget,
         workers,
         progress,
