@@ -284,7 +284,7 @@ def test_layers_past_the_models_are_refused_with_what_they_are(tmp_path):
     assert not (tmp_path / "u").exists()
 
 
-@pytest.mark.parametrize("path", ["hf", "megatron"])
+@pytest.mark.parametrize("path", ["hf", "megatron", "dcp"])
 def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_every_path(tmp_path, path):
     """Released DeepSeek-V3 checkpoints keep the router's correction bias in fp32 beside bf16 weights: every tensor
     keeps its own dtype, bit for bit, where nothing asked for a cast (Megatron holds the bias in an fp32 buffer)."""
@@ -314,6 +314,12 @@ def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_every_path(tmp_pat
         convert(str(tmp_path / "m2"), str(tmp_path / "u2"), from_layout="tp1pp2ep2", to_layout="universal")
         (tmp_path / "u").rename(tmp_path / "u-imported")
         (tmp_path / "u2").rename(tmp_path / "u")
+    elif path == "dcp":
+        from ucp.interop.dcp import export_dcp, import_dcp
+
+        export_dcp(str(tmp_path / "u"), tmp_path / "dcp")
+        (tmp_path / "u").rename(tmp_path / "u-imported")
+        import_dcp(tmp_path / "dcp", str(tmp_path / "u"))
     export_hf(str(tmp_path / "u"), tmp_path / "out")
     back = {}
     for out in (tmp_path / "out").glob("*.safetensors"):

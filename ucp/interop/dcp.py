@@ -312,6 +312,11 @@ def import_dcp(
     states = tuple(sorted({t.state for t in targets if t.state is not None}))
     dtype_of: dict[str | None, torch.dtype] = {None: parse_dtype(dtype) or _first_dtype(metadata, targets, None)}
     dtype_of.update({s: _first_dtype(metadata, targets, s) for s in states})
+    if dtype is None:  # each parameter atom as stored (a bf16 model's fp32 router bias stays fp32)
+        for t in targets:
+            stored = metadata.state_dict_metadata[t.fqn].properties.dtype
+            if t.state is None and stored != dtype_of[None]:
+                dtype_of.update(dict.fromkeys(t.atoms, stored))
     by_fqn = {t.fqn: t for t in targets}
     sizes = {t.fqn: math.prod(t.shape) * metadata.state_dict_metadata[t.fqn].properties.dtype.itemsize for t in targets}
     groups = pack(sizes, group_limit(memory_budget))
