@@ -292,12 +292,12 @@ def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_every_path(tmp_pat
     from safetensors.torch import save_file
 
     hf_model(tmp_path)
-    path = tmp_path / "hf" / "model.safetensors"
-    with safe_open(str(path), framework="pt") as f:
+    weights = tmp_path / "hf" / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
         names = f.keys()
         tensors = {n: f.get_tensor(n) for n in names}
     mixed = {n: t if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for n, t in tensors.items()}
-    save_file(mixed, str(path), metadata={"format": "pt"})
+    save_file(mixed, str(weights), metadata={"format": "pt"})
     import_hf(tmp_path / "hf", str(tmp_path / "u"))
     atoms = ucp.open_checkpoint(str(tmp_path / "u")).atoms
     assert {m.dtype for p, m in atoms.items() if p.endswith("e_score_correction_bias")} == {"float32"}
@@ -310,8 +310,8 @@ def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_every_path(tmp_pat
         biases = [t for n, t in rank_file["model"].items() if n.endswith("router.expert_bias")]
         assert biases and {t.dtype for t in biases} == {torch.float32}
         assert rank_file["model"]["embedding.word_embeddings.weight"].dtype == torch.bfloat16
-        convert(str(tmp_path / "m"), str(tmp_path / "m2"), from_layout="tp2ep2", to_layout="tp1pp2ep2")  # resharded
-        convert(str(tmp_path / "m2"), str(tmp_path / "u2"), from_layout="tp1pp2ep2", to_layout="universal")
+        convert(str(tmp_path / "m"), str(tmp_path / "m2"), from_layout="tp2ep2", to_layout="tp1pp3ep2")  # resharded
+        convert(str(tmp_path / "m2"), str(tmp_path / "u2"), from_layout="tp1pp3ep2", to_layout="universal")
         (tmp_path / "u").rename(tmp_path / "u-imported")
         (tmp_path / "u2").rename(tmp_path / "u")
     elif path == "dcp":
