@@ -22,6 +22,7 @@ A step:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,13 +91,13 @@ class FlatBuffer:
         # fp32 and serve as their own masters.
         self.master: torch.Tensor | None = None
         if masters:
-            self.master = self.owned(self.flatten(self.params())).clone()
+            self.master = self.owned(self.flatten(lambda e: e.param.detach())).clone()
         for e in self.entries:
             e.param.register_post_accumulate_grad_hook(self._accumulate_into(e))
 
     def _accumulate_into(self, e: Entry):
         def hook(param: torch.Tensor) -> None:
-            self.grad[e.offset : e.offset + e.numel].add_(param.grad.flatten())
+            self.grad_of(e).add_(param.grad.flatten())
             param.grad = None
 
         return hook
@@ -112,17 +113,11 @@ class FlatBuffer:
     def grad_of(self, entry: Entry) -> torch.Tensor:
         return self.grad[entry.offset : entry.offset + entry.numel]
 
-    def params(self) -> Chunks:
-        out: Chunks = {}
-        for e in self.entries:
-            out.setdefault(e.chunk, {})[e.name] = e.param.detach()
-        return out
-
-    def flatten(self, tensors: Chunks) -> torch.Tensor:
-        """The group's tensors (its local parameters, or values shaped like them) end to end in fp32."""
+    def flatten(self, value_of: Callable[[Entry], torch.Tensor]) -> torch.Tensor:
+        """A value per parameter of the group (the parameter itself, or one shaped like it), end to end in fp32."""
         flat = torch.zeros(self.padded, device=self.grad.device)
         for e in self.entries:
-            flat[e.offset : e.offset + e.numel].copy_(tensors[e.chunk][e.name].flatten())
+            flat[e.offset : e.offset + e.numel].copy_(value_of(e).flatten())
         return flat
 
     def owned(self, flat: torch.Tensor) -> torch.Tensor:
@@ -144,7 +139,7 @@ class FlatBuffer:
         if self.master is not None:
             p = self.master
         else:
-            p = self.owned(self.flatten(self.params()))
+            p = self.owned(self.flatten(lambda e: e.param.detach()))
         g = self.owned(self.grad)
         m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
         p.mul_(1.0 - lr * cfg.weight_decay * self.decay_mask)
@@ -287,18 +282,16 @@ class DistributedAdamW:
         `state` has them, set the parameters, whatever their precision (a full-precision run resumes from a
         mixed-precision one's masters); a mixed-precision run given a state without them (a full-precision
         run's) takes its masters from `params`."""
+        per_param = state.get("state", {})  # (without ZeRO: chunk -> name -> {state: tensor})
         for key, buffer in self.buffers.items():
             if not buffer.entries:
                 continue  # (a dense model's expert buffer)
             if self.mesh.layout.zero == 0:
-                per_param = state["state"]
-                held = {s for e in buffer.entries for s in per_param[e.chunk][e.name]}
+                first = buffer.entries[0]
                 saved = {
-                    s: buffer.flatten(
-                        {c: {n: states[s] for n, states in names.items()} for c, names in per_param.items()}
-                    )
+                    s: buffer.flatten(lambda e, s=s: per_param[e.chunk][e.name][s])
                     for s in (*STATE_NAMES, MASTER)
-                    if s in held
+                    if s in per_param[first.chunk][first.name]
                 }
             else:
                 saved = state["flat"][key]
@@ -309,5 +302,5 @@ class DistributedAdamW:
                     buffer.master.copy_(saved[MASTER])
                 buffer.publish(saved[MASTER].float())
             elif buffer.master is not None:
-                buffer.master.copy_(buffer.owned(buffer.flatten(params)))
+                buffer.master.copy_(buffer.owned(buffer.flatten(lambda e: params[e.chunk][e.name])))
         self.step = int(state["step"])
