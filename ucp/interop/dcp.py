@@ -34,7 +34,7 @@ import torch
 from ucp import dtypes
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.families import canonical_atoms, expert_names_of, family_for
-from ucp.interop.dtypes import parse_dtype
+from ucp.interop.dtypes import kept_param_dtypes, parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.hf import hf_config_from_ucp, stored_hf_config, ucp_config_from_hf
 from ucp.interop.staging import staged_dir
@@ -310,13 +310,11 @@ def import_dcp(
     targets, skipped = plan_import(metadata, cfg, str(root))
     _check_shapes(targets, cfg, str(root))
     states = tuple(sorted({t.state for t in targets if t.state is not None}))
-    dtype_of: dict[str | None, torch.dtype] = {None: parse_dtype(dtype) or _first_dtype(metadata, targets, None)}
+    stored = {
+        a: metadata.state_dict_metadata[t.fqn].properties.dtype for t in targets if t.state is None for a in t.atoms
+    }
+    dtype_of = kept_param_dtypes(stored, parse_dtype(dtype))
     dtype_of.update({s: _first_dtype(metadata, targets, s) for s in states})
-    if dtype is None:  # each parameter atom as stored (a bf16 model's fp32 router bias stays fp32)
-        for t in targets:
-            stored = metadata.state_dict_metadata[t.fqn].properties.dtype
-            if t.state is None and stored != dtype_of[None]:
-                dtype_of.update(dict.fromkeys(t.atoms, stored))
     by_fqn = {t.fqn: t for t in targets}
     sizes = {t.fqn: math.prod(t.shape) * metadata.state_dict_metadata[t.fqn].properties.dtype.itemsize for t in targets}
     groups = pack(sizes, group_limit(memory_budget))

@@ -34,7 +34,7 @@ import torch
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import UcpError
 from ucp.families import DeepseekV3Config, LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms, expert_names_of
-from ucp.interop.dtypes import parse_dtype, short_name
+from ucp.interop.dtypes import kept_param_dtypes, most_common, parse_dtype, short_name
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.staging import staged_dir
 from ucp.interop.streaming import (
@@ -367,7 +367,7 @@ def export_hf(
         raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
     # each tensor as stored (a bf16 model's fp32 router bias stays fp32), or all cast to `dtype`
     dtype_of = {n: target or _torch_dtype_of(m.dtype) for n, m in metas.items()}
-    out_dtype = _most_common(list(dtype_of.values()))  # (what config.json says the model is)
+    out_dtype = most_common(dtype_of.values())  # (what config.json says the model is)
     sizes = {n: m.nbytes // m.itemsize * dtype_of[n].itemsize for n, m in metas.items()}
     files = pack(sizes, max_shard_bytes)
     limit = group_limit(memory_budget)
@@ -392,10 +392,6 @@ def export_hf(
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config_from_ucp(config, hf_extra, out_dtype), indent=2) + "\n")
     return ExportReport(len(files), len(weight_map), written)
-
-
-def _most_common(dtypes: list[torch.dtype]) -> torch.dtype:
-    return max(dict.fromkeys(dtypes), key=dtypes.count) if dtypes else torch.float32
 
 
 def _torch_dtype_of(zarr_name: str) -> torch.dtype:
@@ -585,12 +581,7 @@ def import_hf(
     fit `memory_budget`. A failed write leaves no committed step."""
     src = open_hf(src_dir)
     located = locate_hf_atoms(src)
-    # each atom as stored (a bf16 model's fp32 router bias stays fp32), or all cast to `dtype`
-    cast = parse_dtype(dtype)
-    param_dtype = cast or _most_common([s.dtype for s in located.values()])
-    own_dtypes: dict[str | None, torch.dtype] = {}
-    if cast is None:
-        own_dtypes = {n: s.dtype for n, s in located.items() if s.dtype != param_dtype}
+    dtype_of = kept_param_dtypes({n: s.dtype for n, s in located.items()}, parse_dtype(dtype))
     groups = pack({n: s.nbytes for n, s in located.items()}, group_limit(memory_budget))
     loads = [functools.partial(read_stored_atoms, src.root, {n: located[n] for n in g}) for g in groups]
     extra = {"hf_config": src.hf_extra, "source": {"format": "huggingface", "path": str(src.root.absolute())}}
@@ -599,7 +590,7 @@ def import_hf(
         loads,
         step=step,
         model=ShardedModel(src.config, Layout(), optim_states=()),
-        dtype_of={None: param_dtype, **own_dtypes},
+        dtype_of=dtype_of,
         extra=extra,
         storage_options=storage_options,
         workers=workers,

@@ -43,6 +43,7 @@ from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpErr
 from ucp.families import DeepseekV3Config, LlamaConfig, MixtralConfig, QwenMoeConfig, buffer_atoms, canonical_atoms
 from ucp.format import AtomMeta
 from ucp.interop import torch_file
+from ucp.interop.dtypes import kept_param_dtypes, most_common
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron_dist import TORCH_DIST, open_torch_dist, write_torch_dist
 from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer, write_optimizer
@@ -65,6 +66,7 @@ UNIVERSAL = "universal"
 EXTRA_STATE_OWNERS = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
+    *(f"self_attention.linear_{x}" for x in ("q_proj", "q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj")),
     "linear_fc1",
     "linear_fc2",
     "output_layer",
@@ -929,9 +931,8 @@ class Dtypes:
         return self.of_atom.get(atom, self.of_state[None]) if state is None else self.of_state[state]
 
     def save_dtypes(self) -> dict[str | None, torch.dtype]:
-        """`streaming.save_atoms`' dtype_of: the states', and the parameter atoms' not of the common dtype."""
-        common = self.of_state[None]
-        return {**self.of_state, **{a: d for a, d in self.of_atom.items() if d != common}}
+        """`streaming.save_atoms`' dtype_of: the states', and the parameter atoms' kept as they are."""
+        return {**self.of_state, **kept_param_dtypes(self.of_atom)}
 
 
 def _source_dtypes(source: MegatronSource) -> Dtypes:
@@ -945,8 +946,7 @@ def _source_dtypes(source: MegatronSource) -> Dtypes:
             of_state.setdefault(lt.state, dtype)
             if lt.state is None:
                 of_atom.update({p.atom: dtype for p in lt.pieces if p.atom not in of_atom})
-    params = list(of_atom.values())
-    of_state[None] = max(dict.fromkeys(params), key=params.count) if params else of_state.get(None, torch.float32)
+    of_state[None] = most_common(of_atom.values())
     return Dtypes(of_state, of_atom)
 
 
