@@ -57,10 +57,6 @@ BACKEND = {
 }
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-# multi-latent attention's linears, which save an extra state in torch_dist as the others of EXTRA_STATE_OWNERS do
-_MLA_LINEARS = tuple(
-    f"self_attention.linear_{x}" for x in ("q_proj", "q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj")
-)
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _NORMS = (  # legacy (local spec) name prefix -> the fused spelling megatron-core's local spec saves it under
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
@@ -385,7 +381,7 @@ def write_torch_dist(
                     )
                 written += t.numel() * t.element_size()
                 owner = where.keys[0].removesuffix(".weight")
-                if lt.key[1].endswith(".weight") and owner.endswith((*EXTRA_STATE_OWNERS, *_MLA_LINEARS)):
+                if lt.key[1].endswith(".weight") and owner.endswith(EXTRA_STATE_OWNERS):
                     # megatron-core's ShardedObject for the layer's extra state (None without Transformer Engine)
                     shard = (where.index, lead) if where.index else ((0,), (1,))
                     data.obj(
