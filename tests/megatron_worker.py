@@ -144,7 +144,9 @@ def megatron_args(ep: int = 1, bf16: bool = False) -> argparse.Namespace:
 class Trainable:
     """The model wrapped as Megatron-LM trains it (Float16Module for bf16, then DDP), its optimizer and scheduler."""
 
-    def __init__(self, model: torch.nn.Module, bf16: bool):
+    def __init__(self, model: torch.nn.Module, bf16: bool, distributed: bool = False, bucket_size: int | None = None):
+        """distributed: Megatron's distributed optimizer (state sharded over DP, saved in distrib_optim.pt);
+        bucket_size: with it, DDP overlaps its grad reduction and cuts its buffers into buckets of that size."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -152,9 +154,13 @@ class Trainable:
 
         self.model = model
         wrapped = Float16Module(model.config, model) if bf16 else model
-        self.ddp = DistributedDataParallel(
-            model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), wrapped
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=distributed,
+            overlap_grad_reduce=bucket_size is not None,
+            bucket_size=bucket_size,
         )
+        self.ddp = DistributedDataParallel(model.config, ddp_config, wrapped)
         config = OptimizerConfig(
             optimizer="adam",
             lr=1e-2,
@@ -163,6 +169,7 @@ class Trainable:
             clip_grad=0.0,
             bf16=bf16,
             params_dtype=model.config.params_dtype,
+            use_distributed_optimizer=distributed,
         )
         with _cuda_free_optimizer_setup():
             self.optimizer = get_megatron_optimizer(config, [self.ddp])
@@ -302,8 +309,10 @@ def perturb(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(torch.randn_like(p) * 0.2)
-        model.embedding.word_embeddings.weight[V:] = 0
-        model.output_layer.weight[V:] = 0
+        if hasattr(model, "embedding"):  # (a pipeline stage has the embedding or the output layer or neither)
+            model.embedding.word_embeddings.weight[V:] = 0
+        if hasattr(model, "output_layer"):
+            model.output_layer.weight[V:] = 0
 
 
 def single(mode: str, ckpt: str, out: str) -> None:

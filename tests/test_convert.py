@@ -266,10 +266,10 @@ def test_optimizer_state_ucp_cannot_map_is_refused(megatron_tp1, tmp_path):
         match=r"optimizer state of model/decoder.layers.0.self_attention.linear_proj.weight\['exp_avg'\] is \[3\]",
     ):
         convert(str(ckpt), str(dst), from_layout="tp1", to_layout="tp2")
-    # a distributed optimizer's state is refused, naming the file
+    # a distributed optimizer's file that is not one is refused, naming it
     _replace(good, path)
     (path.parent / "distrib_optim.pt").write_bytes(b"")
-    with pytest.raises(InteropError, match=r"mp_rank_00/distrib_optim.pt: a distributed optimizer's state"):
+    with pytest.raises(InteropError, match=r"mp_rank_00/distrib_optim.pt is not a readable torch checkpoint"):
         convert(str(ckpt), str(dst), from_layout="tp1", to_layout="universal")
     assert not dst.exists()
 

@@ -12,8 +12,9 @@ written tensor by tensor (torch_file.save), a few files at a time within the mem
 input: they are unpickled with torch's weights-only unpickler and an allowlist of the few non-tensor types
 Megatron stores.
 
-The non-distributed optimizer's state reshards the same way (its per-parameter tensors are ucp local optimizer
-states, see megatron_optimizer.py); the scheduler and the iteration are global and go to every file; the RNG
+The optimizer's state reshards the same way: its per-parameter tensors are ucp local optimizer states, taken from
+the rank file's numbered entries (megatron_optimizer.py) or, for the distributed optimizer, from views of the flat
+buffers in distrib_optim.pt beside it (megatron_distrib_optim.py); the scheduler and the iteration are global and go to every file; the RNG
 states are per rank and are carried only into the same layout.
 """
 
@@ -46,10 +47,11 @@ from ucp.interop import torch_file
 from ucp.interop.dtypes import kept_param_dtypes, most_common
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron_dist import TORCH_DIST, open_torch_dist, write_torch_dist
+from ucp.interop.megatron_distrib_optim import bucket_size_of, mark_distributed, read_distributed, write_distributed
 from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer, write_optimizer
 from ucp.interop.staging import staged_dir
 from ucp.interop.streaming import group_limit, save_atoms
-from ucp.interop.torch_file import Deferred, TorchFile
+from ucp.interop.torch_file import Deferred, TorchFile, TorchFiles
 from ucp.layout import Layout
 from ucp.reshard import LocalTensor, Piece, local_plan, local_tensor, owned_pieces, piece_view, put_local
 from ucp.sharded_load import piece_reads
@@ -145,13 +147,16 @@ def _resolve(
     return tree
 
 
-def open_torch_file(path: Path) -> tuple[Any, TorchFile]:
+def open_torch_file(
+    path: Path, lazy: Callable[[tuple[Any, ...], torch.Tensor], bool] = _per_element
+) -> tuple[Any, TorchFile]:
     """Unpickle a torch.save file of Megatron's with weights_only=True (nothing outside the allowlist is executed).
-    The per-element tensors stay meta tensors, read on demand with `TorchFile.read`; the rest is read now."""
+    The tensors `lazy` picks (by default the per-element ones) stay meta tensors, read on demand with
+    `TorchFile.read`; the rest is read now."""
     try:
         with torch.serialization.safe_globals(_allowlist()):
             file = TorchFile(path)
-        data = _resolve(file.obj, file, _per_element) if isinstance(file.obj, dict) else file.obj
+        data = _resolve(file.obj, file, lazy) if isinstance(file.obj, (dict, list)) else file.obj
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
         unsupported = next((line for line in first if "Unsupported global" in line), first[0] if first else "")
@@ -636,14 +641,9 @@ def open_megatron(
         )
     config, hf = config_from_args(args, str(probe), vocab_size)
     paths = {rank: iter_dir / name / RANK_FILE for name, rank in expected.items()}
-    distributed = [p.parent / DISTRIB_OPTIM_FILE for p in paths.values() if (p.parent / DISTRIB_OPTIM_FILE).exists()]
-    if distributed:
-        raise InteropError(
-            f"{distributed[0]}: a distributed optimizer's state, which ucp does not convert (its flat "
-            f"buffers depend on DP and bucketing); save with the non-distributed optimizer, or convert "
-            f"the weights only from a copy without {DISTRIB_OPTIM_FILE}"
-        )
     opened = {rank: ((first, first_reader) if path == probe else open_rank_file(path)) for rank, path in paths.items()}
+    distrib = _open_distrib_optim(paths)
+    extra_files = [f for _, f in distrib.values()]
     source = MegatronSource(
         root,
         it,
@@ -653,25 +653,44 @@ def open_megatron(
         hf,
         {r: d for r, (d, _) in opened.items()},
         paths,
-        {r: f for r, (_, f) in opened.items()},
+        {r: TorchFiles([f, *extra_files]) if extra_files else f for r, (_, f) in opened.items()},
     )
     _check_shapes(source)
-    _read_optimizer(source)
+    _read_optimizer(source, {r: (data, str(f.path)) for r, (data, f) in distrib.items()})
     return source
 
 
-def _read_optimizer(source: MegatronSource) -> None:
-    """Map every rank's "optimizer" entry to ucp local optimizer state (all ranks have one, or none)."""
+def _open_distrib_optim(paths: dict[int, Path]) -> dict[int, tuple[Any, TorchFile]]:
+    """Every rank directory's distrib_optim.pt (a distributed optimizer's state; all directories have one, or
+    none), its flat tensors left on disk until read."""
+    found = {rank: p.parent / DISTRIB_OPTIM_FILE for rank, p in paths.items()}
+    present = {rank for rank, p in found.items() if p.exists()}
+    if present and present != set(found):
+        missing = found[min(set(found) - present)]
+        raise InteropError(f"{missing} is missing, but other rank directories have a {DISTRIB_OPTIM_FILE}")
+    return {rank: open_torch_file(found[rank], lazy=lambda _path, t: t.dim() > 0) for rank in sorted(present)}
+
+
+def _read_optimizer(source: MegatronSource, distrib: dict[int, tuple[Any, str]]) -> None:
+    """Map every rank's "optimizer" entry (and with a distributed optimizer, the distrib_optim.pt files: `distrib`,
+    ucp rank -> content and path) to ucp local optimizer state (all ranks have one, or none)."""
     has = {rank for rank, f in source.files.items() if f.get("optimizer") is not None}
     if not has:
+        if distrib:
+            raise InteropError(
+                f"{source.paths[min(source.files)]} has no 'optimizer' entry beside its {DISTRIB_OPTIM_FILE}"
+            )
         return
     if len(has) != len(source.files):
         lacking = source.paths[min(set(source.files) - has)]
         raise InteropError(f"{lacking} has no 'optimizer' entry, but other rank files have one")
+    bucket_size = bucket_size_of(source.args)
     for rank in sorted(source.files):
-        state, meta = read_optimizer(
-            source.files[rank]["optimizer"], source.config, source.layout, rank, str(source.paths[rank])
-        )
+        entry, where = source.files[rank]["optimizer"], str(source.paths[rank])
+        if distrib:
+            state, meta = read_distributed(entry, distrib, source.config, source.layout, rank, bucket_size, where)
+        else:
+            state, meta = read_optimizer(entry, source.config, source.layout, rank, where)
         source.optim_state[rank] = state
         source.optimizer = meta if source.optimizer is None else source.optimizer.merge(meta, str(source.paths[rank]))
 
@@ -782,6 +801,10 @@ class _TargetFiles:
     rng: dict[str, Any] | None = None  # rank directory -> rng_state: only when the layout is the source's own
     format: str = "torch"  # or "torch_dist" (megatron_dist.TORCH_DIST: layout tp1pp1, no optimizer)
 
+    def __post_init__(self) -> None:
+        if self.optimizer is not None and self.optimizer.distributed is not None:
+            mark_distributed(self.args, self.optimizer.distributed)
+
     @property
     def states(self) -> tuple[str, ...]:
         return self.optimizer.states if self.optimizer is not None else ()
@@ -794,13 +817,24 @@ class _TargetFiles:
         }
         data.update({k: _with_extra_state(v) for k, v in local.items() if k != "optimizer"})
         if self.optimizer is not None:
-            state = local.get("optimizer", {}).get("state", {})  # none before the optimizer's first step
-            data["optimizer"] = write_optimizer(state, self.optimizer, self.config, self.layout, rank)
+            data["optimizer"] = self._optimizer(rank, local)[0]
         if self.scheduler is not None:
             data["opt_param_scheduler"] = self.scheduler
         if self.rng is not None:
             data["rng_state"] = self.rng[name]
         return data
+
+    def distrib_optim(self, rank: int, local: dict[str, Any]) -> Any:
+        """The content of the rank directory's distrib_optim.pt, or None (no distributed optimizer, or none of
+        its optimizers' data-parallel rank 0 is this rank)."""
+        return self._optimizer(rank, local)[1] if self.optimizer is not None else None
+
+    def _optimizer(self, rank: int, local: dict[str, Any]) -> tuple[Any, Any]:
+        assert self.optimizer is not None
+        state = local.get("optimizer", {}).get("state", {})  # none before the optimizer's first step
+        if self.optimizer.distributed is not None:
+            return write_distributed(state, self.optimizer, self.config, self.layout, rank)
+        return write_optimizer(state, self.optimizer, self.config, self.layout, rank), None
 
 
 Produce = Callable[[int, LocalTensor], torch.Tensor]  # (target rank, local tensor) -> its values
@@ -835,7 +869,8 @@ def _write_megatron(
         return write_torch_dist(dst, target, produce, dtype_of, progress)
     files = rank_files(target.layout)
     locals_ = {rank: _deferred_local(target, rank, produce, dtype_of) for rank in files.values()}
-    biggest = max(d.nbytes for local in locals_.values() for d in _deferred(local))
+    distribs = {rank: target.distrib_optim(rank, locals_[rank]) for rank in files.values()}
+    biggest = max(d.nbytes for tree in (*locals_.values(), *distribs.values()) for d in _deferred(tree))
     parallel = max(1, min(workers, group_limit(memory_budget) // max(biggest, 1)))
     with (
         staged_dir(dst) as tmp,
@@ -846,6 +881,8 @@ def _write_megatron(
         def one(name: str, rank: int) -> None:
             (iter_dir / name).mkdir(parents=True)
             torch_file.save(target.content(name, rank, locals_[rank]), iter_dir / name / RANK_FILE)
+            if distribs[rank] is not None:
+                torch_file.save(distribs[rank], iter_dir / name / DISTRIB_OPTIM_FILE)
             bar.update(1)
 
         with cf.ThreadPoolExecutor(parallel) as pool:
@@ -858,7 +895,9 @@ def _write_megatron(
 def _deferred(tree: Any) -> list[Deferred]:
     if isinstance(tree, Deferred):
         return [tree]
-    return [d for v in tree.values() for d in _deferred(v)] if isinstance(tree, dict) else []
+    if isinstance(tree, (dict, list)):
+        return [d for v in (tree.values() if isinstance(tree, dict) else tree) for d in _deferred(v)]
+    return []
 
 
 # ------------------------------------------------------------------------------------------- convert

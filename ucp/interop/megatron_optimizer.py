@@ -1,4 +1,5 @@
-"""Megatron-LM's non-distributed optimizer state <-> ucp's local optimizer state.
+"""Megatron-LM's non-distributed optimizer state <-> ucp's local optimizer state (the distributed optimizer's
+flat buffers: megatron_distrib_optim.py, on top of the param groups and OptimizerMeta defined here).
 
 A torch-format rank file stores under "optimizer" what Megatron-Core's optimizer `state_dict()` returns:
 - Float16OptimizerWithFloat16Params (bf16/fp16 training): `{"optimizer": <torch state_dict>,
@@ -73,7 +74,7 @@ def _position(prefixes: tuple[str, ...], name: str) -> int:
     return next(i for i, prefix in enumerate(prefixes) if name.startswith(prefix))
 
 
-def _registration_key(p: LocalParam) -> tuple[int, ...]:
+def registration_key(p: LocalParam) -> tuple[int, ...]:
     """Sort key of Megatron's parameter order: model chunk by chunk, then module registration order."""
     chunk = int(p.chunk_key.removeprefix("model") or 0)
     top = _position(_MODEL_ORDER, p.name)
@@ -99,13 +100,22 @@ def group_key(p: LocalParam, layout: Layout) -> GroupKey:
 def param_groups(config: Any, layout: Layout, rank: int) -> list[Groups]:
     """Per Megatron optimizer (dense, then expert when EP > 1), its param groups in Megatron's order."""
     optimizers: dict[bool, dict[GroupKey, list[LocalParam]]] = {False: {}, True: {}}
-    for p in sorted(local_params(config, layout, layout.coords(rank)), key=_registration_key):
+    for p in sorted(local_params(config, layout, layout.coords(rank)), key=registration_key):
         if not p.parameter:
             continue  # (a buffer, e.g. the router's expert bias: no gradient, no optimizer state)
         key = group_key(p, layout)
         optimizers[key[2]].setdefault(key, []).append(p)
     # _get_param_groups sorts groups without overrides (wd_mult 1) before the overridden ones (wd_mult 0)
     return [sorted(groups.items(), key=lambda kv: -kv[0][0]) for groups in optimizers.values() if groups]
+
+
+@dataclass(frozen=True)
+class DistributedBuffers:
+    """What places a distributed optimizer's state in its flat buffers besides the layout
+    (megatron_distrib_optim): the buffers' (param dtype, grad dtype) and DDP's bucket size (None: one bucket)."""
+
+    dtypes: tuple[str, str]
+    bucket_size: int | None
 
 
 @dataclass
@@ -119,6 +129,7 @@ class OptimizerMeta:
     )  # 0-d entries: (value, tensor dtype), one for all
     groups: dict[GroupKey, dict[str, Any]] = field(default_factory=dict)  # hyperparameters by group identifier
     grad_scaler: Any = None
+    distributed: DistributedBuffers | None = None  # a distributed optimizer's buffers; None: not one
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -145,16 +156,22 @@ class OptimizerMeta:
         return {**found, "is_expert_parallel": key[2]}
 
     def merge(self, other: OptimizerMeta, where: str) -> OptimizerMeta:
-        if (self.mixed, self.keys, self.scalars) != (other.mixed, other.keys, other.scalars):
+        mine, theirs = self._kind(), other._kind()
+        if mine != theirs:
             raise InteropError(
                 f"{where}: its optimizer state differs in kind, entries or step from the first rank's "
-                f"({other.mixed, other.keys, other.scalars} vs {self.mixed, self.keys, self.scalars})"
+                f"({theirs} vs {mine})"
             )
         return replace(self, groups={**other.groups, **self.groups})
 
+    def _kind(self) -> tuple[Any, ...]:
+        return (self.mixed, self.keys, self.scalars, self.distributed)
+
     def to_json(self) -> dict[str, Any]:
+        kind = "distributed" if self.distributed is not None else "float16" if self.mixed else "fp32"
         return {
-            "kind": "float16" if self.mixed else "fp32",
+            "kind": kind,
+            **({"buffers": vars(self.distributed)} if self.distributed is not None else {}),
             "keys": list(self.keys),
             "scalars": {k: {"value": v, "dtype": d} for k, (v, d) in self.scalars.items()},
             "param_groups": list(self.groups.values()),
@@ -166,15 +183,18 @@ class OptimizerMeta:
         # JSON turned tuples (Adam's betas) into lists; torch's param groups hold tuples
         groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in doc["param_groups"]]
         return cls(
-            doc["kind"] == "float16",
+            doc["kind"] in ("float16", "distributed"),
             tuple(doc["keys"]),
             {k: (s["value"], s["dtype"]) for k, s in doc["scalars"].items()},
-            {_identifier(g): g for g in groups},
+            {identifier(g): g for g in groups},
             doc.get("grad_scaler"),
+            DistributedBuffers(tuple(buffers["dtypes"]), buffers["bucket_size"])
+            if (buffers := doc.get("buffers")) is not None
+            else None,
         )
 
 
-def _identifier(group: dict[str, Any]) -> GroupKey:
+def identifier(group: dict[str, Any]) -> GroupKey:
     return tuple(group.get(k) for k in GROUP_IDENTIFIER)
 
 
@@ -187,8 +207,8 @@ def _unwrap(sub: Any, where: str) -> tuple[dict[str, Any], list[list[torch.Tenso
         masters = sub.get("fp32_from_fp16_params", sub.get("fp32_from_fp16"))
         if masters is None or "state" not in sub["optimizer"]:
             raise InteropError(
-                f"{where}: its 'optimizer' entry has no per-parameter state (a distributed optimizer "
-                f"keeps it in distrib_optim.pt, which ucp does not read)"
+                f"{where}: its 'optimizer' entry has no per-parameter state (a distributed optimizer's, which "
+                f"keeps it in distrib_optim.pt, but there is none beside it)"
             )
         return sub["optimizer"], masters, sub.get("grad_scaler")
     if isinstance(sub, dict) and "state" in sub and "param_groups" in sub:
@@ -224,7 +244,7 @@ def _read_one(sub: Any, groups: Groups, state: LocalOptimState, where: str) -> O
     """One Megatron optimizer's state dict: its parameters' tensors into `state`; returns its global part."""
     inner, masters, scaler = _unwrap(sub, where)
     saved = inner["param_groups"]
-    found = [(dict(zip(GROUP_IDENTIFIER, _identifier(g))), len(g["params"])) for g in saved]
+    found = [(dict(zip(GROUP_IDENTIFIER, identifier(g))), len(g["params"])) for g in saved]
     wanted = [(dict(zip(GROUP_IDENTIFIER, k)), len(params)) for k, params in groups]
     if found != wanted:
         raise InteropError(
@@ -239,7 +259,7 @@ def _read_one(sub: Any, groups: Groups, state: LocalOptimState, where: str) -> O
     meta = OptimizerMeta(
         masters is not None,
         next((tuple(s) for s in inner["state"].values()), ()),
-        groups={_identifier(g): {k: v for k, v in g.items() if k != "params"} for g in saved},
+        groups={identifier(g): {k: v for k, v in g.items() if k != "params"} for g in saved},
         grad_scaler=scaler,
     )
     for gi, (g, (_, params)) in enumerate(zip(saved, groups)):

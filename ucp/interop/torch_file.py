@@ -215,6 +215,10 @@ class TorchFile:
         self._keys[storage._cdata] = (key, storage)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether meta tensor `t` is (a view of) one of this file's tensors."""
+        return t.untyped_storage()._cdata in self._keys
+
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """The values of meta tensor `t` of `obj`, read from its record into a fresh CPU tensor."""
         key, _ = self._keys[t.untyped_storage()._cdata]
@@ -229,3 +233,16 @@ class TorchFile:
                     raise EOFError(f"{self.path}: record data/{key} is truncated")
                 view, position = view[got:], position + got
         return raw.view(t.dtype).as_strided(t.shape, t.stride())
+
+
+class TorchFiles:
+    """Several opened files read as one: `read` fetches a meta tensor from the file that holds it."""
+
+    def __init__(self, files: list[TorchFile]):
+        self.files = files
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        for f in self.files:
+            if f.holds(t):
+                return f.read(t)
+        raise KeyError(f"no file of {[str(f.path) for f in self.files]} holds this tensor")

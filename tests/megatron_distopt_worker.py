@@ -1,0 +1,156 @@
+"""Megatron-Core's distributed optimizer as the oracle of ucp's distrib_optim.pt conversion
+(tests/test_megatron_distopt.py).
+
+    python tests/megatron_distopt_worker.py save CKPT OUT   4 ranks: pp2 x ep2 (DP 2, expert DP 1), bf16
+    python tests/megatron_distopt_worker.py load CKPT OUT   2 ranks: tp1pp1 (DP 2)
+
+`save` takes one step of Megatron's distributed optimizer (DDP with overlapped grad reduction in small buckets, so
+the first stage's buffer has several) and saves the Megatron-LM torch-format checkpoint as Megatron-LM does with
+--use-distributed-optimizer: model_optim_rng.pt per rank directory, distrib_optim.pt gathered over DP by
+`save_parameter_state`. `load` loads CKPT into a fresh model and distributed optimizer (strict model load,
+`load_state_dict`, `load_parameter_state`). Both write OUT.r: each parameter's piece of master weight and Adam
+moments that rank r's optimizer holds, found through megatron-core's own range maps and keyed by the global
+parameter name (layers and experts numbered as in a tp1pp1 model), so a test can assemble whole states and compare
+two layouts name by name.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.megatron_worker import ITERATION, E, L, Trainable, V, build_model, megatron_args, perturb, setup
+
+BUCKET = 2000  # elements: the first stage's buffer gets several buckets
+PP, EP = 2, 2  # the saved layout (with 4 ranks: DP 2, expert DP 1)
+
+
+def global_name(name: str, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
+    """A local parameter name of stage pp_rank, EP rank ep_rank, as the tp1pp1 model names it."""
+    parts = name.split(".")
+    if name.startswith("decoder.layers."):
+        parts[2] = str(int(parts[2]) + pp_rank * (L // pp))
+        if "local_experts" in parts:
+            i = parts.index("local_experts") + 1
+            parts[i] = str(int(parts[i]) + ep_rank * (E // ep))
+    return ".".join(parts)
+
+
+def shards(t: Trainable, pp_rank: int, ep_rank: int, pp: int, ep: int) -> dict[str, dict]:
+    """Each parameter's range of its flattened values this rank's distributed optimizer holds, with its fp32
+    master weight and Adam moments there (megatron-core's own range maps and state accessors)."""
+    out = {}
+    for name, p in t.model.named_parameters():
+        for o in t.optimizer.chained_optimizers:
+            if p in o.model_param_group_index_map:
+                r = o._get_model_param_range_map(p)["param"]
+                tensors = o._get_main_param_and_optimizer_states(p)
+                out[global_name(name, pp_rank, ep_rank, pp, ep)] = {
+                    "range": (r.start, r.end),
+                    "shape": tuple(p.shape),
+                    **{k: tensors[k].detach().float().clone() for k in ("param", "exp_avg", "exp_avg_sq")},
+                }
+    return out
+
+
+def step(t: Trainable, pp_rank: int, ep_rank: int) -> None:
+    """One optimizer step on gradients drawn per global parameter name (no forward pass: a pipeline needs none
+    to fill the grad buffers, and the buffers' layout is what is tested); the vocabulary padding rows get none,
+    so they stay zero, as ucp's atoms assume."""
+    t.ddp.zero_grad_buffer()
+    t.optimizer.zero_grad()
+    for name, p in t.model.named_parameters():
+        seed = sum(map(ord, global_name(name, pp_rank, ep_rank, PP, EP)))
+        grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+        if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+            grad[V:] = 0
+        p.main_grad.copy_(grad)
+    t.ddp.start_grad_sync()
+    t.ddp.finish_grad_sync()
+    assert not t.optimizer.prepare_grads() and t.optimizer.step_with_ready_grads()
+    t.scheduler.step(1)
+
+
+def save(rank: int, ckpt: str, out: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    model = build_model(pp=PP, ep=EP, bf16=True)
+    perturb(model)
+    t = Trainable(model, bf16=True, distributed=True, bucket_size=BUCKET)
+    step(t, pp_rank, ep_rank)
+    args = megatron_args(ep=EP, bf16=True)
+    args.pipeline_model_parallel_size = PP
+    args.use_distributed_optimizer = True
+    args.overlap_grad_reduce = True
+    args.ddp_bucket_size = BUCKET
+    args.data_parallel_size = dist.get_world_size() // PP
+    directory = os.path.join(ckpt, f"iter_{ITERATION:07d}", f"mp_rank_00_{pp_rank:03d}_{ep_rank:03d}")
+    os.makedirs(directory, exist_ok=True)
+    torch.save(
+        {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": ITERATION,
+            "model": t.model.state_dict(),
+            "optimizer": t.optimizer.state_dict(),
+            "opt_param_scheduler": t.scheduler.state_dict(),
+        },
+        os.path.join(directory, "model_optim_rng.pt"),
+    )
+    t.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))  # (a collective over DP)
+    if rank == 0:
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+    torch.save(shards(t, pp_rank, ep_rank, PP, EP), f"{out}.{rank}")
+
+
+def _keep_step_on_load() -> None:
+    """megatron-core without Apex or Transformer Engine runs torch's Adam, which keeps the step in every parameter's
+    state, and its load_parameter_state then wants a "step" from the file too, which save_parameter_state never
+    writes (with TE's FusedAdam, as Megatron-LM runs on GPUs, the step lives in the param groups). Give it the step
+    that load_state_dict already set."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def with_step(self, model_param, tensors):
+        current = self._get_main_param_and_optimizer_states(model_param)
+        step = {"step": current["step"]} if "step" in current and "step" not in tensors else {}
+        return original(self, model_param, {**tensors, **step})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = with_step
+
+
+def load(rank: int, ckpt: str, out: str) -> None:
+    _keep_step_on_load()
+    t = Trainable(build_model(bf16=True), bf16=True, distributed=True, bucket_size=BUCKET)
+    directory = os.path.join(ckpt, f"iter_{ITERATION:07d}", "mp_rank_00")
+    state = torch.load(os.path.join(directory, "model_optim_rng.pt"), weights_only=False)
+    t.model.load_state_dict(state["model"], strict=True)
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.optimizer.load_parameter_state(os.path.join(directory, "distrib_optim.pt"))
+    t.scheduler.load_state_dict(state["opt_param_scheduler"])
+    result = shards(t, 0, 0, 1, 1)
+    result["__lr__"] = [g["lr"] for g in t.optimizer.param_groups]
+    torch.save(result, f"{out}.{rank}")
+
+
+if __name__ == "__main__":
+    mode, ckpt, out = sys.argv[1:4]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "save":
+        setup(rank, world, pp=PP, ep=EP)
+        save(rank, ckpt, out)
+    else:
+        setup(rank, world)
+        load(rank, ckpt, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    print("ok", flush=True)
+    os._exit(0)  # (megatron_worker: skip the teardown that gloo's threads sometimes abort)

@@ -1,0 +1,167 @@
+"""Megatron-Core's distributed optimizer in Megatron-LM's torch format (distrib_optim.pt beside each rank file),
+converted by ucp (ucp.interop.megatron_distrib_optim) and checked against megatron-core's own: its
+DistributedOptimizer takes a step in pp2 x ep2 with DP 2 (several buckets on the first stage, a dense and an expert
+optimizer, the dense state in EP rank 0's file only), and after ucp converts the files to tp1pp1 a DP 2 job of
+megatron-core loads them; each parameter's master weight and Adam moments, assembled from the ranks' pieces through
+megatron-core's own range maps, are bitwise the saved ones. Other layouts and ucp's own format round-trip every file
+bitwise; damaged or mismatched files are clear errors that leave nothing at the destination."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ucp.interop import InteropError
+from ucp.interop.megatron import DISTRIB_OPTIM_FILE, RANK_FILE, convert, load_rank_file
+
+from .launch import spawn
+from .test_convert import assert_bitwise_equal
+
+pytestmark = pytest.mark.slow
+SOURCE = "tp1pp2ep2"
+ITER = "iter_0000010"
+# hidden 36, FFN 52: parameter sizes that are not multiples of 64, so megatron-core pads between parameters and the
+# padding lost at each bucket's end moves every later parameter (a wrong bucketing could not go unseen)
+ENV = {"PYTHONWARNINGS": "ignore", "UCP_MEGATRON_SHAPE": "36,52,2,4,4,2"}
+
+
+def assemble(prefix: Path, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's whole fp32 master weight and moments from the ranks' pieces (megatron_distopt_worker)."""
+    pieces: dict[str, list[dict]] = {}
+    for r in range(world):
+        for name, d in torch.load(f"{prefix}.{r}", weights_only=True).items():
+            if not name.startswith("__"):
+                pieces.setdefault(name, []).append(d)
+    whole = {}
+    for name, ds in pieces.items():
+        shape = ds[0]["shape"]
+        flat = {k: torch.full((torch.Size(shape).numel(),), float("nan")) for k in ("param", "exp_avg", "exp_avg_sq")}
+        for d in ds:
+            start, end = d["range"]
+            for k, t in flat.items():
+                t[start:end] = d[k]
+        assert not any(t.isnan().any() for t in flat.values()), f"{name}: the ranks' pieces do not cover it"
+        whole[name] = {k: t.view(shape) for k, t in flat.items()}
+    return whole
+
+
+@pytest.fixture(scope="module")
+def distopt(tmp_path_factory):
+    pytest.importorskip("megatron.core")
+    tmp = tmp_path_factory.mktemp("distopt")
+    spawn(["tests/megatron_distopt_worker.py", "save", str(tmp / "src"), str(tmp / "saved")], 4, 300, ENV)
+    return tmp / "src", assemble(tmp / "saved", 4)
+
+
+def files_of(ckpt: Path) -> dict[str, dict]:
+    """Every rank directory's files, read whole (rank files through ucp's allowlisted reader)."""
+    out = {}
+    for d in sorted((ckpt / ITER).iterdir()):
+        out[d.name] = {
+            RANK_FILE: {k: v for k, v in load_rank_file(d / RANK_FILE).items() if k != "args"},
+            DISTRIB_OPTIM_FILE: torch.load(d / DISTRIB_OPTIM_FILE, weights_only=True),
+        }
+    return out
+
+
+def test_megatron_loads_the_converted_distributed_optimizer(distopt, tmp_path):
+    src, saved = distopt
+    report = convert(str(src), str(tmp_path / "tp1"), from_layout=SOURCE, to_layout="tp1")
+    assert "optimizer" not in report.dropped
+    spawn(["tests/megatron_distopt_worker.py", "load", str(tmp_path / "tp1"), str(tmp_path / "loaded")], 2, 300, ENV)
+    loaded = assemble(tmp_path / "loaded", 2)
+    assert set(loaded) == set(saved) and len(saved) > 20
+    for name, states in saved.items():
+        for k, t in states.items():
+            assert torch.equal(loaded[name][k], t), (name, k)
+    # the moments are real (a step was taken), and the vocabulary padding rows stayed zero
+    assert saved["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]["exp_avg"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_other_layouts_and_ucp_round_trip_every_file_bitwise(distopt, tmp_path, trial):
+    src, _ = distopt
+    via = random.Random(trial * 7919 + os.getpid()).choice(["tp1", "tp2", "tp2ep2", "tp2pp2", "tp1ep4", "tp2pp2ep4"])
+    convert(str(src), str(tmp_path / "mid"), from_layout=SOURCE, to_layout=via)
+    convert(str(tmp_path / "mid"), str(tmp_path / "back"), from_layout=via, to_layout=SOURCE)
+    assert_bitwise_equal(files_of(tmp_path / "back"), files_of(src), f"via {via}")
+    convert(str(src), str(tmp_path / "u"), from_layout=SOURCE, to_layout="universal")
+    convert(str(tmp_path / "u"), str(tmp_path / "from_u"), from_layout="universal", to_layout=SOURCE)
+    assert_bitwise_equal(files_of(tmp_path / "from_u"), files_of(src), "via universal")
+
+
+def _rewrite(path: Path, change) -> None:
+    data = torch.load(path, weights_only=False)
+    change(data)
+    torch.save(data, path)
+
+
+def test_damaged_or_mismatched_distributed_optimizer_files_are_clear_errors(distopt, tmp_path):
+    src, _ = distopt
+    dst = tmp_path / "out"
+
+    def fresh() -> Path:
+        ckpt = tmp_path / "m"
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.copytree(src, ckpt)
+        return ckpt
+
+    def refused(ckpt: Path, pattern: str) -> None:
+        with pytest.raises(InteropError, match=pattern):
+            convert(str(ckpt), str(dst), from_layout=SOURCE, to_layout="tp1")
+        assert not dst.exists()
+
+    first = Path(ITER) / "mp_rank_00_000_000"
+    # args that bucket the buffers otherwise than the file was written: refused before anything is read
+    ckpt = fresh()
+    for d in (ckpt / ITER).iterdir():
+        _rewrite(d / RANK_FILE, lambda data: setattr(data["args"], "ddp_bucket_size", 1000))
+    refused(ckpt, rf"{first}/distrib_optim.pt: grad buffer 0 holds \d+ elements, but .* has \d+ .*ddp_bucket_size")
+    # a buffer of another size than the layout's
+    ckpt = fresh()
+
+    def grow(data: list) -> None:
+        world = next(iter(data[0][0].values()))
+        world.update({k: torch.cat([world[k], torch.zeros(64)]) for k in ("param", "exp_avg", "exp_avg_sq")})
+        world["numel_unpadded"] += 64
+
+    _rewrite(ckpt / first / DISTRIB_OPTIM_FILE, grow)
+    refused(ckpt, rf"{first}/distrib_optim.pt: grad buffer 0 holds \d+ elements, but .* has \d+")
+    # one rank directory without its distrib_optim.pt
+    ckpt = fresh()
+    (ckpt / first / DISTRIB_OPTIM_FILE).unlink()
+    refused(ckpt, rf"{first}/distrib_optim.pt is missing, but other rank directories have")
+    # none at all: the rank files' optimizer entries have no per-parameter state
+    for d in (ckpt / ITER).iterdir():
+        (d / DISTRIB_OPTIM_FILE).unlink(missing_ok=True)
+    refused(ckpt, r"model_optim_rng.pt: its 'optimizer' entry has no per-parameter state .* none beside it")
+    # truncated
+    ckpt = fresh()
+    path = ckpt / first / DISTRIB_OPTIM_FILE
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    refused(ckpt, rf"{first}/distrib_optim.pt is not a readable torch checkpoint")
+    # EP rank 0's file without its expert state, or without the dense state it holds for every EP rank
+    ckpt = fresh()
+    _rewrite(ckpt / first / DISTRIB_OPTIM_FILE, lambda data: data.pop())
+    refused(ckpt, rf"{first}/distrib_optim.pt: holds a list of 1, not a list of 2 distributed optimizer states")
+    ckpt = fresh()
+    _rewrite(ckpt / first / DISTRIB_OPTIM_FILE, lambda data: data.__setitem__(0, None))
+    refused(ckpt, rf"{first}/distrib_optim.pt: holds no dense distributed optimizer state \(NoneType\)")
+    # a world tensor of the wrong size
+    ckpt = fresh()
+
+    def shorten(data: list) -> None:
+        world = next(iter(data[1][0].values()))
+        world["exp_avg"] = world["exp_avg"][:-1].clone()
+
+    _rewrite(ckpt / first / DISTRIB_OPTIM_FILE, shorten)
+    refused(ckpt, r"grad buffer 0's 'exp_avg' is not an fp32 tensor of \d+ elements")
+    # a pickle naming a global outside the allowlist
+    ckpt = fresh()
+    torch.save([None, {"buckets_coalesced": True, 0: os.getcwd}], ckpt / first / DISTRIB_OPTIM_FILE)
+    refused(ckpt, rf"{first}/distrib_optim.pt: refused to unpickle a type outside the allowlist")
