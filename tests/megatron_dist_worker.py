@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.megatron_worker import (  # (sized by UCP_MEGATRON_SHAPE when set)
     ITERATION,
     V,
+    exit_now,
     megatron_args,
     setup,
 )
@@ -179,4 +180,4 @@ if __name__ == "__main__":
     finally:
         dist.destroy_process_group()
     print("ok", flush=True)
-    os._exit(0)  # (as megatron_worker.py: skip a teardown that megatron-core's threads sometimes abort)
+    exit_now()  # (megatron_worker.exit_now: no teardown, no process left behind)

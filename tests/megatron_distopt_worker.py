@@ -1,13 +1,16 @@
 """Megatron-Core's distributed optimizer as the oracle of ucp's distrib_optim.pt conversion
 (tests/test_megatron_distopt.py).
 
-    python tests/megatron_distopt_worker.py save CKPT OUT   4 ranks: pp2 x ep2 (DP 2, expert DP 1), bf16
-    python tests/megatron_distopt_worker.py load CKPT OUT   2 ranks: tp1pp1 (DP 2)
+    python tests/megatron_distopt_worker.py save CKPT OUT        4 ranks: pp2 x ep2 (DP 2, expert DP 1), bf16
+    python tests/megatron_distopt_worker.py save_dist CKPT OUT   the same, saved in the torch_dist format
+    python tests/megatron_distopt_worker.py load CKPT OUT        2 ranks: tp1pp1 (DP 2), torch format
 
 `save` takes one step of Megatron's distributed optimizer (DDP with overlapped grad reduction in small buckets, so
 the first stage's buffer has several) and saves the Megatron-LM torch-format checkpoint as Megatron-LM does with
 --use-distributed-optimizer: model_optim_rng.pt per rank directory, distrib_optim.pt gathered over DP by
-`save_parameter_state`. `load` loads CKPT into a fresh model and distributed optimizer (strict model load,
+`save_parameter_state`; `save_dist` saves it with dist_checkpointing instead (the optimizer `fully_reshardable`,
+or as UCP_DISTOPT_SHARDING says).
+`load` loads CKPT into a fresh model and distributed optimizer (strict model load,
 `load_state_dict`, `load_parameter_state`). Both write OUT.r: each parameter's piece of master weight and Adam
 moments that rank r's optimizer holds, found through megatron-core's own range maps and keyed by the global
 parameter name (layers and experts numbered as in a tp1pp1 model), so a test can assemble whole states and compare
@@ -24,9 +27,23 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.megatron_worker import ITERATION, E, L, Trainable, V, build_model, megatron_args, perturb, setup
+from tests.megatron_worker import (
+    ITERATION,
+    E,
+    L,
+    Trainable,
+    V,
+    build_model,
+    exit_now,
+    megatron_args,
+    perturb,
+    setup,
+)
 
-BUCKET = 2000  # elements: the first stage's buffer gets several buckets
+# elements: the first stage's buffer gets several buckets; UCP_DISTOPT_BUCKET=none: one bucket per buffer (for
+# torch_dist: megatron-core 0.16.1's fully_reshardable save indexes the gathered, bucket-coalesced state with the
+# padded buffer's offsets, so with several buckets and bucket padding it stores later buckets' parameters shifted)
+BUCKET = None if os.environ.get("UCP_DISTOPT_BUCKET") == "none" else 2000
 PP, EP = 2, 2  # the saved layout (with 4 ranks: DP 2, expert DP 1)
 
 
@@ -76,7 +93,11 @@ def step(t: Trainable, pp_rank: int, ep_rank: int) -> None:
     t.scheduler.step(1)
 
 
-def save(rank: int, ckpt: str, out: str) -> None:
+def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
+    """One step, then the checkpoint in the torch format (rank files and distrib_optim.pt) or, with `torch_dist`,
+    with dist_checkpointing in the torch_dist format, the optimizer `fully_reshardable` (gathered with gloo:
+    `distrib_optim_fully_reshardable_mem_efficient`, as a job without NCCL must)."""
+    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
@@ -87,23 +108,40 @@ def save(rank: int, ckpt: str, out: str) -> None:
     args = megatron_args(ep=EP, bf16=True)
     args.pipeline_model_parallel_size = PP
     args.use_distributed_optimizer = True
-    args.overlap_grad_reduce = True
+    args.overlap_grad_reduce = BUCKET is not None
     args.ddp_bucket_size = BUCKET
+    args.accumulate_allreduce_grads_in_fp32 = True
     args.data_parallel_size = dist.get_world_size() // PP
-    directory = os.path.join(ckpt, f"iter_{ITERATION:07d}", f"mp_rank_00_{pp_rank:03d}_{ep_rank:03d}")
-    os.makedirs(directory, exist_ok=True)
-    torch.save(
-        {
-            "args": args,
-            "checkpoint_version": 3.0,
-            "iteration": ITERATION,
+    iter_dir = os.path.join(ckpt, f"iter_{ITERATION:07d}")
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+    if torch_dist:
+        args.ckpt_format = "torch_dist"
+        metadata = {
+            "distrib_optim_sharding_type": os.environ.get("UCP_DISTOPT_SHARDING", "fully_reshardable"),
+            "distrib_optim_fully_reshardable_mem_efficient": True,
+        }
+        os.makedirs(iter_dir, exist_ok=True)
+        dist.barrier()
+        model_state = model.sharded_state_dict()
+        state = {
+            **common,
+            "model": model_state,
+            "optimizer": t.optimizer.sharded_state_dict(model_state, metadata=metadata),
+            "opt_param_scheduler": t.scheduler.state_dict(),
+        }
+        dist_checkpointing.save(state, iter_dir, sharded_strategy=("torch_dist", 1), content_metadata=metadata)
+    else:
+        directory = os.path.join(iter_dir, f"mp_rank_00_{pp_rank:03d}_{ep_rank:03d}")
+        os.makedirs(directory, exist_ok=True)
+        state = {
+            **common,
             "model": t.model.state_dict(),
             "optimizer": t.optimizer.state_dict(),
             "opt_param_scheduler": t.scheduler.state_dict(),
-        },
-        os.path.join(directory, "model_optim_rng.pt"),
-    )
-    t.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))  # (a collective over DP)
+        }
+        torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+        t.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))  # (a collective over DP)
+    dist.barrier()
     if rank == 0:
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(ITERATION))
@@ -144,13 +182,13 @@ def load(rank: int, ckpt: str, out: str) -> None:
 if __name__ == "__main__":
     mode, ckpt, out = sys.argv[1:4]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if mode == "save":
+    if mode in ("save", "save_dist"):
         setup(rank, world, pp=PP, ep=EP)
-        save(rank, ckpt, out)
+        save(rank, ckpt, out, torch_dist=mode == "save_dist")
     else:
         setup(rank, world)
         load(rank, ckpt, out)
     dist.barrier()
     dist.destroy_process_group()
     print("ok", flush=True)
-    os._exit(0)  # (megatron_worker: skip the teardown that gloo's threads sometimes abort)
+    exit_now()  # (megatron_worker.exit_now: no teardown, no process left behind)

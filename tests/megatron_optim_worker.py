@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.megatron_order_worker import build
-from tests.megatron_worker import Trainable, load, perturb, save, setup, tokens
+from tests.megatron_worker import Trainable, exit_now, load, perturb, save, setup, tokens
 
 
 def main(kind: str, config_json: str, root: str, out: str) -> None:
@@ -40,7 +40,7 @@ def main(kind: str, config_json: str, root: str, out: str) -> None:
     load(os.path.join(root, "back"), "mp_rank_00", fresh)
     torch.save({"saved": trained.state_by_name(), "loaded": fresh.state_by_name()}, out)
     print("ok", flush=True)
-    os._exit(0)
+    exit_now()  # (megatron_worker.exit_now: no teardown, no process left behind)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.megatron_deepseek_worker import CoreAttention
-from tests.megatron_worker import setup
+from tests.megatron_worker import exit_now, setup
 
 COMMON = {
     "num_layers": 2,
@@ -92,7 +92,7 @@ def main(out: str) -> None:
     with open(out, "w") as f:
         json.dump(models, f)
     print("ok", flush=True)
-    os._exit(0)
+    exit_now()  # (megatron_worker.exit_now: no teardown, no process left behind)
 
 
 if __name__ == "__main__":

@@ -231,6 +231,19 @@ def _cuda_free_optimizer_setup():
         torch.tensor, torch.Tensor.type = tensor, type_
 
 
+def exit_now() -> None:
+    """End the worker without the interpreter's teardown: megatron-core's and gloo's background threads sometimes
+    abort it ("terminate called without an active exception") after the work is done and its results are written.
+    Child processes go first: dist_checkpointing's save starts a multiprocessing manager that only that teardown
+    would stop, and that would outlive the worker."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
+    os._exit(0)
+
+
 def tokens(seed: int = 5) -> torch.Tensor:
     return torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(seed))
 
@@ -266,7 +279,7 @@ def write_tp2_logits(cfg, spec, ckpt: str, out: str, rank: int) -> None:
         torch.save(forward(model, tokens()), f"{out}.{rank}")
     dist.destroy_process_group()
     print("ok", flush=True)
-    os._exit(0)
+    exit_now()
 
 
 def rank_path(ckpt: str, name: str) -> str:
@@ -389,6 +402,4 @@ if __name__ == "__main__":
     finally:
         dist.destroy_process_group()
     print("ok", flush=True)
-    # Skip the interpreter's teardown: megatron-core's and gloo's background threads sometimes abort it
-    # ("terminate called without an active exception") after the work is done and its results are written.
-    os._exit(0)
+    exit_now()

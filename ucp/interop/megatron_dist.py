@@ -19,8 +19,9 @@ in the file under the TE spec's fused names (`self_attention.linear_qkv.layer_no
 there; writing writes both, so that a job of either spec loads the result.
 
 Nothing here unpickles without an allowlist: `.metadata` goes through ucp.interop.dcp's metadata unpickler,
-`common.pt` and every tensor blob through torch's weights-only unpickler. Not carried from a torch_dist source:
-the distributed optimizer's state and the RNG states (named in the report's `dropped`).
+`common.pt` and every tensor blob through torch's weights-only unpickler. The distributed optimizer's state is
+read when saved `fully_reshardable` (model space: each state a global tensor keyed and sharded like its parameter);
+in its other forms it is not carried, nor are the RNG states (named in the report's `dropped`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ from ucp.boxes import Box, box_numel, box_shape, intersect, relative, to_slices
 from ucp.families import DeepseekV3Config
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
+from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF, bucket_size_of, buffer_dtypes
+from ucp.interop.megatron_optimizer import DistributedBuffers, LocalOptimState, OptimizerMeta, identifier
 from ucp.interop.torch_file import TorchFile
 from ucp.layout import Layout
-from ucp.reshard import LocalTensor, local_plan
+from ucp.reshard import LocalTensor, local_params, local_plan
 
 TORCH_DIST = "torch_dist"
 METADATA_JSON = "metadata.json"
@@ -251,22 +254,84 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
     unknown = sorted(
         k
         for k, e in entries.items()
-        if hasattr(e, "size") and k not in used and not k.startswith(("optimizer.", "rng_state"))
+        if hasattr(e, "size") and k not in used and not _OPTIMIZER.match(k) and not k.startswith("rng_state")
     )
     if unknown:
         raise InteropError(f"{iter_dir}: tensors ucp cannot map to {type(config).__name__} atoms: {unknown[:4]}")
+    optimizer = _read_optimizer(iter_dir, common, config, tensors, chunk)
+    has_optimizer = any(_OPTIMIZER.match(k) for k in entries)
     not_carried = tuple(
         name
         for name, present in (
-            ("optimizer", any(k.startswith("optimizer.") for k in entries)),
+            ("optimizer", has_optimizer and optimizer is None),
             ("rng_state", any(k.startswith("rng_state") for k in entries)),
         )
         if present
     )
     files = {0: {"model": chunk} | {k: common[k] for k in ("args", "iteration", "opt_param_scheduler") if k in common}}
-    return m.MegatronSource(
+    source = m.MegatronSource(
         root, it, Layout(), config, args, hf, files, {0: iter_dir / METADATA}, {0: tensors}, not_carried=not_carried
     )
+    if optimizer is not None:
+        source.optimizer, source.optim_state[0] = optimizer[1], optimizer[0]
+    return source
+
+
+_OPTIMIZER = re.compile(r"(chained_\d+\.)?optimizer\.")
+FULLY_RESHARDABLE = "fully_reshardable"
+
+
+def _read_optimizer(
+    iter_dir: Path, common: dict[str, Any], config: Any, tensors: DistTensors, chunk: dict[str, torch.Tensor]
+) -> tuple[LocalOptimState, OptimizerMeta] | None:
+    """The distributed optimizer's state saved `fully_reshardable` (megatron-core's model-space form: per
+    parameter `[chained_I.]optimizer.state.{param,exp_avg,exp_avg_sq}.<the parameter's key>`, sharded exactly like
+    the parameter) as the tp1pp1 view's local optimizer state; None when the checkpoint has no optimizer or saved it
+    in another form (`dp_reshardable`, Megatron-LM's default, keeps each source rank's flat buckets and is listed
+    as not carried)."""
+    entry = common.get("optimizer")
+    if not isinstance(entry, dict):
+        return None
+    # a ChainedOptimizer of several (dense, expert) keeps each under its index
+    chained = bool(entry) and all(isinstance(k, int) for k in entry)
+    subs: list[dict[str, Any]] = [entry[k] for k in sorted(entry)] if chained else [entry]
+    if any(not isinstance(sub, dict) or sub.get("param_state_sharding_type") != FULLY_RESHARDABLE for sub in subs):
+        return None
+    entries = tensors.metadata.state_dict_metadata
+    state: LocalOptimState = {}
+    for p in local_params(config, Layout(), Layout().coords(0)):
+        if not p.parameter:
+            continue  # (a buffer: no optimizer state)
+        model_key, index, _ = tensors.where[id(chunk[p.name])]
+        for stored, name in STATE_OF.items():
+            suffix = f"optimizer.state.{stored}.{model_key}"
+            key = next((k for k in entries if k == suffix or (k.endswith("." + suffix) and _OPTIMIZER.match(k))), None)
+            if key is None:
+                raise InteropError(f"{iter_dir}: no {suffix} in its metadata, but its optimizer is {FULLY_RESHARDABLE}")
+            if tuple(entries[key].size) != tuple(entries[model_key].size):
+                raise InteropError(
+                    f"{iter_dir}: {key} has global shape {list(entries[key].size)}, its parameter "
+                    f"{list(entries[model_key].size)}"
+                )
+            state.setdefault(p.chunk_key, {}).setdefault(p.name, {})[name] = tensors.tensor(key, index, p.shape)
+    groups: dict[Any, dict[str, Any]] = {}
+    scaler = None
+    for one in subs:
+        inner = one.get("optimizer")
+        saved = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(saved, list):
+            raise InteropError(f"{iter_dir / COMMON}: its optimizer entry has no param groups")
+        groups.update({identifier(g): dict(g) for g in saved})
+        scaler = one.get("grad_scaler", scaler)
+    args = common["args"]
+    meta = OptimizerMeta(
+        True,
+        MOMENTS,
+        groups=groups,
+        grad_scaler=scaler,
+        distributed=DistributedBuffers(buffer_dtypes(args), bucket_size_of(args)),
+    )
+    return state, meta
 
 
 def _check_global(

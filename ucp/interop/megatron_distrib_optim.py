@@ -73,6 +73,14 @@ def bucket_size_of(args: Any) -> int | None:
     return int(size) if size is not None else max(DEFAULT_BUCKET_MIN, 1_000_000 * arg("data_parallel_size", 1))
 
 
+def buffer_dtypes(args: Any) -> tuple[str, str]:
+    """The grad buffers' (param dtype, grad dtype) as Megatron-LM's args set them (bf16 training accumulates and
+    reduces gradients in fp32 unless told otherwise)."""
+    param = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
+    fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", None)
+    return param, "float32" if fp32_grads or (fp32_grads is None and param == "bfloat16") else param
+
+
 def mark_distributed(args: Any, buffers: DistributedBuffers) -> None:
     """Say in a target's args how its distrib_optim.pt files were laid out (what `bucket_size_of` reads back)."""
     args.use_distributed_optimizer = True
