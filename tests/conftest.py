@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import random
 import uuid
 
 import pytest
 
-from .launch import free_port
+from .launch import SEED_VARIABLE, free_port
+
+
+def pytest_configure(config):
+    # before any test module is imported, and inherited by pytest-xdist's workers
+    os.environ.setdefault(SEED_VARIABLE, str(random.SystemRandom().randrange(2**32)))
+
+
+def pytest_report_header(config):
+    return f"test draws: {SEED_VARIABLE}={os.environ[SEED_VARIABLE]} (set it to draw the same layouts again)"
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import math
+import os
+import random
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .launch import SEED_VARIABLE
+
+# What a test module draws at collection time (which layouts a parametrized test runs in) comes from this generator,
+# seeded by UCP_TEST_SEED: conftest.py sets it once per run, so every pytest-xdist worker collects the same tests,
+# and prints it, so a run's draws can be repeated.
+DRAW = random.Random(int(os.environ.get(SEED_VARIABLE, "0")))
 
 
 def assert_same_state(a: Any, b: Any, path: str = "state") -> None:

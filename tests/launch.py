@@ -7,7 +7,9 @@ from pathlib import Path
 
 from trainer.launch import free_port, start, wait
 
-__all__ = ["free_port", "spawn"]
+__all__ = ["SEED_VARIABLE", "free_port", "spawn"]
+
+SEED_VARIABLE = "UCP_TEST_SEED"  # seeds the tests' collection-time draws (helpers.DRAW; conftest sets and prints it)
 
 
 def spawn(argv: list[str], world: int, timeout: float = 180, env: dict[str, str] | None = None) -> list[str]:

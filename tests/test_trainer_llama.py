@@ -23,7 +23,7 @@ from ucp import commit
 from ucp.families.llama import LlamaConfig
 from ucp.storage import open_storage
 
-from .helpers import assert_same_logits, random_hf_model
+from .helpers import DRAW, assert_same_logits, random_hf_model
 from .launch import free_port, spawn
 from .test_trainer import assert_initial_params_equal_ucp_shard, hf_fields
 
@@ -64,7 +64,7 @@ def test_logits_match_transformers_llama(tied):
     assert aux.item() == 0.0  # no router, no load-balancing loss
 
 
-@pytest.mark.parametrize("layout", random.sample(["tp1pp1", "tp2pp2", "tp1pp2dp2zero1", "tp2pp1dp2"], 2))
+@pytest.mark.parametrize("layout", DRAW.sample(["tp1pp1", "tp2pp2", "tp1pp2dp2zero1", "tp2pp1dp2"], 2))
 def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout):
     cfg = load_config(TINY).model
     assert isinstance(ucp_config(cfg), LlamaConfig)

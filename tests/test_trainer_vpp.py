@@ -24,7 +24,7 @@ from trainer.weights import ucp_config
 from ucp.layout import parse_layout as ucp_parse_layout
 from ucp.reshard import assemble
 
-from .helpers import train_records
+from .helpers import DRAW, train_records
 from .launch import spawn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ def assert_close(got, want, rel: float = 1e-5) -> None:
 VPP_LAYOUTS = ["tp1pp2vpp2", "tp2pp2vpp2", "tp1pp2vpp2dp2zero1", "tp1pp2vpp2ep2dp2"]
 
 
-@pytest.mark.parametrize("layout", random.sample(VPP_LAYOUTS, 2))
+@pytest.mark.parametrize("layout", DRAW.sample(VPP_LAYOUTS, 2))
 def test_interleaved_layouts_train_like_tp1pp1(layout, tmp):
     assert_close(reference(layout, tmp), reference("tp1pp1", tmp))
 
@@ -194,8 +194,8 @@ def resume(saved_in: str, layout: str, tmp: str) -> list[tuple[float, float]]:
 @pytest.mark.parametrize(
     "saved_in, resumed_in",
     [
-        (random.choice(VPP_LAYOUTS), random.choice(["tp1pp1", "tp2pp1", "tp1pp2", "tp1pp1ep2dp2"])),
-        (random.choice(["tp1pp2dp2zero1", "tp2pp1", "tp1pp4"]), random.choice(VPP_LAYOUTS)),
+        (DRAW.choice(VPP_LAYOUTS), DRAW.choice(["tp1pp1", "tp2pp1", "tp1pp2", "tp1pp1ep2dp2"])),
+        (DRAW.choice(["tp1pp2dp2zero1", "tp2pp1", "tp1pp4"]), DRAW.choice(VPP_LAYOUTS)),
     ],
 )
 def test_resume_into_and_out_of_an_interleaved_layout_continues_the_same_losses(saved_in, resumed_in, tmp):
