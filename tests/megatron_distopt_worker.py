@@ -45,6 +45,10 @@ from tests.megatron_worker import (
 # padded buffer's offsets, so with several buckets and bucket padding it stores later buckets' parameters shifted)
 BUCKET = None if os.environ.get("UCP_DISTOPT_BUCKET") == "none" else 2000
 PP, EP = 2, 2  # the saved layout (with 4 ranks: DP 2, expert DP 1)
+# UCP_DISTOPT_TIED=1: the output layer shares the embedding's weight; across pipeline stages megatron-core keeps a copy
+# on the last stage and gives both a grad buffer bucket of their own
+TIED = os.environ.get("UCP_DISTOPT_TIED") == "1"
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def global_name(name: str, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
@@ -75,6 +79,17 @@ def shards(t: Trainable, pp_rank: int, ep_rank: int, pp: int, ep: int) -> dict[s
     return out
 
 
+def _tie(model: torch.nn.Module, pp_rank: int) -> None:
+    """The last stage's copy of a tied embedding made equal to the first stage's, as megatron-core's model init
+    does it (zeroed, then summed over the embedding group)."""
+    from megatron.core import parallel_state as ps
+
+    weight = model.embedding.word_embeddings.weight if pp_rank == 0 else model.output_layer.weight
+    values = weight.data.float() if pp_rank == 0 else torch.zeros(weight.shape)
+    dist.all_reduce(values, group=ps.get_embedding_group())
+    weight.data.copy_(values)
+
+
 def step(t: Trainable, pp_rank: int, ep_rank: int) -> None:
     """One optimizer step on gradients drawn per global parameter name (no forward pass: a pipeline needs none
     to fill the grad buffers, and the buffers' layout is what is tested); the vocabulary padding rows get none,
@@ -82,7 +97,13 @@ def step(t: Trainable, pp_rank: int, ep_rank: int) -> None:
     t.ddp.zero_grad_buffer()
     t.optimizer.zero_grad()
     for name, p in t.model.named_parameters():
-        seed = sum(map(ord, global_name(name, pp_rank, ep_rank, PP, EP)))
+        # a tied output layer gets the embedding's gradient, as Megatron's all-reduce of the two makes it
+        seed = sum(
+            map(
+                ord,
+                EMBEDDING if TIED and name == "output_layer.weight" else global_name(name, pp_rank, ep_rank, PP, EP),
+            )
+        )
         grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
         if name.endswith(("word_embeddings.weight", "output_layer.weight")):
             grad[V:] = 0
@@ -101,11 +122,16 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
     from megatron.core import parallel_state as ps
 
     pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
-    model = build_model(pp=PP, ep=EP, bf16=True)
+    if TIED:  # (megatron-core moves the tied copies to the GPU for its init all-reduce; here they stay on the CPU)
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    model = build_model(pp=PP, ep=EP, bf16=True, tied=TIED)
     perturb(model)
+    if TIED:
+        _tie(model, pp_rank)
     t = Trainable(model, bf16=True, distributed=True, bucket_size=BUCKET)
     step(t, pp_rank, ep_rank)
     args = megatron_args(ep=EP, bf16=True)
+    args.untie_embeddings_and_output_weights = not TIED
     args.pipeline_model_parallel_size = PP
     args.use_distributed_optimizer = True
     args.overlap_grad_reduce = BUCKET is not None
@@ -167,7 +193,7 @@ def _keep_step_on_load() -> None:
 
 def load(rank: int, ckpt: str, out: str) -> None:
     _keep_step_on_load()
-    t = Trainable(build_model(bf16=True), bf16=True, distributed=True, bucket_size=BUCKET)
+    t = Trainable(build_model(bf16=True, tied=TIED), bf16=True, distributed=True, bucket_size=BUCKET)
     directory = os.path.join(ckpt, f"iter_{ITERATION:07d}", "mp_rank_00")
     state = torch.load(os.path.join(directory, "model_optim_rng.pt"), weights_only=False)
     t.model.load_state_dict(state["model"], strict=True)

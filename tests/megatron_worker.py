@@ -60,8 +60,10 @@ def build_model(
     parallel_output: bool = True,
     pp: int = 1,
     vocab_size: int | None = None,
+    tied: bool = False,
 ) -> torch.nn.Module:
-    """The test model in this rank's part of layout (tp, pp, ep); vocab_size: its padded vocabulary (default 128 * tp)."""
+    """The test model in this rank's part of layout (tp, pp, ep); vocab_size: its padded vocabulary (default 128 * tp);
+    tied: the output layer shares the embedding's weight."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -102,7 +104,7 @@ def build_model(
         max_sequence_length=64,
         position_embedding_type="rope",
         rotary_base=10000,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=tied,
         parallel_output=parallel_output,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),

@@ -50,12 +50,16 @@ def assemble(prefix: Path, world: int) -> dict[str, dict[str, torch.Tensor]]:
     return whole
 
 
+def save(tmp: Path, env: dict[str, str]) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    """megatron-core's DistributedOptimizer after a step, saved at TMP/src; each parameter's whole state."""
+    pytest.importorskip("megatron.core")
+    spawn(["tests/megatron_distopt_worker.py", "save", str(tmp / "src"), str(tmp / "saved")], 4, 300, env)
+    return tmp / "src", assemble(tmp / "saved", 4)
+
+
 @pytest.fixture(scope="module")
 def distopt(tmp_path_factory):
-    pytest.importorskip("megatron.core")
-    tmp = tmp_path_factory.mktemp("distopt")
-    spawn(["tests/megatron_distopt_worker.py", "save", str(tmp / "src"), str(tmp / "saved")], 4, 300, ENV)
-    return tmp / "src", assemble(tmp / "saved", 4)
+    return save(tmp_path_factory.mktemp("distopt"), ENV)
 
 
 def files_of(ckpt: Path) -> dict[str, dict]:
@@ -69,18 +73,32 @@ def files_of(ckpt: Path) -> dict[str, dict]:
     return out
 
 
-def test_megatron_loads_the_converted_distributed_optimizer(distopt, tmp_path):
-    src, saved = distopt
-    report = convert(str(src), str(tmp_path / "tp1"), from_layout=SOURCE, to_layout="tp1")
+def converts_and_loads(src: Path, saved: dict, tmp: Path, env: dict[str, str]) -> None:
+    """ucp converts SRC to tp1, a DP 2 megatron-core job loads it: every parameter's state is the saved one."""
+    report = convert(str(src), str(tmp / "tp1"), from_layout=SOURCE, to_layout="tp1")
     assert "optimizer" not in report.dropped
-    spawn(["tests/megatron_distopt_worker.py", "load", str(tmp_path / "tp1"), str(tmp_path / "loaded")], 2, 300, ENV)
-    loaded = assemble(tmp_path / "loaded", 2)
-    assert set(loaded) == set(saved) and len(saved) > 20
-    for name, states in saved.items():
+    spawn(["tests/megatron_distopt_worker.py", "load", str(tmp / "tp1"), str(tmp / "loaded")], 2, 300, env)
+    loaded = assemble(tmp / "loaded", 2)
+    tied = env.get("UCP_DISTOPT_TIED") == "1"  # (the tp1 model holds a tied embedding once)
+    assert set(loaded) == set(saved) - ({"output_layer.weight"} if tied else set()) and len(loaded) > 20
+    for name, states in loaded.items():
         for k, t in states.items():
-            assert torch.equal(loaded[name][k], t), (name, k)
-    # the moments are real (a step was taken), and the vocabulary padding rows stayed zero
+            assert torch.equal(t, saved[name][k]), (name, k)
+    # the moments are real (a step was taken)
     assert saved["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]["exp_avg"].abs().sum() > 0
+
+
+def test_megatron_loads_the_converted_distributed_optimizer(distopt, tmp_path):
+    converts_and_loads(*distopt, tmp_path, ENV)
+
+
+def test_a_tied_embedding_across_stages_has_a_bucket_of_its_own(tmp_path):
+    """Tied embeddings with PP > 1: megatron-core keeps a copy on the last stage, and each copy takes a DDP bucket
+    of its own (`shared_embedding`); the tp1 target holds the embedding once."""
+    env = {**ENV, "UCP_DISTOPT_TIED": "1"}
+    src, saved = save(tmp_path, env)
+    assert torch.equal(saved["output_layer.weight"]["exp_avg"], saved["embedding.word_embeddings.weight"]["exp_avg"])
+    converts_and_loads(src, saved, tmp_path, env)
 
 
 @pytest.mark.parametrize("trial", range(2))
