@@ -29,6 +29,7 @@ def _run(args: list[str], timeout: int = 150) -> subprocess.CompletedProcess[str
     return proc
 
 
+@pytest.mark.slow
 def test_quick_run_with_s3_and_the_new_methods(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     methods_ = ",".join(("raw", "ucp", *NEW, "copy"))
@@ -63,6 +64,7 @@ def test_procs_2(tmp_path: Path) -> None:
     assert doc["medians"][0]["nbytes"] > 3 << 20  # both ranks' shares (2 x 2 MiB)
 
 
+@pytest.mark.slow
 def test_gil_compares_the_writer_threads_and_the_writer_process(tmp_path: Path) -> None:
     out = tmp_path / "gil.json"
     proc = _run(

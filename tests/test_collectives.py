@@ -15,6 +15,8 @@ from bench_io.__main__ import main as bench_main
 
 from .launch import free_port
 
+pytestmark = pytest.mark.slow  # (scenario tests: a gloo collectives sweep)
+
 # nccl-tests doc/PERFORMANCE.md: busBw = algBw * factor, with these factors for n ranks
 NCCL_TESTS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

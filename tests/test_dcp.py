@@ -105,6 +105,7 @@ def run_two_ranks(tmp: Path, mode: str, ckpt: Path, ref: Path) -> None:
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_import_fsdp2_dcp_checkpoint(tmp_path):
     run_two_ranks(tmp_path, "save", tmp_path / "dcp", tmp_path / "ref.pt")
     report = import_dcp(tmp_path / "dcp", str(tmp_path / "u"), memory_budget=64 << 10)  # many groups of DCP tensors
@@ -141,6 +142,7 @@ def test_import_fsdp2_dcp_checkpoint(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_export_reads_back_with_dcp_to_torch_save_and_in_world_size_two(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -337,6 +337,7 @@ def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_every_path(tmp_pat
         assert {f.get_tensor(n).dtype for n in names} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_megatron_core_loads_what_ucp_converts_from_its_own_torch_dist(tmp_path):
     """megatron-core saves its MLA GPT (a dense layer, then a MoE layer with the router's expert bias) at TP 2 with its
     own dist_checkpointing (torch_dist); ucp converts that to ucp, to tp1 rank files and back to torch_dist, and

@@ -58,6 +58,7 @@ def test_save_tp2pp2_with_four_processes_and_load_in_other_layouts(tmp_path):
     check_world(run_world(url, out), CheckpointReader(open_storage(url), "latest"))
 
 
+@pytest.mark.slow
 def test_the_same_on_s3(s3_bucket, tmp_path):
     bucket, options = s3_bucket
     url = f"s3://{bucket}/dist"

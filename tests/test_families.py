@@ -74,6 +74,7 @@ def test_the_reshaper_saves_in_one_layout_and_loads_in_others(tmp_path, flags):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.slow
 def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_path, arch):
     """megatron-core's own GPT model (TP 2, local spec) takes ucp's tp2 files with strict=True, names and shapes as
     its own, and computes the logits transformers computes (within float tolerance: another kernel order)."""

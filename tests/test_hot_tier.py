@@ -9,6 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 import ucp
 from ucp.format import step_dirname
 
@@ -30,6 +32,7 @@ def run_dir(node: Path) -> Path:
     return sub
 
 
+@pytest.mark.slow
 def test_a_lost_node_is_restored_from_its_replica_and_a_new_node_from_its_peers(tmp_path):
     url = str(tmp_path / "durable")
     a, b, c = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-c"
@@ -89,6 +92,7 @@ def test_with_no_hot_copy_left_the_durable_url_serves_everything(tmp_path):
         assert r["step"] == 6 and r["source"] == "durable" and r["exact"] and r["local"] == 0 and r["peers"] == 0, r
 
 
+@pytest.mark.slow
 def test_a_hot_step_the_survivors_cannot_cover_gives_way_to_the_durable_one_and_is_redone(tmp_path):
     url = str(tmp_path / "durable")
     a, b, c = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-c"

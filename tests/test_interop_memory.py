@@ -21,6 +21,8 @@ from ucp.reshard import shard
 
 from .test_hf import save_in_layout
 
+pytestmark = pytest.mark.slow  # (scenario tests: peak-memory measurements of conversions in subprocesses)
+
 MiB = 1 << 20
 BUDGET = "16MiB"
 # Mixtral-shaped, 12.5 MiB (fp32) per layer, no tensor above 1 MiB: 3 layers ~ 39 MiB (S), 12 layers ~ 154 MiB (4S)

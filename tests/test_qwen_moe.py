@@ -135,6 +135,7 @@ def test_settings_whose_weights_have_no_atom_are_refused(tmp_path, setting):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.slow
 def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_path, arch, norm_topk_prob):
     """megatron-core's own MoE GPT model (TP 2, local spec, SequentialMLP experts; q/k layer norms for Qwen3-MoE,
     q/k/v biases and a gated shared expert for Qwen2-MoE) takes ucp's tp2 files with strict=True and computes the

@@ -16,6 +16,8 @@ from trainer.profile import PHASES
 
 from .test_train_resume import finish, start
 
+pytestmark = pytest.mark.slow  # (scenario tests: a real multi-process run and its report)
+
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_real_runs_report_breaks_each_step_down_per_rank_and_names_every_rank(tmp_path):

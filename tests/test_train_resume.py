@@ -26,6 +26,8 @@ from ucp.storage import open_storage
 
 from .helpers import DRAW
 
+pytestmark = pytest.mark.slow  # (scenario tests: multi-process training runs, killed and resumed)
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
 N = 10  # steps before and after the checkpoint, as the issue asks

@@ -184,6 +184,7 @@ def test_layouts_train_like_tp1pp1(run, layout):
     _assert_close(run(layout), reference)
 
 
+@pytest.mark.slow
 def test_tied_embeddings_over_an_uneven_pipeline_train_like_tp1pp1(run):
     # (Experts split over both TP and EP are checked, with ZeRO-1, by the state-assembly test below.)
     # Vocab padded to a multiple of 200*T: 600 rows at T=1, 800 at T=2; the loss must ignore the padding.
@@ -193,6 +194,7 @@ def test_tied_embeddings_over_an_uneven_pipeline_train_like_tp1pp1(run):
     _assert_close(run("tp2pp2", *tied, "--set", "train.stage_layers=[1,3]"), reference)
 
 
+@pytest.mark.slow
 def test_same_config_layout_and_seed_give_bitwise_identical_losses(run, tmp_path):
     first = run("tp1pp1ep2dp2")
     again = tuple(r["loss"] for r in launch("tp1pp1ep2dp2", tmp_path))
@@ -313,6 +315,7 @@ def _trained_canonical_state(layout: str, tmp_path: Path, steps: int = 3) -> dic
     return reshard.assemble(local_states, ucp_config(load_config(TINY).model, None), ucp_layout.parse_layout(layout))
 
 
+@pytest.mark.slow
 def test_trained_state_assembles_to_the_same_atoms_in_every_layout(tmp_path):
     reference = _trained_canonical_state("tp1pp1", tmp_path)
     other = _trained_canonical_state("tp2pp1ep2dp2zero1", tmp_path)  # fused TP, EP, ZeRO-1 flat ranges

@@ -105,6 +105,8 @@ RESTORE_AND_SAVE = """
 import sys, torch, torch.distributed as dist
 from trainer.checkpoint import Checkpointer
 from trainer.train import build_config, build_trainer, parse_args
+
+pytestmark = pytest.mark.slow  # (scenario tests: multi-process bf16 training runs)
 trainer = build_trainer(build_config(parse_args(sys.argv[2:])))
 checkpointer = Checkpointer(trainer.cfg, trainer)
 assert checkpointer.restore() is not None

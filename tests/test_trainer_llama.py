@@ -27,6 +27,8 @@ from .helpers import DRAW, assert_same_logits, random_hf_model
 from .launch import free_port, spawn
 from .test_trainer import assert_initial_params_equal_ucp_shard, hf_fields
 
+pytestmark = pytest.mark.slow  # (scenario tests: multi-process training runs of the dense family)
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "trainer" / "configs" / "tiny-llama.yaml"
 STEPS = 8
@@ -71,7 +73,6 @@ def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout):
     assert_initial_params_equal_ucp_shard(cfg, layout, None)
 
 
-@pytest.mark.slow
 def test_layouts_train_like_tp1pp1(tmp_path):
     reference = losses(train("tp1pp1", tmp_path, STEPS))
     assert reference[-1] < reference[0], "the tiny model should learn in a few steps"

@@ -212,6 +212,8 @@ def test_resume_in_the_same_interleaved_layout_is_bitwise_exact(tmp):
 RUN_AND_SAVE = """
 import sys, torch, torch.distributed as dist
 from trainer.train import build_config, build_trainer, parse_args, train
+
+pytestmark = pytest.mark.slow  # (scenario tests: multi-process training runs with interleaved pipelines)
 trainer = build_trainer(build_config(parse_args(sys.argv[2:])))
 train(trainer)
 torch.save(trainer.local_state(), f"{sys.argv[1]}/rank{dist.get_rank()}.pt")
