@@ -29,6 +29,8 @@ from ucp.reshard import assemble
 from .helpers import DRAW, train_records
 from .launch import spawn
 
+pytestmark = pytest.mark.slow  # (scenario tests: multi-process bf16 training runs)
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
 N = 4  # steps before the checkpoint, and after it
@@ -106,7 +108,6 @@ import sys, torch, torch.distributed as dist
 from trainer.checkpoint import Checkpointer
 from trainer.train import build_config, build_trainer, parse_args
 
-pytestmark = pytest.mark.slow  # (scenario tests: multi-process bf16 training runs)
 trainer = build_trainer(build_config(parse_args(sys.argv[2:])))
 checkpointer = Checkpointer(trainer.cfg, trainer)
 assert checkpointer.restore() is not None

@@ -27,6 +27,8 @@ from ucp.reshard import assemble
 from .helpers import DRAW, train_records
 from .launch import spawn
 
+pytestmark = pytest.mark.slow  # (scenario tests: multi-process training runs with interleaved pipelines)
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "trainer" / "configs" / "tiny-moe.yaml"
 N = 4  # steps before the checkpoint, and after it
@@ -213,7 +215,6 @@ RUN_AND_SAVE = """
 import sys, torch, torch.distributed as dist
 from trainer.train import build_config, build_trainer, parse_args, train
 
-pytestmark = pytest.mark.slow  # (scenario tests: multi-process training runs with interleaved pipelines)
 trainer = build_trainer(build_config(parse_args(sys.argv[2:])))
 train(trainer)
 torch.save(trainer.local_state(), f"{sys.argv[1]}/rank{dist.get_rank()}.pt")

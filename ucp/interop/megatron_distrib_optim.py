@@ -44,6 +44,7 @@ from ucp.interop.megatron_optimizer import (
     OptimizerMeta,
     group_key,
     identifier,
+    optimizer_entries,
     param_groups,
     registration_key,
 )
@@ -180,12 +181,7 @@ def read_distributed(
     (`files`: ucp rank -> (unpickled content with meta tensors, path) of every rank directory)."""
     groups = param_groups(config, layout, rank)
     layouts = grad_buffers(config, layout, rank, bucket_size)
-    subs = entry if isinstance(entry, list) else [entry]
-    if len(subs) != len(groups):
-        raise InteropError(
-            f"{where}: 'optimizer' holds {len(subs)} optimizer state dict(s), but Megatron-Core builds "
-            f"{len(groups)} for this layout (dense{' and expert' if len(groups) > 1 else ''})"
-        )
+    subs = optimizer_entries(entry, groups, where)
     state: LocalOptimState = {}
     meta: OptimizerMeta | None = None
     for i, (sub, expected, buffers) in enumerate(zip(subs, groups, layouts)):

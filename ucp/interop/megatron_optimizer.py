@@ -219,21 +219,27 @@ def _unwrap(sub: Any, where: str) -> tuple[dict[str, Any], list[list[torch.Tenso
     )
 
 
-def read_optimizer(
-    entry: Any, config: Any, layout: Layout, rank: int, where: str
-) -> tuple[LocalOptimState, OptimizerMeta]:
-    """A rank file's "optimizer" entry as ucp's local optimizer state (what goes under "optimizer"/"state") and
-    its global part."""
-    expected = param_groups(config, layout, rank)
+def optimizer_entries(entry: Any, expected: list[Groups], where: str) -> list[Any]:
+    """A rank file's "optimizer" entry split per Megatron optimizer (ChainedOptimizer.state_dict() is a list only
+    for several), checked to hold as many as Megatron-Core builds for the rank (`expected`)."""
     subs = entry if isinstance(entry, list) else [entry]
     if len(subs) != len(expected):
         raise InteropError(
             f"{where}: 'optimizer' holds {len(subs)} optimizer state dict(s), but Megatron-Core builds "
             f"{len(expected)} for this layout (dense{' and expert' if len(expected) > 1 else ''})"
         )
+    return subs
+
+
+def read_optimizer(
+    entry: Any, config: Any, layout: Layout, rank: int, where: str
+) -> tuple[LocalOptimState, OptimizerMeta]:
+    """A rank file's "optimizer" entry as ucp's local optimizer state (what goes under "optimizer"/"state") and
+    its global part."""
+    expected = param_groups(config, layout, rank)
     state: LocalOptimState = {}
     meta: OptimizerMeta | None = None
-    for sub, groups in zip(subs, expected):
+    for sub, groups in zip(optimizer_entries(entry, expected, where), expected):
         sub_meta = _read_one(sub, groups, state, where)
         meta = sub_meta if meta is None else meta.merge(sub_meta, where)
     assert meta is not None  # a rank has parameters, so at least one optimizer
