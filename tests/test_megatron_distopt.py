@@ -20,7 +20,7 @@ from ucp.interop import InteropError
 from ucp.interop.megatron import DISTRIB_OPTIM_FILE, RANK_FILE, convert, load_rank_file
 
 from .launch import spawn
-from .test_convert import assert_bitwise_equal
+from .test_convert import _replace, assert_bitwise_equal
 
 pytestmark = pytest.mark.slow
 SOURCE = "tp1pp2ep2"
@@ -114,9 +114,10 @@ def test_other_layouts_and_ucp_round_trip_every_file_bitwise(distopt, tmp_path, 
 
 
 def _rewrite(path: Path, change) -> None:
+    """A file of the checkpoint read, changed in memory, and written anew (test_convert._replace)."""
     data = torch.load(path, weights_only=False)
     change(data)
-    torch.save(data, path)
+    _replace(data, path)
 
 
 def test_damaged_or_mismatched_distributed_optimizer_files_are_clear_errors(distopt, tmp_path):

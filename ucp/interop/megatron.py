@@ -14,8 +14,8 @@ Megatron stores.
 
 The optimizer's state reshards the same way: its per-parameter tensors are ucp local optimizer states, taken from
 the rank file's numbered entries (megatron_optimizer.py) or, for the distributed optimizer, from views of the flat
-buffers in distrib_optim.pt beside it (megatron_distrib_optim.py); the scheduler and the iteration are global and go to every file; the RNG
-states are per rank and are carried only into the same layout.
+buffers in distrib_optim.pt beside it (megatron_distrib_optim.py); the scheduler and the iteration are global and
+go to every file; the RNG states are per rank and are carried only into the same layout.
 """
 
 from __future__ import annotations
@@ -47,8 +47,14 @@ from ucp.interop import torch_file
 from ucp.interop.dtypes import kept_param_dtypes, most_common
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron_dist import TORCH_DIST, open_torch_dist, write_torch_dist
-from ucp.interop.megatron_distrib_optim import bucket_size_of, mark_distributed, read_distributed, write_distributed
-from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer, write_optimizer
+from ucp.interop.megatron_distrib_optim import read_distributed, write_distributed
+from ucp.interop.megatron_optimizer import (
+    DistributedBuffers,
+    LocalOptimState,
+    OptimizerMeta,
+    read_optimizer,
+    write_optimizer,
+)
 from ucp.interop.staging import staged_dir
 from ucp.interop.streaming import group_limit, save_atoms
 from ucp.interop.torch_file import Deferred, TorchFile, TorchFiles
@@ -502,6 +508,32 @@ def args_for(config: Any, layout: Layout, base: Any = None, hf: Mapping[str, Any
     return out
 
 
+DEFAULT_BUCKET_MIN = 40_000_000  # DistributedDataParallel's default bucket: max(40M, 1M x DP) elements
+
+
+def bucket_size_of(args: Any) -> int | None:
+    """DDP's bucket size as Megatron-LM's args set it (None: one bucket per buffer, without overlap_grad_reduce)."""
+    if not _arg(args, "overlap_grad_reduce", False) or _arg(args, "overlap_param_gather_with_optimizer_step", False):
+        return None
+    size = _arg(args, "ddp_bucket_size")
+    return int(size) if size is not None else max(DEFAULT_BUCKET_MIN, 1_000_000 * _arg(args, "data_parallel_size", 1))
+
+
+def distributed_buffers(args: Any) -> DistributedBuffers:
+    """The grad buffers of a distributed optimizer that Megatron-LM's args describe: (param dtype, grad dtype), bf16
+    training accumulating and reducing gradients in fp32 unless told otherwise, and the bucket size."""
+    param = "bfloat16" if _arg(args, "bf16", False) else "float16" if _arg(args, "fp16", False) else "float32"
+    fp32_grads = _arg(args, "accumulate_allreduce_grads_in_fp32", param == "bfloat16")
+    return DistributedBuffers((param, "float32" if fp32_grads else param), bucket_size_of(args))
+
+
+def mark_distributed(args: Any, buffers: DistributedBuffers) -> None:
+    """Say in a target's args how its distrib_optim.pt files were laid out (what `bucket_size_of` reads back)."""
+    args.use_distributed_optimizer = True
+    args.overlap_grad_reduce = buffers.bucket_size is not None
+    args.ddp_bucket_size = buffers.bucket_size
+
+
 def _real_enum(e: ForeignEnum) -> Any:
     """Give Megatron its enum back when it is importable (already imported); else the plain value."""
     module, _, name = e.qualname.rpartition(".")
@@ -809,7 +841,8 @@ class _TargetFiles:
     def states(self) -> tuple[str, ...]:
         return self.optimizer.states if self.optimizer is not None else ()
 
-    def content(self, name: str, rank: int, local: dict[str, Any]) -> dict[str, Any]:
+    def content(self, name: str, rank: int, local: dict[str, Any], optimizer: Any = None) -> dict[str, Any]:
+        """A rank file; `optimizer`: its "optimizer" entry (`optimizer_files`), when the target has one."""
         data: dict[str, Any] = {
             "args": self.args,
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -817,20 +850,18 @@ class _TargetFiles:
         }
         data.update({k: _with_extra_state(v) for k, v in local.items() if k != "optimizer"})
         if self.optimizer is not None:
-            data["optimizer"] = self._optimizer(rank, local)[0]
+            data["optimizer"] = optimizer
         if self.scheduler is not None:
             data["opt_param_scheduler"] = self.scheduler
         if self.rng is not None:
             data["rng_state"] = self.rng[name]
         return data
 
-    def distrib_optim(self, rank: int, local: dict[str, Any]) -> Any:
-        """The content of the rank directory's distrib_optim.pt, or None (no distributed optimizer, or none of
-        its optimizers' data-parallel rank 0 is this rank)."""
-        return self._optimizer(rank, local)[1] if self.optimizer is not None else None
-
-    def _optimizer(self, rank: int, local: dict[str, Any]) -> tuple[Any, Any]:
-        assert self.optimizer is not None
+    def optimizer_files(self, rank: int, local: dict[str, Any]) -> tuple[Any, Any]:
+        """(the rank file's "optimizer" entry, the content of the rank directory's distrib_optim.pt): None where the
+        target has no optimizer, or no distributed one, or none of whose optimizers' data-parallel rank 0 is here."""
+        if self.optimizer is None:
+            return None, None
         state = local.get("optimizer", {}).get("state", {})  # none before the optimizer's first step
         if self.optimizer.distributed is not None:
             return write_distributed(state, self.optimizer, self.config, self.layout, rank)
@@ -869,8 +900,8 @@ def _write_megatron(
         return write_torch_dist(dst, target, produce, dtype_of, progress)
     files = rank_files(target.layout)
     locals_ = {rank: _deferred_local(target, rank, produce, dtype_of) for rank in files.values()}
-    distribs = {rank: target.distrib_optim(rank, locals_[rank]) for rank in files.values()}
-    biggest = max(d.nbytes for tree in (*locals_.values(), *distribs.values()) for d in _deferred(tree))
+    optimizers = {rank: target.optimizer_files(rank, locals_[rank]) for rank in files.values()}
+    biggest = max(d.nbytes for tree in (*locals_.values(), *optimizers.values()) for d in _deferred(tree))
     parallel = max(1, min(workers, group_limit(memory_budget) // max(biggest, 1)))
     with (
         staged_dir(dst) as tmp,
@@ -880,9 +911,10 @@ def _write_megatron(
 
         def one(name: str, rank: int) -> None:
             (iter_dir / name).mkdir(parents=True)
-            torch_file.save(target.content(name, rank, locals_[rank]), iter_dir / name / RANK_FILE)
-            if distribs[rank] is not None:
-                torch_file.save(distribs[rank], iter_dir / name / DISTRIB_OPTIM_FILE)
+            entry, distrib = optimizers[rank]
+            torch_file.save(target.content(name, rank, locals_[rank], entry), iter_dir / name / RANK_FILE)
+            if distrib is not None:
+                torch_file.save(distrib, iter_dir / name / DISTRIB_OPTIM_FILE)
             bar.update(1)
 
         with cf.ThreadPoolExecutor(parallel) as pool:
@@ -895,7 +927,7 @@ def _write_megatron(
 def _deferred(tree: Any) -> list[Deferred]:
     if isinstance(tree, Deferred):
         return [tree]
-    if isinstance(tree, (dict, list)):
+    if isinstance(tree, (dict, list, tuple)):
         return [d for v in (tree.values() if isinstance(tree, dict) else tree) for d in _deferred(v)]
     return []
 

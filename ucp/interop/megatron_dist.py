@@ -42,8 +42,8 @@ from ucp.boxes import Box, box_numel, box_shape, intersect, relative, to_slices
 from ucp.families import DeepseekV3Config
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF, bucket_size_of, buffer_dtypes
-from ucp.interop.megatron_optimizer import DistributedBuffers, LocalOptimState, OptimizerMeta, identifier
+from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF
+from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, identifier
 from ucp.interop.torch_file import TorchFile
 from ucp.layout import Layout
 from ucp.reshard import LocalTensor, local_params, local_plan
@@ -298,16 +298,20 @@ def _read_optimizer(
     if any(not isinstance(sub, dict) or sub.get("param_state_sharding_type") != FULLY_RESHARDABLE for sub in subs):
         return None
     entries = tensors.metadata.state_dict_metadata
+    # each state's key without the ChainedOptimizer's "chained_I." (one optimizer holds each parameter)
+    optimizer_keys = {re.sub(r"^chained_\d+\.", "", k): k for k in entries if _OPTIMIZER.match(k)}
     state: LocalOptimState = {}
     for p in local_params(config, Layout(), Layout().coords(0)):
         if not p.parameter:
             continue  # (a buffer: no optimizer state)
         model_key, index, _ = tensors.where[id(chunk[p.name])]
         for stored, name in STATE_OF.items():
-            suffix = f"optimizer.state.{stored}.{model_key}"
-            key = next((k for k in entries if k == suffix or (k.endswith("." + suffix) and _OPTIMIZER.match(k))), None)
+            unprefixed = f"optimizer.state.{stored}.{model_key}"
+            key = optimizer_keys.get(unprefixed)
             if key is None:
-                raise InteropError(f"{iter_dir}: no {suffix} in its metadata, but its optimizer is {FULLY_RESHARDABLE}")
+                raise InteropError(
+                    f"{iter_dir}: no {unprefixed} in its metadata, but its optimizer is {FULLY_RESHARDABLE}"
+                )
             if tuple(entries[key].size) != tuple(entries[model_key].size):
                 raise InteropError(
                     f"{iter_dir}: {key} has global shape {list(entries[key].size)}, its parameter "
@@ -323,13 +327,10 @@ def _read_optimizer(
             raise InteropError(f"{iter_dir / COMMON}: its optimizer entry has no param groups")
         groups.update({identifier(g): dict(g) for g in saved})
         scaler = one.get("grad_scaler", scaler)
-    args = common["args"]
+    from ucp.interop.megatron import distributed_buffers
+
     meta = OptimizerMeta(
-        True,
-        MOMENTS,
-        groups=groups,
-        grad_scaler=scaler,
-        distributed=DistributedBuffers(buffer_dtypes(args), bucket_size_of(args)),
+        True, MOMENTS, groups=groups, grad_scaler=scaler, distributed=distributed_buffers(common["args"])
     )
     return state, meta
 

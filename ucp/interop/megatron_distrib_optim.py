@@ -37,11 +37,11 @@ import torch
 
 from ucp.interop.errors import InteropError
 from ucp.interop.megatron_optimizer import (
-    GROUP_IDENTIFIER,
     MASTER,
     DistributedBuffers,
     LocalOptimState,
     OptimizerMeta,
+    check_param_groups,
     group_key,
     identifier,
     optimizer_entries,
@@ -57,36 +57,7 @@ BUCKET_ALIGNMENT = 128  # a bucket ends padded to lcm(DP, 128): a multiple of PA
 WORLD_KEYS = ("param", "exp_avg", "exp_avg_sq")
 STATE_OF = {"param": MASTER, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # world tensor -> ucp state
 MOMENTS = ("exp_avg", "exp_avg_sq")  # OptimizerMeta.keys of a distributed optimizer (its per-element states)
-DEFAULT_BUCKET_MIN = 40_000_000  # DistributedDataParallel's default bucket: max(40M, 1M x DP) elements
 EMBEDDINGS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def bucket_size_of(args: Any) -> int | None:
-    """DDP's bucket size as Megatron-LM's args set it (None: one bucket per buffer)."""
-
-    def arg(name: str, default: Any) -> Any:
-        value = getattr(args, name, default)
-        return default if value is None else value
-
-    if not arg("overlap_grad_reduce", False) or arg("overlap_param_gather_with_optimizer_step", False):
-        return None
-    size = arg("ddp_bucket_size", None)
-    return int(size) if size is not None else max(DEFAULT_BUCKET_MIN, 1_000_000 * arg("data_parallel_size", 1))
-
-
-def buffer_dtypes(args: Any) -> tuple[str, str]:
-    """The grad buffers' (param dtype, grad dtype) as Megatron-LM's args set them (bf16 training accumulates and
-    reduces gradients in fp32 unless told otherwise)."""
-    param = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else "float32"
-    fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", None)
-    return param, "float32" if fp32_grads or (fp32_grads is None and param == "bfloat16") else param
-
-
-def mark_distributed(args: Any, buffers: DistributedBuffers) -> None:
-    """Say in a target's args how its distrib_optim.pt files were laid out (what `bucket_size_of` reads back)."""
-    args.use_distributed_optimizer = True
-    args.overlap_grad_reduce = buffers.bucket_size is not None
-    args.ddp_bucket_size = buffers.bucket_size
 
 
 @dataclass(frozen=True)
@@ -221,13 +192,7 @@ def _read_groups(sub: Any, expected: list[tuple[Any, list[LocalParam]]], where: 
             f"(keys: {sorted(sub) if isinstance(sub, dict) else type(sub).__name__})"
         )
     saved = inner["param_groups"]
-    found = [dict(zip(GROUP_IDENTIFIER, identifier(g))) for g in saved]
-    wanted = [dict(zip(GROUP_IDENTIFIER, k)) for k, _ in expected]
-    if found != wanted:
-        raise InteropError(
-            f"{where}: optimizer param groups {found} are not Megatron-Core's standard ones for this "
-            f"rank {wanted}; ucp maps only those"
-        )
+    check_param_groups(saved, expected, where, sized=False)
     return OptimizerMeta(
         True, MOMENTS, groups={identifier(g): dict(g) for g in saved}, grad_scaler=sub.get("grad_scaler")
     )

@@ -246,18 +246,24 @@ def read_optimizer(
     return state, meta
 
 
-def _read_one(sub: Any, groups: Groups, state: LocalOptimState, where: str) -> OptimizerMeta:
-    """One Megatron optimizer's state dict: its parameters' tensors into `state`; returns its global part."""
-    inner, masters, scaler = _unwrap(sub, where)
-    saved = inner["param_groups"]
-    found = [(dict(zip(GROUP_IDENTIFIER, identifier(g))), len(g["params"])) for g in saved]
-    wanted = [(dict(zip(GROUP_IDENTIFIER, k)), len(params)) for k, params in groups]
+def check_param_groups(saved: list[dict[str, Any]], groups: Groups, where: str, sized: bool = True) -> None:
+    """The saved param groups are Megatron-Core's standard ones for the rank (`groups`), in order, and with `sized`
+    each of its size (a DistributedOptimizer's state_dict() drops the groups' parameter lists)."""
+    found = [(dict(zip(GROUP_IDENTIFIER, identifier(g))), len(g["params"]) if sized else None) for g in saved]
+    wanted = [(dict(zip(GROUP_IDENTIFIER, k)), len(params) if sized else None) for k, params in groups]
     if found != wanted:
         raise InteropError(
             f"{where}: optimizer param groups {found} are not Megatron-Core's standard ones for this "
             f"rank {wanted}; ucp maps only those"
         )
-    if masters is not None and [len(m) for m in masters] != [n for _, n in wanted]:
+
+
+def _read_one(sub: Any, groups: Groups, state: LocalOptimState, where: str) -> OptimizerMeta:
+    """One Megatron optimizer's state dict: its parameters' tensors into `state`; returns its global part."""
+    inner, masters, scaler = _unwrap(sub, where)
+    saved = inner["param_groups"]
+    check_param_groups(saved, groups, where)
+    if masters is not None and [len(m) for m in masters] != [len(params) for _, params in groups]:
         raise InteropError(
             f"{where}: not every parameter has an fp32 master weight (fp32 and 16-bit parameters "
             f"mixed in one group); ucp carries master weights only for all or none"
