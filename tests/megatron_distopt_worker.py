@@ -2,6 +2,7 @@
 (tests/test_megatron_distopt.py).
 
     python tests/megatron_distopt_worker.py save CKPT OUT        4 ranks: pp2 x ep2 (DP 2, expert DP 1), bf16
+                                                                 (UCP_DISTOPT_SAVE="TP,PP,EP": another layout)
     python tests/megatron_distopt_worker.py save_dist CKPT OUT   the same, saved in the torch_dist format
     python tests/megatron_distopt_worker.py load CKPT OUT        2 ranks: tp1pp1 (DP 2), torch format
 
@@ -9,7 +10,7 @@
 the first stage's buffer has several) and saves the Megatron-LM torch-format checkpoint as Megatron-LM does with
 --use-distributed-optimizer: model_optim_rng.pt per rank directory, distrib_optim.pt gathered over DP by
 `save_parameter_state`; `save_dist` saves it with dist_checkpointing instead (the optimizer `fully_reshardable`,
-or as UCP_DISTOPT_SHARDING says).
+or as UCP_DISTOPT_SHARDING says). Both runs are deterministic: the same layout gives the same state either way.
 `load` loads CKPT into a fresh model and distributed optimizer (strict model load,
 `load_state_dict`, `load_parameter_state`). Both write OUT.r: each parameter's piece of master weight and Adam
 moments that rank r's optimizer holds, found through megatron-core's own range maps and keyed by the global
@@ -44,7 +45,8 @@ from tests.megatron_worker import (
 # torch_dist: megatron-core 0.16.1's fully_reshardable save indexes the gathered, bucket-coalesced state with the
 # padded buffer's offsets, so with several buckets and bucket padding it stores later buckets' parameters shifted)
 BUCKET = None if os.environ.get("UCP_DISTOPT_BUCKET") == "none" else 2000
-PP, EP = 2, 2  # the saved layout (with 4 ranks: DP 2, expert DP 1)
+# the saved layout (with 4 ranks by default: DP 2, expert DP 1)
+TP, PP, EP = (int(x) for x in os.environ.get("UCP_DISTOPT_SAVE", "1,2,2").split(","))
 # UCP_DISTOPT_TIED=1: the output layer shares the embedding's weight; across pipeline stages megatron-core keeps a copy
 # on the last stage and gives both a grad buffer bucket of their own
 TIED = os.environ.get("UCP_DISTOPT_TIED") == "1"
@@ -90,7 +92,24 @@ def _tie(model: torch.nn.Module, pp_rank: int) -> None:
     weight.data.copy_(values)
 
 
-def step(t: Trainable, pp_rank: int, ep_rank: int) -> None:
+def padding_start(vocab_shard: torch.Tensor, tp_rank: int) -> int:
+    """The first row of a TP rank's vocabulary shard that pads past the real vocabulary."""
+    return max(0, V - tp_rank * vocab_shard.shape[0])
+
+
+def distinct_tp_shards(model: torch.nn.Module, tp_rank: int) -> None:
+    """With TP > 1: the TP-split parameters get values of their own on each TP rank (perturb draws the same on
+    every rank, so a mixed-up TP order would go unseen), and each shard's vocabulary padding rows are zero."""
+    g = torch.Generator().manual_seed(1234 + tp_rank)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                p.add_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
+            if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+                p[padding_start(p, tp_rank) :] = 0
+
+
+def step(t: Trainable, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> None:
     """One optimizer step on gradients drawn per global parameter name (no forward pass: a pipeline needs none
     to fill the grad buffers, and the buffers' layout is what is tested); the vocabulary padding rows get none,
     so they stay zero, as ucp's atoms assume."""
@@ -104,9 +123,11 @@ def step(t: Trainable, pp_rank: int, ep_rank: int) -> None:
                 EMBEDDING if TIED and name == "output_layer.weight" else global_name(name, pp_rank, ep_rank, PP, EP),
             )
         )
+        if getattr(p, "tensor_model_parallel", False):
+            seed += 7919 * tp_rank  # (a TP shard's own gradient; replicated parameters get the same on every rank)
         grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
         if name.endswith(("word_embeddings.weight", "output_layer.weight")):
-            grad[V:] = 0
+            grad[padding_start(grad, tp_rank) :] = 0
         p.main_grad.copy_(grad)
     t.ddp.start_grad_sync()
     t.ddp.finish_grad_sync()
@@ -124,20 +145,24 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
     pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     if TIED:  # (megatron-core moves the tied copies to the GPU for its init all-reduce; here they stay on the CPU)
         torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    model = build_model(pp=PP, ep=EP, bf16=True, tied=TIED)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    model = build_model(tp=TP, pp=PP, ep=EP, bf16=True, tied=TIED)
     perturb(model)
+    if TP > 1:
+        distinct_tp_shards(model, tp_rank)
     if TIED:
         _tie(model, pp_rank)
     t = Trainable(model, bf16=True, distributed=True, bucket_size=BUCKET)
-    step(t, pp_rank, ep_rank)
+    step(t, pp_rank, ep_rank, tp_rank)
     args = megatron_args(ep=EP, bf16=True)
     args.untie_embeddings_and_output_weights = not TIED
-    args.pipeline_model_parallel_size = PP
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = TP, PP
+    args.padded_vocab_size = 128 * TP  # (build_model's default padding)
     args.use_distributed_optimizer = True
     args.overlap_grad_reduce = BUCKET is not None
     args.ddp_bucket_size = BUCKET
     args.accumulate_allreduce_grads_in_fp32 = True
-    args.data_parallel_size = dist.get_world_size() // PP
+    args.data_parallel_size = dist.get_world_size() // (TP * PP)
     iter_dir = os.path.join(ckpt, f"iter_{ITERATION:07d}")
     common = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
     if torch_dist:
@@ -157,7 +182,9 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
         }
         dist_checkpointing.save(state, iter_dir, sharded_strategy=("torch_dist", 1), content_metadata=metadata)
     else:
-        directory = os.path.join(iter_dir, f"mp_rank_00_{pp_rank:03d}_{ep_rank:03d}")
+        # (Megatron-LM's rank directory names: a PP rank only with PP > 1, an EP rank only with EP > 1)
+        name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if PP > 1 else "") + (f"_{ep_rank:03d}" if EP > 1 else "")
+        directory = os.path.join(iter_dir, name)
         os.makedirs(directory, exist_ok=True)
         state = {
             **common,
@@ -209,7 +236,7 @@ if __name__ == "__main__":
     mode, ckpt, out = sys.argv[1:4]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if mode in ("save", "save_dist"):
-        setup(rank, world, pp=PP, ep=EP)
+        setup(rank, world, tp=TP, pp=PP, ep=EP)
         save(rank, ckpt, out, torch_dist=mode == "save_dist")
     else:
         setup(rank, world)

@@ -1,5 +1,5 @@
 """Megatron-Core's distributed optimizer in Megatron-LM's torch format (distrib_optim.pt beside each rank file) and
-in the torch_dist format (`fully_reshardable`), converted by ucp (ucp.interop.megatron_distrib_optim) and checked against megatron-core's own: its
+in the torch_dist format (`fully_reshardable`, `dp_reshardable`), converted by ucp (ucp.interop.megatron_distrib_optim) and checked against megatron-core's own: its
 DistributedOptimizer takes a step in pp2 x ep2 with DP 2 (several buckets on the first stage, a dense and an expert
 optimizer, the dense state in EP rank 0's file only), and after ucp converts the files to tp1pp1 a DP 2 job of
 megatron-core loads them; each parameter's master weight and Adam moments, assembled from the ranks' pieces through
@@ -9,7 +9,9 @@ bitwise; damaged or mismatched files are clear errors that leave nothing at the 
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 from ucp.interop import InteropError
 from ucp.interop.megatron import DISTRIB_OPTIM_FILE, RANK_FILE, convert, load_rank_file
 
+from .helpers import DRAW
 from .launch import spawn
 from .test_convert import _replace, assert_bitwise_equal
 
@@ -210,14 +213,80 @@ def test_torch_dist_fully_reshardable_optimizer_converts_and_loads_in_megatron(t
     assert_bitwise_equal(files_of(tmp_path / "from_u"), files_of(tmp_path / "tp1"), "via universal")
 
 
-def test_torch_dist_dp_reshardable_optimizer_is_named_as_not_carried(tmp_path):
-    """Megatron-LM's default torch_dist optimizer form keeps each source rank's flat buckets, which ucp does not
-    read: the weights convert and the report says the optimizer was not carried."""
+# megatron-core's layout (TP, PP, EP) -> ucp's name for its rank files (each a 4-rank job)
+DP_RESHARDABLE_LAYOUTS = {"1,2,2": "tp1pp2ep2", "2,2,1": "tp2pp2", "2,1,2": "tp2ep2"}
+
+
+@pytest.mark.parametrize("saved_in", DRAW.sample(sorted(DP_RESHARDABLE_LAYOUTS), 2))
+def test_torch_dist_dp_reshardable_optimizer_converts_to_megatrons_own_files(tmp_path, saved_in):
+    """Megatron-LM's default torch_dist optimizer form keeps each model-parallel rank's flat buckets. megatron-core
+    takes the same step twice in layout A (several buckets on the first stage; TP shards with values of their own)
+    and saves it in the torch_dist format (dp_reshardable) and in the torch format (distrib_optim.pt). ucp converts
+    the torch_dist checkpoint to A's torch format: every distrib_optim.pt and model is bitwise megatron-core's own.
+    To tp1, it gives the same files as the torch-format source (which megatron-core loads: the tests above)."""
     pytest.importorskip("megatron.core")
-    env = {**ENV, "UCP_DISTOPT_BUCKET": "none", "UCP_DISTOPT_SHARDING": "dp_reshardable"}
+    env = {**ENV, "UCP_DISTOPT_SAVE": saved_in}
+    layout = DP_RESHARDABLE_LAYOUTS[saved_in]
+    worker = "tests/megatron_distopt_worker.py"
+    spawn([worker, "save", str(tmp_path / "torch"), str(tmp_path / "s1")], 4, 300, env)
     spawn(
-        ["tests/megatron_distopt_worker.py", "save_dist", str(tmp_path / "src"), str(tmp_path / "saved")], 4, 300, env
+        [worker, "save_dist", str(tmp_path / "dist"), str(tmp_path / "s2")],
+        4,
+        300,
+        {**env, "UCP_DISTOPT_SHARDING": "dp_reshardable"},
     )
-    report = convert(str(tmp_path / "src"), str(tmp_path / "tp1"), from_layout="torch_dist", to_layout="tp1")
-    assert report.dropped == ("optimizer",)
-    assert "optimizer" not in load_rank_file(tmp_path / "tp1" / ITER / "mp_rank_00" / RANK_FILE)
+    report = convert(str(tmp_path / "dist"), str(tmp_path / "back"), from_layout="torch_dist", to_layout=layout)
+    assert report.dropped == ()
+    ours, megatrons = files_of(tmp_path / "back"), files_of(tmp_path / "torch")
+    assert sorted(ours) == sorted(megatrons)
+    for d in ours:
+        assert_bitwise_equal(ours[d][DISTRIB_OPTIM_FILE], megatrons[d][DISTRIB_OPTIM_FILE], f"{d}/{DISTRIB_OPTIM_FILE}")
+        assert_bitwise_equal(ours[d][RANK_FILE]["model"], megatrons[d][RANK_FILE]["model"], f"{d}/{RANK_FILE}")
+    convert(str(tmp_path / "dist"), str(tmp_path / "tp1_dist"), from_layout="torch_dist", to_layout="tp1")
+    convert(str(tmp_path / "torch"), str(tmp_path / "tp1_torch"), from_layout=layout, to_layout="tp1")
+    assert_bitwise_equal(files_of(tmp_path / "tp1_dist"), files_of(tmp_path / "tp1_torch"), "tp1")
+    damaged_dp_reshardable_is_refused(tmp_path / "dist", tmp_path)
+
+
+def damaged_dp_reshardable_is_refused(src: Path, tmp: Path) -> None:
+    """A bucket of another size (other bucketing), a missing bucket and a missing param-group object are clear
+    errors naming the file and the key; nothing is left at the destination."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from ucp.interop.dcp import METADATA, read_metadata
+
+    iter_dir = src / ITER
+    original = (iter_dir / METADATA).read_bytes()
+    # the first stage's buffer (several buckets), its last bucket
+    pattern = r"((chained_0\.)?optimizer\.distributed\.dp_group_idx_0)\.gbuf_idx_0\.dtype_.*\.bucket_idx_(\d+)\.exp_avg"
+    found = [m for k in read_metadata(iter_dir).state_dict_metadata if (m := re.fullmatch(pattern, k))]
+    last = max(found, key=lambda m: int(m.group(3)))
+    group, n = last.group(1), int(last.group(3))
+    assert n >= 1
+    bucket = last.group(0).removesuffix(f".bucket_idx_{n}.exp_avg")
+
+    def refused(change, match: str) -> None:
+        metadata = read_metadata(iter_dir)
+        change(metadata)
+        (iter_dir / METADATA).write_bytes(pickle.dumps(metadata))
+        dst = tmp / f"refused{random.randrange(10**9)}"
+        try:
+            with pytest.raises(InteropError, match=match):
+                convert(str(src), str(dst), from_layout="torch_dist", to_layout="tp1")
+            assert not dst.exists()
+        finally:
+            (iter_dir / METADATA).write_bytes(original)
+
+    def resize(m) -> None:
+        m.state_dict_metadata[f"{bucket}.bucket_idx_{n}.exp_avg"].size = torch.Size([4096])
+
+    def drop_bucket(m) -> None:
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            del m.state_dict_metadata[f"{bucket}.bucket_idx_{n}.{k}"]
+
+    def drop_groups(m) -> None:
+        del m.storage_data[MetadataIndex(f"{group}.optimizer/shard_0_1")]
+
+    refused(resize, re.escape(f"{bucket}.bucket_idx_{n}.exp_avg is a tensor of [4096] float32"))
+    refused(drop_bucket, re.escape(f"{group}.gbuf_idx_0 has buckets {list(range(n))}, but megatron-core's buffer"))
+    refused(drop_groups, re.escape(f"no param groups in {group}.optimizer"))

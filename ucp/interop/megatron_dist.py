@@ -19,9 +19,11 @@ in the file under the TE spec's fused names (`self_attention.linear_qkv.layer_no
 there; writing writes both, so that a job of either spec loads the result.
 
 Nothing here unpickles without an allowlist: `.metadata` goes through ucp.interop.dcp's metadata unpickler,
-`common.pt` and every tensor blob through torch's weights-only unpickler. The distributed optimizer's state is
-read when saved `fully_reshardable` (model space: each state a global tensor keyed and sharded like its parameter);
-in its other forms it is not carried, nor are the RNG states (named in the report's `dropped`).
+`common.pt` and every tensor blob or object through torch's weights-only unpickler. The distributed optimizer's
+state is read in both forms megatron-core 0.16 saves: `fully_reshardable` (model space: each state a global tensor
+keyed and sharded like its parameter) and `dp_reshardable` (Megatron-LM's default: each model-parallel rank's grad
+buffer buckets as flat tensors, placed by megatron-core's buffer layout rebuilt from the saving layout). Other,
+deprecated forms are not carried, nor are the RNG states (named in the report's `dropped`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ucp.boxes import Box, box_numel, box_shape, intersect, relative, to_slices
+from ucp.boxes import Box, box_numel, box_shape, full_box, intersect, relative, to_slices, translate
 from ucp.families import DeepseekV3Config
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
@@ -46,7 +48,7 @@ from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF
 from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, identifier
 from ucp.interop.torch_file import TorchFile
 from ucp.layout import Layout
-from ucp.reshard import LocalTensor, local_params, local_plan
+from ucp.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
 
 TORCH_DIST = "torch_dist"
 METADATA_JSON = "metadata.json"
@@ -120,14 +122,28 @@ def _check_item_path(root: Path, relative_path: Any, key: str) -> Path:
     return root / relative_path
 
 
+@dataclass(frozen=True)
+class FlatPart:
+    """Where some of a tensor lies in a flat global tensor (a bucket of the dp_reshardable optimizer form): a
+    source rank's parameter of `shape` starts at element `start` of `key`; each (region, target) of `moves` copies
+    that region of it to that box of the tensor."""
+
+    key: str
+    start: int
+    shape: tuple[int, ...]
+    moves: tuple[tuple[Box, Box], ...]
+
+
 @dataclass
 class DistTensors:
     """The reader of a torch_dist source (megatron.TensorFile): each meta tensor it hands out is the slice at
-    `index` of a global tensor; `read` assembles it from the bytes of the chunks it overlaps."""
+    `index` of a global tensor (`tensor`) or is assembled from parts of flat ones (`assembled`); `read` fills it
+    from the bytes of the chunks it overlaps."""
 
     root: Path
     metadata: Any
     where: dict[int, tuple[str, tuple[int, ...], torch.Tensor]] = field(default_factory=dict)  # id -> key, index, t
+    parts: dict[int, tuple[tuple[FlatPart, ...], torch.Tensor]] = field(default_factory=dict)  # id -> parts, t
     blobs: dict[tuple[str, tuple[int, ...]], TorchFile] = field(default_factory=dict)  # chunks opened and checked
 
     def tensor(self, key: str, index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
@@ -136,29 +152,63 @@ class DistTensors:
         self.where[id(t)] = (key, index, t)
         return t
 
+    def assembled(self, shape: tuple[int, ...], parts: tuple[FlatPart, ...]) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32, device="meta")
+        self.parts[id(t)] = (parts, t)
+        return t
+
     def read(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) in self.parts:
+            out = torch.zeros(t.shape, dtype=t.dtype)
+            for part in self.parts[id(t)][0]:
+                numel = box_numel(full_box(part.shape))
+                span = (part.start, part.start + numel)
+                flat = self._region(part.key, (span,), (numel,), t.dtype, f"elements [{span[0]}, {span[1]})")
+                for region, target in part.moves:
+                    out[to_slices(target)] = flat.view(part.shape)[to_slices(region)]
+            return out
         key, index, _ = self.where[id(t)]
-        entry = self.metadata.state_dict_metadata[key]
-        rest = entry.size[len(index) :]
+        rest = self.metadata.state_dict_metadata[key].size[len(index) :]
         # rows past the stored ones (a vocabulary padded further than the saving job's) stay zero
         box: Box = tuple((i, i + 1) for i in index) + tuple((0, min(n, g)) for n, g in zip(t.shape, rest))
         out = torch.zeros(t.shape, dtype=t.dtype)
+        shape = box_shape(box[len(index) :])
+        out[to_slices(box[len(index) :])] = self._region(key, box, shape, t.dtype, f"slice {list(index)}")
+        return out
+
+    def _region(self, key: str, box: Box, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+        """The values of `box` of global tensor `key` (`what` names it), assembled from the chunks it overlaps,
+        shaped `shape`."""
+        out = torch.empty(box_shape(box), dtype=dtype)
         covered = 0
-        for chunk in entry.chunks:
+        for chunk in self.metadata.state_dict_metadata[key].chunks:
             chunk_box: Box = tuple((o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
             part = intersect(box, chunk_box)
             if part is None:
                 continue
-            blob = self._blob(key, chunk, t.dtype)
-            values = blob.read(blob.obj[to_slices(relative(part, chunk_box))])
-            target = relative(part, box)[len(index) :]
-            out[to_slices(target)] = values.reshape(box_shape(target))
-            covered += values.numel()
+            blob = self._blob(key, chunk, dtype)
+            out[to_slices(relative(part, box))] = blob.read(blob.obj[to_slices(relative(part, chunk_box))])
+            covered += box_numel(part)
         if covered != box_numel(box):
             raise InteropError(
-                f"{self.root}: the chunks of {key} do not cover its slice {list(index)} ({covered} of {box_numel(box)} elements)"
+                f"{self.root}: the chunks of {key} do not cover its {what} ({covered} of {box_numel(box)} elements)"
             )
-        return out
+        return out.view(shape)
+
+    def obj(self, key: str) -> Any:
+        """A ShardedObject's value (its torch.save blob, through the weights-only unpickler); None if absent."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.metadata.storage_data.get(MetadataIndex(key))
+        if info is None:
+            return None
+        path = _check_item_path(self.root, info.relative_path, key)
+        try:
+            value = TorchFile(path, info.offset, info.length).obj
+        except (RuntimeError, ValueError, OSError, pickle.UnpicklingError) as e:
+            raise InteropError(f"{path}: the object {key} is unreadable: {e}") from None
+        # (megatron-core's torch_dist strategy stores a ShardedObject's value in a list of one)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
 
     def _blob(self, key: str, chunk: Any, dtype: torch.dtype) -> TorchFile:
         """A chunk's torch.save blob, opened (its pickle read) and checked against the metadata once."""
@@ -279,24 +329,41 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
 
 _OPTIMIZER = re.compile(r"(chained_\d+\.)?optimizer\.")
 FULLY_RESHARDABLE = "fully_reshardable"
+DP_RESHARDABLE = "dp_reshardable"
 
 
 def _read_optimizer(
     iter_dir: Path, common: dict[str, Any], config: Any, tensors: DistTensors, chunk: dict[str, torch.Tensor]
 ) -> tuple[LocalOptimState, OptimizerMeta] | None:
-    """The distributed optimizer's state saved `fully_reshardable` (megatron-core's model-space form: per
-    parameter `[chained_I.]optimizer.state.{param,exp_avg,exp_avg_sq}.<the parameter's key>`, sharded exactly like
-    the parameter) as the tp1pp1 view's local optimizer state; None when the checkpoint has no optimizer or saved it
-    in another form (`dp_reshardable`, Megatron-LM's default, keeps each source rank's flat buckets and is listed
-    as not carried)."""
+    """The distributed optimizer's state as the tp1pp1 view's local optimizer state, from either form megatron-core
+    0.16 saves: `fully_reshardable` (model space) or `dp_reshardable` (each source rank's flat buckets, Megatron-LM's
+    default). None when the checkpoint has no optimizer or saved it in another form (listed as not carried)."""
     entry = common.get("optimizer")
     if not isinstance(entry, dict):
         return None
     # a ChainedOptimizer of several (dense, expert) keeps each under its index
     chained = bool(entry) and all(isinstance(k, int) for k in entry)
     subs: list[dict[str, Any]] = [entry[k] for k in sorted(entry)] if chained else [entry]
-    if any(not isinstance(sub, dict) or sub.get("param_state_sharding_type") != FULLY_RESHARDABLE for sub in subs):
+    kinds = {sub.get("param_state_sharding_type") if isinstance(sub, dict) else None for sub in subs}
+    if kinds == {FULLY_RESHARDABLE}:
+        state, groups, scaler = _read_fully_reshardable(iter_dir, subs, config, tensors, chunk)
+    elif kinds == {DP_RESHARDABLE}:
+        state, groups, scaler = _read_dp_reshardable(iter_dir, common["args"], len(subs), chained, config, tensors)
+    else:
         return None
+    from ucp.interop.megatron import distributed_buffers
+
+    meta = OptimizerMeta(
+        True, MOMENTS, groups=groups, grad_scaler=scaler, distributed=distributed_buffers(common["args"])
+    )
+    return state, meta
+
+
+def _read_fully_reshardable(
+    iter_dir: Path, subs: list[dict[str, Any]], config: Any, tensors: DistTensors, chunk: dict[str, torch.Tensor]
+) -> tuple[LocalOptimState, dict[Any, dict[str, Any]], Any]:
+    """megatron-core's model-space form: per parameter `[chained_I.]optimizer.state.{param,exp_avg,exp_avg_sq}.<the
+    parameter's key>`, sharded exactly like the parameter; param groups in common.pt."""
     entries = tensors.metadata.state_dict_metadata
     # each state's key without the ChainedOptimizer's "chained_I." (one optimizer holds each parameter)
     optimizer_keys = {re.sub(r"^chained_\d+\.", "", k): k for k in entries if _OPTIMIZER.match(k)}
@@ -327,12 +394,147 @@ def _read_optimizer(
             raise InteropError(f"{iter_dir / COMMON}: its optimizer entry has no param groups")
         groups.update({identifier(g): dict(g) for g in saved})
         scaler = one.get("grad_scaler", scaler)
-    from ucp.interop.megatron import distributed_buffers
+    return state, groups, scaler
 
-    meta = OptimizerMeta(
-        True, MOMENTS, groups=groups, grad_scaler=scaler, distributed=distributed_buffers(common["args"])
+
+def _saved_layout(args: Any, where: Path) -> Layout:
+    """The layout a torch_dist checkpoint was saved in, from its args (one rank per TP, PP and EP rank: DP = EP)."""
+    from ucp.interop.megatron import _arg
+
+    tp, pp, ep, vpp, cp = (
+        _arg(args, k) or 1
+        for k in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "context_parallel_size",
+        )
     )
-    return state, meta
+    etp = _arg(args, "expert_tensor_parallel_size") or tp  # (unset: the dense layers' TP, as megatron-core takes it)
+    if etp != tp or cp != 1:
+        raise InteropError(
+            f"{where}: saved with expert TP {etp} and context parallelism {cp}; ucp reads the {DP_RESHARDABLE} "
+            f"optimizer of jobs whose experts have the dense layers' TP and no context parallelism"
+        )
+    return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
+
+
+def _read_dp_reshardable(
+    iter_dir: Path, args: Any, optimizers: int, chained: bool, config: Any, tensors: DistTensors
+) -> tuple[LocalOptimState, dict[Any, dict[str, Any]], Any]:
+    """Megatron-LM's default form: for each model-parallel rank of the saving layout (`dp_group_idx`, its rank in
+    the TP x PP group, or the expert optimizer's in the TP x EP x PP group), each grad buffer's bucket is a flat
+    global tensor `[chained_I.]optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<G>.dtype_<(param, grad)>.bucket_idx_
+    <B>.{param,exp_avg,exp_avg_sq}`, the DP ranks' shards concatenated without the bucket's end padding; the
+    param groups and grad scaler are objects `....dp_group_idx_<I>.optimizer` / `.grad_scaler`. Where each
+    parameter sits in a bucket is megatron-core's grad buffer layout, rebuilt from the saving layout
+    (megatron_distrib_optim.grad_buffers) and checked against every bucket's stored size; each tp1pp1 parameter's
+    state is assembled from its TP pieces' byte ranges when read."""
+    from ucp.interop.megatron import bucket_size_of
+    from ucp.interop.megatron_distrib_optim import grad_buffers
+
+    saved = _saved_layout(args, iter_dir / COMMON)
+    bucket_size = bucket_size_of(args)
+    entries = tensors.metadata.state_dict_metadata
+    view = Layout()
+    # each atom's places in the tp1pp1 view's parameters (a fused QKV holds each atom in a piece per query group)
+    owner: dict[str, list[tuple[LocalParam, Piece]]] = {}
+    for q in local_params(config, view, view.coords(0)):
+        for piece in q.pieces if q.parameter else ():
+            if not piece.tied_copy:
+                owner.setdefault(piece.atom, []).append((q, piece))
+    parts: dict[tuple[str, str], dict[str, list[FlatPart]]] = {}
+    groups: dict[Any, dict[str, Any]] = {}
+    scaler = None
+    for rank in range(saved.world_size):
+        c = saved.coords(rank)
+        buffers_of = grad_buffers(config, saved, rank, bucket_size)
+        if len(buffers_of) != optimizers:
+            raise InteropError(
+                f"{iter_dir / COMMON}: {optimizers} distributed optimizer(s), but a {saved} job of this model "
+                f"has {len(buffers_of)} (dense{', expert' if len(buffers_of) > 1 else ''})"
+            )
+        for i, buffers in enumerate(buffers_of):
+            expert = i == 1
+            if not expert and c.ep != 0:
+                continue  # (the dense optimizer's DP group spans the EP ranks: one copy per TP and PP rank)
+            idx = c.tp + saved.tp * ((c.ep + saved.ep * c.pp) if expert else c.pp)
+            base = (f"chained_{i}." if chained else "") + f"optimizer.distributed.dp_group_idx_{idx}"
+            inner = tensors.obj(f"{base}.optimizer/shard_0_1")
+            saved_groups = inner.get("param_groups") if isinstance(inner, dict) else None
+            if not isinstance(saved_groups, list):
+                raise InteropError(f"{iter_dir}: no param groups in {base}.optimizer (the {DP_RESHARDABLE} form)")
+            groups.update({identifier(g): dict(g) for g in saved_groups})
+            scaler = tensors.obj(f"{base}.grad_scaler/shard_0_1") or scaler
+            for g, buffer in enumerate(buffers):
+                bucket = _bucket_keys(iter_dir, entries, f"{base}.gbuf_idx_{g}", buffer.bucket_numels)
+                for slot in buffer.slots:
+                    p = slot.param
+                    if p.tp_replicated and c.tp != 0:
+                        continue  # (every TP rank holds the same values)
+                    moves = []
+                    for piece in p.pieces:
+                        for q, at in owner.get(piece.atom, []) if not piece.tied_copy else ():
+                            common = intersect(piece.atom_box, at.atom_box)
+                            if common is not None:
+                                moves.append((_local(common, piece), _local(common, at)))
+                    if not moves:
+                        continue  # (a tied copy: the first stage's embedding holds its state)
+                    for stored, name in STATE_OF.items():
+                        key = f"{bucket[slot.bucket]}.{stored}"
+                        flat = FlatPart(key, slot.bucket_offset, p.shape, tuple(moves))
+                        parts.setdefault((q.chunk_key, q.name), {}).setdefault(name, []).append(flat)
+    state: LocalOptimState = {}
+    for q in {(q.chunk_key, q.name): q for held in owner.values() for q, _ in held}.values():
+        for name in STATE_OF.values():
+            found = parts.get((q.chunk_key, q.name), {}).get(name, [])
+            covered = sum(box_numel(target) for part in found for _, target in part.moves)
+            held = sum(piece.numel for piece in q.pieces if not piece.tied_copy)  # (not the vocabulary's padding)
+            if covered != held:
+                raise InteropError(
+                    f"{iter_dir}: the {DP_RESHARDABLE} buckets hold {covered} of the {held} elements of "
+                    f"{q.name}'s {name} that a {saved} job's buffers place"
+                )
+            state.setdefault(q.chunk_key, {}).setdefault(q.name, {})[name] = tensors.assembled(q.shape, tuple(found))
+    return state, groups, scaler
+
+
+def _local(atom_box: Box, piece: Piece) -> Box:
+    """Where part `atom_box` of a piece's atom box lies in the piece's local tensor."""
+    return translate(relative(atom_box, piece.atom_box), tuple(lo for lo, _ in piece.box))
+
+
+def _bucket_keys(iter_dir: Path, entries: dict[str, Any], prefix: str, numels: tuple[int, ...]) -> list[str]:
+    """Each bucket's key prefix (`<prefix>.dtype_<(param, grad)>.bucket_idx_<B>`) of one grad buffer, checked:
+    exactly the buckets the rebuilt layout has, of its sizes, each state an fp32 tensor."""
+    found: dict[int, str] = {}
+    for key in entries:
+        m = re.fullmatch(re.escape(prefix) + r"\.(dtype_.+)\.bucket_idx_(\d+)\.param", key)
+        if m is None:
+            continue
+        b = int(m.group(2))
+        found[b] = f"{prefix}.{m.group(1)}.bucket_idx_{b}"
+        if b >= len(numels):
+            raise InteropError(f"{iter_dir}: {key} is of bucket {b}, past the {len(numels)} this layout's buffer has")
+        for stored in STATE_OF:
+            state_key = f"{found[b]}.{stored}"
+            e: Any = entries.get(state_key)
+            if not hasattr(e, "size"):
+                raise InteropError(f"{iter_dir}: no tensor {state_key} beside {key}")
+            if (tuple(e.size), e.properties.dtype) != ((numels[b],), torch.float32):
+                raise InteropError(
+                    f"{iter_dir}: {state_key} is a tensor of {list(e.size)} "
+                    f"{str(e.properties.dtype).removeprefix('torch.')}, but a bucket of {numels[b]} fp32 elements "
+                    f"in megatron-core's buffer for this layout (check the args' overlap_grad_reduce, "
+                    f"ddp_bucket_size and data_parallel_size)"
+                )
+    if sorted(found) != list(range(len(numels))):
+        raise InteropError(
+            f"{iter_dir}: {prefix} has buckets {sorted(found)}, but megatron-core's buffer for this layout has "
+            f"{len(numels)} (check the args' overlap_grad_reduce and ddp_bucket_size)"
+        )
+    return [found[b] for b in range(len(numels))]
 
 
 def _check_global(

@@ -62,16 +62,23 @@ EMBEDDINGS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 @dataclass(frozen=True)
 class Slot:
-    """A parameter's place in its buffer's world tensors."""
+    """A parameter's place in its buffer's world tensors (`offset`), and in its bucket's (`bucket`,
+    `bucket_offset`: the torch_dist format's dp_reshardable form keeps each bucket a tensor of its own)."""
 
     param: LocalParam
     offset: int
+    bucket: int
+    bucket_offset: int
 
 
 @dataclass(frozen=True)
 class GradBuffer:
     slots: tuple[Slot, ...]
-    numel_unpadded: int
+    bucket_numels: tuple[int, ...]  # each bucket without its end padding; the world tensors concatenate them
+
+    @property
+    def numel_unpadded(self) -> int:
+        return sum(self.bucket_numels)
 
 
 def _pad(n: int, divisor: int) -> int:
@@ -107,8 +114,8 @@ def _layout(params: list[LocalParam], bucket_size: int | None, shared: set[str])
     if in_bucket:
         close(end)
     base = [sum(n for _, n in buckets[:b]) for b in range(len(buckets))]
-    slots = tuple(Slot(p, base[b] + s - buckets[b][0]) for p, s, b in placed)
-    return GradBuffer(slots, sum(n for _, n in buckets))
+    slots = tuple(Slot(p, base[b] + s - buckets[b][0], b, s - buckets[b][0]) for p, s, b in placed)
+    return GradBuffer(slots, tuple(n for _, n in buckets))
 
 
 def grad_buffers(config: Any, layout: Layout, rank: int, bucket_size: int | None) -> list[list[GradBuffer]]:
