@@ -30,6 +30,7 @@ its byte range only when a conversion needs it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,7 +287,7 @@ def write_distributed(
         held: dict[Any, Any] = {"buckets_coalesced": True}
         for gbuf, buffer in enumerate(buffers):
             world: dict[str, Any] = {
-                key: Deferred((buffer.numel_unpadded,), torch.float32, _world_producer(buffer, state, STATE_OF[key]))
+                key: Deferred((buffer.numel_unpadded,), torch.float32, parts=_world_parts(buffer, state, STATE_OF[key]))
                 for key in WORLD_KEYS
             }
             held[gbuf] = {pair: {**world, "numel_unpadded": buffer.numel_unpadded}}
@@ -296,14 +297,18 @@ def write_distributed(
     return entries, (files if any(f is not None for f in files) else None)
 
 
-def _world_producer(buffer: GradBuffer, state: dict[str, dict[str, dict[str, Any]]], name: str) -> Any:
-    def produce() -> torch.Tensor:
-        world = torch.zeros(buffer.numel_unpadded, dtype=torch.float32)
-        for slot in buffer.slots:
+def _world_parts(buffer: GradBuffer, state: dict[str, dict[str, dict[str, Any]]], name: str) -> Any:
+    """A world tensor's parts, parameter by parameter (only one parameter's values in memory at a time)."""
+
+    def parts() -> Iterator[tuple[int, torch.Tensor]]:
+        for slot in sorted(buffer.slots, key=lambda slot: slot.offset):
             p = slot.param
             value = state[p.chunk_key][p.name][name]
-            value = value.produce() if isinstance(value, Deferred) else value
-            world[slot.offset : slot.offset + p.numel].view(p.shape).copy_(value)
-        return world
+            if isinstance(value, Deferred):
+                assert value.produce is not None  # (a parameter's state is made whole)
+                value = value.produce()
+            if tuple(value.shape) != p.shape:
+                raise InteropError(f"{p.name}'s {name} is {list(value.shape)}, its parameter {list(p.shape)}")
+            yield slot.offset, value.reshape(-1).to(torch.float32)
 
-    return produce
+    return parts

@@ -19,9 +19,11 @@ import collections
 import io
 import os
 import pickle
+import struct
 import sys
 import zipfile
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +38,15 @@ PICKLE_PROTOCOL = 2  # torch.save's default
 
 @dataclass(frozen=True, eq=False)
 class Deferred:
-    """A tensor whose values `produce()` returns only when `save` writes its record (C-contiguous on load)."""
+    """A tensor whose values are made only when `save` writes its record (C-contiguous on load): whole, by
+    `produce()`, or part by part, by `parts()` (a 1-D tensor too large to hold at once, e.g. a distributed
+    optimizer's flat buffer): (element offset, values) in increasing offsets, elements no part covers zero, one part
+    in memory at a time."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    produce: Callable[[], torch.Tensor]
+    produce: Callable[[], torch.Tensor] | None = None
+    parts: Callable[[], Iterable[tuple[int, torch.Tensor]]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -113,11 +119,13 @@ class _Pickler(pickle.Pickler):
 
 
 def save(obj: Any, path: str | Path) -> None:
-    """torch.save(obj, path), with `Deferred` tensors produced one at a time while their records are written."""
+    """torch.save(obj, path), with `Deferred` tensors produced one at a time while their records are written
+    (those made part by part: after the archive is written, into the space it reserved for them)."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)
     data = buffer.getvalue()
+    in_parts: dict[str, Deferred] = {}
     with torch.serialization._open_zipfile_writer(str(path)) as writer:  # torch.save's own writer and alignment
         writer.write_record("data.pkl", data, len(data))
         writer.write_record(".format_version", "1", len("1"))
@@ -125,13 +133,84 @@ def save(obj: Any, path: str | Path) -> None:
         writer.write_record(".storage_alignment", alignment, len(alignment))
         writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         for key, storage in pickler.storages.items():
-            if isinstance(storage, Deferred):
+            if isinstance(storage, Deferred) and storage.parts is not None:
+                writer.write_record_metadata(f"data/{key}", storage.nbytes)  # (space only)
+                in_parts[f"data/{key}"] = storage
+            elif isinstance(storage, Deferred):
                 _write_deferred(writer, f"data/{key}", storage)
             else:
                 writer.write_record(f"data/{key}", storage, storage.nbytes())
+    if in_parts:
+        _fill_records(Path(path), in_parts)
+
+
+def _fill_records(path: Path, records: dict[str, Deferred]) -> None:
+    """Write the values of records whose space the archive reserved, part by part, and their CRC-32 into the
+    record's local header and central directory entry (the writer left 0 there), so the file is a valid zip."""
+    with zipfile.ZipFile(path) as z:
+        infos = {info.filename.partition("/")[2]: info for info in z.infolist()}
+        central = z.start_dir  # (where the central directory starts)
+    with open(path, "r+b") as f:
+        fd = f.fileno()
+        crcs: dict[str, int] = {}
+        for name, d in records.items():
+            info = infos[name]
+            name_len, extra_len = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
+            start = info.header_offset + _LOCAL_HEADER + name_len + extra_len
+            if info.file_size != d.nbytes:
+                raise ValueError(f"{path}: record {name} has {info.file_size} bytes reserved, not {d.nbytes}")
+            crcs[info.filename] = crc = _write_parts(fd, start, d, f"{path}: {name}")
+            os.pwrite(fd, struct.pack("<I", crc), info.header_offset + 14)
+        at = central
+        while os.pread(fd, 4, at) == _CENTRAL_SIGNATURE:
+            name_len, extra_len, comment_len = struct.unpack("<HHH", os.pread(fd, 6, at + 28))
+            filename = os.pread(fd, name_len, at + _CENTRAL_HEADER).decode()
+            if filename in crcs:
+                os.pwrite(fd, struct.pack("<I", crcs[filename]), at + 16)
+            at += _CENTRAL_HEADER + name_len + extra_len + comment_len
+
+
+_LOCAL_HEADER = 30  # bytes of a zip local file header before its name (CRC-32 at 14)
+_CENTRAL_HEADER = 46  # bytes of a central directory entry before its name (CRC-32 at 16)
+_CENTRAL_SIGNATURE = b"PK\x01\x02"
+_ZEROS = bytes(1 << 20)
+
+
+def _write_parts(fd: int, start: int, d: Deferred, where: str) -> int:
+    """A 1-D Deferred's parts written at `start` (the gaps as zeros); returns the CRC-32 of its bytes."""
+    assert d.parts is not None
+    numel, itemsize = d.nbytes // d.dtype.itemsize, d.dtype.itemsize
+    crc, at = 0, 0  # (at: the next element to write)
+
+    def zeros(until: int) -> int:
+        nonlocal crc, at
+        while at < until:
+            block = _ZEROS[: min(len(_ZEROS), (until - at) * itemsize)]
+            os.pwrite(fd, block, start + at * itemsize)
+            crc = zlib.crc32(block, crc)
+            at += len(block) // itemsize
+        return crc
+
+    for offset, values in d.parts():
+        n = values.numel()
+        if values.dtype != d.dtype or offset < at or offset + n > numel:
+            raise ValueError(
+                f"{where}: a part of {n} {values.dtype} elements at {offset} does not fit a {d.dtype} tensor of "
+                f"{numel} whose parts up to {at} are written"
+            )
+        zeros(offset)
+        data = values.reshape(-1).contiguous().view(torch.uint8).numpy().data
+        os.pwrite(fd, data, start + offset * itemsize)
+        crc = zlib.crc32(data, crc)
+        at = offset + n
+        del values, data
+    zeros(numel)
+    heap.trim()
+    return crc
 
 
 def _write_deferred(writer: Any, name: str, d: Deferred) -> None:
+    assert d.produce is not None
     t = d.produce()
     if tuple(t.shape) != tuple(d.shape) or t.dtype != d.dtype or t.device.type != "cpu":
         raise ValueError(
