@@ -24,7 +24,7 @@ def every_dtype_state() -> dict:
     g = torch.Generator().manual_seed(0)
     floats = {
         str(dt).removeprefix("torch."): torch.randn(33, 17, generator=g).to(dt)
-        for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
     }
     ints = {
         str(dt).removeprefix("torch."): torch.randint(-100, 100, (5, 3, 2), generator=g).to(dt)

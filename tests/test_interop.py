@@ -12,11 +12,19 @@ import ucp
 from .helpers import step_path
 from .test_format import SMALL_CHUNKS, every_dtype_state
 
+# the extension data types, which numpy knows through ml_dtypes only
+_ML_DTYPES = {
+    torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+    torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+    torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+}
+
 
 def _expected(t: torch.Tensor) -> np.ndarray:
     t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype in _ML_DTYPES:
+        bits, ml = _ML_DTYPES[t.dtype]
+        return t.view(bits).numpy().view(ml)
     return t.numpy()
 
 
@@ -37,7 +45,7 @@ def written(tmp_path_factory):
 def test_tensorstore_reads_every_atom_exactly(written):
     ts = pytest.importorskip("tensorstore")
     step_dir, tensors = written
-    assert any(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2} <= {t.dtype for t in tensors.values()}
     for path, t in tensors.items():
         array = ts.open(
             {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(step_dir / path)}}, open=True

@@ -1,7 +1,9 @@
-"""Data types: torch <-> Zarr v3 names, and the `bfloat16` extension data type for zarr-python.
+"""Data types: torch <-> Zarr v3 names, and the extension data types (`bfloat16`, the float8s) for zarr-python.
 
-Zarr v3 names the core types (bool, int8..int64, uint8, float16/32/64). bfloat16 is the extension data type
-of that name, which tensorstore reads natively; for zarr-python see `ucp.zarr_bfloat16`.
+Zarr v3 names the core types (bool, int8..int64, uint8, float16/32/64). bfloat16, float8_e4m3fn and float8_e5m2
+are the extension data types of those names, which tensorstore reads natively; for zarr-python see
+`ucp.zarr_bfloat16`. The float8s hold block-quantised weights (DeepSeek-V3's), whose scales are atoms of their own
+(`ucp.quantization`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ _BY_NAME: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
 _BY_TORCH: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
 
@@ -66,5 +70,6 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def register_bfloat16_with_zarr() -> None:
-    """Teach zarr-python the `bfloat16` extension data type (kept out of `import ucp`: zarr is slow to import)."""
+    """Teach zarr-python the extension data types `bfloat16`, `float8_e4m3fn` and `float8_e5m2` (kept out of
+    `import ucp`: zarr is slow to import)."""
     from . import zarr_bfloat16  # noqa: F401  (registers on import)

@@ -1,7 +1,8 @@
-"""The `bfloat16` extension data type for zarr-python, which has none (tensorstore reads it natively).
+"""The extension data types `bfloat16`, `float8_e4m3fn` and `float8_e5m2` for zarr-python, which has none of them
+(tensorstore reads all three natively).
 
-Importing this module registers it (`ucp.register_bfloat16_with_zarr()` does that). ucp's distribution also
-declares it as a `zarr.data_type` entry point, for zarr versions that load those.
+Importing this module registers them (`ucp.register_bfloat16_with_zarr()` does that). ucp's distribution also
+declares them as `zarr.data_type` entry points, for zarr versions that load those.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from zarr.core.dtype import data_type_registry
 from zarr.core.dtype.npy.float import BaseFloat
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_FLOAT8_E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
+_FLOAT8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +36,39 @@ class BFloat16(BaseFloat):
         return _BFLOAT16
 
 
+@dataclass(frozen=True, kw_only=True)
+class Float8E4M3FN(BaseFloat):
+    """float8_e4m3fn for zarr-python (1 byte per element: sign, 4 exponent bits, 3 mantissa bits; no infinities)."""
+
+    dtype_cls = type(_FLOAT8_E4M3FN)
+    _zarr_v3_name: ClassVar[str] = "float8_e4m3fn"
+    _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def item_size(self) -> int:
+        return 1
+
+    def to_native_dtype(self) -> np.dtype:
+        return _FLOAT8_E4M3FN
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8E5M2(BaseFloat):
+    """float8_e5m2 for zarr-python (1 byte per element: sign, 5 exponent bits, 2 mantissa bits)."""
+
+    dtype_cls = type(_FLOAT8_E5M2)
+    _zarr_v3_name: ClassVar[str] = "float8_e5m2"
+    _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def item_size(self) -> int:
+        return 1
+
+    def to_native_dtype(self) -> np.dtype:
+        return _FLOAT8_E5M2
+
+
 # zarr-python 3.1 lists entry-point data types but never loads them when matching metadata, so register here:
-# `import ucp.zarr_bfloat16` (or ucp.register_bfloat16_with_zarr()) before opening bf16 arrays with zarr.
-data_type_registry.register("bfloat16", BFloat16)
+# `import ucp.zarr_bfloat16` (or ucp.register_bfloat16_with_zarr()) before opening such arrays with zarr.
+for _cls in (BFloat16, Float8E4M3FN, Float8E5M2):
+    data_type_registry.register(_cls._zarr_v3_name, _cls)
