@@ -13,7 +13,7 @@ LAYERS = {
     2: {"storage"},
     3: {"codec", "commit", "attempt", "comm", "session"},
     4: {"staging", "writer_process", "pipeline", "checkpoint", "inspection"},
-    5: {"layout", "partition", "families", "reshard"},
+    5: {"layout", "partition", "quantization", "families", "reshard"},
     6: {"sharded_model", "sharded_save", "sharded_load", "distributed", "tiers"},
     7: {"manager", "training_state", "demo", "interop", "cli", "__init__", "__main__"},
 }

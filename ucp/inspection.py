@@ -129,7 +129,15 @@ def _model_line(model: dict[str, Any] | None) -> list[str]:
         },
     }
     extras = ", ".join(f"{k} {v}" for k, v in more.items() if v is not None)
-    return [f"model       {model['family']}: {shape}" + (f"; {extras}" if extras else "")]
+    lines = [f"model       {model['family']}: {shape}" + (f"; {extras}" if extras else "")]
+    block = c.get("weight_block_size")
+    if isinstance(block, list):  # (block-quantised linear weights: ucp.quantization)
+        quant = hf.get("quantization_config") if isinstance(hf.get("quantization_config"), dict) else {}
+        lines.append(
+            f"quantised   fp8 {quant.get('fmt', 'e4m3')} linear weights (float8_e4m3fn), one float32 scale per "
+            f"{'x'.join(map(str, block))} block (weight_scale_inv); activations {quant.get('activation_scheme', 'dynamic')}"
+        )
+    return lines
 
 
 def _human(n: int) -> str:

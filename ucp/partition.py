@@ -14,6 +14,10 @@ Kinds:
   over TP; inside a local tensor, group by group: the group's ``num_heads/num_kv_heads`` query heads, its key
   head, its value head (``head_dim`` rows each).
 - ``fused_gate_up``: ``part`` gate or up of a SwiGLU fc1; the local tensor is [gate rows of rank t; up rows of t].
+
+``block`` (a block-quantised weight, ``ucp.quantization``): the TP split of ``replicated``, ``split`` and
+``fused_gate_up`` atoms must fall on the boundaries of these blocks, so that each rank's scales (an atom of their own,
+split alike) are whole blocks of its part; any other split is a ``LayoutError``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class PartitionSpec:
     expert: int | None = None  # global expert index (EP placement); None: not an expert
     tied_to: tuple[str, ...] = ()  # logical tensors that are copies of this atom and have no atom of their own
     zero_group: str = "dense"  # ZeRO flat buffer: "dense", or "expert" (sharded over the expert-DP group)
+    block: tuple[int, ...] | None = None  # a block-quantised weight's block [rows, cols]: TP splits fall on its edges
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -51,6 +56,12 @@ class PartitionSpec:
             raise UcpError(f"unknown zero_group {self.zero_group!r}; expected one of {ZERO_GROUPS}")
         if not isinstance(self.tied_to, tuple):
             object.__setattr__(self, "tied_to", tuple(self.tied_to))
+        if self.block is not None:
+            object.__setattr__(self, "block", tuple(self.block))
+            if self.kind not in ("replicated", "split", "fused_gate_up") or not (
+                len(self.block) == 2 and all(type(b) is int and b > 0 for b in self.block)
+            ):
+                raise UcpError(f"partition kind {self.kind!r}: block {list(self.block)} is not a quantisation block")
         need = {
             "split": ("split_dim",),
             "vocab": ("pad_to_multiple_of", "unpadded"),
@@ -82,7 +93,8 @@ class PartitionSpec:
         unknown = sorted(set(d) - known)
         if unknown:
             raise UcpError(f"partition spec {d!r} has unknown fields {unknown}")
-        return cls(**{k: tuple(v) if k == "tied_to" else v for k, v in d.items()})  # type: ignore[arg-type]
+        tuples = ("tied_to", "block")
+        return cls(**{k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in d.items()})  # type: ignore[arg-type]
 
 
 def _given(value: int | None) -> int:
@@ -107,6 +119,16 @@ def padded_rows(spec: PartitionSpec, tp: int) -> int:
     return -(-_given(spec.unpadded) // m) * m
 
 
+def _check_blocks(spec: PartitionSpec, shape: tuple[int, ...], dim: int, part: int, tp: int) -> None:
+    """A split of a block-quantised atom into TP parts of `part` along `dim` falls on block boundaries."""
+    if spec.block is not None and tp > 1 and part % spec.block[dim]:
+        raise LayoutError(
+            f"tp={tp} splits dim {dim} (size {shape[dim]}) of a block-quantised atom of shape {list(shape)} into "
+            f"parts of {part}, which is not a multiple of its block {list(spec.block)}: each rank's scales would "
+            "not be whole blocks of its part (use a TP degree whose parts are whole blocks)"
+        )
+
+
 def _rows(lo: int, hi: int, rest: tuple[int, ...]) -> Box:
     return ((lo, hi),) + full_box(rest)
 
@@ -121,6 +143,7 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
         if shape[d] % tp:
             raise LayoutError(f"tp={tp} does not divide dim {d} (size {shape[d]}) of an atom of shape {shape}")
         s = shape[d] // tp
+        _check_blocks(spec, shape, d, s, tp)
         local = tuple(s if i == d else n for i, n in enumerate(shape))
         atom = tuple((tp_rank * s, (tp_rank + 1) * s) if i == d else (0, n) for i, n in enumerate(shape))
         return TpShard(local, ((full_box(local), atom),))
@@ -135,6 +158,7 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
         if shape[0] % tp:
             raise LayoutError(f"tp={tp} does not divide the {shape[0]} rows of a gate/up atom")
         s = shape[0] // tp
+        _check_blocks(spec, shape, 0, s, tp)
         k = _PARTS[kind].index(spec.part)
         return TpShard(
             (2 * s,) + rest, ((_rows(k * s, (k + 1) * s, rest), _rows(tp_rank * s, (tp_rank + 1) * s, rest)),)

@@ -169,7 +169,10 @@ def local_params(config: Any, layout: Layout, coords: RankCoords) -> list[LocalP
             for rule in group:
                 atom = atom_name(rule, layer, expert)
                 spec = atom_spec(rule, config, layer, expert)
-                sh = tp_shard(spec, tuple(rule.shape(config)), layout.tp, coords.tp)
+                try:
+                    sh = tp_shard(spec, tuple(rule.shape(config)), layout.tp, coords.tp)
+                except LayoutError as error:
+                    raise LayoutError(f"{atom} in {layout}: {error}") from None
                 if shape is not None and sh.local_shape != shape:
                     raise UcpError(
                         f"fused parts of {rule.local} disagree on the local shape: {shape} vs {sh.local_shape}"

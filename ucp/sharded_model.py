@@ -16,10 +16,12 @@ from . import dtypes, tree
 from .checkpoint import CheckpointReader, checked
 from .chunking import ChunkingPolicy, choose_chunks
 from .errors import FormatError, LayoutError
-from .families import FAMILIES, buffer_atoms, canonical_atoms, family_for
+from .families import FAMILIES, block_scales, buffer_atoms, canonical_atoms, family_for
+from .families.table import block_size
 from .format import AtomMeta
 from .layout import Layout, parse_layout
 from .partition import PartitionSpec, tp_shard
+from .quantization import SCALE_DTYPE, WEIGHT_DTYPE
 from .reshard import DEFAULT_STATES
 
 
@@ -75,13 +77,35 @@ def _tp_periods(spec: PartitionSpec, shape: tuple[int, ...], tp: int) -> list[in
     return [math.gcd(*c) if c else None for c in cuts]
 
 
+def quantised_dtypes(config: Any) -> dict[str, str]:
+    """The dtypes that block-quantised weights and their scales have whatever a caller says (the format's: float8
+    weights, float32 scales), by atom name; empty for a model whose weights are not quantised."""
+    scales = block_scales(config)
+    return {
+        **dict.fromkeys(scales, dtypes.zarr_name(WEIGHT_DTYPE)),
+        **dict.fromkeys(scales.values(), dtypes.zarr_name(SCALE_DTYPE)),
+    }
+
+
+def _quantisation_attrs(config: Any) -> dict[str, dict[str, Any]]:
+    """`attributes.ucp.quantization` of each block-quantised weight (its block and scale atom) and of each scale
+    atom (its block and the weight it scales), by atom name (docs/FORMAT.md section 2.1)."""
+    block = list(block_size(config) or ())
+    out: dict[str, dict[str, Any]] = {}
+    for weight, scale in block_scales(config).items():
+        out[weight] = {"block": block, "scales": atom_path(scale, None)}
+        out[scale] = {"block": block, "scales_of": atom_path(weight, None)}
+    return out
+
+
 @lru_cache(maxsize=8)
 def _atom_metas_cached(
     family: str, config_json: str, tp: int, optim_states: tuple[str, ...], dtype_items: tuple, policy: ChunkingPolicy
 ) -> dict[AtomKey, AtomMeta]:
     config = FAMILIES[family].config_cls.from_json(json.loads(config_json))
-    dtype_of = dict(dtype_items)
+    dtype_of = {**quantised_dtypes(config), **dict(dtype_items)}
     buffers = buffer_atoms(config)
+    quantisation = _quantisation_attrs(config)
     metas: dict[AtomKey, AtomMeta] = {}
     for name, (shape, spec) in canonical_atoms(config).items():
         periods = _tp_periods(spec, shape, tp)
@@ -93,6 +117,8 @@ def _atom_metas_cached(
             if state is not None:
                 attrs.update(state=state, param=name)
             attrs.update(partition=spec.to_json(), family=family)
+            if state is None and name in quantisation:
+                attrs["quantization"] = quantisation[name]
             metas[(name, state)] = checked(AtomMeta(atom_path(name, state), shape, dtype, chunk, inner, attrs))
     return metas
 
@@ -103,7 +129,8 @@ def atom_metas(
     """Every atom of a distributed checkpoint, chunked so that chunk boundaries fall on TP boundaries of the
     writing layout; identical on every rank (a pure function), so no rank needs another's description.
     `dtype_of`: the parameters' dtype (key None), each optimizer state's (its name), and where a parameter atom has
-    a dtype of its own (an import that keeps a bf16 model's fp32 router bias), that one (the atom's name)."""
+    a dtype of its own (an import that keeps a bf16 model's fp32 router bias), that one (the atom's name).
+    Block-quantised weights and their scales are float8 and float32 unless `dtype_of` names them."""
     config_json = json.dumps(model.config.to_json(), sort_keys=True)
     dtype_items = tuple(sorted(dtype_of.items(), key=lambda kv: kv[0] or ""))
     return _atom_metas_cached(

@@ -17,21 +17,30 @@ from .checkpoint import SaveOptions, chunk_jobs, group_paths, io_threads_for, pl
 from .chunking import ChunkingPolicy
 from .comm import Comm
 from .commit import CommitRecord
+from .errors import StateError
 from .families import family_for
 from .format import AtomMeta, StepManifest
 from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .reshard import LocalTensor, Transfer, chunk_write_plan, local_plan, local_tensor, owned_pieces, piece_view
 from .session import SaveSession
-from .sharded_model import AtomKey, ShardedModel, atom_metas
+from .sharded_model import AtomKey, ShardedModel, atom_metas, quantised_dtypes
 from .storage import Storage, open_storage
 
 
-def _local_dtypes(local_state: Mapping[str, Any], plan: list[LocalTensor]) -> dict[str | None, str]:
-    """The dtype of the parameters and of each optimizer state, as this rank holds them."""
+def _local_dtypes(local_state: Mapping[str, Any], plan: list[LocalTensor], config: Any) -> dict[str | None, str]:
+    """The dtype of the parameters and of each optimizer state, as this rank holds them. Block-quantised weights
+    and their scales have the format's dtypes (`quantised_dtypes`), on every rank alike: checked, not counted."""
+    fixed = quantised_dtypes(config)
     out: dict[str | None, str] = {}
     for lt in plan:
-        if lt.state not in out:
-            out[lt.state] = dtypes.zarr_name(local_tensor(local_state, lt.key).dtype)
+        dtype = dtypes.zarr_name(local_tensor(local_state, lt.key).dtype)
+        held = {fixed[p.atom] for p in lt.pieces if lt.state is None and p.atom in fixed}
+        if held and held != {dtype}:
+            raise StateError(
+                f"local tensor {'/'.join(lt.key)} is {dtype}; its block-quantised atoms are {sorted(held)}"
+            )
+        if not held and lt.state not in out:
+            out[lt.state] = dtype
     return out
 
 
@@ -45,7 +54,7 @@ class RankSaver:
     def __init__(self, local_state: Mapping[str, Any], model: ShardedModel, rank: int, options: SaveOptions):
         self.model, self.rank, self.options = model, rank, options
         plan = local_plan(model.config, model.layout, rank, model.optim_states)
-        self.metas = atom_metas(model, _local_dtypes(local_state, plan), options.chunking)
+        self.metas = atom_metas(model, _local_dtypes(local_state, plan, model.config), options.chunking)
         # (atom, state) -> [(atom box, view of the local data holding it)] for the pieces this rank writes
         self.owned: dict[AtomKey, list[tuple[Box, torch.Tensor]]] = {}
         for lt in owned_pieces(model.config, model.layout, rank, model.optim_states):

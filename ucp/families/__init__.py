@@ -28,6 +28,7 @@ __all__ = [
     "MixtralConfig",
     "QwenMoeConfig",
     "Rule",
+    "block_scales",
     "buffer_atoms",
     "canonical_atoms",
     "expert_names_of",
@@ -50,6 +51,11 @@ def canonical_atoms(config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSp
 def buffer_atoms(config: Any) -> frozenset[str]:
     """The atoms that are buffers, not parameters: no optimizer state, outside ZeRO's flat buffers."""
     return table.buffer_atoms(family_for(config), config)
+
+
+def block_scales(config: Any) -> dict[str, str]:
+    """The model's block-quantised weights (`ucp.quantization`): weight atom name -> its scale atom's name."""
+    return table.block_scales(family_for(config), config)
 
 
 def expert_names_of(config: Any) -> ExpertNames | None:

@@ -17,10 +17,21 @@ Megatron's GPT model run, and have no atoms here (ucp.interop.hf refuses them ra
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from ucp.errors import UcpError
 from ucp.families import llama, qwen_moe
-from ucp.families.table import Family, FamilyConfig, Rule, column_split, gate_up_spec, replicated, row_split
+from ucp.families.table import (
+    Family,
+    FamilyConfig,
+    Rule,
+    block_scaled,
+    column_split,
+    gate_up_spec,
+    replicated,
+    row_split,
+)
 
 
 @dataclass
@@ -45,11 +56,21 @@ class DeepseekV3Config(FamilyConfig):
     tie_word_embeddings: bool = False
     make_vocab_size_divisible_by: int = 128
     stage_layers: list[int] | None = None  # layers per PP model chunk (c = v*P + p); None: even split
+    # [rows, cols]: the linear weights are float8 with float32 scales per block of this size (the released
+    # checkpoints' fp8, HF's quantization_config.weight_block_size; ucp.quantization); None: not quantised
+    weight_block_size: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.num_key_value_heads:
             self.num_key_value_heads = self.num_attention_heads
         super().__post_init__()
+        block = self.weight_block_size
+        if block is not None:
+            if not (
+                isinstance(block, list | tuple) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+            ):
+                raise UcpError(f"weight_block_size={block!r}: expected two positive integers [rows, cols]")
+            self.weight_block_size = list(block)
 
     @property
     def q_head_dim(self) -> int:
@@ -166,7 +187,7 @@ _MLP = (
     Rule(_L + _S + "down_proj.weight", _D + _S + "linear_fc2.weight", "layer", lambda c: (c.hidden_size, _shared(c)), row_split, in_layer=_moe),
 )  # fmt: skip
 
-RULES = (
+_RULES = (
     *(r for r in llama.RULES if r.place == "first"),
     *(r for r in llama.RULES if r.canonical.endswith("input_layernorm.weight")),
     *_ATTENTION,
@@ -175,5 +196,9 @@ RULES = (
     *(Rule(r.canonical, r.local, r.place, r.shape, r.spec, in_layer=_moe) for r in qwen_moe.RULES if r.place == "expert"),
     *(r for r in llama.RULES if r.place == "last"),
 )  # fmt: skip
+
+# The released fp8 checkpoints quantise every linear weight of attention, dense MLPs, shared and routed experts
+# (the `*_proj.weight`s and `kv_a_proj_with_mqa.weight`), not the embedding, the norms, the router or the output layer.
+RULES = block_scaled(_RULES, lambda r: re.search(r"_proj(_with_mqa)?\.weight$", r.canonical) is not None)
 
 FAMILY = Family("deepseek_v3", DeepseekV3Config, RULES)

@@ -15,6 +15,7 @@ from typing import Any, Self
 
 from ucp.errors import UcpError
 from ucp.partition import PartitionSpec
+from ucp.quantization import scale_name, scale_shape
 
 PLACES = ("first", "layer", "expert", "last")
 
@@ -121,10 +122,61 @@ class Rule:
     in_layer: Callable[[Any, int], bool] = _every_layer
     # False: Megatron holds the tensor as a buffer, not a parameter (no optimizer state there): the router's expert bias
     parameter: bool = True
+    # A block-quantised weight's scales (`block_scaled`): the canonical pattern of the weight they scale
+    scales_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.place not in PLACES:
             raise ValueError(f"rule {self.canonical}: place {self.place!r} not in {PLACES}")
+
+
+def block_size(config: Any) -> tuple[int, int] | None:
+    """The block size of a model whose linear weights are block-quantised (its config's `weight_block_size`), or
+    None: weights as they are."""
+    block = getattr(config, "weight_block_size", None)
+    return None if block is None else (block[0], block[1])
+
+
+def block_scaled(rules: tuple[Rule, ...], quantised: Callable[[Rule], bool]) -> tuple[Rule, ...]:
+    """`rules` for a family whose config may say its linear weights are block-quantised (`block_size`): each rule
+    that `quantised` picks is followed by the rule of its scales, present when the config is quantised, and its
+    spec then carries the block (TP splits must fall on block edges, `ucp.partition`). The scales take the weight's
+    partition kind, layers and local name + `_scale_inv` (so fused weights' scales are fused alike: a rank's gate
+    scales, then its up scales); they are not trained (no optimizer state, outside ZeRO's buffers)."""
+    out: list[Rule] = []
+    for rule in rules:
+        if not quantised(rule):
+            out.append(rule)
+            continue
+        weight, present = rule, rule.present
+
+        def spec(c: Any, weight: Rule = weight) -> PartitionSpec:
+            block = block_size(c)
+            return weight.spec(c) if block is None else dataclasses.replace(weight.spec(c), block=block)
+
+        def shape(c: Any, weight: Rule = weight) -> tuple[int, ...]:
+            block = block_size(c)
+            assert block is not None  # (present only then)
+            return scale_shape(weight.shape(c), block)
+
+        def scaled(c: Any, present: Callable[[Any], bool] = present) -> bool:
+            return present(c) and block_size(c) is not None
+
+        out.append(dataclasses.replace(rule, spec=spec))
+        out.append(
+            Rule(
+                scale_name(rule.canonical),
+                scale_name(rule.local),
+                rule.place,
+                shape,
+                rule.spec,
+                present=scaled,
+                in_layer=rule.in_layer,
+                parameter=False,
+                scales_of=rule.canonical,
+            )
+        )
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -189,6 +241,16 @@ def iter_atoms(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ..
 def buffer_atoms(family: Family, config: Any) -> frozenset[str]:
     """The atoms that are buffers, not parameters (`Rule.parameter`): no optimizer state, outside ZeRO's buffers."""
     return frozenset(atom_name(r, layer, x) for r, layer, x in _rule_atoms(family, config) if not r.parameter)
+
+
+def block_scales(family: Family, config: Any) -> dict[str, str]:
+    """The block-quantised weights of the model and their scales: weight atom name -> scale atom name (empty for a
+    model whose weights are not quantised)."""
+    return {
+        r.scales_of.format(L=layer, X=x): atom_name(r, layer, x)
+        for r, layer, x in _rule_atoms(family, config)
+        if r.scales_of is not None
+    }
 
 
 def canonical_atoms(family: Family, config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:

@@ -15,6 +15,10 @@ by any other path: Megatron files, DCP) gives back the same config.
 
 Both directions stream within a memory budget (`ucp.interop.streaming`): import reads atoms a group at a time out
 of the safetensors files; export writes each file tensor by tensor (`SafetensorsWriter`).
+
+DeepSeek-V3's fp8 checkpoints (`quantization_config` with `quant_method` fp8, `fmt` e4m3, `weight_block_size`) import
+as they are: each quantised weight a float8_e4m3fn atom, its `weight_scale_inv` a float32 atom (`ucp.quantization`);
+an export writes them back bitwise, or with `dtype` dequantised (no scales, no quantization_config).
 """
 
 from __future__ import annotations
@@ -33,7 +37,16 @@ import torch
 
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import UcpError
-from ucp.families import DeepseekV3Config, LlamaConfig, MixtralConfig, QwenMoeConfig, canonical_atoms, expert_names_of
+from ucp.families import (
+    DeepseekV3Config,
+    LlamaConfig,
+    MixtralConfig,
+    QwenMoeConfig,
+    block_scales,
+    canonical_atoms,
+    expert_names_of,
+)
+from ucp.families.table import block_size
 from ucp.interop.dtypes import kept_param_dtypes, most_common, parse_dtype, short_name
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.staging import staged_dir
@@ -47,6 +60,7 @@ from ucp.interop.streaming import (
     save_atoms,
 )
 from ucp.layout import Layout
+from ucp.quantization import SCALE_DTYPE, WEIGHT_DTYPE, dequantize
 from ucp.sharded_model import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
 from ucp.workpool import pack
 
@@ -240,8 +254,47 @@ def hf_config_from_ucp(config: Any, hf_extra: dict[str, Any] | None, dtype: torc
     if arch.aliases_only:
         for key in arch.aliases.values():
             del doc[key]
+    block = block_size(config)
+    if block is None:
+        doc.pop("quantization_config", None)  # (a dequantised export)
+    else:
+        doc["quantization_config"] = {
+            **_FP8_DEFAULTS,
+            **doc.get("quantization_config", {}),
+            "weight_block_size": list(block),
+        }
     doc["dtype"] = short_name(dtype)
     return doc
+
+
+# What DeepSeek-V3's fp8 checkpoints say in config.json's quantization_config (besides weight_block_size); an export
+# of a checkpoint that carries no HF config says the same.
+_FP8_DEFAULTS = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+
+
+def _fp8_block_size(quant: Any, arch: HfArch, where: str) -> list[int]:
+    """The block size of a config.json's quantization_config, which must be fp8 block quantisation as DeepSeek-V3's
+    checkpoints have it (float8_e4m3fn weights with float32 scales per block, activations quantised on the fly)."""
+    if "weight_block_size" not in {f.name for f in dataclasses.fields(arch.config_cls)}:
+        raise SourceMismatchError(
+            f"{where}: a quantization_config, but ucp imports block-quantised fp8 weights for deepseek_v3 only, "
+            f"not {arch.model_type}"
+        )
+    if not isinstance(quant, dict):
+        raise InteropError(f"{where}: quantization_config is {quant!r}, not an object")
+    expected = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    for key, value in expected.items():
+        if quant.get(key, value if key == "activation_scheme" else None) != value:
+            raise InteropError(
+                f"{where}: quantization_config {key}={quant.get(key)!r}; ucp imports {key}={value!r} only "
+                "(fp8 e4m3 weights with block scales, DeepSeek-V3's)"
+            )
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise InteropError(
+            f"{where}: quantization_config weight_block_size={block!r}; expected two positive integers [rows, cols]"
+        )
+    return block
 
 
 def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[Any, dict[str, Any]]:
@@ -270,6 +323,8 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[Any, dict[str, 
     fields = {k: doc[k] for k in arch.keys if doc.get(k) is not None}
     fields.setdefault("num_key_value_heads", doc["num_attention_heads"])
     fields.update(arch.implies)
+    if doc.get("quantization_config") is not None:  # (it travels on with the fields not modelled, for export)
+        fields["weight_block_size"] = _fp8_block_size(doc["quantization_config"], arch, where)
     try:
         config = arch.config_cls(**fields)
     except (TypeError, ValueError, UcpError) as e:
@@ -292,6 +347,8 @@ _SAFETENSORS_DTYPES = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
@@ -334,9 +391,26 @@ class SafetensorsWriter:
             raise AssertionError(f"{self.path}: {len(self.specs) - self.written} tensors never written")
 
 
-def _read_cast(reader: CheckpointReader, names: list[str], dtype_of: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
-    tensors = reader.read_atoms([atom_path(n, None) for n in names])
-    return {n: tensors.pop(atom_path(n, None)).to(dtype_of[n]) for n in names}
+def _read_cast(
+    reader: CheckpointReader,
+    names: list[str],
+    dtype_of: dict[str, torch.dtype],
+    dequantised: dict[str, str],
+    block: tuple[int, int] | None,
+) -> dict[str, torch.Tensor]:
+    """Atoms as an export writes them: cast to `dtype_of`, and the weights in `dequantised` (weight -> its scales)
+    dequantised with their scales."""
+    scales = [dequantised[n] for n in names if n in dequantised]
+    tensors = reader.read_atoms([atom_path(n, None) for n in [*names, *scales]])
+    out = {}
+    for n in names:
+        t = tensors.pop(atom_path(n, None))
+        if n in dequantised:
+            assert block is not None  # (only a quantised model has scales)
+            out[n] = dequantize(t, tensors.pop(atom_path(dequantised[n], None)), block, dtype_of[n])
+        else:
+            out[n] = t.to(dtype_of[n])
+    return out
 
 
 def export_hf(
@@ -354,7 +428,8 @@ def export_hf(
     """Write the parameters of a ucp checkpoint as a Hugging Face Mixtral directory (config.json, safetensors
     files of at most `max_shard_bytes` and their index). Tensors stream through in groups that fit
     `memory_budget` (`workers` reads at once; each file is written tensor by tensor, the next group read
-    meanwhile); the directory appears whole or not at all. `dtype` casts every tensor (default: as stored)."""
+    meanwhile); the directory appears whole or not at all. `dtype` casts every tensor (default: as stored); it
+    dequantises block-quantised weights (`ucp.quantization.dequantize`: no scales, no quantization_config)."""
     reader = open_checkpoint(url, step, storage_options=storage_options)
     reader.io_threads = workers
     config = model_config_of(reader)
@@ -365,10 +440,22 @@ def export_hf(
     missing = [n for n in names if n not in metas]
     if missing:
         raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
+    quantised = block_scales(config)
+    block = block_size(config)
+    dequantised = quantised if target is not None else {}
+    if dequantised:  # (the scales go into their weights; config.json says no quantisation)
+        names = [n for n in names if n not in set(quantised.values())]
+        config = dataclasses.replace(config, weight_block_size=None)
     # each tensor as stored (a bf16 model's fp32 router bias stays fp32), or all cast to `dtype`
-    dtype_of = {n: target or _torch_dtype_of(m.dtype) for n, m in metas.items()}
-    out_dtype = most_common(dtype_of.values())  # (what config.json says the model is)
-    sizes = {n: m.nbytes // m.itemsize * dtype_of[n].itemsize for n, m in metas.items()}
+    dtype_of = {n: target or _torch_dtype_of(metas[n].dtype) for n in names}
+    # (what config.json says the model is: fp8 weights and their scales do not count)
+    unquantised = [d for n, d in dtype_of.items() if n not in quantised and n not in quantised.values()]
+    out_dtype = most_common(unquantised)
+    sizes = {n: math.prod(metas[n].shape) * dtype_of[n].itemsize for n in names}
+    # read, then cast or dequantise (through a float32 copy, beside the scales)
+    in_memory = {
+        n: max(metas[n].nbytes, sizes[n]) + (4 * math.prod(metas[n].shape) if n in dequantised else 0) for n in names
+    }
     files = pack(sizes, max_shard_bytes)
     limit = group_limit(memory_budget)
     hf_extra = stored_hf_config(reader)
@@ -384,8 +471,10 @@ def export_hf(
                         out.write(name, t)
                         bar.update(nbytes(t))
 
-                groups = pack({n: max(metas[n].nbytes, sizes[n]) for n in file_names}, limit)  # read, then cast
-                pipelined([functools.partial(_read_cast, reader, g, dtype_of) for g in groups], write)
+                groups = pack({n: in_memory[n] for n in file_names}, limit)
+                pipelined(
+                    [functools.partial(_read_cast, reader, g, dtype_of, dequantised, block) for g in groups], write
+                )
             weight_map.update(dict.fromkeys(file_names, fname))
         written = sum(sizes.values())
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
@@ -524,8 +613,10 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
             continue
         if stored.shape != expected[name]:
             raise InteropError(
-                f"{src.root}: tensor {name} has shape {list(stored.shape)}, but config.json implies {list(expected[name])}"
+                f"{src.root / stored.file}: tensor {name} has shape {list(stored.shape)}, but config.json implies "
+                f"{list(expected[name])}{_scales_note(src.config, name)}"
             )
+        _check_quantised_dtype(src, name, stored)
         located[name] = stored
     if unexpected:
         layers = src.config.num_hidden_layers
@@ -547,6 +638,28 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
             f"({len(missing)} of {len(expected)} missing)"
         )
     return located
+
+
+def _scales_note(config: Any, name: str) -> str:
+    """What a scale tensor's expected shape means (an empty string for any other tensor)."""
+    weight = {s: w for w, s in block_scales(config).items()}.get(name)
+    if weight is None:
+        return ""
+    return f" (one scale per {list(block_size(config) or ())} block of {weight}, a partial last block counted)"
+
+
+def _check_quantised_dtype(src: HfSource, name: str, stored: StoredAtom) -> None:
+    """A block-quantised model's weights are float8_e4m3fn and its scales float32; no other tensor is float8 (an
+    fp8 tensor without scales has no value ucp could give it)."""
+    quantised = block_scales(src.config)
+    want = WEIGHT_DTYPE if name in quantised else SCALE_DTYPE if name in quantised.values() else None
+    fp8 = stored.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if (want is not None and stored.dtype != want) or (want is None and fp8):
+        what = "a block-quantised weight" if name in quantised else "scales" if want is not None else "not quantised"
+        raise InteropError(
+            f"{src.root / stored.file}: tensor {name} has dtype {stored.dtype}, but config.json makes it {what}"
+            + (f" ({want})" if want is not None else " (it has no weight_scale_inv)")
+        )
 
 
 def read_stored_atoms(root: Path, atoms: dict[str, StoredAtom]) -> dict[AtomKey, torch.Tensor]:
@@ -581,6 +694,12 @@ def import_hf(
     fit `memory_budget`. A failed write leaves no committed step."""
     src = open_hf(src_dir)
     located = locate_hf_atoms(src)
+    if dtype is not None and block_scales(src.config):
+        raise InteropError(
+            f"{src.root}: the linear weights are fp8 with block scales (quantization_config); import keeps them as "
+            "they are (a cast would drop their scales): dequantise on export (ucp export --to hf --dtype bf16) or "
+            "when loading (ucp.interop.weights.load_weights(..., dtype='bf16'))"
+        )
     dtype_of = kept_param_dtypes({n: s.dtype for n, s in located.items()}, parse_dtype(dtype))
     groups = pack({n: s.nbytes for n, s in located.items()}, group_limit(memory_budget))
     loads = [functools.partial(read_stored_atoms, src.root, {n: located[n] for n in g}) for g in groups]
