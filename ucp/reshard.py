@@ -32,7 +32,7 @@ from ucp.boxes import (
 )
 from ucp.errors import LayoutError, StateError, UcpError
 from ucp.families import FAMILIES, family_for
-from ucp.families.table import Rule, atom_name, atom_spec, buffer_atoms, iter_atoms, local_name
+from ucp.families.table import Rule, atom_name, atom_spec, block_size, buffer_atoms, iter_atoms, local_name
 from ucp.layout import Layout, RankCoords, chunk_layer_counts, validate_for_model
 from ucp.partition import PartitionSpec, tp_shard
 
@@ -297,6 +297,11 @@ def local_plan(
     chunk_key, local_name, state) without ZeRO, ("optimizer", "flat", group, state) with ZeRO.
     """
     validate_for_model(layout, config)
+    if layout.zero == 3 and block_size(config) is not None:
+        raise LayoutError(
+            f"{layout}: ZeRO-3 keeps the parameters in flat buffers of one dtype, and this model's block-quantised "
+            "weights are float8 beside parameters of another dtype; use ZeRO 0 to 2, or load it dequantised"
+        )
     coords = layout.coords(rank)
     params = local_params(config, layout, coords)
     out: list[LocalTensor] = []

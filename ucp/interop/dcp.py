@@ -33,7 +33,7 @@ import torch
 
 from ucp import dtypes
 from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.families import canonical_atoms, expert_names_of, family_for
+from ucp.families import block_scales, canonical_atoms, expert_names_of, family_for
 from ucp.interop.dtypes import kept_param_dtypes, parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.hf import hf_config_from_ucp, stored_hf_config, ucp_config_from_hf
@@ -384,6 +384,11 @@ def export_dcp(
     if missing:
         raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
     cast = parse_dtype(dtype)
+    if cast is not None and block_scales(config):
+        raise InteropError(
+            f"step {reader.step} at {url} holds fp8 weights with block scales: DCP export writes them as they are "
+            "(without --dtype); a dequantised copy is ucp export --to hf --dtype, or load_weights(..., dtype=)"
+        )
     metas = {n: reader.atoms[atom_path(n, None)] for n in names}
     out_dtype = {n: cast or dtypes.torch_dtype(m.dtype) for n, m in metas.items()}
     placeholders = {n: torch.empty(m.shape, dtype=out_dtype[n], device="meta") for n, m in metas.items()}

@@ -41,7 +41,15 @@ from ucp import dtypes
 from ucp.boxes import Box, intersect, relative, to_slices
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
-from ucp.families import DeepseekV3Config, LlamaConfig, MixtralConfig, QwenMoeConfig, buffer_atoms, canonical_atoms
+from ucp.families import (
+    DeepseekV3Config,
+    LlamaConfig,
+    MixtralConfig,
+    QwenMoeConfig,
+    block_scales,
+    buffer_atoms,
+    canonical_atoms,
+)
 from ucp.format import AtomMeta
 from ucp.interop import torch_file
 from ucp.interop.dtypes import kept_param_dtypes, most_common
@@ -1151,6 +1159,13 @@ def _from_universal(
         raise SourceMismatchError(
             f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral, the Qwen MoEs, "
             "DeepSeek-V3 and Llama"
+        )
+    quantised = list(block_scales(config))
+    if quantised:  # (Megatron-LM trains and saves bf16 parameters: its loaders have no place for fp8 blocks' scales)
+        raise SourceMismatchError(
+            f"{src}: {quantised[0]} and {len(quantised) - 1} more are fp8 weights with block scales, which Megatron "
+            "checkpoints do not hold; dequantise first: ucp export SRC --to hf DIR --dtype bf16, ucp import DIR URL, "
+            "then convert URL"
         )
     layout, fmt = _target_layout(to_layout)
     local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written

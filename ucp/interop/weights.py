@@ -3,10 +3,14 @@
 Such a job needs the parameters in its own layout and dtype and nothing else: optimizer state (two thirds or
 more of a pretraining checkpoint) is never read, and each rank reads only the regions of the atoms it holds
 (`ucp.distributed.load_sharded` with no optimizer states), whatever layout wrote the checkpoint.
+
+Block-quantised weights (DeepSeek-V3's fp8, `ucp.quantization`) load as stored (float8 weights and their float32
+scales, each rank the scales of its blocks), or dequantised: with `dtype`, or into tensors of another dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,9 +20,11 @@ import torch
 
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import StateError
-from ucp.families import expert_names_of
+from ucp.families import block_scales, expert_names_of
+from ucp.families.table import block_size
 from ucp.interop.dtypes import parse_dtype
 from ucp.layout import Layout, parse_layout
+from ucp.quantization import SCALE_SUFFIX, dequantize, scale_name
 from ucp.sharded_load import LoadReport, load_sharded
 from ucp.sharded_model import ShardedModel, atom_path, model_config_of
 
@@ -60,14 +66,52 @@ def load_weights(
 
     `into`: the job's own parameters, filled in place (a Megatron-Core module, or tensors by the names of
     `LoadedWeights.params`); each keeps its dtype. Memory already in use fills faster than new memory, and the
-    job needs no copy afterwards. Parameters `into` lacks are returned as new tensors."""
+    job needs no copy afterwards. Parameters `into` lacks are returned as new tensors.
+
+    Block-quantised weights: without `dtype` each comes as stored (float8, with its `..._scale_inv` scales beside
+    it); with `dtype` dequantised (`ucp.quantization.dequantize`: float32 products rounded once), the scales
+    left out and `config` saying no quantisation. An `into` tensor of a float8 weight gets it as stored, of another
+    dtype dequantised (such loads are made, then copied: not in place)."""
     reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)
     config = model_config_of(reader)
     target = _as_layout(layout)
     model = ShardedModel(config, target, optim_states=())
     with torch.no_grad():
+        if block_scales(config):
+            return _load_quantised(reader, model, rank, parse_dtype(dtype), _local_params(into))
         local, report = load_sharded(reader, model, rank, dtype=parse_dtype(dtype), into=_local_params(into))
     return LoadedWeights(local, report, config, target)
+
+
+def _load_quantised(
+    reader: CheckpointReader, model: ShardedModel, rank: int, cast: torch.dtype | None, given: dict[str, Any] | None
+) -> LoadedWeights:
+    """`load_weights` of a model with block-quantised weights: read as stored, then each weight dequantised with its
+    local scales (a rank's scales are those of its blocks, `ucp.partition`) where `cast` or its `into` tensor asks
+    for another dtype than float8."""
+    stored, report = load_sharded(reader, model, rank)
+    block = block_size(model.config)
+    assert block is not None  # (the model has scales)
+    given = given or {}
+    local: dict[str, Any] = {}
+    for chunk, tensors in stored.items():
+        for name, tensor in tensors.items():
+            into = given.get(chunk, {}).get(name)
+            if name.endswith(SCALE_SUFFIX) and into is None and cast is not None:
+                continue  # (its weight is dequantised: nothing needs it)
+            dtype = into.dtype if into is not None else cast or tensor.dtype
+            scales = tensors.get(scale_name(name))
+            value = dequantize(tensor, scales, block, dtype) if scales is not None and dtype != tensor.dtype else tensor
+            if into is not None:
+                if tuple(into.shape) != tuple(value.shape):
+                    raise StateError(
+                        f"cannot load into {chunk}/{name}: it has shape {list(into.shape)}, the layout's local tensor "
+                        f"{list(value.shape)}"
+                    )
+                value = into.copy_(value)
+            local.setdefault(chunk, {})[name] = value.to(dtype)
+    config = dataclasses.replace(model.config, weight_block_size=None) if cast is not None else model.config
+    return LoadedWeights(local, report, config, model.layout)
 
 
 _VIRTUAL_STAGE = re.compile(r"(model\d+)\.(.+)")
@@ -132,6 +176,13 @@ def hf_source(name: str, config: Any) -> Source | None:
 NameMap = str | Mapping[str, str] | Callable[[str, Any], "Source | None"]
 
 
+def _dequantises(target: torch.Tensor, src: Source, scales: Mapping[str, str]) -> tuple[str, ...]:
+    """The block-quantised atoms behind a module tensor that it takes dequantised: all of them unless it is float8."""
+    if target.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return ()
+    return tuple(a for a in src.atoms if a in scales)
+
+
 def _resolver(name_map: NameMap) -> Callable[[str, Any], Source | None]:
     if name_map == "hf":
         return hf_source
@@ -161,8 +212,10 @@ def load_into_module(
 ) -> LoadReport:
     """Fill a plain (unsharded) module's parameters and buffers from a ucp checkpoint's atoms, matched by
     name: "hf" for a transformers model of any family (either expert naming), a dict {module name: atom name}, or a
-    callable name -> Source. Values are cast to each tensor's dtype. With strict, a module parameter that no
-    atom fills, or a shape that disagrees, is an error. Only the atoms the module needs are read."""
+    callable name -> Source. Values are cast to each tensor's dtype; block-quantised weights are dequantised for
+    a tensor that is not float8 (a bf16 transformers model of an fp8 checkpoint), as stored for one that is. With
+    strict, a module parameter that no atom fills, or a shape that disagrees, is an error. Only the atoms the module
+    needs are read."""
     reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)
     config = model_config_of(reader)
     resolve = _resolver(name_map)
@@ -181,13 +234,22 @@ def load_into_module(
             f"no atom of step {reader.step} fills the module's parameters {unfilled[:5]}"
             f"{' ...' if len(unfilled) > 5 else ''}"
         )
-    paths = sorted({atom_path(a, None) for s in sources.values() for a in s.atoms})
+    scales = block_scales(config)
+    dequantised = {n: _dequantises(targets[n], src, scales) for n, src in sources.items()}
+    paths = sorted(
+        {atom_path(a, None) for n, s in sources.items() for a in s.atoms + tuple(scales[a] for a in dequantised[n])}
+    )
     before = reader.storage.stats.bytes_read
     atoms = {p.removeprefix("model/"): t for p, t in reader.read_atoms(paths).items()}
     read = reader.storage.stats.bytes_read - before
+    block = block_size(config)
     with torch.no_grad():
         for name, src in sources.items():
-            value = src.compose(atoms)
+            view = {a: atoms[a] for a in src.atoms}
+            for a in dequantised[name]:
+                assert block is not None  # (only a quantised model has scales)
+                view[a] = dequantize(atoms[a], atoms[scales[a]], block, targets[name].dtype)
+            value = src.compose(view)
             target = targets[name]
             if tuple(value.shape) != tuple(target.shape):
                 raise StateError(
