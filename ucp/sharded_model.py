@@ -38,6 +38,11 @@ class ShardedModel:
     layout: Layout
     optim_states: tuple[str, ...] = DEFAULT_STATES
     optional_states: tuple[str, ...] = ()
+    # Parameter atoms whose dtype differs from the other parameters' (a bf16 DeepSeek-V3's fp32 router correction
+    # bias): atom name -> Zarr dtype name. The ranks of a save must agree on every atom's dtype and each holds only
+    # its own tensors, so a save needs them said (block-quantised weights and their scales need not: the format
+    # fixes theirs, `quantised_dtypes`). `stored_dtypes` gives a checkpoint's.
+    atom_dtypes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.layout, str):
@@ -56,6 +61,12 @@ AtomKey = tuple[str, "str | None"]  # (canonical atom name, optimizer state name
 def atom_path(atom: str, state: str | None) -> str:
     """Where an atom lives in the checkpoint: parameters under model/, states under optimizer/state/."""
     return f"model/{atom}" if state is None else f"optimizer/state/{atom}/{state}"
+
+
+def stored_dtypes(atoms: Mapping[str, AtomMeta]) -> dict[str, str]:
+    """Every parameter atom's dtype in a step (its manifest's atoms): `ShardedModel.atom_dtypes` for a save that
+    keeps them (the reshaper's)."""
+    return {path.removeprefix("model/"): meta.dtype for path, meta in atoms.items() if path.startswith("model/")}
 
 
 def states_held(model: ShardedModel, atoms: Mapping[str, AtomMeta]) -> ShardedModel:

@@ -27,20 +27,26 @@ from .sharded_model import AtomKey, ShardedModel, atom_metas, quantised_dtypes
 from .storage import Storage, open_storage
 
 
-def _local_dtypes(local_state: Mapping[str, Any], plan: list[LocalTensor], config: Any) -> dict[str | None, str]:
-    """The dtype of the parameters and of each optimizer state, as this rank holds them. Block-quantised weights
-    and their scales have the format's dtypes (`quantised_dtypes`), on every rank alike: checked, not counted."""
-    fixed = quantised_dtypes(config)
+def _local_dtypes(
+    local_state: Mapping[str, Any], plan: list[LocalTensor], model: ShardedModel
+) -> dict[str | None, str]:
+    """The dtype of the parameters and of each optimizer state, as this rank holds them, and of the atoms whose
+    dtype is their own (`ShardedModel.atom_dtypes`, block-quantised weights and their scales), as every rank knows
+    them. A parameter of another dtype that the model does not say would have another dtype on each rank: an error."""
+    own = {**quantised_dtypes(model.config), **model.atom_dtypes}
     out: dict[str | None, str] = {}
     for lt in plan:
         dtype = dtypes.zarr_name(local_tensor(local_state, lt.key).dtype)
-        held = {fixed[p.atom] for p in lt.pieces if lt.state is None and p.atom in fixed}
-        if held and held != {dtype}:
+        said = {own[p.atom] for p in lt.pieces if lt.state is None and p.atom in own}
+        if said and said != {dtype}:
+            raise StateError(f"local tensor {'/'.join(lt.key)} is {dtype}, but its atoms are {sorted(said)}")
+        if not said and out.setdefault(lt.state, dtype) != dtype:
             raise StateError(
-                f"local tensor {'/'.join(lt.key)} is {dtype}; its block-quantised atoms are {sorted(held)}"
+                f"local tensor {'/'.join(lt.key)} is {dtype}, other {lt.state or 'parameter'}s {out[lt.state]}: "
+                "say the atoms of another dtype in ShardedModel.atom_dtypes"
             )
-        if not held and lt.state not in out:
-            out[lt.state] = dtype
+    for atom, dtype in model.atom_dtypes.items():
+        out[atom] = dtype
     return out
 
 
@@ -54,7 +60,7 @@ class RankSaver:
     def __init__(self, local_state: Mapping[str, Any], model: ShardedModel, rank: int, options: SaveOptions):
         self.model, self.rank, self.options = model, rank, options
         plan = local_plan(model.config, model.layout, rank, model.optim_states)
-        self.metas = atom_metas(model, _local_dtypes(local_state, plan, model.config), options.chunking)
+        self.metas = atom_metas(model, _local_dtypes(local_state, plan, model), options.chunking)
         # (atom, state) -> [(atom box, view of the local data holding it)] for the pieces this rank writes
         self.owned: dict[AtomKey, list[tuple[Box, torch.Tensor]]] = {}
         for lt in owned_pieces(model.config, model.layout, rank, model.optim_states):

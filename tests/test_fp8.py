@@ -1,0 +1,380 @@
+"""DeepSeek-V3's fp8 weights (ucp.quantization): a random tiny transformers DeepseekV3ForCausalLM saved as the released
+checkpoints are (float8_e4m3fn linear weights, a float32 `weight_scale_inv` per block, config.json's
+quantization_config) imports as fp8 atoms and scale atoms, moves between layouts and exports back bitwise; dequantised
+(export --dtype, the weights loader) it equals what transformers computes; what ucp cannot hold is refused, naming it."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ucp
+from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
+from ucp.errors import LayoutError, UcpError
+from ucp.interop.hf import export_hf, import_hf
+from ucp.interop.weights import load_into_module, load_weights
+from ucp.layout import parse_layout
+from ucp.reshard import assemble
+from ucp.sharded_model import extra_state, model_config_of, stored_dtypes
+
+from .helpers import DRAW, step_path
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+# Blocks of 16 with partial last blocks (hidden 40, kv_lora_rank 24), and every TP-split dimension a multiple of
+# 2 x 16, so that TP 2 cuts along block edges (TP 4 does not: q_a_proj's and kv_a_proj's 32 rows are two blocks).
+BLOCK = [16, 16]
+SHAPE = {
+    "vocab_size": 100,
+    "hidden_size": 40,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "kv_lora_rank": 24,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+    "max_position_embeddings": 64,
+}
+# Every dimension whole blocks of 8: transformers' own loader dequantises only such weights (its Fp8Dequantize
+# derives the block from the scale grid, and refuses a partial one).
+WHOLE_BLOCK = [8, 8]
+WHOLE_SHAPE = {**SHAPE, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "kv_lora_rank": 16}
+QUANTISED = re.compile(r".*_proj(_with_mqa)?\.weight")  # the released checkpoints' fp8 tensors
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantise(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's fp8 recipe: per block, scale = max |w| / 448 and w / scale rounded to float8_e4m3fn."""
+    (rows, cols), (b0, b1) = weight.shape, block
+    grid = (-(-rows // b0), -(-cols // b1))
+    padded = torch.zeros(grid[0] * b0, grid[1] * b1)
+    padded[:rows, :cols] = weight.float()
+    scales = padded.reshape(grid[0], b0, grid[1], b1).abs().amax(dim=(1, 3)).clamp(min=1e-8) / FP8_MAX
+    per_element = scales.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    return (weight.float() / per_element).to(torch.float8_e4m3fn), scales
+
+
+def fp8_checkpoint(directory: Path, shape: dict, block: list[int], **overrides) -> transformers.DeepseekV3Config:
+    """A random DeepSeek-V3 saved as the released checkpoints are: bf16, the router's correction bias fp32, the
+    linear weights of attention, dense MLPs and experts fp8 with their weight_scale_inv. Structure drawn at random."""
+    rng = random.Random()
+    drawn = {
+        "q_lora_rank": rng.choice([None, 32]),
+        "first_k_dense_replace": rng.choice([0, 1, 2]),
+        "n_shared_experts": rng.choice([1, 2]),
+        "tie_word_embeddings": rng.choice([True, False]),
+    }
+    config = transformers.DeepseekV3Config(**{**shape, **drawn, **overrides})
+    torch.manual_seed(rng.randrange(1000))
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # (norm weights start at one, the correction bias at zero: make every tensor count)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(directory)
+    tensors = safetensors_torch.load_file(directory / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if QUANTISED.fullmatch(name):
+            out[name], out[name + "_scale_inv"] = quantise(t, block)
+        else:
+            out[name] = t.float() if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+    safetensors_torch.save_file(out, directory / "model.safetensors", metadata={"format": "pt"})
+    doc = json.loads((directory / "config.json").read_text())
+    doc["dtype"] = "bfloat16"
+    doc["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": block,
+    }
+    (directory / "config.json").write_text(json.dumps(doc, indent=2))
+    return config
+
+
+def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(safetensors_torch.load_file(path))
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def reshape(src: str, dst: str, layout: str) -> None:
+    """The reshaper: every rank of `layout` loads its local state from the atoms of `src` and saves it to `dst`
+    (each atom in its stored dtype: the fp32 router bias of a bf16 model, fp8 weights, fp32 scales)."""
+    reader = ucp.open_checkpoint(src)
+    lay = parse_layout(layout)
+    model = ShardedModel(model_config_of(reader), lay, optim_states=(), atom_dtypes=stored_dtypes(reader.atoms))
+    local = [load_sharded(reader, model, r)[0] for r in range(lay.world_size)]
+    VirtualWorld(lay.world_size).save(local, dst, step=reader.step, model=model, extra=extra_state(reader))
+
+
+def config_of(directory: Path) -> dict:
+    doc = json.loads((directory / "config.json").read_text())
+    return {k: v for k, v in doc.items() if k not in ("transformers_version", "dtype", "torch_dtype")}
+
+
+@pytest.mark.parametrize("layout", DRAW.sample(["tp2ep2dp2", "tp2pp3ep2dp2", "tp1pp3ep4dp4", "tp2dp2zero1"], 2))
+def test_import_reshape_export_round_trips_bitwise(tmp_path, layout):
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    reshape(str(tmp_path / "u1"), str(tmp_path / "u2"), layout)  # written from `layout`: chunks on its TP cuts
+    assert ucp.open_checkpoint(str(tmp_path / "u2")).manifest.layout == str(parse_layout(layout))
+    reshape(str(tmp_path / "u2"), str(tmp_path / "u3"), "tp1")
+    subprocess.run(
+        [sys.executable, "-m", "ucp", "export", str(tmp_path / "u3"), "--to", "hf", str(tmp_path / "out")],
+        check=True,
+        capture_output=True,
+    )
+    source, back = tensors_of(tmp_path / "hf"), tensors_of(tmp_path / "out")
+    if json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"]:
+        source.pop("lm_head.weight", None)  # (a tied copy: the embedding is the atom)
+    assert set(back) == set(source)
+    assert any(t.dtype == torch.float8_e4m3fn for t in back.values())
+    for name, t in source.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        assert torch.equal(bits(back[name]), bits(t)), name
+    assert config_of(tmp_path / "out") == config_of(tmp_path / "hf")
+
+
+def dequantised_by_blocks(weight: torch.Tensor, scales: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """The definition, block by block: each block of the weight, in float32, times its scale; rounded to bf16."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    b0, b1 = block
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1)
+            out[rows, cols] = weight[rows, cols].float() * scales[i, j]
+    return out.to(torch.bfloat16)
+
+
+def test_bf16_export_is_each_block_times_its_scale_as_transformers_dequantises(tmp_path):
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
+
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK, q_lora_rank=32)  # (q_b_proj [64, 32]: whole blocks; the rest not)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    export_hf(str(tmp_path / "u"), tmp_path / "out", dtype="bf16")
+    source, out = tensors_of(tmp_path / "hf"), tensors_of(tmp_path / "out")
+    assert not any(n.endswith("weight_scale_inv") for n in out)
+    assert "quantization_config" not in config_of(tmp_path / "out")
+    weights = [n for n in source if QUANTISED.fullmatch(n)]
+    partial = 0
+    for name in weights:
+        weight, scales = source[name], source[name + "_scale_inv"]
+        assert out[name].dtype == torch.bfloat16
+        assert torch.equal(out[name], dequantised_by_blocks(weight, scales, BLOCK)), name
+        # transformers' dequantisation for the backward pass of its FP8 linears takes partial blocks: in float32, then
+        # rounded to bf16 as its loader's does
+        assert torch.equal(out[name], _dequantize_fp8_weight(weight, scales, BLOCK, torch.float32).bfloat16()), name
+        if any(n % b for n, b in zip(weight.shape, BLOCK, strict=True)):
+            partial += 1
+        else:  # transformers' loader (Fp8Dequantize), which takes whole blocks only
+            assert torch.equal(out[name], Fp8Dequantize(None)._dequantize_one(weight, scales, torch.bfloat16)), name
+    assert 0 < partial < len(weights)
+    for name, t in source.items():  # the rest: cast
+        if name not in weights and not name.endswith("_scale_inv") and name in out:
+            assert torch.equal(out[name], t.bfloat16()), name
+
+
+def test_transformers_loads_the_fp8_checkpoint_as_the_bf16_export(tmp_path):
+    """transformers itself loads the fp8 checkpoint on CPU (dequantising it to bf16: it needs accelerate, and whole
+    blocks) to the very parameters, and logits, of ucp's bf16 export."""
+    pytest.importorskip("accelerate", reason="transformers loads fp8 checkpoints only with accelerate")
+    fp8_checkpoint(tmp_path / "hf", WHOLE_SHAPE, WHOLE_BLOCK)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    export_hf(str(tmp_path / "u"), tmp_path / "out", dtype="bf16")
+    theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    ours = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    a, b = theirs.state_dict(), ours.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(theirs(tokens).logits, ours(tokens).logits)
+
+
+def test_the_weights_loader_gives_fp8_with_local_scales_or_dequantises(tmp_path):
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK, q_lora_rank=32)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    export_hf(str(tmp_path / "u"), tmp_path / "out", dtype="bf16")
+    expected = tensors_of(tmp_path / "out")
+    layout = parse_layout("tp2ep2dp2")
+    # as stored: each TP rank's scales are those of its blocks (rank 1 of q_b_proj's 64 rows: scale rows 2 and 3)
+    stored = [load_weights(str(tmp_path / "u"), layout, r) for r in range(layout.world_size)]
+    name = "decoder.layers.0.self_attention.linear_q_up_proj"
+    scales = tensors_of(tmp_path / "hf")["model.layers.0.self_attn.q_b_proj.weight_scale_inv"]
+    assert stored[1].params[name + ".weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(stored[1].params[name + ".weight_scale_inv"], scales[2:4])
+    # dequantised per rank from the local scales: assembled, the bf16 export
+    loaded = [load_weights(str(tmp_path / "u"), layout, r, dtype="bf16") for r in range(layout.world_size)]
+    assert loaded[0].config.weight_block_size is None
+    assert not any(n.endswith("_scale_inv") for n in loaded[0].params)
+    full = assemble([w.local for w in loaded], loaded[0].config, layout, ())["model"]
+    for atom, t in full.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, expected[atom]), atom
+    # into the job's own bf16 tensors: dequantised into them
+    into = {n: torch.full_like(t, 7.0) for n, t in loaded[1].params.items()}
+    filled = load_weights(str(tmp_path / "u"), layout, 1, into=into)
+    for n, t in loaded[1].params.items():
+        assert torch.equal(into[n], t) and filled.params[n].data_ptr() == into[n].data_ptr(), n
+    # a transformers model (bf16, no scales) by name
+    module = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    fresh = transformers.DeepseekV3ForCausalLM(module.config).to(torch.bfloat16).eval()
+    load_into_module(str(tmp_path / "u"), fresh)
+    assert all(torch.equal(t, module.state_dict()[n]) for n, t in fresh.state_dict().items())
+
+
+def test_atoms_say_their_scales_and_other_zarr_readers_read_them(tmp_path):
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    reader = ucp.open_checkpoint(str(tmp_path / "u"))
+    weight, scales = (
+        "model/model.layers.1.self_attn.o_proj.weight",
+        "model/model.layers.1.self_attn.o_proj.weight_scale_inv",
+    )
+    w, s = reader.atoms[weight], reader.atoms[scales]
+    assert (w.dtype, w.shape, s.dtype, s.shape) == ("float8_e4m3fn", (40, 32), "float32", (3, 2))
+    assert w.attributes["quantization"] == {"block": BLOCK, "scales": scales}
+    assert s.attributes["quantization"] == {"block": BLOCK, "scales_of": weight}
+    assert w.attributes["partition"]["block"] == BLOCK
+    source = tensors_of(tmp_path / "hf")["model.layers.1.self_attn.o_proj.weight"]
+    ts = pytest.importorskip("tensorstore")
+    path = str(step_path(tmp_path / "u", 0) / weight)
+    array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, open=True).result()
+    assert array.dtype.name == "float8_e4m3fn"
+    assert array.read().result().tobytes() == bits(source).numpy().tobytes()
+
+
+def test_inspect_shows_the_family_its_hyperparameters_and_the_quantisation(tmp_path):
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK, q_lora_rank=32, first_k_dense_replace=1)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    shown = subprocess.run(
+        [sys.executable, "-m", "ucp", "inspect", str(tmp_path / "u")], capture_output=True, text=True, check=True
+    ).stdout
+    assert "model       deepseek_v3:" in shown and "first_k_dense_replace 1, q_lora_rank 32, kv_lora_rank 24" in shown
+    assert "quantised   fp8 e4m3 linear weights (float8_e4m3fn), one float32 scale per 16x16 block" in shown
+    assert re.search(r"model\.layers\.0\.self_attn\.q_a_proj\.weight_scale_inv\s+param\s+2x3\s+float32", shown)
+
+
+def test_a_tp_split_off_block_edges_is_refused_with_the_tensor(tmp_path):
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK, q_lora_rank=32)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    with pytest.raises(
+        LayoutError, match=r"q_a_proj\.weight in tp4.*tp=4 splits dim 0 \(size 32\).*parts of 8.*\[16, 16\]"
+    ):
+        load_weights(str(tmp_path / "u"), "tp4", 0)
+    with pytest.raises(LayoutError, match="ZeRO-3"):
+        load_weights(str(tmp_path / "u"), "tp2dp2zero3", 0)
+
+
+def run_cli(capsys, *args: str) -> str:
+    """`ucp ARGS` in this process: it must fail with one line on stderr; that line."""
+    from ucp.cli import main
+
+    capsys.readouterr()  # (what came before: transformers' progress bars)
+    assert main(list(args)) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ucp: error: "), lines
+    return lines[0]
+
+
+def _rewrite(directory: Path, change) -> None:
+    tensors = safetensors_torch.load_file(directory / "model.safetensors")
+    change(tensors)
+    safetensors_torch.save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def _quant_config(directory: Path, **fields) -> None:
+    doc = json.loads((directory / "config.json").read_text())
+    doc["quantization_config"].update(fields)
+    (directory / "config.json").write_text(json.dumps(doc))
+
+
+W = "model.layers.0.self_attn.o_proj.weight"
+BAD_SOURCES = {
+    "scales of another shape": (
+        lambda d: _rewrite(d, lambda t: t.update({W + "_scale_inv": torch.ones(2, 2)})),
+        [W + "_scale_inv", "model.safetensors", "[2, 2]", "[3, 2]", "block"],
+    ),
+    "a weight that is not fp8": (
+        lambda d: _rewrite(d, lambda t: t.update({W: t[W].float()})),
+        [W, "model.safetensors", "torch.float32", "float8_e4m3fn"],
+    ),
+    "scales missing": (
+        lambda d: _rewrite(d, lambda t: t.pop(W + "_scale_inv")),
+        [W + "_scale_inv", "lacks"],
+    ),
+    "another quant method": (lambda d: _quant_config(d, quant_method="bitsandbytes"), ["config.json", "quant_method"]),
+    "another fp8 format": (lambda d: _quant_config(d, fmt="e5m2"), ["config.json", "fmt='e5m2'"]),
+    "static activation scales": (lambda d: _quant_config(d, activation_scheme="static"), ["activation_scheme"]),
+    "a malformed block size": (lambda d: _quant_config(d, weight_block_size=[16]), ["weight_block_size=[16]"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SOURCES))
+def test_a_bad_fp8_source_is_refused_naming_it(tmp_path, capsys, case):
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK)
+    damage, fragments = BAD_SOURCES[case]
+    damage(tmp_path / "hf")
+    with pytest.raises(UcpError) as error:
+        import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    line = run_cli(capsys, "import", str(tmp_path / "hf"), str(tmp_path / "u"), "--no-progress")
+    for fragment in fragments:
+        assert fragment in str(error.value) and fragment in line, (fragment, line)
+    assert not (tmp_path / "u").exists()
+
+
+def test_what_cannot_carry_fp8_says_so(tmp_path, capsys):
+    """import --dtype (a cast would lose the scales), Megatron (no fp8 blocks in its checkpoints), DCP export --dtype,
+    and a quantization_config on another family: each refused in one line, leaving nothing behind."""
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK)
+    line = run_cli(capsys, "import", str(tmp_path / "hf"), str(tmp_path / "u0"), "--dtype", "bf16", "--no-progress")
+    assert "fp8" in line and "--dtype bf16" in line and not (tmp_path / "u0").exists()
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    for to in ("tp2", "torch_dist"):
+        line = run_cli(capsys, "convert", str(tmp_path / "u"), str(tmp_path / to), "--from", "universal", "--to", to)
+        assert "model.layers.0.self_attn" in line and "fp8" in line and "Megatron" in line
+        assert not (tmp_path / to).exists()
+    line = run_cli(capsys, "export", str(tmp_path / "u"), "--to", "dcp", str(tmp_path / "dcp"), "--dtype", "bf16")
+    assert "fp8" in line and not (tmp_path / "dcp").exists()
+    llama = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
+    doc = json.loads((tmp_path / "llama" / "config.json").read_text())
+    doc["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(doc))
+    line = run_cli(capsys, "import", str(tmp_path / "llama"), str(tmp_path / "u1"), "--no-progress")
+    assert "deepseek_v3 only" in line and "config.json" in line
+
+
+def test_dcp_carries_the_fp8_atoms_as_they_are(tmp_path):
+    from ucp.interop.dcp import export_dcp, import_dcp
+
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    export_dcp(str(tmp_path / "u1"), tmp_path / "dcp")
+    import_dcp(tmp_path / "dcp", str(tmp_path / "u2"))
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    source, back = tensors_of(tmp_path / "hf"), tensors_of(tmp_path / "out")
+    assert all(torch.equal(bits(back[n]), bits(source[n])) for n in back)
+    assert config_of(tmp_path / "out") == config_of(tmp_path / "hf")
