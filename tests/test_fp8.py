@@ -373,6 +373,8 @@ def test_dcp_carries_the_fp8_atoms_as_they_are(tmp_path):
     fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK)
     import_hf(tmp_path / "hf", str(tmp_path / "u1"))
     export_dcp(str(tmp_path / "u1"), tmp_path / "dcp")
+    with pytest.raises(UcpError, match="fp8 with block scales"):
+        import_dcp(tmp_path / "dcp", str(tmp_path / "u0"), dtype="bf16")
     import_dcp(tmp_path / "dcp", str(tmp_path / "u2"))
     export_hf(str(tmp_path / "u2"), tmp_path / "out")
     source, back = tensors_of(tmp_path / "hf"), tensors_of(tmp_path / "out")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ucp.errors import UcpError
 from ucp.families import llama, qwen_moe
@@ -71,6 +72,12 @@ class DeepseekV3Config(FamilyConfig):
             ):
                 raise UcpError(f"weight_block_size={block!r}: expected two positive integers [rows, cols]")
             self.weight_block_size = list(block)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = super().to_json()
+        if doc["weight_block_size"] is None:  # (so that readers that predate fp8 weights read the others' configs)
+            del doc["weight_block_size"]
+        return doc
 
     @property
     def q_head_dim(self) -> int:

@@ -36,7 +36,13 @@ from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.families import block_scales, canonical_atoms, expert_names_of, family_for
 from ucp.interop.dtypes import kept_param_dtypes, parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.hf import hf_config_from_ucp, stored_hf_config, ucp_config_from_hf
+from ucp.interop.hf import (
+    check_quantised_dtype,
+    hf_config_from_ucp,
+    refuse_cast_of_quantised,
+    stored_hf_config,
+    ucp_config_from_hf,
+)
 from ucp.interop.staging import staged_dir
 from ucp.interop.streaming import (
     DEFAULT_MEMORY_BUDGET,
@@ -313,6 +319,9 @@ def import_dcp(
     stored = {
         a: metadata.state_dict_metadata[t.fqn].properties.dtype for t in targets if t.state is None for a in t.atoms
     }
+    for atom, stored_dtype in stored.items():
+        check_quantised_dtype(cfg, atom, stored_dtype, str(root))
+    refuse_cast_of_quantised(cfg, dtype, str(root))
     dtype_of = kept_param_dtypes(stored, parse_dtype(dtype))
     dtype_of.update({s: _first_dtype(metadata, targets, s) for s in states})
     by_fqn = {t.fqn: t for t in targets}

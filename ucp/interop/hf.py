@@ -616,7 +616,7 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
                 f"{src.root / stored.file}: tensor {name} has shape {list(stored.shape)}, but config.json implies "
                 f"{list(expected[name])}{_scales_note(src.config, name)}"
             )
-        _check_quantised_dtype(src, name, stored)
+        check_quantised_dtype(src.config, name, stored.dtype, str(src.root / stored.file))
         located[name] = stored
     if unexpected:
         layers = src.config.num_hidden_layers
@@ -648,17 +648,27 @@ def _scales_note(config: Any, name: str) -> str:
     return f" (one scale per {list(block_size(config) or ())} block of {weight}, a partial last block counted)"
 
 
-def _check_quantised_dtype(src: HfSource, name: str, stored: StoredAtom) -> None:
+def check_quantised_dtype(config: Any, name: str, dtype: torch.dtype, where: str) -> None:
     """A block-quantised model's weights are float8_e4m3fn and its scales float32; no other tensor is float8 (an
-    fp8 tensor without scales has no value ucp could give it)."""
-    quantised = block_scales(src.config)
+    fp8 tensor without scales has no value ucp could give it). `where`: the file that holds the tensor."""
+    quantised = block_scales(config)
     want = WEIGHT_DTYPE if name in quantised else SCALE_DTYPE if name in quantised.values() else None
-    fp8 = stored.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if (want is not None and stored.dtype != want) or (want is None and fp8):
+    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if (want is not None and dtype != want) or (want is None and fp8):
         what = "a block-quantised weight" if name in quantised else "scales" if want is not None else "not quantised"
         raise InteropError(
-            f"{src.root / stored.file}: tensor {name} has dtype {stored.dtype}, but config.json makes it {what}"
+            f"{where}: tensor {name} has dtype {dtype}, but the model's config makes it {what}"
             + (f" ({want})" if want is not None else " (it has no weight_scale_inv)")
+        )
+
+
+def refuse_cast_of_quantised(config: Any, dtype: str | torch.dtype | None, where: str) -> None:
+    """An import keeps block-quantised weights as they are: casting them would drop their scales."""
+    if dtype is not None and block_scales(config):
+        raise InteropError(
+            f"{where}: the linear weights are fp8 with block scales (quantization_config); import keeps them as "
+            "they are (a cast would drop their scales): dequantise on export (ucp export --to hf --dtype bf16) or "
+            "when loading (ucp.interop.weights.load_weights(..., dtype='bf16'))"
         )
 
 
@@ -694,12 +704,7 @@ def import_hf(
     fit `memory_budget`. A failed write leaves no committed step."""
     src = open_hf(src_dir)
     located = locate_hf_atoms(src)
-    if dtype is not None and block_scales(src.config):
-        raise InteropError(
-            f"{src.root}: the linear weights are fp8 with block scales (quantization_config); import keeps them as "
-            "they are (a cast would drop their scales): dequantise on export (ucp export --to hf --dtype bf16) or "
-            "when loading (ucp.interop.weights.load_weights(..., dtype='bf16'))"
-        )
+    refuse_cast_of_quantised(src.config, dtype, str(src.root))
     dtype_of = kept_param_dtypes({n: s.dtype for n, s in located.items()}, parse_dtype(dtype))
     groups = pack({n: s.nbytes for n, s in located.items()}, group_limit(memory_budget))
     loads = [functools.partial(read_stored_atoms, src.root, {n: located[n] for n in g}) for g in groups]
