@@ -37,7 +37,7 @@ from ucp.families import block_scales, canonical_atoms, expert_names_of, family_
 from ucp.interop.dtypes import kept_param_dtypes, parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.hf import (
-    check_quantised_dtype,
+    QuantisedDtypes,
     hf_config_from_ucp,
     refuse_cast_of_quantised,
     stored_hf_config,
@@ -319,8 +319,9 @@ def import_dcp(
     stored = {
         a: metadata.state_dict_metadata[t.fqn].properties.dtype for t in targets if t.state is None for a in t.atoms
     }
+    quantised = QuantisedDtypes(cfg)
     for atom, stored_dtype in stored.items():
-        check_quantised_dtype(cfg, atom, stored_dtype, str(root))
+        quantised.check(atom, stored_dtype, str(root))
     refuse_cast_of_quantised(cfg, dtype, str(root))
     dtype_of = kept_param_dtypes(stored, parse_dtype(dtype))
     dtype_of.update({s: _first_dtype(metadata, targets, s) for s in states})

@@ -441,15 +441,16 @@ def export_hf(
     if missing:
         raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
     quantised = block_scales(config)
+    scales = frozenset(quantised.values())
     block = block_size(config)
     dequantised = quantised if target is not None else {}
     if dequantised:  # (the scales go into their weights; config.json says no quantisation)
-        names = [n for n in names if n not in set(quantised.values())]
+        names = [n for n in names if n not in scales]
         config = dataclasses.replace(config, weight_block_size=None)
     # each tensor as stored (a bf16 model's fp32 router bias stays fp32), or all cast to `dtype`
     dtype_of = {n: target or _torch_dtype_of(metas[n].dtype) for n in names}
     # (what config.json says the model is: fp8 weights and their scales do not count)
-    unquantised = [d for n, d in dtype_of.items() if n not in quantised and n not in quantised.values()]
+    unquantised = [d for n, d in dtype_of.items() if n not in quantised and n not in scales]
     out_dtype = most_common(unquantised)
     sizes = {n: math.prod(metas[n].shape) * dtype_of[n].itemsize for n in names}
     # read, then cast or dequantise (through a float32 copy, beside the scales)
@@ -603,6 +604,7 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
     """Where every canonical atom of the model lies, in file order, checked against the config (names and
     shapes) from the files' headers, before any tensor is read."""
     expected = {n: shape for n, (shape, _) in canonical_atoms(src.config).items()}
+    dtypes = QuantisedDtypes(src.config)
     located: dict[str, StoredAtom] = {}
     unexpected = []
     for name, stored in _stored_atoms(src):
@@ -616,7 +618,7 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
                 f"{src.root / stored.file}: tensor {name} has shape {list(stored.shape)}, but config.json implies "
                 f"{list(expected[name])}{_scales_note(src.config, name)}"
             )
-        check_quantised_dtype(src.config, name, stored.dtype, str(src.root / stored.file))
+        dtypes.check(name, stored.dtype, str(src.root / stored.file))
         located[name] = stored
     if unexpected:
         layers = src.config.num_hidden_layers
@@ -648,14 +650,21 @@ def _scales_note(config: Any, name: str) -> str:
     return f" (one scale per {list(block_size(config) or ())} block of {weight}, a partial last block counted)"
 
 
-def check_quantised_dtype(config: Any, name: str, dtype: torch.dtype, where: str) -> None:
-    """A block-quantised model's weights are float8_e4m3fn and its scales float32; no other tensor is float8 (an
-    fp8 tensor without scales has no value ucp could give it). `where`: the file that holds the tensor."""
-    quantised = block_scales(config)
-    want = WEIGHT_DTYPE if name in quantised else SCALE_DTYPE if name in quantised.values() else None
-    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if (want is not None and dtype != want) or (want is None and fp8):
-        what = "a block-quantised weight" if name in quantised else "scales" if want is not None else "not quantised"
+class QuantisedDtypes:
+    """Checks that a block-quantised model's weights are float8_e4m3fn and its scales float32, and that no other
+    tensor is float8 (an fp8 tensor without scales has no value ucp could give it)."""
+
+    def __init__(self, config: Any):
+        self.weights = block_scales(config)
+        self.scales = frozenset(self.weights.values())
+
+    def check(self, name: str, dtype: torch.dtype, where: str) -> None:
+        """`where`: the file that holds the tensor."""
+        want = WEIGHT_DTYPE if name in self.weights else SCALE_DTYPE if name in self.scales else None
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        if (want is None or dtype == want) and (want is not None or not fp8):
+            return
+        what = "a block-quantised weight" if name in self.weights else "scales" if want is not None else "not quantised"
         raise InteropError(
             f"{where}: tensor {name} has dtype {dtype}, but the model's config makes it {what}"
             + (f" ({want})" if want is not None else " (it has no weight_scale_inv)")
