@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import torch
 
 import ucp
 from ucp import attempt
-from ucp.format import COMMIT_MARKER, step_dirname
+from ucp.format import COMMIT_MARKER, StepManifest, step_dirname
 from ucp.session import SaveSession
 from ucp.storage import open_storage
 
@@ -86,6 +87,26 @@ def test_the_owner_renews_its_lease_while_it_saves(tmp_path):
     assert second > first
     session.abort(RuntimeError("done"))
     assert not storage.exists(key)
+
+
+def test_no_renewal_lands_after_the_attempt_ends(tmp_path):
+    """A lease renewed every 2 ms, the attempt aborted or committed at a random moment: no owner record is written
+    back into the removed attempt, nor rewritten in the committed one after its commit."""
+    rng = random.Random()
+    storage = open_storage(str(tmp_path))
+    for trial in range(40):
+        session = SaveSession.begin(storage, trial, lease_s=0.006)
+        key = attempt.record_key(trial, session.attempt)
+        time.sleep(rng.uniform(0, 0.02))
+        if trial % 2:
+            session.abort(RuntimeError("done"))
+            time.sleep(0.01)
+            assert not storage.exists(key), f"trial {trial}: a renewal wrote the owner record after the abort"
+        else:
+            session.finish(StepManifest(step=trial, tree={}, atoms={}))
+            ended = storage.mtime(key)
+            time.sleep(0.01)
+            assert storage.mtime(key) == ended, f"trial {trial}: a renewal rewrote the owner record after the commit"
 
 
 def test_a_committed_step_holds_one_attempt_and_a_failed_save_none(tmp_path):

@@ -163,7 +163,11 @@ class Lease:
                 log.warning("could not renew the lease of %s step %d: %s", self.record.attempt, self.record.step, e)
 
     def stop(self) -> None:
+        """Stop renewing, and wait for a renewal in flight: one that landed after the attempt was removed (or
+        committed) would write into it again."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 def _attempt_is_dead(storage: Storage, step: int, attempt: str, now: float) -> bool:

@@ -152,6 +152,7 @@ class SaveSession:
         record = failure = None
         if self.is_coordinator:
             assert gathered is not None
+            self._stop_lease()  # (every rank has written: what follows removes or commits the attempt)
             try:
                 for rank, g in enumerate(gathered):
                     if "failure" in g:
@@ -175,8 +176,8 @@ class SaveSession:
         assert self.comm.world_size == 1, "a distributed save ends through finish(), which every rank calls"
         if not self._ended:
             self._ended = True
-            self._abort()
             self._stop_lease()
+            self._abort()
             log.info("save attempt %s of step %d failed and was removed: %s", self.attempt, self.step, error)
 
     def __enter__(self) -> Self:
