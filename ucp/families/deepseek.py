@@ -102,7 +102,7 @@ def _shared(c: DeepseekV3Config) -> int:
     return c.moe_intermediate_size * c.n_shared_experts
 
 
-def _q_rows(c: DeepseekV3Config) -> int:
+def q_rows(c: DeepseekV3Config) -> int:
     return c.num_attention_heads * c.q_head_dim
 
 
@@ -131,7 +131,7 @@ _ATTENTION = (
         _L + _A + "q_b_proj.weight",
         _D + _M + "linear_q_up_proj.weight",
         "layer",
-        lambda c: (_q_rows(c), c.q_lora_rank),
+        lambda c: (q_rows(c), c.q_lora_rank),
         column_split,
         present=_lora_q,
     ),
@@ -139,7 +139,7 @@ _ATTENTION = (
         _L + _A + "q_proj.weight",
         _D + _M + "linear_q_proj.weight",
         "layer",
-        lambda c: (_q_rows(c), c.hidden_size),
+        lambda c: (q_rows(c), c.hidden_size),
         column_split,
         present=lambda c: not _lora_q(c),
     ),

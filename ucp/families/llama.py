@@ -40,11 +40,11 @@ class LlamaConfig(FamilyConfig):
         return 0  # (a dense model: the reshaper asks)
 
 
-def _q_rows(c: LlamaConfig) -> int:
+def q_rows(c: LlamaConfig) -> int:
     return c.num_attention_heads * c.head_dim  # type: ignore[operator]
 
 
-def _kv_rows(c: LlamaConfig) -> int:
+def kv_rows(c: LlamaConfig) -> int:
     return c.num_key_value_heads * c.head_dim  # type: ignore[operator]
 
 
@@ -64,28 +64,28 @@ RULES = (
         _L + "self_attn.q_proj.weight",
         _D + "self_attention.linear_qkv.weight",
         "layer",
-        lambda c: (_q_rows(c), c.hidden_size),
+        lambda c: (q_rows(c), c.hidden_size),
         qkv_spec("q"),
     ),
     Rule(
         _L + "self_attn.k_proj.weight",
         _D + "self_attention.linear_qkv.weight",
         "layer",
-        lambda c: (_kv_rows(c), c.hidden_size),
+        lambda c: (kv_rows(c), c.hidden_size),
         qkv_spec("k"),
     ),
     Rule(
         _L + "self_attn.v_proj.weight",
         _D + "self_attention.linear_qkv.weight",
         "layer",
-        lambda c: (_kv_rows(c), c.hidden_size),
+        lambda c: (kv_rows(c), c.hidden_size),
         qkv_spec("v"),
     ),
     Rule(
         _L + "self_attn.q_proj.bias",
         _D + "self_attention.linear_qkv.bias",
         "layer",
-        lambda c: (_q_rows(c),),
+        lambda c: (q_rows(c),),
         qkv_spec("q"),
         present=lambda c: c.attention_bias,
     ),
@@ -93,7 +93,7 @@ RULES = (
         _L + "self_attn.k_proj.bias",
         _D + "self_attention.linear_qkv.bias",
         "layer",
-        lambda c: (_kv_rows(c),),
+        lambda c: (kv_rows(c),),
         qkv_spec("k"),
         present=lambda c: c.attention_bias,
     ),
@@ -101,7 +101,7 @@ RULES = (
         _L + "self_attn.v_proj.bias",
         _D + "self_attention.linear_qkv.bias",
         "layer",
-        lambda c: (_kv_rows(c),),
+        lambda c: (kv_rows(c),),
         qkv_spec("v"),
         present=lambda c: c.attention_bias,
     ),
@@ -125,7 +125,7 @@ RULES = (
         _L + "self_attn.o_proj.weight",
         _D + "self_attention.linear_proj.weight",
         "layer",
-        lambda c: (c.hidden_size, _q_rows(c)),
+        lambda c: (c.hidden_size, q_rows(c)),
         row_split,
     ),
     Rule(

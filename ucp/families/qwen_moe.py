@@ -6,14 +6,19 @@ experts in every layer. Atoms take Hugging Face's names (`mlp.gate.weight` for t
 the Mixtral family does, the norms as the dense family's `q_layernorm`/`k_layernorm`, and the shared expert as
 `mlp.shared_experts.linear_fc1` (gate and up fused, TP-split like a dense MLP), `linear_fc2` and `gate_weight`.
 Layers whose MLP is dense (`mlp_only_layers`, `decoder_sparse_step` > 1) are not modelled: an import of such a
-config is refused (ucp.interop.hf)."""
+config is refused (ucp.interop.hf).
+
+OLMoE is the same mixture with q and k norms that span all heads (`qk_norm_full`: an RMSNorm over q's
+num_heads x head_dim values and one over k's num_kv_heads x head_dim, before the heads are split), which
+Megatron-Core has no layer for: its atoms are TP-split with their heads (rows of q and k), and a Megatron conversion
+of it is refused (ucp.interop.megatron)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ucp.families import llama
-from ucp.families.table import Family, FamilyConfig, Rule, gate_up_spec, replicated, row_split
+from ucp.families.table import Family, FamilyConfig, Rule, column_split, gate_up_spec, replicated, row_split
 
 
 @dataclass
@@ -32,6 +37,7 @@ class QwenMoeConfig(FamilyConfig):
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q, k and v (Qwen2-MoE)
     qk_norm: bool = True  # an RMSNorm over each head's q and k (Qwen3-MoE)
+    qk_norm_full: bool = False  # an RMSNorm over all of q and one over all of k (OLMoE; then qk_norm is False)
     make_vocab_size_divisible_by: int = 128
     stage_layers: list[int] | None = None  # layers per PP model chunk (c = v*P + p); None: even split
 
@@ -58,9 +64,30 @@ _S = "mlp.shared_expert."
 _SD = "mlp.shared_experts."
 
 
+def _full_norms(c: QwenMoeConfig) -> bool:
+    return c.qk_norm_full
+
+
 RULES = (
     *(r for r in llama.RULES if r.place == "first"),
     *(r for r in llama.RULES if r.place == "layer" and ".mlp." not in r.canonical),  # attention and the two norms
+    # OLMoE's q and k norms over all heads: their rows are q's and k's, split over TP with the heads
+    Rule(
+        _L + "self_attn.q_norm.weight",
+        _D + "self_attention.q_layernorm.weight",
+        "layer",
+        lambda c: (llama.q_rows(c),),
+        column_split,
+        present=_full_norms,
+    ),
+    Rule(
+        _L + "self_attn.k_norm.weight",
+        _D + "self_attention.k_layernorm.weight",
+        "layer",
+        lambda c: (llama.kv_rows(c),),
+        column_split,
+        present=_full_norms,
+    ),
     Rule(
         _L + "mlp.gate.weight",
         _D + "mlp.router.weight",

@@ -97,6 +97,7 @@ class HfArch:
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # another config.json spelling -> the key
     aliases_only: bool = False  # an export writes the aliases alone (else both spellings, for readers of either)
+    copies: dict[str, str] = dataclasses.field(default_factory=dict)  # config field -> the config.json key it copies
 
 
 _COMMON_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_dropout": 0.0}
@@ -134,6 +135,24 @@ HF_ARCHS: dict[str, HfArch] = {
             requires=_QWEN_MOE_REQUIRES,
             defaults={**_QWEN_MOE_DEFAULTS, "max_position_embeddings": 32768, "norm_topk_prob": False},
             aliases={"num_experts": "num_local_experts", "qkv_bias": "attention_bias"},
+        ),
+        HfArch(
+            "olmoe",
+            "OlmoeForCausalLM",
+            QwenMoeConfig,
+            (*_DENSE_KEYS, "num_local_experts", "num_experts_per_tok"),
+            implies={"qk_norm": False, "qk_norm_full": True, "shared_expert_intermediate_size": 0},
+            requires={"hidden_act": "silu", "attention_bias": False},
+            defaults={
+                **_COMMON_DEFAULTS,
+                "rope_theta": 1e4,
+                "max_position_embeddings": 4096,
+                "norm_topk_prob": False,
+                "clip_qkv": None,
+            },
+            aliases={"num_experts": "num_local_experts"},
+            aliases_only=True,
+            copies={"moe_intermediate_size": "intermediate_size"},  # (OLMoE's experts are its only MLPs)
         ),
         HfArch(
             "deepseek_v3",
@@ -234,7 +253,7 @@ def arch_of(config: Any, hf_extra: dict[str, Any] | None) -> HfArch:
     if isinstance(config, DeepseekV3Config):
         return HF_ARCHS["deepseek_v3"]
     if isinstance(config, QwenMoeConfig):
-        return HF_ARCHS["qwen3_moe" if config.qk_norm else "qwen2_moe"]
+        return HF_ARCHS["olmoe" if config.qk_norm_full else "qwen3_moe" if config.qk_norm else "qwen2_moe"]
     if isinstance(config, LlamaConfig):
         return HF_ARCHS["qwen3" if config.qk_norm else "qwen2" if config.attention_bias else "llama"]
     raise SourceMismatchError(f"a {type(config).__name__} model has no Hugging Face architecture here")
@@ -250,6 +269,7 @@ def hf_config_from_ucp(config: Any, hf_extra: dict[str, Any] | None, dtype: torc
     doc.update(hf_extra or {})
     doc.update({"architectures": [arch.architecture], "model_type": arch.model_type})
     doc.update({k: getattr(config, k) for k in arch.keys})
+    doc.update({key: getattr(config, f) for f, key in arch.copies.items()})
     doc.update({alias: doc[key] for alias, key in arch.aliases.items()})  # (readers of either spelling)
     if arch.aliases_only:
         for key in arch.aliases.values():
@@ -322,6 +342,7 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[Any, dict[str, 
         raise InteropError(f"{where} lacks {missing}")
     fields = {k: doc[k] for k in arch.keys if doc.get(k) is not None}
     fields.setdefault("num_key_value_heads", doc["num_attention_heads"])
+    fields.update({f: doc[key] for f, key in arch.copies.items() if key in doc})
     fields.update(arch.implies)
     if doc.get("quantization_config") is not None:  # (it travels on with the fields not modelled, for export)
         fields["weight_block_size"] = _fp8_block_size(doc["quantization_config"], arch, where)

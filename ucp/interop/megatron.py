@@ -1160,6 +1160,11 @@ def _from_universal(
             f"{src} holds a {type(config).__name__} model; Megatron conversion writes Mixtral, the Qwen MoEs, "
             "DeepSeek-V3 and Llama"
         )
+    if isinstance(config, QwenMoeConfig) and config.qk_norm_full:
+        raise SourceMismatchError(
+            f"{src} holds an OLMoE model, whose q and k norms span all heads: Megatron-Core has no such layer "
+            "(its q/k layernorms are per head), so no Megatron checkpoint computes the same model"
+        )
     quantised = list(block_scales(config))
     if quantised:  # (Megatron-LM trains and saves bf16 parameters: its loaders have no place for fp8 blocks' scales)
         raise SourceMismatchError(
