@@ -69,6 +69,15 @@ def test_import_dcp_and_export_give_the_same_logits(tmp_path):
     assert torch.equal(logits(back), logits(model))
 
 
+def test_inspect_shows_the_architecture_and_its_hyperparameters(tmp_path):
+    from ucp.inspection import describe, format_table
+
+    hf_model(tmp_path, clip_qkv=0.05)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    shown = format_table(describe(ucp.open_checkpoint(str(tmp_path / "u"))))
+    assert "model       qwen_moe (olmoe):" in shown and "qk_norm_full True" in shown and "clip_qkv 0.05" in shown
+
+
 def test_the_weights_loader_fills_transformers_own_model(tmp_path):
     from ucp.interop.weights import load_into_module
 

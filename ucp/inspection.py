@@ -98,6 +98,7 @@ def _model_line(model: dict[str, Any] | None) -> list[str]:
             "vocab_size",
             "attention_bias",
             "qk_norm",
+            "qk_norm_full",
             "n_shared_experts",
             "first_k_dense_replace",
             "q_lora_rank",
@@ -125,11 +126,14 @@ def _model_line(model: dict[str, Any] | None) -> list[str]:
                 "n_group",
                 "topk_group",
                 "routed_scaling_factor",
+                "clip_qkv",
             )
         },
     }
     extras = ", ".join(f"{k} {v}" for k, v in more.items() if v is not None)
-    lines = [f"model       {model['family']}: {shape}" + (f"; {extras}" if extras else "")]
+    kind = hf.get("model_type")  # (the HF architecture, where the family holds several)
+    arch = f" ({kind})" if isinstance(kind, str) and kind != model["family"] else ""
+    lines = [f"model       {model['family']}{arch}: {shape}" + (f"; {extras}" if extras else "")]
     block = c.get("weight_block_size")
     if isinstance(block, list):  # (block-quantised linear weights: ucp.quantization)
         quant = hf.get("quantization_config") if isinstance(hf.get("quantization_config"), dict) else {}
