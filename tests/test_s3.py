@@ -51,3 +51,29 @@ def test_cli_inspect_and_verify_on_s3(s3_bucket):
         [sys.executable, "-m", "ucp", "verify", url, *args], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0 and ": ok" in out.stdout
+
+
+def test_every_object_is_put_with_its_crc32c_and_read_without_a_second_check(s3_bucket):
+    """Each put carries the object's CRC-32C (S3 checks the upload and keeps it; botocore adds no CRC-32 of its
+    own), and botocore does not check whole-object checksums on reads (ucp checks every byte itself)."""
+    import base64
+
+    import boto3
+    import crc32c
+
+    from ucp.storage import open_storage
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/sums"
+    ucp.save({"w": torch.randn(300, 70), "b": torch.arange(5)}, url, step=1, storage_options=options)
+    client = boto3.client("s3", endpoint_url=options["endpoint_url"])
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="sums/")["Contents"]]
+    assert len(keys) > 5
+    for key in keys:
+        head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        assert head.get("ChecksumCRC32C") == base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode(), key
+        assert "ChecksumCRC32" not in head, key  # (botocore computed no checksum of its own)
+    storage = open_storage(url, options)
+    assert storage.fs.config_kwargs["response_checksum_validation"] == "when_required"
+    assert torch.equal(ucp.load(url, storage_options=options)["b"], torch.arange(5))
