@@ -24,7 +24,7 @@ from ucp.layout import parse_layout
 from ucp.reshard import assemble
 from ucp.sharded_model import extra_state, model_config_of, stored_dtypes
 
-from .helpers import DRAW, step_path
+from .helpers import DRAW, assert_same_state, step_path
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -117,14 +117,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def reshape(src: str, dst: str, layout: str) -> None:
+def reshape(src: str, dst: str, layout: str, options: ucp.SaveOptions | None = None) -> None:
     """The reshaper: every rank of `layout` loads its local state from the atoms of `src` and saves it to `dst`
     (each atom in its stored dtype: the fp32 router bias of a bf16 model, fp8 weights, fp32 scales)."""
     reader = ucp.open_checkpoint(src)
     lay = parse_layout(layout)
     model = ShardedModel(model_config_of(reader), lay, optim_states=(), atom_dtypes=stored_dtypes(reader.atoms))
     local = [load_sharded(reader, model, r)[0] for r in range(lay.world_size)]
-    VirtualWorld(lay.world_size).save(local, dst, step=reader.step, model=model, extra=extra_state(reader))
+    VirtualWorld(lay.world_size).save(
+        local, dst, step=reader.step, model=model, extra=extra_state(reader), options=options
+    )
 
 
 def config_of(directory: Path) -> dict:
@@ -243,6 +245,53 @@ def test_the_weights_loader_gives_fp8_with_local_scales_or_dequantises(tmp_path)
     assert all(torch.equal(t, module.state_dict()[n]) for n, t in fresh.state_dict().items())
 
 
+# Blocks of 16 that TP 2 and 4 cut: kv_a_proj_with_mqa's 48 rows (kv_lora_rank 40 + rope 8, 3 blocks) split into parts
+# of 24 or 12, the dense MLP's 48 rows and 48 columns (down_proj), the experts' 24 (or shared 48) rows, o_proj's 32
+# columns at TP 4: rows and columns whose part ends mid-block, so two ranks share those blocks' scales.
+MISALIGNED = {**SHAPE, "kv_lora_rank": 40, "intermediate_size": 48, "moe_intermediate_size": 24}
+SMALL_CHUNKS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=4096, inner_bytes=256), fsync=False)
+
+
+@pytest.mark.parametrize(
+    "layout", DRAW.sample(["tp2", "tp4", "tp2pp3ep2dp2", "tp4ep2dp2", "tp2dp2zero3", "tp1pp3ep4dp4"], 3)
+)
+def test_a_dequantised_load_takes_any_tp_split_and_equals_the_bf16_export(tmp_path, layout):
+    """Every rank of a layout whose TP splits cut blocks loads the fp8 checkpoint dequantised: its local tensors are
+    bitwise those it loads from the bf16 export (ucp export --dtype bf16, ucp import) of the same checkpoint, it reads
+    only the regions of its own pieces and their scales, and `into` fills its own tensors in place."""
+    from ucp.cli import main
+
+    fp8_checkpoint(tmp_path / "hf", MISALIGNED, BLOCK)
+    import_hf(tmp_path / "hf", str(tmp_path / "u0"))
+    reshape(str(tmp_path / "u0"), str(tmp_path / "u"), "tp1", SMALL_CHUNKS)  # (partial reads: small inner chunks)
+    assert main(["export", str(tmp_path / "u"), "--to", "hf", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    assert main(["import", str(tmp_path / "bf16"), str(tmp_path / "b"), "--no-progress"]) == 0
+    fp8, bf16 = ucp.open_checkpoint(str(tmp_path / "u")), ucp.open_checkpoint(str(tmp_path / "b"))
+    lay = parse_layout(layout)
+    if lay.tp > 1:  # as stored, this layout is refused: the way to load it is dequantised
+        with pytest.raises(LayoutError, match=r"(not a multiple of its block \[16, 16\]|ZeRO-3).*dtype="):
+            load_weights(fp8, lay, 0)
+    for rank in range(lay.world_size):
+        got = load_weights(fp8, lay, rank, dtype=torch.bfloat16)
+        expected = load_weights(bf16, lay, rank, dtype=torch.bfloat16)
+        assert got.config.weight_block_size is None and got.config == expected.config
+        assert_same_state(expected.local, got.local)
+        if lay.tp > 1:
+            assert got.report.bytes_read < fp8.total_bytes(), (rank, got.report)
+    # into the job's own tensors (dequantised into them, no dtype needed), and assembled: the bf16 export's tensors
+    last = lay.world_size - 1
+    if lay.zero != 3:  # (ZeRO-3's parameters are flat buffers, not the job's tensors by name)
+        into = {n: torch.full_like(t, 7.0) for n, t in expected.params.items()}
+        filled = load_weights(fp8, lay, last, into=into)
+        for n, t in expected.params.items():
+            assert torch.equal(bits(into[n]), bits(t)) and filled.params[n].data_ptr() == into[n].data_ptr(), n
+    loaded = [load_weights(fp8, lay, r, dtype="bf16").local for r in range(lay.world_size)]
+    full = assemble(loaded, got.config, lay, ())["model"]
+    exported = tensors_of(tmp_path / "bf16")
+    for atom, t in full.items():
+        assert torch.equal(bits(t), bits(exported[atom].bfloat16())), atom
+
+
 def test_atoms_say_their_scales_and_other_zarr_readers_read_them(tmp_path):
     fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK)
     import_hf(tmp_path / "hf", str(tmp_path / "u"))
@@ -279,11 +328,14 @@ def test_a_tp_split_off_block_edges_is_refused_with_the_tensor(tmp_path):
     fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK, q_lora_rank=32)
     import_hf(tmp_path / "hf", str(tmp_path / "u"))
     with pytest.raises(
-        LayoutError, match=r"q_a_proj\.weight in tp4.*tp=4 splits dim 0 \(size 32\).*parts of 8.*\[16, 16\]"
+        LayoutError, match=r"q_a_proj\.weight in tp4.*tp=4 splits dim 0 \(size 32\).*parts of 8.*\[16, 16\].*dtype="
     ):
         load_weights(str(tmp_path / "u"), "tp4", 0)
     with pytest.raises(LayoutError, match="ZeRO-3"):
         load_weights(str(tmp_path / "u"), "tp2dp2zero3", 0)
+    # dequantised, both load (test_a_dequantised_load_takes_any_tp_split_and_equals_the_bf16_export checks the values)
+    for layout in ("tp4", "tp2dp2zero3"):
+        assert load_weights(str(tmp_path / "u"), layout, 0, dtype="bf16").config.weight_block_size is None
 
 
 def run_cli(capsys, *args: str) -> str:

@@ -125,7 +125,8 @@ def _check_blocks(spec: PartitionSpec, shape: tuple[int, ...], dim: int, part: i
         raise LayoutError(
             f"tp={tp} splits dim {dim} (size {shape[dim]}) of a block-quantised atom of shape {list(shape)} into "
             f"parts of {part}, which is not a multiple of its block {list(spec.block)}: each rank's scales would "
-            "not be whole blocks of its part (use a TP degree whose parts are whole blocks)"
+            "not be whole blocks of its part (use a TP degree whose parts are whole blocks, or load the weights "
+            "dequantised, which any TP degree can: `ucp.interop.weights.load_weights(..., dtype=torch.bfloat16)`)"
         )
 
 

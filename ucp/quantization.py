@@ -4,20 +4,26 @@ the weight's value is W[i, j] * S[i // b0, j // b1] (the last block of a dimensi
 is named as Hugging Face names it, the weight's name with `_scale_inv` appended (`....weight_scale_inv`: it is the
 inverse of the scale the quantiser divided by). docs/FORMAT.md section 2.1 specifies it.
 
-A TP split of such a weight must cut along block boundaries, so that each rank's part of the scales is exactly the
-scales of its part of the weight (`ucp.partition.tp_shard` refuses another split); then a local weight and its
-local scales dequantise with the same formula as the atoms (`dequantize`).
+Held as stored, a TP split of such a weight must cut along block boundaries, so that each rank's part of the scales is
+exactly the scales of its part of the weight (`ucp.partition.tp_shard` refuses another split); then a local weight
+and its local scales dequantise with the same formula as the atoms (`dequantize`). Loaded dequantised, any split
+will do: each region of a weight dequantises with the scales of the blocks it falls in (`scale_box`), which two
+ranks may share (`ucp.sharded_load`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ucp.boxes import Box
+
 SCALE_SUFFIX = "_scale_inv"
 
 # What a quantised weight's atom may be stored as (HF's `fmt` "e4m3"): the one DeepSeek-V3's checkpoints use.
 WEIGHT_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
+# The dtypes a weight keeps quantised in (loaded into any other, it is dequantised).
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def scale_name(weight: str) -> str:
@@ -30,19 +36,37 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, ...] | list[int]) -> t
     return tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
 
 
+def scale_box(box: Box, block: tuple[int, ...] | list[int]) -> Box:
+    """The scale rows/cols of the blocks that a region `box` of a weight falls in (its first and last may be shared
+    with the regions beside it: a split that is not on block edges)."""
+    return tuple((lo // b, -(-hi // b)) for (lo, hi), b in zip(box, block, strict=True))
+
+
 def dequantize(
-    weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, ...] | list[int], dtype: torch.dtype
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    block: tuple[int, ...] | list[int],
+    dtype: torch.dtype,
+    start: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """`weight` [..., rows, cols] times the scale of its block, computed in float32 and rounded once to `dtype`:
     DeepSeek's reference `weight_dequant` (its inference kernel: fp8 and scale in fp32, the product stored in the
     default dtype) and transformers' `Fp8Dequantize` compute the same. Only the scales are expanded, over rows;
-    columns broadcast through a view, so memory holds one float32 copy of the weight."""
+    columns broadcast through a view, so memory holds one float32 copy of the weight.
+
+    `weight` may be a region of the atom: `start` is its first [row, col] in the atom and `scales` those of the blocks
+    it falls in (`scale_box`); each element then gets the scale, and so the bits, it gets in the whole atom's."""
     b0, b1 = block
     rows, cols = weight.shape[-2:]
+    r, c = start[0] % b0, start[1] % b1  # where the region starts in its first block
     out = weight.to(torch.float32)
-    per_row = scales.to(torch.float32).repeat_interleave(b0, dim=-2)[..., :rows, :]
-    full, rest = divmod(cols, b1)
-    out[..., : full * b1].unflatten(-1, (full, b1)).mul_(per_row[..., :full, None])
+    per_row = scales.to(torch.float32).repeat_interleave(b0, dim=-2)[..., r : r + rows, :]
+    head = min(cols, -c % b1)  # columns before the first block edge (in the first scale column)
+    if head:
+        out[..., :head].mul_(per_row[..., :1])
+    first = 1 if head else 0
+    full, rest = divmod(cols - head, b1)
+    out[..., head : head + full * b1].unflatten(-1, (full, b1)).mul_(per_row[..., first : first + full, None])
     if rest:
-        out[..., full * b1 :].mul_(per_row[..., full:])
+        out[..., head + full * b1 :].mul_(per_row[..., first + full :])
     return out.to(dtype)

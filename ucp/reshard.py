@@ -300,7 +300,8 @@ def local_plan(
     if layout.zero == 3 and block_size(config) is not None:
         raise LayoutError(
             f"{layout}: ZeRO-3 keeps the parameters in flat buffers of one dtype, and this model's block-quantised "
-            "weights are float8 beside parameters of another dtype; use ZeRO 0 to 2, or load it dequantised"
+            "weights are float8 beside parameters of another dtype; use ZeRO 0 to 2, or load the weights dequantised: "
+            "`ucp.interop.weights.load_weights(..., dtype=torch.bfloat16)`"
         )
     coords = layout.coords(rank)
     params = local_params(config, layout, coords)

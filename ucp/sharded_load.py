@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 from . import dtypes
-from .boxes import Box, intersect, relative, to_slices
+from .boxes import Box, box_shape, intersect, relative, to_slices
 from .checkpoint import CheckpointReader
 from .errors import FormatError, StateError
 from .families import canonical_atoms
 from .format import AtomMeta
+from .quantization import FLOAT8, dequantize, scale_box, scale_shape
 from .reshard import LocalTensor, local_plan, local_tensor, piece_view, put_local
 from .sharded_model import ShardedModel, atom_path, check_atom, states_held
 from .workpool import run_sized
@@ -50,7 +51,13 @@ def load_sharded(
     and optimizer state are by `load_state_dict`; the tensors it lacks are made. Memory a process already uses
     fills several times faster than memory it has never touched (each new page is a fault), so a job that has
     built its model loads fastest this way. A tensor of another shape is refused; of another dtype, cast. A load
-    that fails may have filled part of them."""
+    that fails may have filled part of them.
+
+    A block-quantised weight atom (docs/FORMAT.md section 2.1) of a model whose config has no such scales (its
+    `weight_block_size` None: the model dequantised) is dequantised: each piece is read as stored with the scales of
+    the blocks it falls in, two ranks sharing a block where a split does not fall on block edges, and its float32
+    product rounded once into the local tensor (`dtype`, or its `into` tensor's; float32 when neither says), the
+    same bits as `ucp.quantization.dequantize` gives those elements of the whole atom."""
     model = states_held(model, reader.atoms)
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
     shapes = canonical_atoms(model.config)
@@ -58,6 +65,7 @@ def load_sharded(
     jobs: list[tuple[Callable[[], None], int]] = []
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read in the stored dtype, the caller's tensor)
     made: list[LocalTensor] = []  # the local tensors not from `into`
+    finishes: list[Callable[[], object]] = []  # once read: pieces read in another dtype, put into their local tensors
     bytes_needed = 0
     for lt in plan:
         metas = []
@@ -71,11 +79,16 @@ def load_sharded(
             meta = reader.atoms[path]
             check_atom(meta, shapes[p.atom][0])
             metas.append(meta)
+        scaled = [dequantised(reader.atoms, meta, shapes) for meta in metas]
         stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
         covered = sum(p.numel for p in lt.pieces) == math.prod(lt.shape)
         given = _given(into, lt)
         if given is None:
             made.append(lt)
+        if any(scaled):  # dequantised straight into the dtype asked for (float32 if none)
+            stored = given.dtype if given is not None else dtype or torch.float32
+            if stored in FLOAT8:
+                raise StateError(f"{'/'.join(lt.key)} is loaded dequantised: it cannot be {stored}")
         if given is not None and given.dtype == stored:
             tensor = given if covered else given.zero_()  # padding: 0
         else:
@@ -83,12 +96,22 @@ def load_sharded(
             if given is not None:
                 casts.append((tensor, given))
         put_local(local, lt.key, tensor if given is None else given)
-        bytes_needed += sum(p.numel for p in lt.pieces) * tensor.element_size()
-        jobs += piece_reads(reader, lt, metas, tensor)
+        for p, meta, scales in zip(lt.pieces, metas, scaled):
+            view = piece_view(tensor, p)
+            if scales is None and dtypes.torch_dtype(meta.dtype) == stored:
+                jobs += region_reads(reader, meta, p.atom_box, view)
+                bytes_needed += p.numel * view.element_size()
+            else:
+                reads, finish, nbytes = _converted_reads(reader, meta, p.atom_box, view, scales)
+                jobs += reads
+                finishes.append(finish)
+                bytes_needed += nbytes
     with cf.ThreadPoolExecutor(reader.io_threads) as pool:
         before = reader.storage.stats.bytes_read
         run_sized(pool, jobs, reader.storage.serial_small_objects(writing=False))
         read = reader.storage.stats.bytes_read - before
+    for finish in finishes:
+        finish()
     for tensor, given in casts:
         given.copy_(tensor)
     if dtype is not None:  # (the caller's own tensors keep their dtype)
@@ -119,11 +142,16 @@ def needed_objects(atoms: Mapping[str, AtomMeta], model: ShardedModel, rank: int
     manifest, the model and the rank, so no rank needs to ask another what it will read."""
     out: set[tuple[str, tuple[int, ...]]] = set()
     model = states_held(model, atoms)
+    shapes = canonical_atoms(model.config)
     for lt in local_plan(model.config, model.layout, rank, model.optim_states):
         for p in lt.pieces:
             meta = atoms.get(atom_path(p.atom, lt.state))
             if meta is not None:
                 out.update((meta.path, index) for index in _chunks_touching(meta, p.atom_box))
+                scales = dequantised(atoms, meta, shapes)
+                if scales is not None:
+                    box = scale_box(p.atom_box, scales[1])
+                    out.update((scales[0].path, index) for index in _chunks_touching(scales[0], box))
     return out
 
 
@@ -150,12 +178,68 @@ def piece_reads(
     them in any order, at once."""
     reads: list[tuple[Callable[[], None], int]] = []
     for p, meta in zip(lt.pieces, metas):
-        view = piece_view(tensor, p)
-        reads += [
-            (functools.partial(_read_region, reader, meta, i, p.atom_box, view), meta.object_bytes)
-            for i in _chunks_touching(meta, p.atom_box)
-        ]
+        reads += region_reads(reader, meta, p.atom_box, piece_view(tensor, p))
     return reads
+
+
+def region_reads(
+    reader: CheckpointReader, meta: AtomMeta, box: Box, view: torch.Tensor
+) -> list[tuple[Callable[[], None], int]]:
+    """The reads that fill `view` (shaped like `box`, in the atom's stored dtype) with region `box` of an atom, one
+    per chunk object it overlaps, each with the bytes of its object."""
+    return [
+        (functools.partial(_read_region, reader, meta, i, box, view), meta.object_bytes)
+        for i in _chunks_touching(meta, box)
+    ]
+
+
+Scales = tuple[AtomMeta, tuple[int, int]]  # a block-quantised weight's scale atom and block
+
+
+def dequantised(atoms: Mapping[str, AtomMeta], meta: AtomMeta, shapes: Mapping[str, Any]) -> Scales | None:
+    """The scale atom and block of a block-quantised weight atom (docs/FORMAT.md section 2.1) that the model being
+    loaded holds dequantised (its config has no such scales: `shapes`, its canonical atoms); None for any other."""
+    quantised = meta.attributes.get("quantization")
+    if not isinstance(quantised, dict) or "scales" not in quantised:
+        return None
+    path = quantised["scales"]
+    if path.removeprefix("model/") in shapes:
+        return None  # (held as stored, beside its scales)
+    block = quantised.get("block")
+    scales = atoms.get(path)
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise FormatError(f"atom {meta.path!r}: quantization block {block!r} is not two positive integers")
+    expected = scale_shape(meta.shape, block)
+    if scales is None or scales.dtype != "float32" or scales.shape != expected:
+        found = "absent" if scales is None else f"{scales.dtype} {list(scales.shape)}"
+        raise FormatError(
+            f"atom {meta.path!r} is block-quantised ({block}), but its scale atom {path!r} is {found}, not float32 "
+            f"{list(expected)}"
+        )
+    return scales, (block[0], block[1])
+
+
+def _converted_reads(
+    reader: CheckpointReader, meta: AtomMeta, box: Box, view: torch.Tensor, scales: Scales | None
+) -> tuple[list[tuple[Callable[[], None], int]], Callable[[], object], int]:
+    """Region `box` of an atom for `view`, which has another dtype: the reads into a buffer of the atom's dtype (and
+    with `scales`, of the scales of the blocks the region falls in), the step that then puts it into `view` (cast, or
+    dequantised: each element times its block's scale in float32, rounded once) and the bytes they read for it."""
+    part = torch.empty(box_shape(box), dtype=dtypes.torch_dtype(meta.dtype))
+    reads = region_reads(reader, meta, box, part)
+    nbytes = part.numel() * part.element_size()
+    if scales is None:
+        return reads, functools.partial(view.copy_, part), nbytes
+    scale_meta, block = scales
+    covering = scale_box(box, block)
+    factors = torch.empty(box_shape(covering), dtype=dtypes.torch_dtype(scale_meta.dtype))
+    reads += region_reads(reader, scale_meta, covering, factors)
+    start = (box[-2][0], box[-1][0])
+
+    def finish() -> None:
+        view.copy_(dequantize(part, factors, block, view.dtype, start))
+
+    return reads, finish, nbytes + factors.numel() * factors.element_size()
 
 
 def _read_region(

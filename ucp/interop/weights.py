@@ -5,7 +5,8 @@ more of a pretraining checkpoint) is never read, and each rank reads only the re
 (`ucp.distributed.load_sharded` with no optimizer states), whatever layout wrote the checkpoint.
 
 Block-quantised weights (DeepSeek-V3's fp8, `ucp.quantization`) load as stored (float8 weights and their float32
-scales, each rank the scales of its blocks), or dequantised: with `dtype`, or into tensors of another dtype.
+scales, each rank the scales of its blocks: TP splits on block edges only), or dequantised, in any layout the
+unquantised model takes: with `dtype`, or into tensors of another dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ucp.families import block_scales, expert_names_of
 from ucp.families.table import block_size
 from ucp.interop.dtypes import parse_dtype
 from ucp.layout import Layout, parse_layout
-from ucp.quantization import SCALE_SUFFIX, dequantize, scale_name
+from ucp.quantization import FLOAT8, SCALE_SUFFIX, dequantize, scale_name
+from ucp.reshard import local_plan
 from ucp.sharded_load import LoadReport, load_sharded
 from ucp.sharded_model import ShardedModel, atom_path, model_config_of
 
@@ -68,27 +70,53 @@ def load_weights(
     `LoadedWeights.params`); each keeps its dtype. Memory already in use fills faster than new memory, and the
     job needs no copy afterwards. Parameters `into` lacks are returned as new tensors.
 
-    Block-quantised weights: without `dtype` each comes as stored (float8, with its `..._scale_inv` scales beside
-    it); with `dtype` dequantised (`ucp.quantization.dequantize`: float32 products rounded once), the scales
-    left out and `config` saying no quantisation. An `into` tensor of a float8 weight gets it as stored, of another
-    dtype dequantised (such loads are made, then copied: not in place)."""
+    Block-quantised weights: with a `dtype` other than float8, or when each of the rank's quantised weights has an
+    `into` tensor of such a dtype, they load dequantised, in any layout the unquantised model takes (a TP split
+    may cut a block: ranks share its scale): the rank's local tensors are the dequantised model's, each read as its
+    fp8 regions and the scales of the blocks they fall in, and filled with their float32 products rounded once
+    (`ucp.quantization.dequantize`: the same bits as dequantising the whole atom), the scales left out and `config`
+    saying no quantisation. Otherwise each comes as stored (float8, with its `..._scale_inv` scales beside it), and
+    a TP split must then fall on block edges (`LayoutError`); an `into` tensor of a float8 weight gets it as stored,
+    of another dtype dequantised (made, then copied: not in place)."""
     reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)
     config = model_config_of(reader)
     target = _as_layout(layout)
+    cast, given = parse_dtype(dtype), _local_params(into)
+    scales = block_scales(config)
+    if scales:
+        plain = dataclasses.replace(config, weight_block_size=None)  # the model dequantised
+        if _dequantised(ShardedModel(plain, target, optim_states=()), rank, scales, cast, given):
+            config = plain
     model = ShardedModel(config, target, optim_states=())
     with torch.no_grad():
         if block_scales(config):
-            return _load_quantised(reader, model, rank, parse_dtype(dtype), _local_params(into))
-        local, report = load_sharded(reader, model, rank, dtype=parse_dtype(dtype), into=_local_params(into))
+            return _load_quantised(reader, model, rank, cast, given)
+        local, report = load_sharded(reader, model, rank, dtype=cast, into=given)
     return LoadedWeights(local, report, config, target)
+
+
+def _dequantised(
+    plain: ShardedModel, rank: int, scales: Mapping[str, str], cast: torch.dtype | None, given: dict[str, Any] | None
+) -> bool:
+    """Whether `rank` of the dequantised model `plain` asks for every quantised weight it holds in a dtype other
+    than float8: its `into` tensor's, or where it has none, `cast`."""
+    for lt in local_plan(plain.config, plain.layout, rank, ()):
+        if any(p.atom in scales for p in lt.pieces):
+            node: Any = given
+            for k in lt.key:
+                node = node.get(k) if isinstance(node, Mapping) else None
+            wanted = node.dtype if isinstance(node, torch.Tensor) else cast
+            if wanted is None or wanted in FLOAT8:
+                return False
+    return True
 
 
 def _load_quantised(
     reader: CheckpointReader, model: ShardedModel, rank: int, cast: torch.dtype | None, given: dict[str, Any] | None
 ) -> LoadedWeights:
-    """`load_weights` of a model with block-quantised weights: read as stored, then each weight dequantised with its
-    local scales (a rank's scales are those of its blocks, `ucp.partition`) where `cast` or its `into` tensor asks
-    for another dtype than float8."""
+    """`load_weights` of a model with block-quantised weights, some of them asked for as stored: read as stored (a
+    rank's scales are those of its blocks, `ucp.partition`), then each weight dequantised with its local scales where
+    `cast` or its `into` tensor asks for another dtype than float8."""
     stored, report = load_sharded(reader, model, rank)
     block = block_size(model.config)
     assert block is not None  # (the model has scales)
@@ -178,7 +206,7 @@ NameMap = str | Mapping[str, str] | Callable[[str, Any], "Source | None"]
 
 def _dequantises(target: torch.Tensor, src: Source, scales: Mapping[str, str]) -> tuple[str, ...]:
     """The block-quantised atoms behind a module tensor that it takes dequantised: all of them unless it is float8."""
-    if target.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if target.dtype in FLOAT8:
         return ()
     return tuple(a for a in src.atoms if a in scales)
 
