@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ucp
-from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
+from ucp.distributed import ShardedModel, VirtualWorld, load_sharded, needed_objects
 from ucp.errors import LayoutError, UcpError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.weights import load_into_module, load_weights
@@ -271,11 +271,23 @@ def test_a_dequantised_load_takes_any_tp_split_and_equals_the_bf16_export(tmp_pa
     if lay.tp > 1:  # as stored, this layout is refused: the way to load it is dequantised
         with pytest.raises(LayoutError, match=r"(not a multiple of its block \[16, 16\]|ZeRO-3).*dtype="):
             load_weights(fp8, lay, 0)
+    read_objects: set[tuple[str, tuple[int, ...]]] = set()
+    read_object = fp8.read_object
+
+    def recording(meta, index, dest_for):
+        read_objects.add((meta.path, index))
+        read_object(meta, index, dest_for)
+
+    fp8.read_object = recording
     for rank in range(lay.world_size):
+        read_objects.clear()
         got = load_weights(fp8, lay, rank, dtype=torch.bfloat16)
         expected = load_weights(bf16, lay, rank, dtype=torch.bfloat16)
         assert got.config.weight_block_size is None and got.config == expected.config
         assert_same_state(expected.local, got.local)
+        # what it reads: the objects of its pieces' regions and of their blocks' scales, as a restore plans them
+        assert read_objects == needed_objects(fp8.atoms, ShardedModel(got.config, lay, optim_states=()), rank)
+        assert any(path.endswith("_scale_inv") for path, _ in read_objects)
         if lay.tp > 1:
             assert got.report.bytes_read < fp8.total_bytes(), (rank, got.report)
     # into the job's own tensors (dequantised into them, no dtype needed), and assembled: the bf16 export's tensors
