@@ -162,6 +162,14 @@ def train_records(config: Path, layout: str, steps: int, tmp: Path, *extra: str)
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+def perturb_parameters(model: torch.nn.Module, scale: float = 0.05) -> None:
+    """Noise on every parameter of a freshly built model (norm weights start at one and biases at zero: so that every
+    tensor counts in a comparison)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+
+
 def random_hf_model(arch: str, **config: Any) -> torch.nn.Module:
     """transformers' `arch` (e.g. "LlamaForCausalLM") of `config`, eager attention, with random weights: norms near
     1 and every other weight N(0, 0.05), so that every weight matters."""

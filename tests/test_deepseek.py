@@ -19,7 +19,7 @@ from ucp.interop.errors import SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
 
-from .helpers import DRAW, assert_reshards, hf_logits
+from .helpers import DRAW, assert_reshards, hf_logits, perturb_parameters
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,9 +60,8 @@ def hf_model(tmp_path, **overrides):
     config = transformers.DeepseekV3Config(**{**SHAPE, **drawn, **overrides})
     torch.manual_seed(rng.randrange(1000))
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():  # (norm weights start at one, the correction bias at zero: make every tensor count)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb_parameters(model)
+    with torch.no_grad():  # (the correction bias, a buffer, starts at zero: make it count)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.add_(torch.rand_like(b))

@@ -13,7 +13,7 @@ from ucp.families import LlamaConfig
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
 
-from .helpers import assert_reshards
+from .helpers import assert_reshards, perturb_parameters
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,9 +38,7 @@ def hf_model(arch: str, tmp_path):
     config_cls, model_cls, extra = ARCHS[arch]
     torch.manual_seed(0)
     model = model_cls(config_cls(**SHAPE, **extra)).eval()
-    with torch.no_grad():  # (norm weights start at one and biases at zero: make every tensor count)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb_parameters(model)
     model.save_pretrained(tmp_path / "hf")
     return model
 

@@ -24,7 +24,7 @@ from ucp.layout import parse_layout
 from ucp.reshard import assemble
 from ucp.sharded_model import extra_state, model_config_of, stored_dtypes
 
-from .helpers import DRAW, assert_same_state, step_path
+from .helpers import DRAW, assert_same_state, perturb_parameters, step_path
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -82,9 +82,7 @@ def fp8_checkpoint(directory: Path, shape: dict, block: list[int], **overrides) 
     config = transformers.DeepseekV3Config(**{**shape, **drawn, **overrides})
     torch.manual_seed(rng.randrange(1000))
     model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():  # (norm weights start at one, the correction bias at zero: make every tensor count)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb_parameters(model)
     model.save_pretrained(directory)
     tensors = safetensors_torch.load_file(directory / "model.safetensors")
     out = {}

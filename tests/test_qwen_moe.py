@@ -16,7 +16,7 @@ from ucp.interop.errors import SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
 
-from .helpers import assert_reshards, hf_logits
+from .helpers import assert_reshards, hf_logits, perturb_parameters
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,9 +56,7 @@ def hf_model(tmp_path, arch, **overrides):
     config = config_cls(**{**SHAPE, **shape, **extra, **overrides})
     torch.manual_seed(rng.randrange(1000))
     model = model_cls(config).eval()
-    with torch.no_grad():  # (norm weights start at one and biases at zero: make every tensor count)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb_parameters(model)
     model.save_pretrained(tmp_path / "hf")
     return model
 
