@@ -197,7 +197,9 @@ def test_another_frameworks_checkpoint_gets_the_command_that_reads_it(tmp_path):
     megatron = tmp_path / "megatron"
     (megatron / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
     (megatron / "latest_checkpointed_iteration.txt").write_text("10")
-    assert_cli_error(run_cli("inspect", str(megatron)), "Megatron-LM checkpoint", "ucp convert")
+    assert_cli_error(run_cli("inspect", str(megatron)), "Megatron-LM checkpoint", "--from LAYOUT --to universal")
+    (megatron / "iter_0000010" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    assert_cli_error(run_cli("inspect", str(megatron)), "Megatron-LM checkpoint", "--from torch_dist --to universal")
     dcp = tmp_path / "dcp"
     dcp.mkdir()
     (dcp / ".metadata").write_bytes(b"x")

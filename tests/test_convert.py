@@ -292,7 +292,7 @@ def megatron_tp2(tmp_path):
 def test_bad_megatron_sources_are_clear_errors_and_leave_nothing(megatron_tp2, tmp_path):
     it = megatron_tp2 / "iter_0000003"
     dst = tmp_path / "out"
-    with pytest.raises(SourceMismatchError, match=r"--from tp4pp1 does not match .*args say tp2pp1"):
+    with pytest.raises(SourceMismatchError, match=r"--from tp4 does not match .*args say tp2pp1"):  # (as written)
         convert(str(megatron_tp2), str(dst), from_layout="tp4", to_layout="tp1")
     with pytest.raises(SourceMismatchError, match="use --from universal"):
         convert(str(tmp_path / "u"), str(dst), from_layout="tp2", to_layout="tp1")

@@ -173,9 +173,11 @@ def _foreign_hint(storage: Storage) -> str:
     """What another framework's checkpoint at `storage` looks like to ucp, with the command that reads it."""
     names = set(storage.listdir(""))
     if "latest_checkpointed_iteration.txt" in names or any(n.startswith(("iter_", "mp_rank_")) for n in names):
-        return (
-            ": this is a Megatron-LM checkpoint; make a ucp one with `ucp convert SRC DST --from LAYOUT --to universal`"
-        )
+        # (torch_dist iteration directories hold metadata.json; the torch format's, mp_rank_* directories)
+        torch_dist = any(storage.exists(f"{n}/metadata.json") for n in names if n.startswith("iter_") or n == "release")
+        command = f"`ucp convert SRC DST --from {'torch_dist' if torch_dist else 'LAYOUT'} --to universal`"
+        saved_in = "" if torch_dist else " (LAYOUT: the TP/PP/EP it was saved in, e.g. tp2pp2)"
+        return f": this is a Megatron-LM checkpoint; make a ucp one with {command}{saved_in}"
     if ".metadata" in names:
         return ": this is a PyTorch DCP checkpoint; import it with `ucp import SRC DST --from dcp`"
     if "config.json" in names and any(n.endswith(".safetensors") for n in names):

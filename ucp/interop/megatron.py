@@ -634,6 +634,7 @@ def open_megatron(
     if (root / "zarr.json").is_file():
         raise SourceMismatchError(f"{root} is a ucp checkpoint, not a Megatron one: use --from universal")
     want = layout if isinstance(layout, Layout) else parse_megatron_layout(layout)
+    asked = layout if isinstance(layout, str) else megatron_name(want)  # (named as the user wrote it)
     it, iter_dir = iteration_dir(root, iteration)
     if not iter_dir.is_dir():
         raise InteropError(f"{iter_dir} does not exist (iteration {it} of {root})")
@@ -662,7 +663,7 @@ def open_megatron(
     )
     if args is not None and saved != (want.tp, want.pp, want.ep, want.vpp):
         raise SourceMismatchError(
-            f"--from {megatron_name(want)} does not match {root}: its args say "
+            f"--from {asked} does not match {root}: its args say "
             f"tp{saved[0]}pp{saved[1]}"
             + (f"vpp{saved[3]}" if saved[3] > 1 else "")
             + (f"ep{saved[2]}" if saved[2] > 1 else "")
@@ -670,14 +671,14 @@ def open_megatron(
     stray = sorted(present - set(expected))
     if stray:
         raise SourceMismatchError(
-            f"--from {megatron_name(want)} does not match {iter_dir}: unexpected rank directories "
+            f"--from {asked} does not match {iter_dir}: unexpected rank directories "
             f"{stray[:4]} ({_guess_layout(present, args)})"
         )
     missing = sorted(set(expected) - present) + sorted(n for n in present if not (iter_dir / n / RANK_FILE).is_file())
     if missing:
         raise InteropError(
             f"{iter_dir} is incomplete: missing rank file(s) {[f'{n}/{RANK_FILE}' for n in missing[:4]]}"
-            f"{' ...' if len(missing) > 4 else ''} of the {len(expected)} that {megatron_name(want)} has"
+            f"{' ...' if len(missing) > 4 else ''} of the {len(expected)} that {asked} has"
         )
     config, hf = config_from_args(args, str(probe), vocab_size)
     paths = {rank: iter_dir / name / RANK_FILE for name, rank in expected.items()}
