@@ -28,7 +28,7 @@ from .helpers import assert_same_state
 from .orphan_saver import OPTIONS, state
 
 REPO = Path(__file__).resolve().parents[1]
-TRIALS = 12  # (each ~4 s: two interpreters start)
+TRIALS = 20  # (each ~3 s: two interpreters start)
 
 
 def gone(pid: int) -> bool:
