@@ -164,6 +164,16 @@ class AtomMeta:
             return tuple(1 for _ in self.shape)
         return tuple(c // i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
 
+    @functools.cached_property
+    def single_chunk(self) -> bool:
+        """One chunk object holds the whole array (its grid is all ones)."""
+        return all(n == 1 for n in self.grid)
+
+    @functools.cached_property
+    def chunk_slices(self) -> tuple[tuple[tuple[int, ...], tuple[slice, ...]], ...]:
+        """Every chunk object's index and the slices of the array it holds, in C order."""
+        return tuple((i, tuple(slice(a, b) for a, b in self.chunk_box(i))) for i in chunk_indices(self.grid))
+
     def to_manifest(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype, "chunk_shape": list(self.chunk_shape)}
         if self.inner_chunk_shape is not None:
