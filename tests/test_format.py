@@ -94,6 +94,19 @@ def test_chunks_follow_policy_and_sharded_atoms_hold_inner_chunks(tmp_path):
     assert torch.equal(ucp.load(str(tmp_path))["w"], t)
 
 
+def test_each_save_describes_its_atoms_by_its_own_chunking_policy(tmp_path):
+    """Atom descriptions are cached across saves of the same tensors (ucp.checkpoint._described): a save with
+    another chunking policy still gets its own description."""
+    state = {"model": {"w": torch.randn(256, 128)}}
+    ucp.save(state, str(tmp_path), step=1)
+    ucp.save(state, str(tmp_path), step=2, options=SMALL_CHUNKS)
+    ucp.save(state, str(tmp_path), step=3)
+    chunks = {step: ucp.open_checkpoint(str(tmp_path), step).atoms["model/w"].chunk_shape for step in (1, 2, 3)}
+    assert chunks[1] == chunks[3] == (256, 128) and chunks[2] != chunks[1]
+    for step in (1, 2, 3):
+        assert torch.equal(ucp.load(str(tmp_path), step=step)["model"]["w"], state["model"]["w"])
+
+
 def test_shards_whose_inner_chunks_are_stored_in_another_order_still_read(tmp_path):
     """The sharding codec lets a writer place inner chunks anywhere its index says; ucp reads its own dense layout
     in one request, and must notice another layout by the index and read by it."""
