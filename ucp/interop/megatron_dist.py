@@ -481,12 +481,13 @@ def _read_dp_reshardable(
                                 moves.append((_local(common, piece), _local(common, at)))
                     if not moves:
                         continue  # (a tied copy: the first stage's embedding holds its state)
+                    # (every piece of p lies in the same tp1 parameter q: the same Megatron tensor at TP 1)
                     for stored, name in STATE_OF.items():
                         key = f"{bucket[slot.bucket]}.{stored}"
                         flat = FlatPart(key, slot.bucket_offset, p.shape, tuple(moves))
                         parts.setdefault((q.chunk_key, q.name), {}).setdefault(name, []).append(flat)
     state: LocalOptimState = {}
-    for q in {(q.chunk_key, q.name): q for held in owner.values() for q, _ in held}.values():
+    for q in {(q.chunk_key, q.name): q for places in owner.values() for q, _ in places}.values():
         for name in STATE_OF.values():
             found = parts.get((q.chunk_key, q.name), {}).get(name, [])
             covered = sum(box_numel(target) for part in found for _, target in part.moves)
