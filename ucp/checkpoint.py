@@ -70,14 +70,19 @@ def plan_atoms(
     metas = []
     for path, t in tensors.items():
         extra = (attributes or {}).get(path)
-        if extra:
-            name = dtypes.zarr_name(t.dtype)
-            chunk_shape, inner = choose_chunks(tuple(t.shape), t.element_size(), policy)
-            attrs = {"role": default_role(path), **dict(extra)}
-            metas.append(checked(AtomMeta(path, tuple(t.shape), name, chunk_shape, inner, attrs)))
-        else:
-            metas.append(_described(path, tuple(t.shape), t.dtype, policy))
+        shape = tuple(t.shape)
+        metas.append(
+            _describe(path, shape, t.dtype, policy, extra) if extra else _described(path, shape, t.dtype, policy)
+        )
     return metas
+
+
+def _describe(
+    path: str, shape: tuple[int, ...], dtype: torch.dtype, policy: ChunkingPolicy, extra: Mapping[str, Any]
+) -> AtomMeta:
+    chunk_shape, inner = choose_chunks(shape, dtype.itemsize, policy)
+    attrs = {"role": default_role(path), **dict(extra)}
+    return checked(AtomMeta(path, shape, dtypes.zarr_name(dtype), chunk_shape, inner, attrs))
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -85,8 +90,7 @@ def _described(path: str, shape: tuple[int, ...], dtype: torch.dtype, policy: Ch
     """An atom with only its role for attributes, described once per process: a job saves the same atoms every
     time, and describing and checking 20,000 small ones took ~0.4 s of each save's blocking time. (AtomMeta is
     frozen and nothing changes its attributes after planning, so one object serves every save.)"""
-    chunk_shape, inner = choose_chunks(shape, dtype.itemsize, policy)
-    return checked(AtomMeta(path, shape, dtypes.zarr_name(dtype), chunk_shape, inner, {"role": default_role(path)}))
+    return _describe(path, shape, dtype, policy, {})
 
 
 def checked(meta: AtomMeta) -> AtomMeta:

@@ -215,6 +215,20 @@ def parse_megatron_layout(text: str) -> Layout:
     return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
 
 
+def args_layout(args: Any) -> Layout:
+    """The layout a Megatron checkpoint was saved in, from its args (one file per TP, PP and EP rank: DP = EP)."""
+    tp, pp, vpp, ep = (
+        _arg(args, k, 1)
+        for k in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+        )
+    )
+    return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
+
+
 def megatron_name(layout: Layout) -> str:
     return (
         f"tp{layout.tp}pp{layout.pp}"
@@ -619,11 +633,7 @@ def iteration_dir(root: Path, iteration: int | None) -> tuple[int, Path]:
 
 
 def _guess_layout(names: set[str], args: Any) -> str:
-    tp, pp, ep = (
-        _arg(args, k, 1)
-        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
-    )
-    return f"args say tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "") + f"; {len(names)} rank directories"
+    return f"args say {megatron_name(args_layout(args))}; {len(names)} rank directories"
 
 
 def open_megatron(
@@ -652,21 +662,9 @@ def open_megatron(
         raise InteropError(f"missing rank file {probe}")
     first, first_reader = open_rank_file(probe)
     args = first.get("args")
-    saved = tuple(
-        _arg(args, k, 1)
-        for k in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "expert_model_parallel_size",
-            "virtual_pipeline_model_parallel_size",
-        )
-    )
-    if args is not None and saved != (want.tp, want.pp, want.ep, want.vpp):
+    if args is not None and args_layout(args) != want:
         raise SourceMismatchError(
-            f"--from {asked} does not match {root}: its args say "
-            f"tp{saved[0]}pp{saved[1]}"
-            + (f"vpp{saved[3]}" if saved[3] > 1 else "")
-            + (f"ep{saved[2]}" if saved[2] > 1 else "")
+            f"--from {asked} does not match {root}: its args say {megatron_name(args_layout(args))}"
         )
     stray = sorted(present - set(expected))
     if stray:

@@ -398,26 +398,21 @@ def _read_fully_reshardable(
 
 
 def _saved_layout(args: Any, where: Path) -> Layout:
-    """The layout a torch_dist checkpoint was saved in, from its args (one rank per TP, PP and EP rank: DP = EP)."""
-    from ucp.interop.megatron import _arg
+    """The layout a torch_dist checkpoint was saved in (megatron.args_layout), of a job whose experts have the dense
+    layers' TP and that has no context parallelism: the dp_reshardable buckets of any other are not mapped."""
+    from ucp.interop.megatron import _arg, args_layout
 
-    tp, pp, ep, vpp, cp = (
-        _arg(args, k) or 1
-        for k in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "expert_model_parallel_size",
-            "virtual_pipeline_model_parallel_size",
-            "context_parallel_size",
-        )
-    )
-    etp = _arg(args, "expert_tensor_parallel_size") or tp  # (unset: the dense layers' TP, as megatron-core takes it)
-    if etp != tp or cp != 1:
+    saved = args_layout(args)
+    etp = _arg(
+        args, "expert_tensor_parallel_size", saved.tp
+    )  # (unset: the dense layers' TP, as megatron-core takes it)
+    cp = _arg(args, "context_parallel_size", 1)
+    if etp != saved.tp or cp != 1:
         raise InteropError(
             f"{where}: saved with expert TP {etp} and context parallelism {cp}; ucp reads the {DP_RESHARDABLE} "
             f"optimizer of jobs whose experts have the dense layers' TP and no context parallelism"
         )
-    return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
+    return saved
 
 
 def _read_dp_reshardable(
@@ -437,6 +432,7 @@ def _read_dp_reshardable(
     saved = _saved_layout(args, iter_dir / COMMON)
     bucket_size = bucket_size_of(args)
     entries = tensors.metadata.state_dict_metadata
+    buckets = _bucket_index(entries)
     view = Layout()
     # each atom's places in the tp1pp1 view's parameters (a fused QKV holds each atom in a piece per query group)
     owner: dict[str, list[tuple[LocalParam, Piece]]] = {}
@@ -468,7 +464,8 @@ def _read_dp_reshardable(
             groups.update({identifier(g): dict(g) for g in saved_groups})
             scaler = tensors.obj(f"{base}.grad_scaler/shard_0_1") or scaler
             for g, buffer in enumerate(buffers):
-                bucket = _bucket_keys(iter_dir, entries, f"{base}.gbuf_idx_{g}", buffer.bucket_numels)
+                prefix = f"{base}.gbuf_idx_{g}"
+                bucket = _bucket_keys(iter_dir, entries, prefix, buckets.get(prefix, {}), buffer.bucket_numels)
                 for slot in buffer.slots:
                     p = slot.param
                     if p.tp_replicated and c.tp != 0:
@@ -506,16 +503,28 @@ def _local(atom_box: Box, piece: Piece) -> Box:
     return translate(relative(atom_box, piece.atom_box), tuple(lo for lo, _ in piece.box))
 
 
-def _bucket_keys(iter_dir: Path, entries: dict[str, Any], prefix: str, numels: tuple[int, ...]) -> list[str]:
-    """Each bucket's key prefix (`<prefix>.dtype_<(param, grad)>.bucket_idx_<B>`) of one grad buffer, checked:
-    exactly the buckets the rebuilt layout has, of its sizes, each state an fp32 tensor."""
-    found: dict[int, str] = {}
+_BUCKET = re.compile(r"(.+\.gbuf_idx_\d+)\.(dtype_.+)\.bucket_idx_(\d+)\.param")
+
+
+def _bucket_index(entries: dict[str, Any]) -> dict[str, dict[int, str]]:
+    """Every dp_reshardable bucket of the metadata, by its grad buffer's key prefix
+    (`....dp_group_idx_<I>.gbuf_idx_<G>`): bucket index -> the bucket's key prefix (without the state)."""
+    index: dict[str, dict[int, str]] = {}
     for key in entries:
-        m = re.fullmatch(re.escape(prefix) + r"\.(dtype_.+)\.bucket_idx_(\d+)\.param", key)
-        if m is None:
-            continue
-        b = int(m.group(2))
-        found[b] = f"{prefix}.{m.group(1)}.bucket_idx_{b}"
+        m = _BUCKET.fullmatch(key)
+        if m is not None:
+            index.setdefault(m.group(1), {})[int(m.group(3))] = key.removesuffix(".param")
+    return index
+
+
+def _bucket_keys(
+    iter_dir: Path, entries: dict[str, Any], prefix: str, found: dict[int, str], numels: tuple[int, ...]
+) -> list[str]:
+    """Each bucket's key prefix (`<prefix>.dtype_<(param, grad)>.bucket_idx_<B>`) of one grad buffer (`found`: its
+    entry of `_bucket_index`), checked: exactly the buckets the rebuilt layout has, of its sizes, each state an
+    fp32 tensor."""
+    for b in sorted(found):
+        key = f"{found[b]}.param"
         if b >= len(numels):
             raise InteropError(f"{iter_dir}: {key} is of bucket {b}, past the {len(numels)} this layout's buffer has")
         for stored in STATE_OF:
