@@ -5,6 +5,7 @@
                                                                  (UCP_DISTOPT_SAVE="TP,PP,EP": another layout)
     python tests/megatron_distopt_worker.py save_dist CKPT OUT   the same, saved in the torch_dist format
     python tests/megatron_distopt_worker.py load CKPT OUT        2 ranks: tp1pp1 (DP 2), torch format
+    python tests/megatron_distopt_worker.py load_dist CKPT OUT   torch_dist, in UCP_DISTOPT_LOAD="1,PP,EP"
 
 `save` takes one step of Megatron's distributed optimizer (DDP with overlapped grad reduction in small buckets, so
 the first stage's buffer has several) and saves the Megatron-LM torch-format checkpoint as Megatron-LM does with
@@ -47,6 +48,8 @@ from tests.megatron_worker import (
 BUCKET = None if os.environ.get("UCP_DISTOPT_BUCKET") == "none" else 2000
 # the saved layout (with 4 ranks by default: DP 2, expert DP 1)
 TP, PP, EP = (int(x) for x in os.environ.get("UCP_DISTOPT_SAVE", "1,2,2").split(","))
+# load_dist's layout (TP 1: each rank's pieces are of whole parameters, which the test assembles)
+LOAD_TP, LOAD_PP, LOAD_EP = (int(x) for x in os.environ.get("UCP_DISTOPT_LOAD", "1,1,1").split(","))
 # UCP_DISTOPT_TIED=1: the output layer shares the embedding's weight; across pipeline stages megatron-core keeps a copy
 # on the last stage and gives both a grad buffer bucket of their own
 TIED = os.environ.get("UCP_DISTOPT_TIED") == "1"
@@ -232,12 +235,51 @@ def load(rank: int, ckpt: str, out: str) -> None:
     torch.save(result, f"{out}.{rank}")
 
 
+def _fresh_state(t: Trainable) -> None:
+    """Without Apex or Transformer Engine, megatron-core's DistributedOptimizer.state_dict() reads Adam's step
+    from every parameter's state, which torch's Adam makes only at its first step, so a fresh optimizer cannot
+    make its sharded state dict for loading (TE's FusedAdam, as Megatron-LM runs on GPUs, keeps the step in the
+    param groups). Give it the state a step-0 optimizer has (megatron-core's own init_state_fn, and step 0)."""
+    for o in t.optimizer.chained_optimizers:
+        o.init_state_fn(o.optimizer, o.config)
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                o.optimizer.state[p]["step"] = torch.tensor(0.0)
+
+
+def load_dist(rank: int, ckpt: str, out: str) -> None:
+    """A torch_dist checkpoint loaded as Megatron-LM loads one: the sharded state dicts made with the checkpoint's
+    content_metadata, `dist_checkpointing.load`, then the model's and the optimizer's `load_state_dict`."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    _keep_step_on_load()
+    model = build_model(tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP, bf16=True, tied=TIED)
+    t = Trainable(model, bf16=True, distributed=True, bucket_size=BUCKET)
+    iter_dir = os.path.join(ckpt, f"iter_{ITERATION:07d}")
+    _fresh_state(t)
+    metadata = dist_checkpointing.load_content_metadata(iter_dir)
+    model_state = model.sharded_state_dict(metadata=metadata)
+    optimizer_state = t.optimizer.sharded_state_dict(model_state, is_loading=True, metadata=metadata)
+    state = dist_checkpointing.load({"model": model_state, "optimizer": optimizer_state}, iter_dir)
+    model.load_state_dict(state["model"], strict=True)
+    t.optimizer.load_state_dict(state["optimizer"])
+    pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    result = shards(t, pp_rank, ep_rank, LOAD_PP, LOAD_EP)
+    result["__lr__"] = [g["lr"] for g in t.optimizer.param_groups]
+    result["__optimizers__"] = len(t.optimizer.chained_optimizers)
+    torch.save(result, f"{out}.{rank}")
+
+
 if __name__ == "__main__":
     mode, ckpt, out = sys.argv[1:4]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if mode in ("save", "save_dist"):
         setup(rank, world, tp=TP, pp=PP, ep=EP)
         save(rank, ckpt, out, torch_dist=mode == "save_dist")
+    elif mode == "load_dist":
+        setup(rank, world, tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP)
+        load_dist(rank, ckpt, out)
     else:
         setup(rank, world)
         load(rank, ckpt, out)

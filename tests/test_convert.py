@@ -348,6 +348,13 @@ def test_cli_convert(megatron_tp2, tmp_path, capsys):
     assert ucp_cli.main(["convert", str(megatron_tp2), str(tmp_path / "x"), "--from", "tp2pp2", "--to", "tp1"]) == 1
     assert "args say tp2pp1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+    # --target-ep says which job loads a torch_dist target; a layout names its own EP
+    for to, ep in (("tp1", "2"), ("torch_dist", "0")):
+        argv = ["convert", str(megatron_tp2), str(tmp_path / "x"), "--from", "tp2", "--to", to, "--target-ep", ep]
+        assert ucp_cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert f"--target-ep {ep}" in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "x").exists()
 
 
 def test_torch_file_save_loads_like_torch_save(tmp_path):

@@ -290,3 +290,45 @@ def damaged_dp_reshardable_is_refused(src: Path, tmp: Path) -> None:
     refused(resize, re.escape(f"{bucket}.bucket_idx_{n}.exp_avg is a tensor of [4096] float32"))
     refused(drop_bucket, re.escape(f"{group}.gbuf_idx_0 has buckets {list(range(n))}, but megatron-core's buffer"))
     refused(drop_groups, re.escape(f"no param groups in {group}.optimizer"))
+
+
+# a job that loads a torch_dist checkpoint ucp wrote: its (TP, PP, EP) and process count (TP 1: the test assembles
+# whole parameters from the ranks' pieces)
+TORCH_DIST_LOADS = {"1,1,2": 2, "1,2,1": 2, "1,2,2": 4, "1,1,1": 2}
+
+
+@pytest.mark.parametrize("load_in", DRAW.sample(sorted(TORCH_DIST_LOADS), 2))
+def test_the_distributed_optimizer_written_into_torch_dist_loads_in_megatron(distopt, tmp_path, load_in):
+    """ucp writes the torch-format source's distributed optimizer into torch_dist (fully_reshardable, its entry
+    made for the loading job's EP); megatron-core in another layout loads it as Megatron-LM does (sharded state
+    dicts from the checkpoint's content_metadata, then load_state_dict): every parameter's master weight and
+    moments are bitwise the saved ones, under the saved learning rates. Through ucp's format: the same tensors."""
+    src, saved = distopt
+    ep = int(load_in.split(",")[2])
+    dist = tmp_path / "dist"
+    report = convert(str(src), str(dist), from_layout=SOURCE, to_layout="torch_dist", target_ep=ep)
+    assert report.dropped == ()
+    processes = TORCH_DIST_LOADS[load_in]
+    spawn(
+        ["tests/megatron_distopt_worker.py", "load_dist", str(dist), str(tmp_path / "loaded")],
+        processes,
+        300,
+        {**ENV, "UCP_DISTOPT_LOAD": load_in},
+    )
+    loaded = assemble(tmp_path / "loaded", processes)
+    assert set(loaded) == set(saved)
+    for name, states in saved.items():
+        for k, t in states.items():
+            assert torch.equal(loaded[name][k], t), (name, k)
+    info = torch.load(f"{tmp_path / 'loaded'}.0", weights_only=True)
+    assert info["__optimizers__"] == (2 if ep > 1 else 1)  # (a dense and an expert optimizer only with EP > 1)
+    entry = load_rank_file(src / ITER / "mp_rank_00_000_000" / RANK_FILE)["optimizer"]
+    saved_lr = {
+        g["lr"] for e in (entry if isinstance(entry, list) else [entry]) for g in e["optimizer"]["param_groups"]
+    }
+    assert set(info["__lr__"]) == saved_lr  # (the param groups' hyperparameters are the saved ones)
+    # through ucp's format: the same tensors in the same file
+    convert(str(src), str(tmp_path / "u"), from_layout=SOURCE, to_layout="universal")
+    convert(str(tmp_path / "u"), str(tmp_path / "via_u"), from_layout="universal", to_layout="torch_dist", target_ep=ep)
+    data = f"{ITER}/__0_0.distcp"
+    assert (tmp_path / "via_u" / data).read_bytes() == (dist / data).read_bytes()

@@ -72,6 +72,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         step=args.step,
         iteration=args.iteration,
         vocab_size=args.vocab_size,
+        target_ep=args.target_ep,
         **_streaming_kwargs(args),
     )
     print(
@@ -168,6 +169,14 @@ def register(subparsers: Any) -> None:
         type=int,
         default=None,
         help="true vocabulary size, when the Megatron args only know the padded one",
+    )
+    p.add_argument(
+        "--target-ep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --to torch_dist: the expert-parallel size of the job that will load it, whose distributed "
+        "optimizer entry differs with EP > 1 (a dense and an expert optimizer) (default: as the source was saved)",
     )
     p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
     p.add_argument("--step", type=int, default=None, help="ucp step to write or read (default: the iteration / latest)")

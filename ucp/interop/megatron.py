@@ -838,11 +838,14 @@ class _TargetFiles:
     optimizer: OptimizerMeta | None = None
     scheduler: Any = None  # opt_param_scheduler: global, the same in every file
     rng: dict[str, Any] | None = None  # rank directory -> rng_state: only when the layout is the source's own
-    format: str = "torch"  # or "torch_dist" (megatron_dist.TORCH_DIST: layout tp1pp1, no optimizer)
+    format: str = "torch"  # or "torch_dist" (megatron_dist.TORCH_DIST: layout tp1pp1)
+    expert_parallel: bool = False  # torch_dist: the optimizer entry is for a job with EP > 1 (megatron_dist)
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and self.optimizer.distributed is not None:
             mark_distributed(self.args, self.optimizer.distributed)
+            if self.format == TORCH_DIST:
+                self.args.dist_ckpt_optim_fully_reshardable = True
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -1078,16 +1081,23 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
     vocab_size: int | None = None,
+    target_ep: int | None = None,
 ) -> ConvertReport:
     """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
     or from (`from_layout="universal"`) a ucp checkpoint; "torch_dist" on either side is Megatron's
     dist_checkpointing format (ucp.interop.megatron_dist), which needs no layout. Carried: model weights, the
-    non-distributed optimizer's state (torch format only), opt_param_scheduler and the iteration; rng_state only
-    into the source's own layout. What is not carried is listed in `dropped`."""
+    optimizer's state (into torch_dist: a distributed optimizer's, made for a loading job of expert parallelism
+    `target_ep`, by default the source's), opt_param_scheduler and the iteration; rng_state only into the source's
+    own layout. What is not carried is listed in `dropped`."""
     if from_layout == to_layout and from_layout in (UNIVERSAL, TORCH_DIST):
         raise UcpError(f"--from {from_layout} --to {to_layout}: nothing to convert (it loads in any layout as it is)")
+    if target_ep is not None and (to_layout != TORCH_DIST or target_ep < 1):
+        raise UcpError(
+            f"--target-ep {target_ep}: it says which job loads a --to torch_dist checkpoint (an EP of 1 or more); "
+            f"--to {to_layout} " + ("names its own layout" if to_layout != TORCH_DIST else "needs a positive EP")
+        )
     if from_layout == UNIVERSAL:
-        return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress)
+        return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress, target_ep)
     if from_layout == TORCH_DIST:
         source = open_torch_dist(src, iteration=iteration, vocab_size=vocab_size)
     else:
@@ -1096,7 +1106,7 @@ def convert(
         return _to_universal(
             source, dst, source.iteration if step is None else step, storage_options, memory_budget, workers, progress
         )
-    return _reshard(source, dst, to_layout, memory_budget, workers, progress)
+    return _reshard(source, dst, to_layout, memory_budget, workers, progress, target_ep)
 
 
 def _target_layout(to_layout: str) -> tuple[Layout, str]:
@@ -1107,8 +1117,25 @@ def _target_layout(to_layout: str) -> tuple[Layout, str]:
     return parse_megatron_layout(to_layout), "torch"
 
 
+def _target_optimizer(meta: OptimizerMeta | None, fmt: str, target_ep: int | None) -> tuple[OptimizerMeta | None, bool]:
+    """(the optimizer a target of format `fmt` gets, whether its torch_dist entry is for a job with EP > 1).
+    torch_dist holds a distributed optimizer's state only (another kind of optimizer keeps its own form there,
+    which ucp does not write); its entry is for a job like the source (expert param groups of their own: EP > 1)
+    unless `target_ep` says otherwise."""
+    if meta is None or (fmt == TORCH_DIST and meta.distributed is None):
+        return None, False
+    expert_parallel = target_ep > 1 if target_ep is not None else any(key[2] for key in meta.groups)
+    return meta, expert_parallel
+
+
 def _reshard(
-    source: MegatronSource, dst: str, to_layout: str, memory_budget: int, workers: int, progress: bool
+    source: MegatronSource,
+    dst: str,
+    to_layout: str,
+    memory_budget: int,
+    workers: int,
+    progress: bool,
+    target_ep: int | None = None,
 ) -> ConvertReport:
     """Megatron -> Megatron: each target tensor (parameter or optimizer state) filled from the source regions."""
     layout, fmt = _target_layout(to_layout)
@@ -1121,8 +1148,10 @@ def _reshard(
     rng = {name: source.files[r]["rng_state"] for name, r in rank_files(layout).items()} if has_rng and same else None
     args = args_for(source.config, layout, base=source.args)
     args.ckpt_format = fmt
-    optimizer = source.optimizer if fmt == "torch" else None  # (torch_dist: the distributed optimizer's, not written)
-    target = _TargetFiles(source.config, layout, args, source.iteration, optimizer, source.scheduler, rng, fmt)
+    optimizer, expert_parallel = _target_optimizer(source.optimizer, fmt, target_ep)
+    target = _TargetFiles(
+        source.config, layout, args, source.iteration, optimizer, source.scheduler, rng, fmt, expert_parallel
+    )
     files, written = _write_megatron(
         dst,
         target,
@@ -1148,6 +1177,7 @@ def _from_universal(
     memory_budget: int,
     workers: int,
     progress: bool,
+    target_ep: int | None = None,
 ) -> ConvertReport:
     """ucp -> Megatron: each target rank's local state read straight from the atoms. The optimizer entry is
     written when the checkpoint came from Megatron with one (its `megatron_optimizer` says how to build it);
@@ -1183,14 +1213,16 @@ def _from_universal(
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
     args = args_for(config, layout, hf=hf if isinstance(hf, dict) else None)
     args.ckpt_format = fmt
+    optimizer, expert_parallel = _target_optimizer(meta, fmt, target_ep)
     target = _TargetFiles(
         config,
         layout,
         args,
         reader.step,
-        meta if fmt == "torch" else None,
+        optimizer,
         extra.get("opt_param_scheduler"),
         format=fmt,
+        expert_parallel=expert_parallel,
     )
     atom_meta = _atom_metas(reader, config, layout, target.states)
     of_state = {state: dtypes.torch_dtype(meta.dtype) for (_, state), meta in reversed(atom_meta.items())}

@@ -23,7 +23,8 @@ Nothing here unpickles without an allowlist: `.metadata` goes through ucp.intero
 state is read in both forms megatron-core 0.16 saves: `fully_reshardable` (model space: each state a global tensor
 keyed and sharded like its parameter) and `dp_reshardable` (Megatron-LM's default: each model-parallel rank's grad
 buffer buckets as flat tensors, placed by megatron-core's buffer layout rebuilt from the saving layout). Other,
-deprecated forms are not carried, nor are the RNG states (named in the report's `dropped`).
+deprecated forms are not carried, nor are the RNG states (named in the report's `dropped`). Written, a distributed
+optimizer takes the `fully_reshardable` form (`write_torch_dist`, `optimizer_entry`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from ucp.families import DeepseekV3Config
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF
-from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, identifier
+from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, identifier, model_param_groups
 from ucp.interop.torch_file import TorchFile
 from ucp.layout import Layout
 from ucp.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
@@ -619,6 +620,25 @@ def _prepended(config: Any, index: tuple[int, ...], per_layer: bool = False) -> 
     return axes[: len(index)]
 
 
+def optimizer_entry(meta: OptimizerMeta, config: Any, expert_parallel: bool) -> dict[Any, Any]:
+    """common.pt's "optimizer" of a distributed optimizer saved `fully_reshardable`: per Megatron optimizer its
+    param groups (without params) and grad scaler. A job with expert parallelism chains a dense and an expert
+    optimizer (kept under their indices), one without has one: megatron-core's ChainedOptimizer loads only the
+    count it has, so this entry is made for the loading job's `expert_parallel`. Each optimizer lists the groups
+    of the whole model; each loading rank takes those it has (DistributedOptimizer.load_state_dict matches them
+    by their identifier)."""
+    entries: list[dict[str, Any]] = []
+    for groups in model_param_groups(config, expert_parallel):
+        entry: dict[str, Any] = {
+            "optimizer": {"param_groups": [meta.group(key) for key, _ in groups]},
+            "param_state_sharding_type": FULLY_RESHARDABLE,
+        }
+        if meta.grad_scaler is not None:
+            entry["grad_scaler"] = meta.grad_scaler
+        entries.append(entry)
+    return entries[0] if len(entries) == 1 else dict(enumerate(entries))
+
+
 def write_torch_dist(
     dst: str | Path,
     target: Any,  # megatron._TargetFiles of layout tp1pp1
@@ -628,14 +648,18 @@ def write_torch_dist(
 ) -> tuple[int, int]:
     """A torch_dist checkpoint at DST (which appears only when whole): one chunk per tp1 tensor (a layer, an expert
     of a layer, or a whole tensor), each produced and written in turn, so memory holds one at a time. Megatron
-    loads it in any layout (its reader reshards). Returns (files, bytes of tensors written)."""
+    loads it in any layout (its reader reshards). A distributed optimizer's state is written in megatron-core's
+    `fully_reshardable` form (each state a global tensor keyed `optimizer.state.{param,exp_avg,exp_avg_sq}.<the
+    parameter's key>` and sharded like it; no ChainedOptimizer prefix, as content_metadata says), its param groups
+    by `optimizer_entry`. Returns (files, bytes of tensors written)."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     from tqdm import tqdm
 
     from ucp.interop.megatron import CHECKPOINT_VERSION, EXTRA_STATE_OWNERS, TRACKER
     from ucp.interop.staging import staged_dir
 
-    plan = local_plan(target.config, Layout(), 0, ())
+    plan = local_plan(target.config, Layout(), 0, target.states)
+    stored_as = {state: stored for stored, state in STATE_OF.items()}  # ucp state -> fully_reshardable key
     written = 0
     with staged_dir(dst) as tmp:
         iter_dir = tmp / f"iter_{target.iteration:07d}"
@@ -647,10 +671,16 @@ def write_torch_dist(
             data = _DataFile(f)
             per_layer = per_layer_keys(target.config)
             for lt in plan:
-                where = dist_name(lt.key[1], per_layer)
+                name = lt.key[1] if lt.state is None else lt.key[3]  # (an optimizer state: its parameter's name)
+                where = dist_name(name, per_layer)
                 t = produce(0, lt).to(dtype_of(lt))
                 lead = _prepended(target.config, where.index, per_layer)
-                for key in where.keys:
+                keys = (
+                    where.keys
+                    if lt.state is None
+                    else [f"optimizer.state.{stored_as[lt.state]}.{k}" for k in where.keys]
+                )
+                for key in keys:
                     data.tensor(
                         key,
                         lead + tuple(t.shape),
@@ -659,7 +689,7 @@ def write_torch_dist(
                     )
                 written += t.numel() * t.element_size()
                 owner = where.keys[0].removesuffix(".weight")
-                if lt.key[1].endswith(".weight") and owner.endswith(EXTRA_STATE_OWNERS):
+                if lt.state is None and name.endswith(".weight") and owner.endswith(EXTRA_STATE_OWNERS):
                     # megatron-core's ShardedObject for the layer's extra state (None without Transformer Engine)
                     shard = (where.index, lead) if where.index else ((0,), (1,))
                     data.obj(
@@ -679,6 +709,15 @@ def write_torch_dist(
         }
         if target.scheduler is not None:
             common["opt_param_scheduler"] = target.scheduler
+        # how the sharded state dict was made, which Megatron-LM's loader reads back to make its own the same way
+        content: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        if target.optimizer is not None:
+            common["optimizer"] = optimizer_entry(target.optimizer, target.config, target.expert_parallel)
+            content |= {
+                "distrib_optim_sharding_type": FULLY_RESHARDABLE,
+                "distrib_optim_fully_reshardable_mem_efficient": False,
+            }
+        common["content_metadata"] = content
         torch.save(common, iter_dir / COMMON)
         (iter_dir / METADATA_JSON).write_text(json.dumps(BACKEND))
         (tmp / TRACKER).write_text(f"{target.iteration}\n")  # last: Megatron finds the iteration only once it is whole

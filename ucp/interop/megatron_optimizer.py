@@ -93,17 +93,31 @@ def registration_key(p: LocalParam) -> tuple[int, ...]:
 
 def group_key(p: LocalParam, layout: Layout) -> GroupKey:
     """Megatron's identifier of the param group `p` falls in with the standard config overrides."""
-    expert = p.zero_group == "expert" and layout.ep > 1  # expert parameters are not all-reduced only under EP
+    return _group_key(p, layout.ep > 1)
+
+
+def _group_key(p: LocalParam, expert_parallel: bool) -> GroupKey:
+    expert = p.zero_group == "expert" and expert_parallel  # expert parameters are not all-reduced only under EP
     return (0.0 if len(p.shape) == 1 else 1.0, 1.0, expert, False)
 
 
 def param_groups(config: Any, layout: Layout, rank: int) -> list[Groups]:
     """Per Megatron optimizer (dense, then expert when EP > 1), its param groups in Megatron's order."""
+    return _grouped(local_params(config, layout, layout.coords(rank)), layout.ep > 1)
+
+
+def model_param_groups(config: Any, expert_parallel: bool) -> list[Groups]:
+    """The param groups of the whole model, per optimizer of a job with (EP > 1) or without expert parallelism:
+    what a torch_dist checkpoint's optimizer entry lists (each loading rank takes the groups it has)."""
+    return _grouped(local_params(config, Layout(), Layout().coords(0)), expert_parallel)
+
+
+def _grouped(params: list[LocalParam], expert_parallel: bool) -> list[Groups]:
     optimizers: dict[bool, dict[GroupKey, list[LocalParam]]] = {False: {}, True: {}}
-    for p in sorted(local_params(config, layout, layout.coords(rank)), key=registration_key):
+    for p in sorted(params, key=registration_key):
         if not p.parameter:
             continue  # (a buffer, e.g. the router's expert bias: no gradient, no optimizer state)
-        key = group_key(p, layout)
+        key = _group_key(p, expert_parallel)
         optimizers[key[2]].setdefault(key, []).append(p)
     # _get_param_groups sorts groups without overrides (wd_mult 1) before the overridden ones (wd_mult 0)
     return [sorted(groups.items(), key=lambda kv: -kv[0][0]) for groups in optimizers.values() if groups]
