@@ -37,8 +37,25 @@ if "UCP_MEGATRON_SHAPE" in os.environ:  # "hidden,ffn,layers,experts,heads,kv": 
 ITERATION = 10
 
 
+def _import_megatron_unfused() -> None:
+    """Import megatron-core with its fusions as plain functions. It decorates them with torch.compile as its
+    modules are imported (torch._dynamo and inductor: about 2.5 s of CPU in every worker process) and would compile
+    them with inductor on first use; these workers compare values, which the plain functions compute.
+    megatron-core's own `disable_jit_fuser` covers the modules imported after the package."""
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = lambda fn=None, *args, **kwargs: fn if fn is not None else (lambda f: f)  # type: ignore[assignment]
+    try:
+        import megatron.core.jit
+    finally:
+        torch.compile = compile_
+    megatron.core.jit.disable_jit_fuser()
+
+
 def setup(rank: int, world: int, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
     warnings.filterwarnings("ignore")
+    _import_megatron_unfused()
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None  # (dist_checkpointing calls it)
     dist.init_process_group("gloo", rank=rank, world_size=world)
