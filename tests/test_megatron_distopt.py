@@ -223,7 +223,8 @@ def test_torch_dist_dp_reshardable_optimizer_converts_to_megatrons_own_files(tmp
     takes the same step twice in layout A (several buckets on the first stage; TP shards with values of their own)
     and saves it in the torch_dist format (dp_reshardable) and in the torch format (distrib_optim.pt). ucp converts
     the torch_dist checkpoint to A's torch format: every distrib_optim.pt and model is bitwise megatron-core's own.
-    To tp1, it gives the same files as the torch-format source (which megatron-core loads: the tests above)."""
+    To tp1, it gives the same files as the torch-format source (which megatron-core loads: the tests above); back to
+    torch_dist, megatron-core in ep2 loads the same state from it."""
     pytest.importorskip("megatron.core")
     env = {**ENV, "UCP_DISTOPT_SAVE": saved_in}
     layout = DP_RESHARDABLE_LAYOUTS[saved_in]
@@ -245,6 +246,22 @@ def test_torch_dist_dp_reshardable_optimizer_converts_to_megatrons_own_files(tmp
     convert(str(tmp_path / "dist"), str(tmp_path / "tp1_dist"), from_layout="torch_dist", to_layout="tp1")
     convert(str(tmp_path / "torch"), str(tmp_path / "tp1_torch"), from_layout=layout, to_layout="tp1")
     assert_bitwise_equal(files_of(tmp_path / "tp1_dist"), files_of(tmp_path / "tp1_torch"), "tp1")
+    # torch_dist in A -> (ucp) -> torch_dist, loaded by megatron-core in ep2 with dist_checkpointing.load: the same
+    # state as its load of the tp1 files above (an entry for EP 2 also where A had none: --target-ep)
+    convert(str(tmp_path / "dist"), str(tmp_path / "u"), from_layout="torch_dist", to_layout="universal")
+    convert(str(tmp_path / "u"), str(tmp_path / "redist"), from_layout="universal", to_layout="torch_dist", target_ep=2)
+    spawn([worker, "load", str(tmp_path / "tp1_dist"), str(tmp_path / "l1")], 2, 300, env)
+    spawn(
+        [worker, "load_dist", str(tmp_path / "redist"), str(tmp_path / "l2")],
+        2,
+        300,
+        {**env, "UCP_DISTOPT_LOAD": "1,1,2"},
+    )
+    via_files, via_dist = assemble(tmp_path / "l1", 2), assemble(tmp_path / "l2", 2)
+    assert set(via_files) == set(via_dist) and len(via_files) > 20
+    for name, states in via_files.items():
+        for k, t in states.items():
+            assert torch.equal(via_dist[name][k], t), (name, k)
     damaged_dp_reshardable_is_refused(tmp_path / "dist", tmp_path)
 
 
