@@ -6,8 +6,9 @@ on each node (docs/ELASTIC.md).
 Rendezvous is torchrun's c10d backend: the first agent to start hosts its store, so losing that node ends the
 job (an etcd rendezvous, `--rdzv-backend etcd-v2`, removes that single point of failure). Two settings matter:
 
-- `--rdzv-conf` below: a lost agent is dropped from the rendezvous after about two seconds without its keep-alive
-  (the default is fifteen), and a new round closes one second after the minimum of nodes has joined;
+- `--rdzv-conf` below: a lost agent is dropped from the rendezvous after five seconds without its keep-alive
+  (keep_alive_interval x keep_alive_max_attempt; torch's default is fifteen), and a new round closes one second
+  after the minimum of nodes has joined;
 - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the store shared between rendezvous and workers (torch >= 2.4's
   default), a node that joins a running job waits forever for the master address of a round whose rank 0 kept
   the previous round's (seen with torch 2.13: both agents time out after a minute). Not sharing it costs one
