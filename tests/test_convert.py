@@ -392,3 +392,26 @@ def test_torch_file_save_loads_like_torch_save(tmp_path):
     assert_bitwise_equal(lazy.read(lazy.obj["nested"][0]["ids"]), theirs["nested"][0]["ids"])
     with pytest.raises(ValueError, match="promised torch.float32"):
         torch_file.save({"bad": torch_file.Deferred((2,), torch.float32, lambda: torch.ones(3))}, tmp_path / "bad.pt")
+
+
+def test_export_and_import_megatron_dist_are_the_torch_dist_conversions(megatron_tp2, tmp_path, capsys):
+    """`ucp export --to megatron-dist` / `ucp import --from megatron-dist` write what `ucp convert` to and from
+    torch_dist writes: the same data file, and the same atoms back."""
+    u = str(tmp_path / "u")
+    assert ucp_cli.main(["export", u, "--to", "megatron-dist", str(tmp_path / "e"), "--no-progress"]) == 0
+    assert "as Megatron torch_dist" in capsys.readouterr().out
+    convert(u, str(tmp_path / "c"), from_layout="universal", to_layout="torch_dist")
+    data = "iter_0000003/__0_0.distcp"
+    assert (tmp_path / "e" / data).read_bytes() == (tmp_path / "c" / data).read_bytes()
+    argv = ["import", str(tmp_path / "e"), str(tmp_path / "back"), "--from", "megatron-dist", "--no-progress"]
+    assert ucp_cli.main(argv) == 0
+    assert "imported" in capsys.readouterr().out
+    before, after = ucp.open_checkpoint(u), ucp.open_checkpoint(str(tmp_path / "back"))
+    assert after.step == 3 and sorted(after.atoms) == sorted(before.atoms)
+    a, b = before.read_atoms(sorted(before.atoms)), after.read_atoms(sorted(before.atoms))
+    assert all(torch.equal(a[p], b[p]) for p in a)
+    # options that do not apply are one-line errors, and nothing is written
+    argv = ["export", u, "--to", "megatron-dist", str(tmp_path / "x"), "--dtype", "bf16"]
+    assert ucp_cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--dtype" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

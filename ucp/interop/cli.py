@@ -8,7 +8,8 @@
     ucp convert SRC DST --from tp2pp2 --to torch_dist  (and universal <-> torch_dist): torch_dist loads in any layout
     ucp export URL --to hf DIR [--dtype bf16]          ucp -> Hugging Face Mixtral (safetensors)
     ucp export URL --to dcp DIR                        ucp -> torch.distributed.checkpoint
-    ucp import DIR URL [--from hf|dcp]                 Hugging Face (or DCP) -> ucp
+    ucp export URL --to megatron-dist DIR              ucp -> Megatron torch_dist (as convert --to torch_dist)
+    ucp import DIR URL [--from hf|dcp|megatron-dist]   Hugging Face (or DCP, Megatron torch_dist) -> ucp
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import argparse
 from typing import Any
 
 from ucp.cli import add_storage_option, parse_storage_options
+from ucp.errors import UcpError
 from ucp.interop.streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS
+
+MEGATRON_DIST = "megatron-dist"  # Megatron-LM's torch_dist format, as export/import name it
 
 
 def _bytes(text: str) -> int:
@@ -85,6 +89,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.to == MEGATRON_DIST:
+        from ucp.interop.megatron import convert
+
+        if args.dtype is not None:
+            raise UcpError("--dtype: a Megatron torch_dist checkpoint is written in the stored dtypes")
+        converted = convert(
+            args.url,
+            args.dir,
+            from_layout="universal",
+            to_layout="torch_dist",
+            step=None if args.step == "latest" else args.step,
+            **_streaming_kwargs(args),
+        )
+        print(
+            f"wrote {converted.atoms} atoms ({converted.bytes_written / 2**20:.1f} MiB) as Megatron torch_dist to {args.dir}"
+        )
+        if converted.dropped:
+            print(f"not carried: {', '.join(converted.dropped)}")
+        return 0
     if args.to == "hf":
         from ucp.interop.hf import export_hf
 
@@ -118,6 +141,27 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    if args.from_ == MEGATRON_DIST:
+        from ucp.interop.megatron import convert
+
+        if args.dtype is not None or args.config is not None:
+            raise UcpError(
+                "--dtype and --config: a Megatron torch_dist checkpoint is imported as stored, with its args"
+            )
+        converted = convert(
+            args.src,
+            args.url,
+            from_layout="torch_dist",
+            to_layout="universal",
+            step=args.step,
+            **_streaming_kwargs(args),
+        )
+        print(f"imported {converted.atoms} atoms ({converted.bytes_written / 2**20:.1f} MiB) into {args.url}")
+        if converted.dropped:
+            print(f"not carried: {', '.join(converted.dropped)}")
+        return 0
+    if args.step is None:
+        args.step = 0
     if args.from_ == "hf":
         from ucp.interop.hf import import_hf
 
@@ -186,7 +230,13 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("export", help="write a ucp checkpoint in another framework's format")
     p.add_argument("url", help="ucp checkpoint root (local path, s3://...) or a step directory")
-    p.add_argument("--to", required=True, choices=("hf", "dcp"), help="hf: Hugging Face safetensors; dcp: torch DCP")
+    p.add_argument(
+        "--to",
+        required=True,
+        choices=("hf", "dcp", MEGATRON_DIST),
+        help="hf: Hugging Face safetensors; dcp: torch DCP; megatron-dist: Megatron-LM's torch_dist format "
+        "(as `ucp convert URL DIR --from universal --to torch_dist`)",
+    )
     p.add_argument("dir", help="output directory (must not exist, or be empty)")
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument("--step", type=_step, default="latest", help="step to export (default: latest)")
@@ -199,9 +249,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("src", help="Hugging Face directory (config.json + safetensors) or DCP directory")
     p.add_argument("url", help="ucp checkpoint root to write")
     p.add_argument(
-        "--from", dest="from_", choices=("hf", "dcp"), default="hf", metavar="FORMAT", help="hf or dcp (default hf)"
+        "--from",
+        dest="from_",
+        choices=("hf", "dcp", MEGATRON_DIST),
+        default="hf",
+        metavar="FORMAT",
+        help="hf, dcp or megatron-dist (Megatron-LM's torch_dist, as `ucp convert SRC URL --from torch_dist --to "
+        "universal`) (default hf)",
     )
-    p.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
+    p.add_argument(
+        "--step", type=int, default=None, help="step number to write (default 0; megatron-dist: the iteration)"
+    )
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument(
         "--config", default=None, help="DCP only: the model's Hugging Face config.json (default: SRC/config.json)"
