@@ -171,7 +171,10 @@ def send_rounds(
     pending = {peer: list(batches) or [[]] for peer, batches in sends.items()}
     expecting = set(receives)
     while pending or expecting:
-        out = {peer: _pack(batches.pop(0), bool(batches[1:])) for peer, batches in pending.items()}
+        out = {}
+        for peer, batches in pending.items():
+            batch = batches.pop(0)
+            out[peer] = _pack(batch, more=bool(batches))  # (what is left after this one)
         lengths = comm.exchange(
             {p: torch.tensor([t.numel()], dtype=torch.int64).view(torch.uint8) for p, t in out.items()},
             dict.fromkeys(expecting, 8),
