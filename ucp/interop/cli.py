@@ -65,6 +65,12 @@ def _streaming_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _print_dropped(report: Any) -> None:
+    """The line saying what a conversion (ucp.interop.megatron.ConvertReport) did not carry, if anything."""
+    if report.dropped:
+        print(f"not carried: {', '.join(report.dropped)}")
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from ucp.interop.megatron import convert
 
@@ -83,8 +89,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"converted {report.atoms} atoms from {args.from_} to {args.to}: {report.files} files, "
         f"{report.bytes_written / 2**20:.1f} MiB written (a tensor that several ranks hold is in each of their files)"
     )
-    if report.dropped:
-        print(f"not carried: {', '.join(report.dropped)}")
+    _print_dropped(report)
     return 0
 
 
@@ -105,8 +110,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(
             f"wrote {converted.atoms} atoms ({converted.bytes_written / 2**20:.1f} MiB) as Megatron torch_dist to {args.dir}"
         )
-        if converted.dropped:
-            print(f"not carried: {', '.join(converted.dropped)}")
+        _print_dropped(converted)
         return 0
     if args.to == "hf":
         from ucp.interop.hf import export_hf
@@ -157,18 +161,16 @@ def cmd_import(args: argparse.Namespace) -> int:
             **_streaming_kwargs(args),
         )
         print(f"imported {converted.atoms} atoms ({converted.bytes_written / 2**20:.1f} MiB) into {args.url}")
-        if converted.dropped:
-            print(f"not carried: {', '.join(converted.dropped)}")
+        _print_dropped(converted)
         return 0
-    if args.step is None:
-        args.step = 0
+    step = 0 if args.step is None else args.step
     if args.from_ == "hf":
         from ucp.interop.hf import import_hf
 
         report: Any = import_hf(
             args.src,
             args.url,
-            step=args.step,
+            step=step,
             dtype=args.dtype,
             **_streaming_kwargs(args),
         )
@@ -179,7 +181,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             args.src,
             args.url,
             config=args.config,
-            step=args.step,
+            step=step,
             dtype=args.dtype,
             **_streaming_kwargs(args),
         )

@@ -662,10 +662,9 @@ def open_megatron(
         raise InteropError(f"missing rank file {probe}")
     first, first_reader = open_rank_file(probe)
     args = first.get("args")
-    if args is not None and args_layout(args) != want:
-        raise SourceMismatchError(
-            f"--from {asked} does not match {root}: its args say {megatron_name(args_layout(args))}"
-        )
+    saved = args_layout(args) if args is not None else None
+    if saved is not None and saved != want:
+        raise SourceMismatchError(f"--from {asked} does not match {root}: its args say {megatron_name(saved)}")
     stray = sorted(present - set(expected))
     if stray:
         raise SourceMismatchError(

@@ -24,7 +24,7 @@ state is read in both forms megatron-core 0.16 saves: `fully_reshardable` (model
 keyed and sharded like its parameter) and `dp_reshardable` (Megatron-LM's default: each model-parallel rank's grad
 buffer buckets as flat tensors, placed by megatron-core's buffer layout rebuilt from the saving layout). Other,
 deprecated forms are not carried, nor are the RNG states (named in the report's `dropped`). Written, a distributed
-optimizer takes the `fully_reshardable` form (`write_torch_dist`, `optimizer_entry`).
+optimizer takes the `fully_reshardable` form (`write_torch_dist`, `common_optimizer_entry`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from ucp.boxes import Box, box_numel, box_shape, full_box, intersect, relative, 
 from ucp.families import DeepseekV3Config
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF
+from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF, optimizer_entry
 from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, identifier, model_param_groups
 from ucp.interop.torch_file import TorchFile
 from ucp.layout import Layout
@@ -404,9 +404,8 @@ def _saved_layout(args: Any, where: Path) -> Layout:
     from ucp.interop.megatron import _arg, args_layout
 
     saved = args_layout(args)
-    etp = _arg(
-        args, "expert_tensor_parallel_size", saved.tp
-    )  # (unset: the dense layers' TP, as megatron-core takes it)
+    # (expert TP unset: the dense layers' TP, as megatron-core takes it)
+    etp = _arg(args, "expert_tensor_parallel_size", saved.tp)
     cp = _arg(args, "context_parallel_size", 1)
     if etp != saved.tp or cp != 1:
         raise InteropError(
@@ -620,22 +619,17 @@ def _prepended(config: Any, index: tuple[int, ...], per_layer: bool = False) -> 
     return axes[: len(index)]
 
 
-def optimizer_entry(meta: OptimizerMeta, config: Any, expert_parallel: bool) -> dict[Any, Any]:
+def common_optimizer_entry(meta: OptimizerMeta, config: Any, expert_parallel: bool) -> dict[Any, Any]:
     """common.pt's "optimizer" of a distributed optimizer saved `fully_reshardable`: per Megatron optimizer its
-    param groups (without params) and grad scaler. A job with expert parallelism chains a dense and an expert
-    optimizer (kept under their indices), one without has one: megatron-core's ChainedOptimizer loads only the
-    count it has, so this entry is made for the loading job's `expert_parallel`. Each optimizer lists the groups
-    of the whole model; each loading rank takes those it has (DistributedOptimizer.load_state_dict matches them
-    by their identifier)."""
-    entries: list[dict[str, Any]] = []
-    for groups in model_param_groups(config, expert_parallel):
-        entry: dict[str, Any] = {
-            "optimizer": {"param_groups": [meta.group(key) for key, _ in groups]},
-            "param_state_sharding_type": FULLY_RESHARDABLE,
-        }
-        if meta.grad_scaler is not None:
-            entry["grad_scaler"] = meta.grad_scaler
-        entries.append(entry)
+    state dict (megatron_distrib_optim.optimizer_entry) and sharding type. A job with expert parallelism chains a
+    dense and an expert optimizer (kept under their indices), one without has one: megatron-core's ChainedOptimizer
+    loads only the count it has, so this entry is made for the loading job's `expert_parallel`. Each optimizer lists
+    the groups of the whole model; each loading rank takes those it has (DistributedOptimizer.load_state_dict
+    matches them by their identifier)."""
+    entries = [
+        {**optimizer_entry(meta, groups), "param_state_sharding_type": FULLY_RESHARDABLE}
+        for groups in model_param_groups(config, expert_parallel)
+    ]
     return entries[0] if len(entries) == 1 else dict(enumerate(entries))
 
 
@@ -651,7 +645,7 @@ def write_torch_dist(
     loads it in any layout (its reader reshards). A distributed optimizer's state is written in megatron-core's
     `fully_reshardable` form (each state a global tensor keyed `optimizer.state.{param,exp_avg,exp_avg_sq}.<the
     parameter's key>` and sharded like it; no ChainedOptimizer prefix, as content_metadata says), its param groups
-    by `optimizer_entry`. Returns (files, bytes of tensors written)."""
+    by `common_optimizer_entry`. Returns (files, bytes of tensors written)."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     from tqdm import tqdm
 
@@ -712,7 +706,7 @@ def write_torch_dist(
         # how the sharded state dict was made, which Megatron-LM's loader reads back to make its own the same way
         content: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         if target.optimizer is not None:
-            common["optimizer"] = optimizer_entry(target.optimizer, target.config, target.expert_parallel)
+            common["optimizer"] = common_optimizer_entry(target.optimizer, target.config, target.expert_parallel)
             content |= {
                 "distrib_optim_sharding_type": FULLY_RESHARDABLE,
                 "distrib_optim_fully_reshardable_mem_efficient": False,

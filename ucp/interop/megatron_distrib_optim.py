@@ -40,6 +40,7 @@ from ucp.interop.errors import InteropError
 from ucp.interop.megatron_optimizer import (
     MASTER,
     DistributedBuffers,
+    Groups,
     LocalOptimState,
     OptimizerMeta,
     check_param_groups,
@@ -259,6 +260,15 @@ def _read_buffers(
 # ------------------------------------------------------------------------------------------- write
 
 
+def optimizer_entry(meta: OptimizerMeta, groups: Groups) -> dict[str, Any]:
+    """One Megatron optimizer's `DistributedOptimizer.state_dict()`: its param groups (without params, in `groups`'
+    order) and the grad scaler."""
+    entry: dict[str, Any] = {"optimizer": {"param_groups": [meta.group(key) for key, _ in groups]}}
+    if meta.grad_scaler is not None:
+        entry["grad_scaler"] = meta.grad_scaler
+    return entry
+
+
 def write_distributed(
     state: dict[str, dict[str, dict[str, Any]]],
     meta: OptimizerMeta,
@@ -277,10 +287,7 @@ def write_distributed(
     for i, (groups, buffers) in enumerate(
         zip(param_groups(config, layout, rank), grad_buffers(config, layout, rank, bucket_size))
     ):
-        entry: dict[str, Any] = {"optimizer": {"param_groups": [meta.group(key) for key, _ in groups]}}
-        if meta.grad_scaler is not None:
-            entry["grad_scaler"] = meta.grad_scaler
-        entries.append(entry)
+        entries.append(optimizer_entry(meta, groups))
         if holder(layout, rank, expert=i == 1) != rank:
             files.append(None)
             continue
