@@ -65,6 +65,13 @@ def distopt(tmp_path_factory):
     return save(tmp_path_factory.mktemp("distopt"), ENV)
 
 
+def assert_same_states(got: dict[str, dict[str, torch.Tensor]], want: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Every parameter of `got` holds bitwise `want`'s master weight and moments (assemble's output)."""
+    for name, states in got.items():
+        for k, t in states.items():
+            assert torch.equal(t, want[name][k]), (name, k)
+
+
 def files_of(ckpt: Path) -> dict[str, dict]:
     """Every rank directory's files, read whole (rank files through ucp's allowlisted reader)."""
     out = {}
@@ -84,9 +91,7 @@ def converts_and_loads(src: Path, saved: dict, tmp: Path, env: dict[str, str]) -
     loaded = assemble(tmp / "loaded", 2)
     tied = env.get("UCP_DISTOPT_TIED") == "1"  # (the tp1 model holds a tied embedding once)
     assert set(loaded) == set(saved) - ({"output_layer.weight"} if tied else set()) and len(loaded) > 20
-    for name, states in loaded.items():
-        for k, t in states.items():
-            assert torch.equal(t, saved[name][k]), (name, k)
+    assert_same_states(loaded, saved)
     # the moments are real (a step was taken)
     assert saved["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]["exp_avg"].abs().sum() > 0
 
@@ -204,9 +209,7 @@ def test_torch_dist_fully_reshardable_optimizer_converts_and_loads_in_megatron(t
     spawn(["tests/megatron_distopt_worker.py", "load", str(tmp_path / "tp1"), str(tmp_path / "loaded")], 2, 300, env)
     saved, loaded = assemble(tmp_path / "saved", 4), assemble(tmp_path / "loaded", 2)
     assert set(saved) == set(loaded)
-    for name, states in saved.items():
-        for k, t in states.items():
-            assert torch.equal(loaded[name][k], t), (name, k)
+    assert_same_states(loaded, saved)
     # through ucp's format: the same files
     convert(str(tmp_path / "src"), str(tmp_path / "u"), from_layout="torch_dist", to_layout="universal")
     convert(str(tmp_path / "u"), str(tmp_path / "from_u"), from_layout="universal", to_layout="tp1")
@@ -259,9 +262,7 @@ def test_torch_dist_dp_reshardable_optimizer_converts_to_megatrons_own_files(tmp
     )
     via_files, via_dist = assemble(tmp_path / "l1", 2), assemble(tmp_path / "l2", 2)
     assert set(via_files) == set(via_dist) and len(via_files) > 20
-    for name, states in via_files.items():
-        for k, t in states.items():
-            assert torch.equal(via_dist[name][k], t), (name, k)
+    assert_same_states(via_dist, via_files)
     damaged_dp_reshardable_is_refused(tmp_path / "dist", tmp_path)
 
 
@@ -334,9 +335,7 @@ def test_the_distributed_optimizer_written_into_torch_dist_loads_in_megatron(dis
     )
     loaded = assemble(tmp_path / "loaded", processes)
     assert set(loaded) == set(saved)
-    for name, states in saved.items():
-        for k, t in states.items():
-            assert torch.equal(loaded[name][k], t), (name, k)
+    assert_same_states(loaded, saved)
     info = torch.load(f"{tmp_path / 'loaded'}.0", weights_only=True)
     assert info["__optimizers__"] == (2 if ep > 1 else 1)  # (a dense and an expert optimizer only with EP > 1)
     entry = load_rank_file(src / ITER / "mp_rank_00_000_000" / RANK_FILE)["optimizer"]
