@@ -28,8 +28,7 @@ import numpy as np
 
 from dataloaders import IndexedDatasetWriter, PretrainLoader
 from dataloaders.blockcache import filesystem
-
-from .targets import free_port
+from trainer.launch import free_port
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.launch import free_port
 from ucp.storage import file_system_type
 
 CACHE_MODES = ("auto", "drop_caches", "fadvise", "none")
@@ -206,13 +207,6 @@ def s3_filesystem(storage_options: dict[str, Any]) -> Any:
     config = dict(options.pop("config_kwargs", {}) or {})
     config.setdefault("max_pool_connections", 64)
     return s3fs.S3FileSystem(use_listings_cache=False, config_kwargs=config, **options)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a local server or a process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MotoServer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from trainer import elastic
-from trainer.launch import start, wait
+from trainer.launch import free_port, start, wait
 from ucp import commit
 from ucp.storage import LocalStorage
 from ucp.tiers import run_directory
@@ -109,3 +110,14 @@ def test_the_regroup_probe_reforms_a_gloo_group_after_a_kill():
     )
     assert out.returncode == 0, out.stderr
     assert "2/2 trials re-formed the group of 2 in place" in out.stdout, out.stdout
+
+
+def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_free():
+    # A port in the ephemeral range can be taken as another connection's source port between the pick and the
+    # rendezvous store's listen (seen under the parallel suite: EADDRINUSE); below it only an explicit bind takes it.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(50):
+        port = free_port()
+        assert port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -4,6 +4,7 @@ and stop them as a failure would (SIGKILL). Used by the demo, scripts/trainer_be
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,9 +15,37 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing is bound to now, for a local process group's rendezvous or a server.
+
+    Drawn below the kernel's ephemeral range, not with bind(0): a port from bind(0) lies in that range, which the
+    kernel also hands out as the source port of every outgoing connection, so between the pick and the listen
+    another process's connection can take it (seen under the parallel suite: the rendezvous store failed with
+    EADDRINUSE). Below the range a port is only ever taken by an explicit bind. Drawn from the system's entropy, not
+    `random`'s, because test processes seed `random` alike."""
+    draw = random.SystemRandom()
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = draw.randrange(_LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every draw taken: a crowded machine, take what the kernel gives
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+_LOWEST_PORT = 10_000  # clear of the well-known and commonly configured service ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default range starts here
+    return max(low, _LOWEST_PORT + 1000)
 
 
 def trainer_argv(config: str | Path, layout: str, steps: int, metrics: str | Path, *extra: str) -> list[str]:
