@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 
 import pytest
 
+from ucp.errors import StorageError
 from ucp.storage import MEMORY_FILE_SYSTEMS, LocalStorage, Storage, file_system_type
 
 
@@ -25,3 +28,39 @@ def test_disk_root_keeps_the_default(tmp_path):
     if file_system_type(str(tmp_path)) in MEMORY_FILE_SYSTEMS:
         pytest.skip("tmp_path is in memory here")
     assert LocalStorage(str(tmp_path)).default_io_threads == Storage.default_io_threads
+
+
+def test_flush_syncs_every_directory_that_gained_an_entry_and_skips_removed_ones(tmp_path, monkeypatch):
+    storage = LocalStorage(str(tmp_path / "root"))
+    for i in range(100):  # more than one flush syncs in the calling thread: they go to a pool
+        storage.write(f"step/atom{i}/c0", [b"x" * 10])
+    for i in (3, 50, 97):  # a failed attempt's directories, removed before the flush
+        shutil.rmtree(tmp_path / "root" / "step" / f"atom{i}")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    storage.flush()
+    expected = {str(tmp_path / "root" / "step" / f"atom{i}") for i in range(100) if i not in (3, 50, 97)}
+    expected |= {str(tmp_path / "root"), str(tmp_path / "root" / "step"), str(tmp_path)}
+    assert sorted(synced) == sorted(expected), set(synced) ^ expected
+    synced.clear()
+    storage.flush()  # nothing new since
+    assert synced == []
+
+
+def test_a_failing_directory_sync_names_the_root(tmp_path, monkeypatch):
+    storage = LocalStorage(str(tmp_path / "root"))
+    for i in range(40):
+        storage.write(f"atom{i}/c0", [b"x"])
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(StorageError, match=r"cannot make .*root durable \(fsync\): Input/output error"):
+        storage.flush()

@@ -13,6 +13,7 @@ only regular files, so a link or a FIFO planted in a checkpoint cannot redirect 
 from __future__ import annotations
 
 import base64
+import concurrent.futures as cf
 import errno
 import functools
 import logging
@@ -151,6 +152,8 @@ class Storage(ABC):
         return False
 
 
+_PARALLEL_DIR_SYNCS = 32  # a flush with fewer directories syncs them in the calling thread
+
 MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 
@@ -204,7 +207,7 @@ class LocalStorage(Storage):
             chain.append(os.path.dirname(chain[-1]))
         if not chain[-1].startswith(self.root + os.sep):
             chain.pop()  # the root itself (it may be a link: the caller named it)
-            os.makedirs(self.root, exist_ok=True)
+            self._make_root()
         for path in reversed(chain):
             try:
                 os.mkdir(path)
@@ -221,6 +224,18 @@ class LocalStorage(Storage):
             self._made_dirs.update(chain)
             self._unsynced_dirs.update(chain)
             self._unsynced_dirs.add(os.path.dirname(chain[-1]) if chain else directory)
+
+    def _make_root(self) -> None:
+        """Create the root and its missing parents; each one made is durable only once its parent's entry is."""
+        missing = []
+        path = self.root
+        while not os.path.isdir(path) and os.path.dirname(path) != path:
+            missing.append(path)
+            path = os.path.dirname(path)
+        os.makedirs(self.root, exist_ok=True)
+        with self._dirs_lock:
+            self._made_dirs.add(self.root)
+            self._unsynced_dirs.update(os.path.dirname(made) for made in missing)
 
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
         path = self._path(key)
@@ -390,14 +405,23 @@ class LocalStorage(Storage):
             return
         with self._dirs_lock:
             directories, self._unsynced_dirs = self._unsynced_dirs, set()
+
         # A new file is durable only once its directory entry is: fsync every directory that gained an entry
-        # (a file or a new directory) since the last flush.
+        # (a file or a new directory) since the last flush. Many at once, as the files' own fsyncs are: a save
+        # of 20,000 small atoms has 20,000 directories, ~1.4-1.9 s of fsyncs one after another on a disk.
+        def sync(directory: str) -> None:
+            try:
+                self._fsync_dir(directory)
+            except FileNotFoundError:
+                pass  # removed since (a failed attempt's): nothing left to make durable
+
         try:
-            for directory in sorted(directories):
-                try:
-                    self._fsync_dir(directory)
-                except FileNotFoundError:
-                    pass  # removed since (a failed attempt's): nothing left to make durable
+            if len(directories) < _PARALLEL_DIR_SYNCS:
+                for directory in directories:
+                    sync(directory)
+            else:
+                with cf.ThreadPoolExecutor(self.default_io_threads, thread_name_prefix="ucp-dirsync") as pool:
+                    list(pool.map(sync, directories))
         except OSError as e:
             raise StorageError(f"cannot make {self.root} durable (fsync): {e.strerror or e}") from e
 
