@@ -40,7 +40,8 @@ def hot_steps(node_dir: Path, ckpt: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_path):
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "in-place"])
+def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_path, in_place):
     base = ["-m", "trainer", "--config", str(CONFIG), "--steps", str(STEPS)]
     reference = tmp_path / "reference.jsonl"
     wait(
@@ -65,7 +66,11 @@ def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_pa
         str(metrics),
     ]
     job = elastic.Job(
-        argv, "elastic-test", tmp_path, node_args=lambda name: ["--ckpt-local", str(tmp_path / f"node-{name}")]
+        argv,
+        "elastic-test",
+        tmp_path,
+        node_args=lambda name: ["--ckpt-local", str(tmp_path / f"node-{name}")],
+        in_place=in_place,
     )
     try:
         a, b = job.start("a"), job.start("b")
@@ -87,6 +92,9 @@ def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_pa
         shrink
     )
     assert grow["layout"] == "tp2pp2" and grow["source"] == "hot" and grow["bytes_by_tier"]["peers"] > 0, grow
+    # the survivors shrink in place when asked to (the agent restarted nobody); a returning node always restarts
+    assert shrink["in_place"] is in_place and shrink["restart_count"] == 0 if in_place else shrink["restart_count"] > 0
+    assert grow["in_place"] is False, grow
     seen = losses(metrics)
     assert {s for s, _ in seen} == set(range(1, STEPS + 1))
     for step, loss in seen:  # every step, also those trained twice (after a restart), as the uninterrupted run

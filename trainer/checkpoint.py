@@ -142,6 +142,11 @@ class Checkpointer:
             "call_s": time.perf_counter() - start,
         }
 
+    def abandon(self) -> None:
+        """After a failure: stop without waiting for the save in flight (it stays uncommitted)."""
+        self.pending = None
+        self.manager.abandon()
+
     def close(self) -> None:
         """Wait for the save in flight to commit (its error is raised here) and stop the writer threads."""
         try:

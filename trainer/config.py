@@ -98,6 +98,9 @@ class TrainConfig:
     # Collectives that wait longer than this fail (torch's default is 30 minutes): a hung peer ends the run in
     # seconds, so an elastic agent can restart it. A dead peer (its connections reset) fails them at once.
     collective_timeout_s: float = 60.0
+    # HOST:PORT of a store that outlives any node the job can lose (torchrun's --rdzv-endpoint): after a lost peer
+    # the survivors re-form the job in place instead of exiting for a restart (trainer/regroup.py). None: exit.
+    regroup_store: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

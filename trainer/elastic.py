@@ -154,7 +154,8 @@ def start_node(
 
 class Job:
     """An elastic job of simulated nodes of `nproc` processes each, started, lost and brought back by name. The
-    first node started hosts the rendezvous store; `node_args(name)` adds per-node arguments (its --ckpt-local)."""
+    first node started hosts the rendezvous store; `node_args(name)` adds per-node arguments (its --ckpt-local);
+    `in_place`: survivors of a lost node re-form the job without a restart (the trainer's --regroup-store)."""
 
     def __init__(
         self,
@@ -166,11 +167,14 @@ class Job:
         nnodes: str = "1:2",
         node_args: Callable[[str], list[str]] | None = None,
         env: dict[str, str] | None = None,
+        in_place: bool = False,
     ):
         self.argv, self.run_id, self.log_dir, self.nproc, self.nnodes = argv, run_id, log_dir, nproc, nnodes
         self.node_args = node_args or (lambda _name: [])
         self.env = env
         self.endpoint = endpoint()
+        if in_place:  # survivors of a lost node re-form the job through the rendezvous store (trainer/regroup.py)
+            self.argv = [*argv, "--regroup-store", self.endpoint]
         self.nodes: dict[str, Node] = {}
         self._host: str | None = None
 

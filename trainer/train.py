@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -43,6 +44,7 @@ from .parallel.mesh import Layout, Mesh, parse_layout
 from .parallel.pipeline import P2P, StageOutput, interleaved_one_f_one_b, one_f_one_b, split_layers
 from .parallel.tensor import vocab_parallel_cross_entropy
 from .profile import StepProfile
+from .regroup import Regroup
 from .weights import init_from_seed
 
 
@@ -212,6 +214,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --ckpt-local: drain every K-th save to --ckpt (overrides checkpoint.durable_every)",
     )
     parser.add_argument(
+        "--regroup-store",
+        metavar="HOST:PORT",
+        help="a store that outlives any lost node (torchrun's --rdzv-endpoint): survivors of a lost peer re-form "
+        "the job in place instead of exiting for a restart (overrides train.regroup_store)",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -229,6 +237,7 @@ def build_config(args: argparse.Namespace) -> Config:
         ("steps", args.steps),
         ("seed", args.seed),
         ("metrics_file", args.metrics_file),
+        ("regroup_store", args.regroup_store),
     ):
         if value is not None:
             overrides.append(f"train.{key}={value}")
@@ -244,9 +253,10 @@ def build_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
-def init_distributed(timeout_s: float) -> torch.device:
-    """Join the process group torchrun describes (or a group of one without torchrun); gloo on CPU, NCCL on GPU.
-    Every group made later (the checkpoint's included) inherits `timeout_s`."""
+def init_distributed(timeout_s: float, group: tuple[int, int, dist.Store] | None = None) -> torch.device:
+    """Join the process group torchrun describes, or `group` (rank, world size, store: a re-formed job), or a
+    group of one without torchrun; gloo on CPU, NCCL on GPU. Every group made later (the checkpoint's included)
+    inherits `timeout_s`."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -254,7 +264,10 @@ def init_distributed(timeout_s: float) -> torch.device:
     else:
         device, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "WORLD_SIZE" in os.environ:
+    if group is not None:
+        rank, world_size, store = group
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    elif "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -271,9 +284,10 @@ def choose_layout(layouts: str, world_size: int) -> Layout:
     raise ValueError(f"none of the layouts {sizes} runs on {world_size} processes: add one to --layout")
 
 
-def build_trainer(cfg: Config) -> Trainer:
-    """Join the process group and build this rank's trainer (weights initialized from the seed)."""
-    device = init_distributed(cfg.train.collective_timeout_s)
+def build_trainer(cfg: Config, group: tuple[int, int, dist.Store] | None = None) -> Trainer:
+    """Join the process group (torchrun's, or `group`: see init_distributed) and build this rank's trainer
+    (weights initialized from the seed)."""
+    device = init_distributed(cfg.train.collective_timeout_s, group)
     layout = choose_layout(cfg.train.layout, dist.get_world_size())
     mesh = Mesh(layout, dist.get_rank())
     if cfg.data.source == "pretrain" and cfg.data.path is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -282,10 +296,11 @@ def build_trainer(cfg: Config) -> Trainer:
     return Trainer(cfg, mesh, device)
 
 
-def train(trainer: Trainer, started: float | None = None) -> None:
+def train(trainer: Trainer, started: float | None = None, regrouped: int = 0) -> None:
     """Resume from the latest checkpoint (with --ckpt), then train up to cfg.train.steps; rank 0 logs metrics.
 
-    `started` (a perf_counter value, default now) is when the process began, for the resume's time to first step.
+    `started` (a perf_counter value, default now) is when the process began, or `regrouped` (the how-manieth) the
+    job was re-formed in place, for the resume's time to first step.
     """
     started = time.perf_counter() if started is None else started
     cfg, rank = trainer.cfg, trainer.mesh.rank
@@ -336,6 +351,7 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                                 "event": "restart",
                                 **resume,
                                 "restart_count": restart_count,
+                                "in_place": regrouped > 0,
                                 "failure_to_first_step_s": time.time() - last_logged[1],
                                 "last_step_before": last_logged[0],
                             }
@@ -355,6 +371,10 @@ def train(trainer: Trainer, started: float | None = None) -> None:
                         + (f" ckpt blocked {event['blocking_s']:.3f}s" if event else ""),
                         flush=True,
                     )
+        except BaseException:
+            if checkpointer is not None:
+                checkpointer.abandon()  # (never waits: the save in flight may need the lost peer)
+            raise
         finally:
             close = getattr(trainer.data, "close", None)
             if close is not None:
@@ -387,7 +407,25 @@ def main(argv: list[str] | None = None, started: float | None = None) -> None:
     started = time.perf_counter() if started is None else started
     cfg = build_config(parse_args(argv))
     try:
-        train(build_trainer(cfg), started)
+        trainer = build_trainer(cfg)
+        regroup = None
+        if cfg.train.regroup_store and dist.get_world_size() > 1:
+            regroup = Regroup(
+                cfg.train.regroup_store, dist.get_rank(), dist.get_world_size(), cfg.train.collective_timeout_s
+            )
+        while True:
+            try:
+                train(trainer, started, regroup.generation if regroup else 0)
+                return
+            except Exception:
+                if regroup is None:
+                    raise
+                traceback.print_exc()  # what failed, before the job goes on without the lost peer
+                started = time.perf_counter()
+                dist.destroy_process_group()
+                group = regroup.survivors()  # (a RegroupError ends the process: the agent restarts it)
+                print(f"re-forming the job in place: rank {group[0]} of {group[1]}", flush=True)
+                trainer = build_trainer(cfg, group)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -152,6 +152,11 @@ class CheckpointManager:
         """Finish the save in flight and stop the writers (threads and process)."""
         self.pipeline.close()
 
+    def abandon(self) -> None:
+        """Stop without waiting for the save in flight, which stays uncommitted (a job that lost a peer: that
+        save's collectives cannot complete). The manager is unusable afterwards."""
+        self.pipeline.abandon()
+
     def __enter__(self) -> Self:
         return self
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import logging
 import math
 import threading
 import time
@@ -47,6 +48,8 @@ from .storage import Storage
 from .workpool import SizedPool, chain, wait_all
 from .writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
 from .writer_process import ChunkRef, WriterProcess
+
+log = logging.getLogger("ucp")
 
 Mode = Literal["sync", "async", "lazy"]
 Writer = Literal["process", "threads"]
@@ -389,6 +392,28 @@ class SavePipeline:
                 self._process.close()
                 self._process = None
             self.staging.close()
+
+    def abandon(self) -> None:
+        """Stop without waiting for the save in flight: for a process whose job lost a peer, where that save's
+        collectives cannot complete (it fails uncommitted once its process group is gone, and `gc` collects what
+        it wrote). The writer process is killed now; a thread releases the staging memory once that save ends."""
+        handle, self._inflight = self._inflight, None
+        with self._process_lock:
+            process, self._process = self._process, None
+        if process is not None:
+            process.close(timeout=0)
+
+        def release() -> None:
+            if handle is not None:
+                try:
+                    handle.result()
+                except BaseException as e:  # noqa: BLE001 -- expected: nobody waits for an abandoned save
+                    log.info("the abandoned save of step %d ended uncommitted: %s", handle.step, e)
+            self.threads.shutdown(wait=True)
+            self.background.shutdown(wait=True)
+            self.staging.close()
+
+        threading.Thread(target=release, name="ucp-abandon", daemon=True).start()
 
     # -- writers
 
