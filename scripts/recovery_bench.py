@@ -1,6 +1,6 @@
 """Elastic recovery: from a lost node to the first step of the shrunk job, by where the checkpoint is read from.
 
-    python scripts/recovery_bench.py [--size-gib 1] [--tiers hot,disk,s3] [--repeats 1] [--overhead-steps 6]
+    python scripts/recovery_bench.py [--size-gib 1] [--tiers hot-in-place,hot,disk,s3] [--repeats 1] [--overhead-steps 6]
 
 (A script, not a bench_io command: it runs the trainer, and bench_io imports only ucp.)
 
@@ -12,12 +12,15 @@ restore and train one step. Per tier:
 
 - hot:  the hot tier in /dev/shm (`--ckpt-local`, the durable URL never drained to): node b's pieces from their
         replica in node a's memory;
+- hot-in-place: the same, with no restart: node a's processes re-form the job among themselves
+        (`--regroup-store`, trainer/regroup.py) and restore from the hot tier in the same processes;
 - disk: the durable URL on the local disk (--dir), page cache dropped before the restore (posix_fadvise);
 - s3:   the durable URL on a moto S3 server on 127.0.0.1.
 
 Reported: seconds from the kill to the first new step, split into failure detection and restart (kill -> new
-worker processes), process start and group formation, the restore itself and the first step; bytes the job read
-from each tier; steps lost (trained after the checkpoint, trained again).
+worker processes; in place: kill -> the survivors' failed step), process start and group formation (in place:
+agreeing on the survivors, the new group and the model), the restore itself and the first step; bytes the job
+read from each tier; steps lost (trained after the checkpoint, trained again).
 
 Then the cost of a checkpoint every step: median step time of the 4-process job without checkpoints, with a
 checkpoint every step to the durable URL alone (disk, or s3 with --overhead-target s3), and with the hot tier
@@ -85,9 +88,9 @@ def node_dir(work: Path, name: str) -> Path:
     return Path("/dev/shm") / f"{work.name}-node-{name}"
 
 
-def job_of(work: Path, argv: list[str], local: bool, env: dict[str, str]) -> elastic.Job:
+def job_of(work: Path, argv: list[str], local: bool, env: dict[str, str], in_place: bool = False) -> elastic.Job:
     node_args = (lambda name: ["--ckpt-local", str(node_dir(work, name))]) if local else None
-    return elastic.Job(argv, work.name, work, node_args=node_args, env=env)
+    return elastic.Job(argv, work.name, work, node_args=node_args, env=env, in_place=in_place)
 
 
 def stop(job: elastic.Job, work: Path) -> None:
@@ -120,11 +123,12 @@ def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str
         "--metrics-file",
         str(metrics),
     ]
-    if tier == "hot":
+    hot = tier.startswith("hot")
+    if hot:
         argv += ["--durable-every", "1000"]
-    job = job_of(work, argv, tier == "hot", env)
+    job = job_of(work, argv, hot, env, in_place=tier == "hot-in-place")
     # (hot: node b's directory, which gets the step only once its replicas are in place and the step is published)
-    storage = LocalStorage(run_directory(str(node_dir(work, "b")), url)) if tier == "hot" else open_storage(url)
+    storage = LocalStorage(run_directory(str(node_dir(work, "b")), url)) if hot else open_storage(url)
 
     def committed() -> list[int]:
         try:
@@ -159,6 +163,7 @@ def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str
         "bytes_by_tier": restart["bytes_by_tier"],
         "resumed_from": restart["from_step"],
         "steps_lost": max(0, last_before - restart["from_step"]),
+        "in_place": restart.get("in_place", False),  # (hot-in-place falls back to a restart where it cannot)
     }
 
 
@@ -185,13 +190,14 @@ def overhead(kind: str, work: Path, base: list[str], url: str, steps: int, env: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/recovery_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0, help="training state size (fp32 params + Adam), GiB")
-    p.add_argument("--tiers", default="hot,disk,s3", help="comma list of hot, disk, s3")
+    p.add_argument("--tiers", default="hot-in-place,hot,disk,s3", help="comma list of hot-in-place, hot, disk, s3")
     p.add_argument("--repeats", type=int, default=1, help="recoveries per tier (medians reported)")
     p.add_argument("--overhead-steps", type=int, default=6, help="steps timed per overhead run (0: skip)")
     p.add_argument("--overhead-target", default="disk", choices=("disk", "s3"), help="durable URL of the overhead runs")
     p.add_argument("--dir", default="/var/tmp", help="parent of the disk checkpoints")
     p.add_argument("--page-cache", default="auto", help="how the disk tier's page cache is dropped (bench_io --cache)")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--keep", action="store_true", help="keep each job's logs and metrics (the path is printed)")
     args = p.parse_args(argv)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     base = [
@@ -219,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                 results["recovery"].append(row)
                 gib = {k: v / 2**30 for k, v in row["bytes_by_tier"].items()}
                 print(
-                    f"[recovery] {tier:<5} kill -> first step {row['to_first_step_s']:6.1f} s  (detect+restart "
+                    f"[recovery] {tier:<12} kill -> first step {row['to_first_step_s']:6.1f} s  (detect+restart "
                     f"{row['detect_and_restart_s']:.1f}, start+group {row['start_and_group_s']:.1f}, restore "
                     f"{row['restore_s']:.1f}, step {row['first_step_s']:.1f})  read GiB: node {gib['local']:.2f} peers "
-                    f"{gib['peers']:.2f} durable {gib['durable']:.2f}  steps lost {row['steps_lost']}",
+                    f"{gib['peers']:.2f} durable {gib['durable']:.2f}  steps lost {row['steps_lost']}"
+                    + ("  (in place)" if row["in_place"] else ""),
                     flush=True,
                 )
         if args.overhead_steps:
@@ -233,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
                 results["overhead"][kind] = overhead(kind, work, base, url, args.overhead_steps, env)
                 print(f"[overhead] {kind:<8} median step {results['overhead'][kind]:.2f} s", flush=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"logs and metrics kept under {root}", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
         if server is not None:
             server.close()
     summarize(results)
@@ -250,11 +260,11 @@ def summarize(results: dict[str, Any]) -> None:
     print(f"\nrecovery, {results['size_gib']:g} GiB of training state, 4 -> 2 processes (medians):")
     for tier, seconds in medians.items():
         restore = statistics.median(r["restore_s"] for r in by_tier[tier])
-        print(f"  {tier:<5} {seconds:6.1f} s to the first new step, of which restore {restore:5.1f} s")
-    if "hot" in medians:
-        for other in ("disk", "s3"):
-            if other in medians:
-                print(f"  hot tier vs {other}: {medians[other] / medians['hot']:.2f}x faster")
+        print(f"  {tier:<12} {seconds:6.1f} s to the first new step, of which restore {restore:5.1f} s")
+    for hot in ("hot-in-place", "hot"):
+        for other in ("hot", "disk", "s3"):
+            if hot in medians and other in medians and other != hot:
+                print(f"  {hot} vs {other}: {medians[other] / medians[hot]:.2f}x faster")
     o = results["overhead"]
     if o:
         durable_stall, hot_stall = o["durable"] - o["none"], o["hot"] - o["none"]

@@ -10,12 +10,13 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
 
 import ucp
-from ucp import staging
+from ucp import commit, staging
 from ucp.staging import StagingPool
 from ucp.storage import LocalStorage
 from ucp.writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
@@ -91,6 +92,31 @@ def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
     assert manager.steps() == [1, 2]
     assert_same_state(make_state(2), manager.restore())
     manager.close()
+
+
+def wait_until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_an_abandoned_save_returns_at_once_and_never_commits(tmp_path):
+    # A job that lost a peer abandons its save in flight (its collectives could not complete) and goes on from an
+    # earlier step: that save must not commit later, behind the job's back.
+    storage = SlowStorage(str(tmp_path))
+    manager = manager_with(storage, mode="async")
+    handle = manager.save(1, make_state())
+    start = time.monotonic()
+    manager.abandon()  # the writes are held: it must not wait for them
+    assert time.monotonic() - start < 5 and not handle.done()
+    storage.gate.set()  # the save now runs to its end, and removes its attempt instead of committing
+    wait_until(handle.done)
+    with pytest.raises(ucp.UcpError, match="step 1 was abandoned"):
+        handle.result()
+    assert ucp.CheckpointManager(str(tmp_path), options=OPTIONS).steps() == []
+    step_dir = tmp_path / commit.step_dirname(1)
+    assert not step_dir.exists() or not any(step_dir.iterdir()), "the attempt is removed"
 
 
 class FailingStorage(LocalStorage):
@@ -262,6 +288,22 @@ def test_a_killed_writer_process_fails_the_save_and_the_next_save_restarts_it(tm
     assert manager.steps() == [2]
     assert_same_state(make_state(2), manager.restore())
     manager.close()
+
+
+@needs_process_writer
+def test_abandoning_kills_the_writer_process_and_commits_nothing(tmp_path):
+    manager = process_manager(str(tmp_path))
+    pid = manager.pipeline.writer_pid
+    os.kill(pid, signal.SIGSTOP)  # nothing is written (the kill ends a stopped process too)
+    handle = manager.save(1, make_state(1))
+    start = time.monotonic()
+    manager.abandon()
+    assert time.monotonic() - start < 5
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}"))
+    wait_until(handle.done)
+    with pytest.raises(ucp.WriterProcessError):
+        handle.result()
+    assert ucp.CheckpointManager(str(tmp_path), options=OPTIONS).steps() == []
 
 
 @needs_process_writer

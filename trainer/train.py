@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
+import gc
 import json
 import os
 import time
@@ -421,11 +423,23 @@ def main(argv: list[str] | None = None, started: float | None = None) -> None:
                 if regroup is None:
                     raise
                 traceback.print_exc()  # what failed, before the job goes on without the lost peer
-                started = time.perf_counter()
-                dist.destroy_process_group()
-                group = regroup.survivors()  # (a RegroupError ends the process: the agent restarts it)
-                print(f"re-forming the job in place: rank {group[0]} of {group[1]}", flush=True)
-                trainer = build_trainer(cfg, group)
+            # Out of the handler, the failure's traceback (whose frames hold the old groups) is gone. The groups must
+            # be freed, not only destroyed: a gloo group's connections close when its last reference goes, and only
+            # then does a survivor still blocked on one of them (say, in a TP all-reduce with this process) fail,
+            # rather than at its collective timeout (measured: at once, against the whole timeout with a reference left).
+            started = time.perf_counter()
+            faulthandler.dump_traceback_later(10)  # a regroup that hangs says where
+            del trainer
+            dist.destroy_process_group()
+            gc.collect()
+            group = regroup.survivors()  # (a RegroupError ends the process: the agent restarts it)
+            faulthandler.cancel_dump_traceback_later()
+            print(
+                f"re-forming the job in place: rank {group[0]} of {group[1]} "
+                f"({time.perf_counter() - started:.2f} s after the failure)",
+                flush=True,
+            )
+            trainer = build_trainer(cfg, group)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -147,6 +147,7 @@ class SaveHandle:
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     _future: cf.Future | None = None
     _record: CommitRecord | None = None
+    _session: SaveSession | None = None  # (abandon cancels it)
 
     def wait_snapshot(self) -> None:
         """Block until the snapshot is complete (lazy mode: before changing the saved tensors)."""
@@ -367,6 +368,7 @@ class SavePipeline:
         except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
             self._end(plan, e)
         handle = SaveHandle(plan.step, mode, "process" if isinstance(writes, _ProcessWrites) else "threads")
+        handle._session = plan.session
         if mode == "sync":
             handle.snapshot_done.set()
             handle._record = self._write_rest(plan, writes, [], [_Staged(j) for j in plan.chunks])
@@ -398,6 +400,8 @@ class SavePipeline:
         collectives cannot complete (it fails uncommitted once its process group is gone, and `gc` collects what
         it wrote). The writer process is killed now; a thread releases the staging memory once that save ends."""
         handle, self._inflight = self._inflight, None
+        if handle is not None and handle._session is not None:
+            handle._session.cancel()  # (it commits nothing after this: the job goes on from an earlier step)
         with self._process_lock:
             process, self._process = self._process, None
         if process is not None:

@@ -70,6 +70,7 @@ class SaveSession:
         self._objects: dict[str, ObjectSum] = {}
         self._lock = threading.Lock()
         self._ended = False
+        self._cancelled = False
         self._started = time.perf_counter()
         if self.is_coordinator:
             log.info("saving step %d at %s (%s)", step, storage.url, attempt_id)
@@ -162,6 +163,8 @@ class SaveSession:
                 for g in gathered:
                     objects.update({k: (v[0], v[1]) for k, v in g["objects"].items()})
                 assert manifest is not None, "the coordinator commits the manifest"
+                if self._cancelled:
+                    raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
                 record = self._commit(manifest, objects)
             except BaseException as e:  # noqa: BLE001 -- raised on every rank below, after the attempt is removed
                 self._abort()
@@ -179,6 +182,12 @@ class SaveSession:
             self._stop_lease()
             self._abort()
             log.info("save attempt %s of step %d failed and was removed: %s", self.attempt, self.step, error)
+
+    def cancel(self) -> None:
+        """Never commit this attempt: its process abandoned it (the job lost a peer and goes on from the step it
+        restores, which a late commit of this one would contradict). The coordinator checks just before it
+        commits; an attempt cancelled after that check had committed before its job went on."""
+        self._cancelled = True
 
     def __enter__(self) -> Self:
         return self
