@@ -7,8 +7,10 @@
    checkpoint every 2 steps into each node's hot tier (a directory per node, standing in for its /dev/shm) and
    every 3rd of those drained to the durable URL (a local directory; any fsspec URL works the same);
 2. node b is lost: its agent and every process under it are SIGKILLed and its directory deleted;
-3. node a's agent notices, re-forms the job on its own two processes, which take layout tp2pp1 and resume from the
-   newest step in the hot tier (node b's pieces from their replica on node a, nothing from the durable URL);
+3. node a's two processes see their step fail, agree through the rendezvous store that they are what is left and
+   re-form the job among themselves without a restart (trainer/regroup.py; `--restart` leaves it to node a's agent,
+   which restarts them): they take layout tp2pp1 and resume from the newest step in the hot tier (node b's pieces
+   from their replica on node a, nothing from the durable URL);
 4. node b comes back, empty; the agents restart the job on four processes in tp2pp2, node b's ranks receiving their
    pieces from node a over the process group;
 5. prints the loss per step with the layout that trained it and the restarts, the recovery times, writes loss.png
@@ -46,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--durable-every", type=int, default=3, help="drain every K-th save to the durable URL")
     p.add_argument("--kill-after", type=int, default=10, help="lose node b once this step is in its hot tier")
     p.add_argument("--rejoin-after", type=int, default=22, help="bring node b back once this step is saved again")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="on the loss, let node a's agent restart its processes instead of their re-forming the job in place",
+    )
     return p.parse_args(argv)
 
 
@@ -89,7 +96,13 @@ def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
         run_dir / "metrics.jsonl",
         *("--ckpt", ckpt, "--save-interval", str(args.save_interval), "--durable-every", str(args.durable_every)),
     )
-    job = elastic.Job(argv, "ucp-demo", run_dir, node_args=lambda name: ["--ckpt-local", str(node_dir(name))])
+    job = elastic.Job(
+        argv,
+        "ucp-demo",
+        run_dir,
+        node_args=lambda name: ["--ckpt-local", str(node_dir(name))],
+        in_place=not args.restart,
+    )
     try:
         for name in ("a", "b"):
             print(f"== node {name}: a torchrun agent with 2 processes, hot tier in {node_dir(name)}", flush=True)
@@ -129,8 +142,9 @@ def report(args: argparse.Namespace, run_dir: Path, times: dict[str, float]) -> 
     trained: dict[int, list[float]] = {}
     for r in records:
         if r.get("event") == "restart":
+            how = "re-formed in place (no restart)" if r.get("in_place") else "restart"
             print(
-                f"      -- restart: {r['world_size']} processes, layout {r['layout']}, resumed from step "
+                f"      -- {how}: {r['world_size']} processes, layout {r['layout']}, resumed from step "
                 f"{r['from_step']} ({r['source']} tier)"
             )
         elif "event" not in r:
