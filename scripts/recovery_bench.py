@@ -12,8 +12,8 @@ restore and train one step. Per tier:
 
 - hot:  the hot tier in /dev/shm (`--ckpt-local`, the durable URL never drained to): node b's pieces from their
         replica in node a's memory;
-- hot-in-place: the same, with no restart: node a's processes re-form the job among themselves
-        (`--regroup-store`, trainer/regroup.py) and restore from the hot tier in the same processes;
+- TIER-in-place (hot-in-place, disk-in-place, s3-in-place): the same read, with no restart: node a's processes
+        re-form the job among themselves (`--regroup-store`, trainer/regroup.py) and restore in the same processes;
 - disk: the durable URL on the local disk (--dir), page cache dropped before the restore (posix_fadvise);
 - s3:   the durable URL on a moto S3 server on 127.0.0.1.
 
@@ -123,10 +123,11 @@ def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str
         "--metrics-file",
         str(metrics),
     ]
-    hot = tier.startswith("hot")
+    where, in_place = tier.removesuffix("-in-place"), tier.endswith("-in-place")
+    hot = where == "hot"
     if hot:
         argv += ["--durable-every", "1000"]
-    job = job_of(work, argv, hot, env, in_place=tier == "hot-in-place")
+    job = job_of(work, argv, hot, env, in_place=in_place)
     # (hot: node b's directory, which gets the step only once its replicas are in place and the step is published)
     storage = LocalStorage(run_directory(str(node_dir(work, "b")), url)) if hot else open_storage(url)
 
@@ -141,7 +142,7 @@ def recover(tier: str, work: Path, base: list[str], url: str, env: dict[str, str
         job.start("b")
         job.wait_for(lambda: max(committed(), default=0) >= 2, "step 2 committed", timeout=1800)
         before = [r["step"] for r in read_metrics(metrics) if "event" not in r]
-        if tier == "disk":
+        if where == "disk":
             drop_page_cache(Path(url), page_cache)
         killed_at = job.lose("b")
         job.wait_for(lambda: first_new_step(read_metrics(metrics)) is not None, "the first new step", timeout=1800)
@@ -190,7 +191,9 @@ def overhead(kind: str, work: Path, base: list[str], url: str, steps: int, env: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/recovery_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0, help="training state size (fp32 params + Adam), GiB")
-    p.add_argument("--tiers", default="hot-in-place,hot,disk,s3", help="comma list of hot-in-place, hot, disk, s3")
+    p.add_argument(
+        "--tiers", default="hot-in-place,hot,disk,s3", help="comma list of hot, disk, s3, each also as TIER-in-place"
+    )
     p.add_argument("--repeats", type=int, default=1, help="recoveries per tier (medians reported)")
     p.add_argument("--overhead-steps", type=int, default=6, help="steps timed per overhead run (0: skip)")
     p.add_argument("--overhead-target", default="disk", choices=("disk", "s3"), help="durable URL of the overhead runs")
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         str(CONFIG),
         *(x for o in model_overrides(args.size_gib) for x in ("--set", o)),
     ]
-    server = MotoServer() if "s3" in tiers or args.overhead_target == "s3" else None
+    server = MotoServer() if any(t.startswith("s3") for t in tiers) or args.overhead_target == "s3" else None
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
     if server is not None:
         env["AWS_ENDPOINT_URL"] = server.url
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             for repeat in range(args.repeats):
                 work = root / f"{tier}-{repeat}"
                 work.mkdir()
-                url = f"s3://recovery/{tier}-{repeat}" if tier == "s3" else str(work / "ckpt")
+                url = f"s3://recovery/{tier}-{repeat}" if tier.startswith("s3") else str(work / "ckpt")
                 row = recover(tier, work, base, url, env, args.page_cache)
                 results["recovery"].append(row)
                 gib = {k: v / 2**30 for k, v in row["bytes_by_tier"].items()}
@@ -262,7 +265,7 @@ def summarize(results: dict[str, Any]) -> None:
         restore = statistics.median(r["restore_s"] for r in by_tier[tier])
         print(f"  {tier:<12} {seconds:6.1f} s to the first new step, of which restore {restore:5.1f} s")
     for hot in ("hot-in-place", "hot"):
-        for other in ("hot", "disk", "s3"):
+        for other in ("hot", "disk", "s3", "disk-in-place", "s3-in-place"):
             if hot in medians and other in medians and other != hot:
                 print(f"  {hot} vs {other}: {medians[other] / medians[hot]:.2f}x faster")
     o = results["overhead"]

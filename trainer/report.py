@@ -192,7 +192,9 @@ def write(run: Path, out: Path | None = None) -> Path:
             "restarts",
             f"{len(restarts)}"
             + "".join(
-                f"; step {e['from_step']} in {e['layout']} after {e['failure_to_first_step_s']:.1f} s" for e in restarts
+                f"; step {e['from_step']} in {e['layout']} after {e['failure_to_first_step_s']:.1f} s"
+                + (" (in place)" if e.get("in_place") else "")
+                for e in restarts
             ),
         ],
     ]
