@@ -13,9 +13,10 @@ saves every `--save-interval` steps and at the last step (trainer/checkpoint.py)
 
 Under torchrun's elastic agent the same command runs unchanged: `--layout tp2pp2,tp2pp1,tp1pp1` lists the layouts
 the job may take, and each (re)start takes the first whose world size is WORLD_SIZE. A peer that dies fails the
-step at once (its connections reset) and a hung one within `train.collective_timeout_s`; the process then exits
-non-zero without waiting for anything, the agent re-forms the group with the nodes left (or joined), and the new
-workers resume from the newest checkpoint in their layout (docs/ELASTIC.md).
+step at once (its connections reset) and a hung one within `train.collective_timeout_s`. With `--regroup-store` the
+survivors then re-form the job among themselves and go on in place (trainer/regroup.py); otherwise the process
+exits non-zero without waiting for anything, the agent re-forms the group with the nodes left (or joined), and the
+new workers resume from the newest checkpoint in their layout (docs/ELASTIC.md).
 """
 
 from __future__ import annotations
