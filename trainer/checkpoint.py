@@ -79,8 +79,14 @@ class Checkpointer:
             return None
         t = self.trainer
         start = time.perf_counter()
+        # Read straight into the trainer's own tensors (memory it has touched fills several times faster than new
+        # memory, and no copy follows), but not a mixed-precision run's parameters: its masters may have to be made
+        # from the saved full-precision weights, which the bf16 parameters cannot hold.
+        into = t.local_state()
+        if t.optimizer.mixed:
+            into = {"optimizer": into["optimizer"]}
         try:
-            local, extra, report = self.manager.restore_sharded(self.restore_model, t.mesh.rank)
+            local, extra, report = self.manager.restore_sharded(self.restore_model, t.mesh.rank, into=into)
         except CheckpointNotFoundError:
             return None  # (every rank sees the same: the choice of step is shared)
         local["optimizer"]["step"] = extra["optimizer_step"]

@@ -177,16 +177,21 @@ class CheckpointManager:
         return self.reader(step).load_state()
 
     def restore_sharded(
-        self, model: ShardedModel, rank: int, step: int | str | None = "latest"
+        self,
+        model: ShardedModel,
+        rank: int,
+        step: int | str | None = "latest",
+        *,
+        into: Mapping[str, Any] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any], LoadReport]:
-        """This rank's local state in `model.layout` (whatever layout saved it), the extra state, and what was read.
-        With a hot tier and step 'latest' every rank calls it together (`ucp.tiers`); `last_restore` says what
-        came from where."""
+        """This rank's local state in `model.layout` (whatever layout saved it), the extra state, and what was read;
+        `into`: the job's own tensors to fill in place (`load_sharded`). With a hot tier and step 'latest' every rank
+        calls it together (`ucp.tiers`); `last_restore` says what came from where."""
         if self.hot is not None and step in ("latest", None):
-            local, extra, report, self.last_restore = self.hot.restore_sharded(model, self.storage)
+            local, extra, report, self.last_restore = self.hot.restore_sharded(model, self.storage, into)
             return local, extra, report
         reader = self.reader(step)
-        local, report = load_sharded(reader, model, rank)
+        local, report = load_sharded(reader, model, rank, into=into)
         self.last_restore = RestoreReport(reader.step, "durable", bytes_durable=report.bytes_read)
         return local, extra_state(reader), report
 

@@ -38,7 +38,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,17 +339,17 @@ class HotTier:
     # -- restoring
 
     def restore_sharded(
-        self, model: Any, durable: Storage
+        self, model: Any, durable: Storage, into: Mapping[str, Any] | None = None
     ) -> tuple[dict[str, Any], dict[str, Any], Any, RestoreReport]:
         """This rank's local state of the newest restorable step (module doc), its extra state, the LoadReport and
-        where the bytes came from. Every rank calls it together."""
+        where the bytes came from; `into` as `load_sharded` takes it. Every rank calls it together."""
         from .sharded_load import load_sharded, needed_objects
         from .sharded_model import extra_state
 
         chosen = self._choose_step(durable)
         if chosen.source == "durable":
             reader = CheckpointReader(durable, chosen.step)
-            local, report = load_sharded(reader, model, self.rank)
+            local, report = load_sharded(reader, model, self.rank, into=into)
             return (
                 local,
                 extra_state(reader),
@@ -389,7 +389,7 @@ class HotTier:
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
         source = TierSource(self.storage, usable, fetched, durable_reader)
         tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes))
-        local, report = load_sharded(tiered, model, self.rank)
+        local, report = load_sharded(tiered, model, self.rank, into=into)
         extra = extra_state(tiered)
         stats = source.read_stats
         restore = RestoreReport(

@@ -288,15 +288,16 @@ class DistributedAdamW:
                 continue  # (a dense model's expert buffer)
             if self.mesh.layout.zero == 0:
                 first = buffer.entries[0]
-                saved = {
-                    s: buffer.flatten(lambda e, s=s: per_param[e.chunk][e.name][s])
-                    for s in (*STATE_NAMES, MASTER)
-                    if s in per_param[first.chunk][first.name]
-                }
+                for s in STATE_NAMES:  # straight into the buffer, where a restore may have filled them in place
+                    for e in buffer.entries:
+                        buffer.state[s][e.offset : e.offset + e.numel].copy_(per_param[e.chunk][e.name][s].flatten())
+                saved = {}
+                if MASTER in per_param[first.chunk][first.name]:
+                    saved[MASTER] = buffer.flatten(lambda e: per_param[e.chunk][e.name][MASTER])
             else:
                 saved = state["flat"][key]
-            for s in STATE_NAMES:
-                buffer.state[s].copy_(saved[s])
+                for s in STATE_NAMES:
+                    buffer.state[s].copy_(saved[s])
             if MASTER in saved:
                 if buffer.master is not None:
                     buffer.master.copy_(saved[MASTER])
