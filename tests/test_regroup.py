@@ -24,10 +24,25 @@ def store_address():
     del server
 
 
-def regroup_all(address: str, world: int, per_node: int, arrivals: dict[int, float], settle_s: float = 0.3):
+def regroup_all(
+    address: str,
+    world: int,
+    per_node: int,
+    arrivals: dict[int, float],
+    settle_s: float = 0.3,
+    incarnation: str = "one",
+):
     """Ranks in `arrivals` (rank -> seconds after the start) register; returns rank -> (new rank, size) or error."""
     parties = {
-        rank: Regroup(address, rank, world, timeout_s=10, settle_s=settle_s, node=(f"node{rank // per_node}", per_node))
+        rank: Regroup(
+            address,
+            rank,
+            world,
+            10,
+            incarnation=incarnation,
+            settle_s=settle_s,
+            node=(f"node{rank // per_node}", per_node),
+        )
         for rank in arrivals
     }
     results: dict[int, object] = {}
@@ -72,7 +87,10 @@ def test_a_failure_that_loses_nobody_is_not_regrouped(store_address):
 
 
 def test_a_second_failure_regroups_again_among_the_new_ranks(store_address):
-    parties = {r: Regroup(store_address, r, 6, timeout_s=10, settle_s=0.3, node=(f"node{r // 2}", 2)) for r in range(4)}
+    parties = {
+        r: Regroup(store_address, r, 6, 10, incarnation="one", settle_s=0.3, node=(f"node{r // 2}", 2))
+        for r in range(4)
+    }
     out: dict[int, tuple[int, int]] = {}
 
     def twice(rank: int) -> None:
@@ -87,3 +105,11 @@ def test_a_second_failure_regroups_again_among_the_new_ranks(store_address):
     for t in threads:
         t.join(30)
     assert out == {0: (0, 2), 1: (1, 2), 2: (2, 4), 3: (3, 4)}
+
+
+def test_each_incarnation_of_the_job_counts_its_survivors_apart(store_address):
+    # the store outlives a restart: the next incarnation (the same ranks, new processes) must not read the old count
+    first = regroup_all(store_address, 4, 2, {0: 0.0, 1: 0.0})
+    second = regroup_all(store_address, 6, 2, {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}, incarnation="two")
+    assert first == {0: (0, 2), 1: (1, 2)}
+    assert second == {0: (0, 4), 1: (1, 4), 2: (2, 4), 3: (3, 4)}, second

@@ -38,6 +38,7 @@ import socket
 import time
 from collections import Counter
 
+import torch
 import torch.distributed as dist
 
 SETTLE_S = 1.0  # how long the registrations must stand still before the survivors are counted
@@ -56,17 +57,18 @@ class Regroup:
         rank: int,
         world_size: int,
         timeout_s: float,
+        *,
+        incarnation: str,
         settle_s: float = SETTLE_S,
         node: tuple[str, int] | None = None,
     ):
-        """`node`: this process's node and the job's process count on it (default: torchrun's, `this_node`)."""
+        """`incarnation`: the same on every process of this incarnation of the job, and new in each (`incarnation()`);
+        `node`: this process's node and the job's process count on it (default: torchrun's, `this_node`)."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--regroup-store must be HOST:PORT, got {address!r}")
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        # One namespace per incarnation of the job: every worker of an agents' round has the same master address.
-        round_id = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-        self.prefix = f"ucp/regroup/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{round_id}"
+        self.prefix = f"ucp/regroup/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{incarnation}"
         self.rank, self.world_size = rank, world_size
         self.node = node or this_node()
         self.generation = 0
@@ -123,6 +125,14 @@ class Regroup:
     def _member(self, prefix: str, order: int) -> tuple[int, str, int]:
         rank, node, size = json.loads(self.store.get(f"{prefix}/member/{order}"))
         return int(rank), str(node), int(size)
+
+
+def incarnation() -> str:
+    """A name for this incarnation of the job, the same on every process (rank 0's random bytes, broadcast over the
+    default group): the store outlives incarnations, and each must count its survivors apart."""
+    token = torch.frombuffer(bytearray(os.urandom(16)), dtype=torch.uint8)
+    dist.broadcast(token, src=0)
+    return token.numpy().tobytes().hex()
 
 
 def _whole_nodes(members: list[tuple[int, str, int]]) -> bool:

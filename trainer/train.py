@@ -47,7 +47,7 @@ from .parallel.mesh import Layout, Mesh, parse_layout
 from .parallel.pipeline import P2P, StageOutput, interleaved_one_f_one_b, one_f_one_b, split_layers
 from .parallel.tensor import vocab_parallel_cross_entropy
 from .profile import StepProfile
-from .regroup import Regroup
+from .regroup import Regroup, incarnation
 from .weights import init_from_seed
 
 
@@ -414,7 +414,11 @@ def main(argv: list[str] | None = None, started: float | None = None) -> None:
         regroup = None
         if cfg.train.regroup_store and dist.get_world_size() > 1:
             regroup = Regroup(
-                cfg.train.regroup_store, dist.get_rank(), dist.get_world_size(), cfg.train.collective_timeout_s
+                cfg.train.regroup_store,
+                dist.get_rank(),
+                dist.get_world_size(),
+                cfg.train.collective_timeout_s,
+                incarnation=incarnation(),
             )
         while True:
             try:
