@@ -20,10 +20,8 @@ from pathlib import Path
 import pytest
 
 from trainer import elastic
+from trainer.demo import hot_steps
 from trainer.launch import free_port, start, wait
-from ucp import commit
-from ucp.storage import LocalStorage
-from ucp.tiers import run_directory
 
 CONFIG = Path(__file__).resolve().parents[1] / "trainer" / "configs" / "tiny-moe.yaml"
 STEPS = 24
@@ -32,13 +30,6 @@ STEPS = 24
 def losses(metrics: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return [(r["step"], r["loss"]) for r in records if "event" not in r]
-
-
-def hot_steps(node_dir: Path, ckpt: str) -> list[int]:
-    try:
-        return commit.committed_steps(LocalStorage(run_directory(str(node_dir), ckpt)))
-    except Exception:  # noqa: BLE001 -- (a directory being written or removed): nothing committed yet
-        return []
 
 
 @pytest.mark.slow
