@@ -14,6 +14,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+_LOWEST_PORT = 10_000  # clear of the well-known and commonly configured service ports
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing is bound to now, for a local process group's rendezvous or a server.
 
@@ -35,9 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:  # every draw taken: a crowded machine, take what the kernel gives
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-_LOWEST_PORT = 10_000  # clear of the well-known and commonly configured service ports
 
 
 def _ephemeral_low() -> int:
