@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import struct
 
 import crc32c
@@ -12,7 +14,7 @@ import torch
 
 import ucp
 from ucp.chunking import ChunkingPolicy, choose_chunks
-from ucp.format import AtomMeta
+from ucp.format import AtomMeta, chunk_indices
 from ucp.inspection import verify
 
 from .helpers import assert_same_state, reseal_object, step_path
@@ -169,3 +171,65 @@ def test_step_directory_url_opens_that_step(tmp_path):
     ucp.save({"x": torch.ones(1)}, str(tmp_path), step=3)
     ucp.save({"x": torch.zeros(1)}, str(tmp_path), step=4)
     assert torch.equal(ucp.load(str(tmp_path / "step_00000003"))["x"], torch.ones(1))
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_path, monkeypatch, trial):
+    """A shard wanted whole is read in one request and moved into place with one copy (ucp.codec._read_whole_shard):
+    straight into the destination when its inner chunks are row bands of it, else (inner chunks that cut columns too,
+    as a distributed save's are) through scratch memory. Random shapes, dtypes and inner grids of one to three
+    dimensions, into whole tensors and into regions of larger ones; a damaged or swapped inner chunk is refused by
+    name."""
+    from ucp.errors import IntegrityError
+    from ucp.sharded_load import _read_region
+
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.int16, torch.uint8, torch.bool])
+    ndim = rng.randint(1, 3)
+    inner = tuple(rng.randint(1, 6) for _ in range(ndim))
+    per_shard = tuple(rng.randint(1, 3) for _ in range(ndim))
+    chunk = tuple(i * g for i, g in zip(inner, per_shard))
+    # at least one shard inside the array along every dimension, the last perhaps cut by the array's edge
+    counts = [rng.randint(1, 3) for _ in chunk]
+    shape = tuple(c * k - (rng.randrange(c) if k > 1 and rng.random() < 0.5 else 0) for c, k in zip(chunk, counts))
+    monkeypatch.setattr("ucp.checkpoint.choose_chunks", lambda *_: (chunk, inner))
+    t = (torch.rand(shape) > 0.5) if dtype == torch.bool else (torch.rand(shape) * 100).to(dtype)
+    options = ucp.SaveOptions(fsync=False)
+    ucp.save({"w": t}, str(tmp_path), options=options, atom_attributes={"w": {"case": seed}})  # (not the cached plan)
+    reader = ucp.open_checkpoint(str(tmp_path))
+    meta = reader.atoms["w"]
+    whole = [i for i in chunk_indices(meta.grid) if all(b - a == c for (a, b), c in zip(meta.chunk_box(i), chunk))]
+    case = f"seed {seed}: {dtype} {shape}, chunks {meta.chunk_shape}, inner {meta.inner_chunk_shape}"
+    assert torch.equal(ucp.load(str(tmp_path))["w"], t), case
+
+    # into a region of a larger tensor (not contiguous when the margin is in the last dimension)
+    margin = tuple(rng.randint(0, 3) for _ in shape)
+    out = torch.zeros(tuple(n + 2 * m for n, m in zip(shape, margin)), dtype=dtype)
+    view = out[tuple(slice(m, m + n) for m, n in zip(margin, shape))]
+    full = tuple((0, n) for n in shape)
+    for index in chunk_indices(meta.grid):
+        _read_region(reader, meta, index, full, view)
+    assert torch.equal(view, t), case
+    assert torch.count_nonzero(out) == torch.count_nonzero(view), f"{case}: written outside its region"
+
+    # a damaged inner chunk of a whole shard, and one swapped for another chunk's (its own checksum right)
+    index = rng.choice(whole)
+    path = step_path(tmp_path) / "w" / meta.chunk_key(index)
+    data = bytearray(path.read_bytes())
+    n = math.prod(meta.inner_grid)
+    head, step = n * 16 + 4 + n * 4, meta.stored_chunk_bytes() + 4
+    k = rng.randrange(n)
+    flipped = bytearray(data)
+    flipped[head + k * step + rng.randrange(step - 4)] ^= 0x10
+    path.write_bytes(flipped)
+    with pytest.raises(IntegrityError, match=f"'w' chunk {meta.chunk_key(index)} .*checksum mismatch"):  # ({case})
+        ucp.load(str(tmp_path))
+    if n > 1:
+        other = (k + 1) % n
+        swapped = bytearray(data)
+        swapped[head + k * step : head + (k + 1) * step] = data[head + other * step : head + (other + 1) * step]
+        path.write_bytes(swapped)
+        if swapped != data:
+            with pytest.raises(IntegrityError, match="not the one the commit recorded"):
+                ucp.load(str(tmp_path))

@@ -248,7 +248,7 @@ def read_object(
     offset of that part inside the chunk), or None to skip the chunk. A plain object is one read. A shard whose
     inner chunks are all wanted is one read too, laid out as ucp writes shards (index, then the inner chunks back
     to back in C order) and checked against its index, falling back to the general path if the index says
-    otherwise. Otherwise a shard is a read of its index, then one scatter read over the wanted inner chunks (gaps
+    otherwise; a shard wanted whole inside the array is delivered with one copy (`_read_whole_shard`). Otherwise a shard is a read of its index, then one scatter read over the wanted inner chunks (gaps
     land in scratch); where each request is costly (`storage.whole_object_reads`) and every inner chunk is
     wanted, it is one whole-object read.
     """
@@ -260,10 +260,14 @@ def read_object(
                 crc = None if recorded is None else _crc_bytes(recorded[1])
                 _read_extents(storage, key, meta, [(0, ChunkSink(wanted[0], chunk_shape, wanted[1]), crc)], None, where)
             return
+        whole_dest = _whole_shard_dest(meta, outer, dest_for)
+        if whole_dest is not None and _read_whole_shard(storage, key, meta, outer, whole_dest, where, recorded):
+            return
         boxes = [b for b in _inner_boxes(meta, outer) if b is not None]
         all_wanted = all(dest_for(b) is not None for b in boxes)
         if (
-            all_wanted
+            whole_dest is None
+            and all_wanted
             and not storage.whole_object_reads
             and _read_dense_shard(storage, key, meta, outer, boxes, dest_for, where, recorded)
         ):
@@ -344,4 +348,71 @@ def _read_dense_shard(
     _check_length(meta, 0, got, first + len(boxes) * step, where)
     for sink, inner in zip(sinks, listed):
         sink.finish(where, inner.crc)
+    return True
+
+
+def _whole_shard_dest(meta: AtomMeta, outer: tuple[int, ...], dest_for: DestFn) -> torch.Tensor | None:
+    """The destination of the whole of shard `outer` when it is wanted whole and lies inside the array (so no
+    inner chunk is padded or absent), as bytes shaped like the chunk (the last dimension in bytes); else None.
+    Such a shard is delivered with one copy instead of one per inner chunk: the per-chunk work is what bounds a
+    load of many inner chunks (Python, small allocations), not the bytes."""
+    box = meta.chunk_box(outer)
+    if tuple(b - a for a, b in box) != tuple(meta.chunk_shape) or not meta.shape:
+        return None
+    wanted = dest_for(box)
+    if wanted is None or any(wanted[1]) or tuple(wanted[0].shape) != tuple(meta.chunk_shape):
+        return None
+    view = wanted[0]
+    if view.stride(-1) != 1 or view.element_size() != meta.itemsize:
+        return None
+    return view.view(torch.uint8)
+
+
+def _read_whole_shard(
+    storage: Storage,
+    key: str,
+    meta: AtomMeta,
+    outer: tuple[int, ...],
+    dest: torch.Tensor,
+    where: str,
+    recorded: ObjectSum | None,
+) -> bool:
+    """`_read_dense_shard` of a shard wanted whole into `dest` (`_whole_shard_dest`). Inner chunks that are
+    consecutive bands of a contiguous `dest` are read straight into it; otherwise the shard's chunks are read into
+    one scratch buffer and, once verified, moved into place by one strided copy."""
+    assert meta.inner_chunk_shape is not None
+    grid, inner = meta.inner_grid, meta.inner_chunk_shape
+    n, size = math.prod(grid), meta.stored_chunk_bytes()
+    step, first = size + CRC_BYTES, head_nbytes(meta)
+    head = memoryview(bytearray(first))
+    direct = dest.is_contiguous() and all(g == 1 for g in grid[1:])
+    if direct:
+        data = dtypes.as_bytes(dest)
+        crcs = memoryview(bytearray(n * CRC_BYTES))
+        body = [
+            b for i in range(n) for b in (data[i * size : (i + 1) * size], crcs[i * CRC_BYTES : (i + 1) * CRC_BYTES])
+        ]
+    else:
+        scratch = torch.empty(n * step, dtype=torch.uint8)
+        stored = dtypes.as_bytes(scratch)
+        body = [stored]
+    got = storage.read_into(key, 0, [head, *body, memoryview(bytearray(1))])
+    listed = parse_index(meta, outer, head[: min(got, first)], where, recorded)
+    if [c.offset for c in listed] != [first + i * step for i in range(n)]:
+        return False
+    _check_length(meta, 0, got, first + n * step, where)
+    for i, chunk in enumerate(listed):
+        if direct:
+            payload, crc = data[i * size : (i + 1) * size], crcs[i * CRC_BYTES : (i + 1) * CRC_BYTES]
+        else:
+            payload, crc = stored[i * step : i * step + size], stored[i * step + size : (i + 1) * step]
+        _verify([payload], crc, where, chunk.crc)
+    if not direct:
+        # the stored chunks, C order of the inner grid, each C order inside: (g0, .., gk, i0, .., ik * itemsize)
+        # interleaved to (g0, i0, .., gk, ik * itemsize), which is the destination's shape split chunk-wise
+        k = len(grid)
+        chunks = scratch.view(n, step)[:, :size].reshape(*grid, *inner[:-1], inner[-1] * meta.itemsize)
+        order = [d for pair in zip(range(k), range(k, 2 * k)) for d in pair]
+        split = [e for g, i in zip(grid, (*inner[:-1], inner[-1] * meta.itemsize)) for e in (g, i)]
+        dest.view(split).copy_(chunks.permute(order))
     return True
