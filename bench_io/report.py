@@ -107,39 +107,39 @@ def write_json(path: str | Path, config: dict[str, Any], results: list[Measureme
 
 
 def write_png(path: str | Path, summaries: list[Summary], title: str) -> None:
-    """Grouped bars: GB/s per method, one bar per target, save and load side by side; the main state only."""
+    """One picture per target with every method on it (GB/s, save and load side by side), then the async saves'
+    blocking time; the main state only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     main = [s for s in summaries if s.state == summaries[0].state] if summaries else []
-    methods = list(dict.fromkeys(s.method for s in main if s.target != "memory"))  # the copy: blocking panel only
-    targets = list(dict.fromkeys(s.target for s in main if s.target != "memory"))
-    by_key = {(s.method, s.target): s for s in main}
+    targets = list(dict.fromkeys(s.target for s in main if s.target != "memory"))  # the copy: blocking panel only
     blocking = [s for s in main if s.blocking_s is not None]
-    fig, axes = plt.subplots(1, 3, figsize=(min(20.0, max(9.0, 0.8 * len(methods) * 3)), 4.5))
-    width = 0.8 / max(len(targets), 1)
-    axes[1].sharey(axes[0])
-    for ax, op in zip(axes, ("save", "load")):
-        for j, target in enumerate(targets):
-            xs = [i + (j - (len(targets) - 1) / 2) * width for i in range(len(methods))]
-            ys = [getattr(by_key[(m, target)], f"{op}_gbps") or 0.0 if (m, target) in by_key else 0.0 for m in methods]
-            bars = ax.bar(xs, ys, width, label=target)
+    methods = max((sum(s.target == t for s in main) for t in targets), default=1)
+    panels = len(targets) + (1 if blocking else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(min(24.0, max(9.0, 0.7 * methods * panels)), 4.5), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        rows = [s for s in main if s.target == target]
+        for j, op in enumerate(("save", "load")):
+            xs = [i + (j - 0.5) * 0.4 for i in range(len(rows))]
+            bars = ax.bar(xs, [getattr(s, f"{op}_gbps") or 0.0 for s in rows], 0.4, label=op)
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
-        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
-        ax.set_title(op)
+        ax.set_xticks(range(len(rows)), [s.method for s in rows], rotation=30, ha="right")
+        ax.set_title(f"{target}: every method")
+        ax.set_ylabel("GB/s (median)")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("GB/s (median)")
-    axes[1].legend(title="target")
-    ax = axes[2]
-    labels = [f"{s.method}\n{s.target}" for s in blocking]
-    bars = ax.bar(range(len(blocking)), [s.blocking_s for s in blocking], 0.7, color="tab:red")
-    ax.bar_label(bars, fmt="%.3f", fontsize=7)
-    ax.set_xticks(range(len(blocking)), labels, fontsize=7, rotation=30, ha="right")
-    ax.set_title("async save: blocking s (copy = floor)")
-    ax.set_ylabel("seconds (median)")
-    ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+    if blocking:
+        ax = axes[0][-1]
+        labels = [f"{s.method}\n{s.target}" for s in blocking]
+        bars = ax.bar(range(len(blocking)), [s.blocking_s for s in blocking], 0.7, color="tab:red")
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+        ax.set_xticks(range(len(blocking)), labels, fontsize=7, rotation=30, ha="right")
+        ax.set_title("async save: blocking s (copy = floor)")
+        ax.set_ylabel("seconds (median)")
+        ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
