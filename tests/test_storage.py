@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +34,7 @@ def test_disk_root_keeps_the_default(tmp_path):
 
 def test_flush_syncs_every_directory_that_gained_an_entry_and_skips_removed_ones(tmp_path, monkeypatch):
     storage = LocalStorage(str(tmp_path / "root"))
+    storage.in_memory = False  # (a disk's behaviour, wherever the test's temporary directory is)
     for i in range(100):  # more than one flush syncs in the calling thread: they go to a pool
         storage.write(f"step/atom{i}/c0", [b"x" * 10])
     for i in (3, 50, 97):  # a failed attempt's directories, removed before the flush
@@ -53,8 +56,28 @@ def test_flush_syncs_every_directory_that_gained_an_entry_and_skips_removed_ones
     assert synced == []
 
 
+def test_a_memory_file_system_has_no_directory_to_sync(tmp_path, monkeypatch):
+    """On tmpfs an fsync does nothing; a flush there makes no calls (a save of many atoms made hundreds)."""
+    shm = tmp_path if file_system_type(str(tmp_path)) == "tmpfs" else Path("/dev/shm")
+    if file_system_type(str(shm)) != "tmpfs":
+        pytest.skip("no tmpfs on this machine")
+    root = Path(tempfile.mkdtemp(dir=shm)) / "root"
+    try:
+        storage = LocalStorage(str(root))
+        assert storage.in_memory
+        for i in range(40):
+            storage.write(f"atom{i}/c0", [b"x"])
+        synced: list[int] = []
+        monkeypatch.setattr(os, "fsync", synced.append)
+        storage.flush()
+        assert synced == []
+    finally:
+        shutil.rmtree(root.parent)
+
+
 def test_a_failing_directory_sync_names_the_root(tmp_path, monkeypatch):
     storage = LocalStorage(str(tmp_path / "root"))
+    storage.in_memory = False
     for i in range(40):
         storage.write(f"atom{i}/c0", [b"x"])
 
