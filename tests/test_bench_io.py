@@ -123,6 +123,33 @@ def test_raw_crc_baseline_checks_what_it_reads(tmp_path: Path) -> None:
         m.load(tmp_path)
 
 
+def test_raw_objects_lays_out_ucps_objects_and_checks_what_it_reads(tmp_path: Path) -> None:
+    """raw-objects, the floor for ucp's object count: the same directories, documents and chunks as a ucp save of
+    the state, and a damaged chunk is noticed."""
+    import ucp
+
+    s = state.make_state("t", state.transformer_specs(256 << 10), seed=2)
+    methods.METHODS["raw-objects"](io_threads=2).save(s, tmp_path / "raw")
+    ucp.save(s.tree, str(tmp_path / "ucp"), step=0)
+    step = next(p for p in (tmp_path / "ucp" / "step_00000000").iterdir() if p.is_dir())
+
+    def layout(root: Path) -> set[str]:
+        return {
+            str(p.relative_to(root)) + ("/" if p.is_dir() else "")
+            for p in root.rglob("*")
+            if p.name not in ("index.json", "ucp-attempt.json") and not (p.is_file() and p.name.startswith("c"))
+        }
+
+    assert layout(tmp_path / "raw") == layout(step)
+    chunks = [p for p in (tmp_path / "raw").rglob("c")]
+    assert len(chunks) == len(s.flat)
+    data = bytearray(chunks[0].read_bytes())
+    data[len(data) // 3] ^= 0x10
+    chunks[0].write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        methods.METHODS["raw-objects"](io_threads=2).load(tmp_path / "raw")
+
+
 def test_cache_drop_on_disk(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(1 << 20))
