@@ -1,11 +1,11 @@
 """Megatron-Core's distributed optimizer as the oracle of ucp's distrib_optim.pt conversion
 (tests/test_megatron_distopt.py).
 
-    python tests/megatron_distopt_worker.py save CKPT OUT        4 ranks: pp2 x ep2 (DP 2, expert DP 1), bf16
-                                                                 (UCP_DISTOPT_SAVE="TP,PP,EP": another layout)
+    python tests/megatron_distopt_worker.py save CKPT OUT        pp2 x ep2, bf16 (UCP_DISTOPT_SAVE="TP,PP,EP": another
+                                                                 layout); DP is what the ranks leave (4 ranks: DP 2)
     python tests/megatron_distopt_worker.py save_dist CKPT OUT   the same, saved in the torch_dist format
-    python tests/megatron_distopt_worker.py load CKPT OUT        2 ranks: tp1pp1 (DP 2), torch format
-    python tests/megatron_distopt_worker.py load_dist CKPT OUT   torch_dist, in UCP_DISTOPT_LOAD="1,PP,EP"
+    python tests/megatron_distopt_worker.py load CKPT OUT        torch format, in UCP_DISTOPT_LOAD="TP,PP,EP" (tp1pp1)
+    python tests/megatron_distopt_worker.py load_dist CKPT OUT   torch_dist, in UCP_DISTOPT_LOAD
 
 `save` takes one step of Megatron's distributed optimizer (DDP with overlapped grad reduction in small buckets, so
 the first stage's buffer has several) and saves the Megatron-LM torch-format checkpoint as Megatron-LM does with
@@ -15,8 +15,8 @@ or as UCP_DISTOPT_SHARDING says). Both runs are deterministic: the same layout g
 `load` loads CKPT into a fresh model and distributed optimizer (strict model load,
 `load_state_dict`, `load_parameter_state`). Both write OUT.r: each parameter's piece of master weight and Adam
 moments that rank r's optimizer holds, found through megatron-core's own range maps and keyed by the global
-parameter name (layers and experts numbered as in a tp1pp1 model), so a test can assemble whole states and compare
-two layouts name by name.
+parameter name (layers and experts numbered as in a tp1pp1 model), with the rank's TP rank and the parameter's TP
+partition dimension, so a test can assemble whole states and compare two layouts name by name.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from tests.megatron_worker import (
 # torch_dist: megatron-core 0.16.1's fully_reshardable save indexes the gathered, bucket-coalesced state with the
 # padded buffer's offsets, so with several buckets and bucket padding it stores later buckets' parameters shifted)
 BUCKET = None if os.environ.get("UCP_DISTOPT_BUCKET") == "none" else 2000
-# the saved layout (with 4 ranks by default: DP 2, expert DP 1)
+# the saved layout (DP: the world size over TP x PP; 4 ranks in pp2 x ep2: DP 2, expert DP 1)
 TP, PP, EP = (int(x) for x in os.environ.get("UCP_DISTOPT_SAVE", "1,2,2").split(","))
-# load_dist's layout (TP 1: each rank's pieces are of whole parameters, which the test assembles)
+# load's and load_dist's layout
 LOAD_TP, LOAD_PP, LOAD_EP = (int(x) for x in os.environ.get("UCP_DISTOPT_LOAD", "1,1,1").split(","))
 # UCP_DISTOPT_TIED=1: the output layer shares the embedding's weight; across pipeline stages megatron-core keeps a copy
 # on the last stage and gives both a grad buffer bucket of their own
@@ -67,11 +67,21 @@ def global_name(name: str, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
     return ".".join(parts)
 
 
+def rank_dirname(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
+    """Megatron-LM's rank directory name: a PP rank only with PP > 1, an EP rank only with EP > 1."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
 def shards(t: Trainable, pp_rank: int, ep_rank: int, pp: int, ep: int) -> dict[str, dict]:
-    """Each parameter's range of its flattened values this rank's distributed optimizer holds, with its fp32
-    master weight and Adam moments there (megatron-core's own range maps and state accessors)."""
+    """Each parameter's range of its flattened (TP-local) values this rank's distributed optimizer holds, with its
+    fp32 master weight and Adam moments there (megatron-core's own range maps and state accessors), the TP rank
+    and the parameter's TP partition dimension (None: the same on every TP rank)."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
     out = {}
     for name, p in t.model.named_parameters():
+        split = getattr(p, "tensor_model_parallel", False)
         for o in t.optimizer.chained_optimizers:
             if p in o.model_param_group_index_map:
                 r = o._get_model_param_range_map(p)["param"]
@@ -79,6 +89,8 @@ def shards(t: Trainable, pp_rank: int, ep_rank: int, pp: int, ep: int) -> dict[s
                 out[global_name(name, pp_rank, ep_rank, pp, ep)] = {
                     "range": (r.start, r.end),
                     "shape": tuple(p.shape),
+                    "tp_rank": tp_rank,
+                    "partition_dim": p.partition_dim if split else None,
                     **{k: tensors[k].detach().float().clone() for k in ("param", "exp_avg", "exp_avg_sq")},
                 }
     return out
@@ -185,9 +197,7 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
         }
         dist_checkpointing.save(state, iter_dir, sharded_strategy=("torch_dist", 1), content_metadata=metadata)
     else:
-        # (Megatron-LM's rank directory names: a PP rank only with PP > 1, an EP rank only with EP > 1)
-        name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if PP > 1 else "") + (f"_{ep_rank:03d}" if EP > 1 else "")
-        directory = os.path.join(iter_dir, name)
+        directory = os.path.join(iter_dir, rank_dirname(tp_rank, pp_rank, ep_rank, PP, EP))
         os.makedirs(directory, exist_ok=True)
         state = {
             **common,
@@ -195,7 +205,8 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
             "optimizer": t.optimizer.state_dict(),
             "opt_param_scheduler": t.scheduler.state_dict(),
         }
-        torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+        if ps.get_expert_data_parallel_rank() == 0:  # (one writer per directory, as Megatron-LM's save)
+            torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
         t.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))  # (a collective over DP)
     dist.barrier()
     if rank == 0:
@@ -222,15 +233,24 @@ def _keep_step_on_load() -> None:
 
 
 def load(rank: int, ckpt: str, out: str) -> None:
+    """CKPT's torch-format files loaded in the UCP_DISTOPT_LOAD layout as Megatron-LM loads them with
+    --use-distributed-optimizer: the model strictly, the optimizer's state dict, then `load_parameter_state` of
+    the rank directory's distrib_optim.pt (which scatters it over DP)."""
+    from megatron.core import parallel_state as ps
+
     _keep_step_on_load()
-    t = Trainable(build_model(bf16=True, tied=TIED), bf16=True, distributed=True, bucket_size=BUCKET)
-    directory = os.path.join(ckpt, f"iter_{ITERATION:07d}", "mp_rank_00")
+    model = build_model(tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP, bf16=True, tied=TIED)
+    t = Trainable(model, bf16=True, distributed=True, bucket_size=BUCKET)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    name = rank_dirname(tp_rank, pp_rank, ep_rank, LOAD_PP, LOAD_EP)
+    directory = os.path.join(ckpt, f"iter_{ITERATION:07d}", name)
     state = torch.load(os.path.join(directory, "model_optim_rng.pt"), weights_only=False)
     t.model.load_state_dict(state["model"], strict=True)
     t.optimizer.load_state_dict(state["optimizer"])
     t.optimizer.load_parameter_state(os.path.join(directory, "distrib_optim.pt"))
     t.scheduler.load_state_dict(state["opt_param_scheduler"])
-    result = shards(t, 0, 0, 1, 1)
+    result = shards(t, pp_rank, ep_rank, LOAD_PP, LOAD_EP)
     result["__lr__"] = [g["lr"] for g in t.optimizer.param_groups]
     torch.save(result, f"{out}.{rank}")
 
@@ -277,12 +297,9 @@ if __name__ == "__main__":
     if mode in ("save", "save_dist"):
         setup(rank, world, tp=TP, pp=PP, ep=EP)
         save(rank, ckpt, out, torch_dist=mode == "save_dist")
-    elif mode == "load_dist":
-        setup(rank, world, tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP)
-        load_dist(rank, ckpt, out)
     else:
-        setup(rank, world)
-        load(rank, ckpt, out)
+        setup(rank, world, tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP)
+        (load_dist if mode == "load_dist" else load)(rank, ckpt, out)
     dist.barrier()
     dist.destroy_process_group()
     print("ok", flush=True)

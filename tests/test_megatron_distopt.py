@@ -23,6 +23,7 @@ from ucp.interop.megatron import DISTRIB_OPTIM_FILE, RANK_FILE, convert, load_ra
 
 from .helpers import DRAW
 from .launch import spawn
+from .megatron_worker import V
 from .test_convert import _replace, assert_bitwise_equal
 
 pytestmark = pytest.mark.slow
@@ -31,33 +32,60 @@ ITER = "iter_0000010"
 # hidden 36, FFN 52: parameter sizes that are not multiples of 64, so megatron-core pads between parameters and the
 # padding lost at each bucket's end moves every later parameter (a wrong bucketing could not go unseen)
 ENV = {"PYTHONWARNINGS": "ignore", "UCP_MEGATRON_SHAPE": "36,52,2,4,4,2"}
+STATES = ("param", "exp_avg", "exp_avg_sq")  # what the worker records of each parameter's piece
 
 
 def assemble(prefix: Path, world: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Every parameter's whole fp32 master weight and moments from the ranks' pieces (megatron_distopt_worker)."""
-    pieces: dict[str, list[dict]] = {}
+    """Every parameter's whole fp32 master weight and moments from the ranks' pieces (megatron_distopt_worker):
+    each TP shard from its DP ranks' ranges, then the TP shards joined as a tp1 model holds the parameter
+    (SwiGLU's fc1 shards each [gate; up]); a vocabulary's padding rows, which depend on TP, are checked zero and
+    left out."""
+    pieces: dict[str, dict[int, list[dict]]] = {}
     for r in range(world):
         for name, d in torch.load(f"{prefix}.{r}", weights_only=True).items():
             if not name.startswith("__"):
-                pieces.setdefault(name, []).append(d)
+                pieces.setdefault(name, {}).setdefault(d["tp_rank"], []).append(d)
     whole = {}
-    for name, ds in pieces.items():
-        shape = ds[0]["shape"]
-        flat = {k: torch.full((torch.Size(shape).numel(),), float("nan")) for k in ("param", "exp_avg", "exp_avg_sq")}
-        for d in ds:
-            start, end = d["range"]
+    for name, by_tp in pieces.items():
+        shards: dict[str, list[torch.Tensor]] = {k: [] for k in STATES}
+        for tp_rank in sorted(by_tp):
+            ds = by_tp[tp_rank]
+            shape = ds[0]["shape"]
+            flat = {k: torch.full((torch.Size(shape).numel(),), float("nan")) for k in STATES}
+            for d in ds:
+                start, end = d["range"]
+                for k, t in flat.items():
+                    t[start:end] = d[k]
+            assert not any(t.isnan().any() for t in flat.values()), f"{name}: TP rank {tp_rank} is not covered"
             for k, t in flat.items():
-                t[start:end] = d[k]
-        assert not any(t.isnan().any() for t in flat.values()), f"{name}: the ranks' pieces do not cover it"
-        whole[name] = {k: t.view(shape) for k, t in flat.items()}
+                shards[k].append(t.view(shape))
+        dim = next(iter(by_tp.values()))[0]["partition_dim"]
+        assert sorted(by_tp) == list(range(len(by_tp))), (name, sorted(by_tp))
+        whole[name] = {k: _join_tp(name, ts, dim) for k, ts in shards.items()}
     return whole
 
 
-def save(tmp: Path, env: dict[str, str]) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
-    """megatron-core's DistributedOptimizer after a step, saved at TMP/src; each parameter's whole state."""
+def _join_tp(name: str, shards: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+    if dim is None:  # (replicated: every TP rank holds the same)
+        assert all(torch.equal(t, shards[0]) for t in shards), f"{name}: TP ranks differ"
+        return shards[0]
+    if name.endswith("linear_fc1.weight"):  # each shard is its gate rows, then its up rows
+        halves = [t.chunk(2, dim) for t in shards]
+        joined = torch.cat([g for g, _ in halves] + [u for _, u in halves], dim)
+    else:
+        joined = torch.cat(shards, dim)
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        assert not joined[V:].any(), f"{name}: a vocabulary padding row is not zero"
+        joined = joined[:V]
+    return joined
+
+
+def save(tmp: Path, env: dict[str, str], world: int = 4) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    """megatron-core's DistributedOptimizer after a step, saved at TMP/src by `world` processes (DP: what the
+    layout, UCP_DISTOPT_SAVE, leaves of them); each parameter's whole state."""
     pytest.importorskip("megatron.core")
-    spawn(["tests/megatron_distopt_worker.py", "save", str(tmp / "src"), str(tmp / "saved")], 4, 300, env)
-    return tmp / "src", assemble(tmp / "saved", 4)
+    spawn(["tests/megatron_distopt_worker.py", "save", str(tmp / "src"), str(tmp / "saved")], world, 300, env)
+    return tmp / "src", assemble(tmp / "saved", world)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +135,25 @@ def test_a_tied_embedding_across_stages_has_a_bucket_of_its_own(tmp_path):
     src, saved = save(tmp_path, env)
     assert torch.equal(saved["output_layer.weight"]["exp_avg"], saved["embedding.word_embeddings.weight"]["exp_avg"])
     converts_and_loads(src, saved, tmp_path, env)
+
+
+def test_tp2pp2_dp2_to_tp4_dp1_loads_in_megatron_and_back_is_bitwise(tmp_path):
+    """megatron-core's DistributedOptimizer in tp2pp2 with DP 2 (8 processes; several buckets on the first stage,
+    each TP shard with values of its own; GQA with 8 heads in 4 query groups, so TP 4 fits) -> ucp -> tp4 with
+    DP 1: megatron-core's tp4 job (4 processes) loads the files, and every parameter's master weight and moments,
+    joined from its TP shards, are bitwise the saved ones. Converted back to tp2pp2, every file is bitwise the
+    source's."""
+    env = {**ENV, "UCP_MEGATRON_SHAPE": "40,52,2,4,8,4", "UCP_DISTOPT_SAVE": "2,2,1", "UCP_DISTOPT_LOAD": "4,1,1"}
+    src, saved = save(tmp_path, env, world=8)
+    assert saved["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]["exp_avg"].abs().sum() > 0
+    report = convert(str(src), str(tmp_path / "tp4"), from_layout="tp2pp2", to_layout="tp4")
+    assert report.dropped == ()
+    spawn(["tests/megatron_distopt_worker.py", "load", str(tmp_path / "tp4"), str(tmp_path / "loaded")], 4, 300, env)
+    loaded = assemble(tmp_path / "loaded", 4)
+    assert set(loaded) == set(saved) and len(loaded) > 20
+    assert_same_states(loaded, saved)
+    convert(str(tmp_path / "tp4"), str(tmp_path / "back"), from_layout="tp4", to_layout="tp2pp2")
+    assert_bitwise_equal(files_of(tmp_path / "back"), files_of(src), "tp2pp2 -> tp4 -> tp2pp2")
 
 
 @pytest.mark.parametrize("trial", range(2))
