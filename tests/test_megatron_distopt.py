@@ -8,6 +8,7 @@ bitwise; damaged or mismatched files are clear errors that leave nothing at the 
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import random
@@ -168,6 +169,13 @@ def test_other_layouts_and_ucp_round_trip_every_file_bitwise(distopt, tmp_path, 
     assert_bitwise_equal(files_of(tmp_path / "from_u"), files_of(src), "via universal")
 
 
+def decouple(groups: list[dict]) -> None:
+    """Param groups as megatron-core 0.16's _get_param_groups makes them with a decoupled LR: the embedding and
+    output layer in a group of their own after the default one, with the same identifier (wd_mult 1, lr_mult 1,
+    is_decoupled_lr False) and their own max_lr."""
+    groups.insert(1, {**groups[0], "max_lr": groups[0]["max_lr"] * 10, "default_config": False})
+
+
 def _rewrite(path: Path, change) -> None:
     """A file of the checkpoint read, changed in memory, and written anew (test_convert._replace)."""
     data = torch.load(path, weights_only=False)
@@ -196,6 +204,10 @@ def test_damaged_or_mismatched_distributed_optimizer_files_are_clear_errors(dist
     for d in (ckpt / ITER).iterdir():
         _rewrite(d / RANK_FILE, lambda data: setattr(data["args"], "ddp_bucket_size", 1000))
     refused(ckpt, rf"{first}/distrib_optim.pt: grad buffer 0 holds \d+ elements, but .* has \d+ .*ddp_bucket_size")
+    # the param group megatron-core 0.16 splits off for a decoupled LR (the matrices' identifier, its own max_lr)
+    ckpt = fresh()
+    _rewrite(ckpt / first / RANK_FILE, lambda data: decouple(data["optimizer"][0]["optimizer"]["param_groups"]))
+    refused(ckpt, rf"{first}/model_optim_rng.pt: optimizer param groups .* not Megatron-Core's standard")
     # a buffer of another size than the layout's
     ckpt = fresh()
 
@@ -314,8 +326,10 @@ def test_torch_dist_dp_reshardable_optimizer_converts_to_megatrons_own_files(tmp
 
 
 def damaged_dp_reshardable_is_refused(src: Path, tmp: Path) -> None:
-    """A bucket of another size (other bucketing), a missing bucket and a missing param-group object are clear
-    errors naming the file and the key; nothing is left at the destination."""
+    """A bucket of another size (other bucketing), a missing bucket, a missing param-group object and param groups
+    with a decoupled LR are clear errors naming the file and the key; nothing is left at the destination."""
+    from dataclasses import replace
+
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from ucp.interop.dcp import METADATA, read_metadata
@@ -352,9 +366,48 @@ def damaged_dp_reshardable_is_refused(src: Path, tmp: Path) -> None:
     def drop_groups(m) -> None:
         del m.storage_data[MetadataIndex(f"{group}.optimizer/shard_0_1")]
 
+    def decoupled_groups(m) -> None:
+        # the param-group object rewritten (appended to its data file, the metadata pointing there)
+        index = MetadataIndex(f"{group}.optimizer/shard_0_1")
+        info = m.storage_data[index]
+        path = iter_dir / info.relative_path
+        blob = path.read_bytes()[info.offset : info.offset + info.length]
+        stored = torch.load(io.BytesIO(blob), weights_only=False)  # (megatron-core keeps the object in a list of one)
+        decouple(stored[0]["param_groups"])
+        buf = io.BytesIO()
+        torch.save(stored, buf)
+        with path.open("ab") as f:
+            m.storage_data[index] = replace(info, offset=f.tell(), length=len(buf.getvalue()))
+            f.write(buf.getvalue())
+
     refused(resize, re.escape(f"{bucket}.bucket_idx_{n}.exp_avg is a tensor of [4096] float32"))
+    refused(decoupled_groups, re.escape(f"{group}.optimizer: optimizer param groups") + ".* not Megatron-Core's")
     refused(drop_bucket, re.escape(f"{group}.gbuf_idx_0 has buckets {list(range(n))}, but megatron-core's buffer"))
     refused(drop_groups, re.escape(f"no param groups in {group}.optimizer"))
+
+
+@pytest.mark.parametrize("overridden", ["decoupled", "lr_mult"])
+def test_torch_dist_param_groups_ucp_does_not_know_are_refused(distopt, tmp_path, overridden):
+    """A torch_dist checkpoint's optimizer (fully_reshardable) with a param group other than Megatron-Core's
+    standard ones (megatron-core 0.16's decoupled-LR group, an older one's lr_mult override) is a clear error
+    naming common.pt: its groups' hyperparameters could not be carried to the right parameters."""
+    from ucp.interop.megatron_dist import COMMON
+
+    src, _ = distopt
+    dist = tmp_path / "dist"
+    convert(str(src), str(dist), from_layout=SOURCE, to_layout="torch_dist")
+    common = dist / ITER / COMMON
+    data = torch.load(common, weights_only=False)
+    groups = data["optimizer"][0]["optimizer"]["param_groups"]
+    if overridden == "decoupled":
+        decouple(groups)
+    else:
+        groups[0]["lr_mult"] = 0.5
+    torch.save(data, common)
+    dst = tmp_path / "out"
+    with pytest.raises(InteropError, match=rf"{ITER}/{COMMON}: optimizer param groups .* not Megatron-Core's standard"):
+        convert(str(dist), str(dst), from_layout="torch_dist", to_layout="tp1")
+    assert not dst.exists()
 
 
 # a job that loads a torch_dist checkpoint ucp wrote: its (TP, PP, EP) and process count (TP 1: the test assembles

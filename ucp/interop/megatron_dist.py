@@ -46,7 +46,15 @@ from ucp.families import DeepseekV3Config
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF, optimizer_entry
-from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, identifier, model_param_groups
+from ucp.interop.megatron_optimizer import (
+    LocalOptimState,
+    OptimizerMeta,
+    check_known_groups,
+    check_param_groups,
+    identifier,
+    model_param_groups,
+    param_groups,
+)
 from ucp.interop.torch_file import TorchFile
 from ucp.layout import Layout
 from ucp.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
@@ -388,11 +396,19 @@ def _read_fully_reshardable(
             state.setdefault(p.chunk_key, {}).setdefault(p.name, {})[name] = tensors.tensor(key, index, p.shape)
     groups: dict[Any, dict[str, Any]] = {}
     scaler = None
-    for one in subs:
+    # (a ChainedOptimizer of a dense and an expert optimizer: a job with expert parallelism)
+    standard = model_param_groups(config, expert_parallel=len(subs) > 1)
+    if len(standard) != len(subs):
+        raise InteropError(
+            f"{iter_dir / COMMON}: its optimizer entry holds {len(subs)} optimizer(s), but Megatron-Core builds "
+            f"{len(standard)} for this model"
+        )
+    for one, known in zip(subs, standard):
         inner = one.get("optimizer")
         saved = inner.get("param_groups") if isinstance(inner, dict) else None
         if not isinstance(saved, list):
             raise InteropError(f"{iter_dir / COMMON}: its optimizer entry has no param groups")
+        check_known_groups(saved, known, str(iter_dir / COMMON))
         groups.update({identifier(g): dict(g) for g in saved})
         scaler = one.get("grad_scaler", scaler)
     return state, groups, scaler
@@ -446,6 +462,7 @@ def _read_dp_reshardable(
     for rank in range(saved.world_size):
         c = saved.coords(rank)
         buffers_of = grad_buffers(config, saved, rank, bucket_size)
+        groups_of = param_groups(config, saved, rank)
         if len(buffers_of) != optimizers:
             raise InteropError(
                 f"{iter_dir / COMMON}: {optimizers} distributed optimizer(s), but a {saved} job of this model "
@@ -461,6 +478,7 @@ def _read_dp_reshardable(
             saved_groups = inner.get("param_groups") if isinstance(inner, dict) else None
             if not isinstance(saved_groups, list):
                 raise InteropError(f"{iter_dir}: no param groups in {base}.optimizer (the {DP_RESHARDABLE} form)")
+            check_param_groups(saved_groups, groups_of[i], f"{iter_dir}: {base}.optimizer", sized=False)
             groups.update({identifier(g): dict(g) for g in saved_groups})
             scaler = tensors.obj(f"{base}.grad_scaler/shard_0_1") or scaler
             for g, buffer in enumerate(buffers):

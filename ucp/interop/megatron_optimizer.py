@@ -272,6 +272,21 @@ def check_param_groups(saved: list[dict[str, Any]], groups: Groups, where: str, 
         )
 
 
+def check_known_groups(saved: list[dict[str, Any]], groups: Groups, where: str) -> None:
+    """The param groups of a whole-model optimizer entry (torch_dist's common.pt, written by one rank: every group
+    of the model with megatron-core 0.16, which aligns them over the ranks; the saving rank's own before) are each
+    one of Megatron-Core's standard groups for the model (`groups`), none twice. A group split off by a decoupled LR
+    or another override is refused: megatron-core 0.16 gives it the identifier of the group it splits, older ones
+    is_decoupled_lr or other multipliers."""
+    found = [dict(zip(GROUP_IDENTIFIER, identifier(g))) for g in saved]
+    known = [dict(zip(GROUP_IDENTIFIER, k)) for k, _ in groups]
+    if any(f not in known for f in found) or len({identifier(g) for g in saved}) != len(saved):
+        raise InteropError(
+            f"{where}: optimizer param groups {found} are not Megatron-Core's standard ones for this model "
+            f"{known} (a decoupled LR or other overrides); ucp maps only those"
+        )
+
+
 def _read_one(sub: Any, groups: Groups, state: LocalOptimState, where: str) -> OptimizerMeta:
     """One Megatron optimizer's state dict: its parameters' tensors into `state`; returns its global part."""
     inner, masters, scaler = _unwrap(sub, where)
