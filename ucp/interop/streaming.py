@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ucp import dtypes
+from ucp import dtypes, heap
 from ucp.checkpoint import SaveOptions, chunk_jobs, group_paths
 from ucp.format import AtomMeta
 from ucp.pipeline import ChunkJob, SavePipeline, SavePlan
@@ -54,6 +54,7 @@ def pipelined(loads: Sequence[Callable[[], T]], consume: Callable[[T], None]) ->
                 pending = pool.submit(loads[i + 1])
             consume(current)
             del current
+            heap.trim()  # (the group's freed buffers: glibc would keep them resident, fragmented, group after group)
 
 
 def progress_bar(total: int, desc: str, enabled: bool) -> Any:

@@ -174,6 +174,7 @@ _LOCAL_HEADER = 30  # bytes of a zip local file header before its name (CRC-32 a
 _CENTRAL_HEADER = 46  # bytes of a central directory entry before its name (CRC-32 at 16)
 _CENTRAL_SIGNATURE = b"PK\x01\x02"
 _ZEROS = bytes(1 << 20)
+TRIM_EVERY = 8 << 20  # bytes of parts written between two heap trims (each costs a walk of the heap)
 
 
 def _write_parts(fd: int, start: int, d: Deferred, where: str) -> int:
@@ -181,6 +182,7 @@ def _write_parts(fd: int, start: int, d: Deferred, where: str) -> int:
     assert d.parts is not None
     numel, itemsize = d.nbytes // d.dtype.itemsize, d.dtype.itemsize
     crc, at = 0, 0  # (at: the next element to write)
+    untrimmed = 0  # bytes of parts freed since the heap was last trimmed
 
     def zeros(until: int) -> int:
         nonlocal crc, at
@@ -204,6 +206,10 @@ def _write_parts(fd: int, start: int, d: Deferred, where: str) -> int:
         crc = zlib.crc32(data, crc)
         at = offset + n
         del values, data
+        untrimmed += n * itemsize
+        if untrimmed >= TRIM_EVERY:  # (a record of many parts: freed parts' pages, up to a file's worth, stay resident)
+            heap.trim()
+            untrimmed = 0
     zeros(numel)
     heap.trim()
     return crc
