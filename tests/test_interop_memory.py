@@ -1,5 +1,6 @@
 """Interop commands stream within --memory-budget: the peak RSS of `ucp import` / `ucp export` / `ucp convert`
-(a real CLI process each) barely moves when the model grows fourfold, and the output is still right."""
+(a real CLI process each) barely moves when the model grows fourfold, and the output is still right; also for
+Megatron checkpoints with a distributed optimizer (distrib_optim.pt beside the rank files, and torch_dist)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ import ucp
 from ucp.families import MixtralConfig, canonical_atoms
 from ucp.interop.hf import hf_config_from_ucp
 from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
+from ucp.interop.megatron_distrib_optim import MOMENTS
+from ucp.interop.megatron_optimizer import MASTER, DistributedBuffers, OptimizerMeta
+from ucp.layout import Layout
 from ucp.reshard import shard
+from ucp.sharded_model import ShardedModel
+from ucp.sharded_save import VirtualWorld
 
 from .test_hf import save_in_layout
 
@@ -48,8 +54,8 @@ class Model:
 
     atoms: dict[str, torch.Tensor]
     ucp: Path  # ucp checkpoint (step 1, written from tp1)
-    hf: Path  # Hugging Face directory: per-expert safetensors in two files, index, config.json
-    dcp: Path  # DCP checkpoint of the flat state dict, with config.json
+    hf: Path | None  # Hugging Face directory: per-expert safetensors in two files, index, config.json
+    dcp: Path | None  # DCP checkpoint of the flat state dict, with config.json
     megatron: Path  # Megatron-LM torch checkpoint in layout tp2 (iteration 1), converted from `ucp`
     torch_dist: Path  # Megatron-LM torch_dist checkpoint (iteration 1), converted from `ucp`
     config: MixtralConfig
@@ -192,10 +198,100 @@ COMMANDS = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("command", list(COMMANDS))
-def test_peak_rss_does_not_grow_with_the_model(models, tmp_path, command):
-    argv, check = COMMANDS[command]
+# a Megatron distributed optimizer's states, as ucp names them (Adam's moments, the fp32 master weights)
+OPTIMIZER_STATES = (*MOMENTS, MASTER)
+
+
+def build_distributed_optimizer(root: Path, layers: int) -> Model:
+    """The model with a Megatron distributed optimizer's state (every atom's moments and master weight, random):
+    `ucp` holds it with the param groups and buffers Megatron-LM's files need (the meta a Megatron -> ucp conversion
+    stores), `megatron` is its tp2 files with distrib_optim.pt (DDP buckets of 1M elements: several per buffer),
+    `torch_dist` its torch_dist checkpoint (the optimizer fully_reshardable). `atoms` holds every atom and state,
+    keyed as ucp's checkpoint paths."""
+    cfg = mixtral(layers)
+    g = torch.Generator().manual_seed(layers)
+    model = {n: torch.randn(shape, generator=g) for n, (shape, _) in canonical_atoms(cfg).items()}
+    state = {n: {s: torch.randn(t.shape, generator=g) for s in OPTIMIZER_STATES} for n, t in model.items()}
+    groups = {
+        (wd, 1.0, False, False): {"wd_mult": wd, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+        | {"lr": 1e-3, "weight_decay": 0.1 * wd, "betas": (0.9, 0.95), "eps": 1e-8, "step": 7}
+        for wd in (1.0, 0.0)
+    }
+    meta = OptimizerMeta(
+        True, MOMENTS, groups=groups, distributed=DistributedBuffers(("float32", "float32"), 1_000_000)
+    )
+    root.mkdir()
+    full = {"model": model, "optimizer": {"state": state}}
+    VirtualWorld(1).save(
+        [shard(full, cfg, Layout(), 0, OPTIMIZER_STATES)],
+        str(root / "ucp"),
+        step=1,
+        model=ShardedModel(cfg, Layout(), OPTIMIZER_STATES),
+        extra={"megatron_optimizer": meta.to_json()},
+    )
+    convert(str(root / "ucp"), str(root / "megatron"), from_layout="universal", to_layout="tp2")
+    assert (root / "megatron" / "iter_0000001" / "mp_rank_01" / "distrib_optim.pt").is_file()
+    convert(str(root / "ucp"), str(root / "torch_dist"), from_layout="universal", to_layout="torch_dist")
+    atoms = {f"model/{n}": t for n, t in model.items()}
+    atoms.update({f"optimizer/{s}/{n}": t for n, states in state.items() for s, t in states.items()})
+    return Model(atoms, root / "ucp", None, None, root / "megatron", root / "torch_dist", cfg)
+
+
+@pytest.fixture(scope="module")
+def distributed_optimizer_models(tmp_path_factory) -> tuple[Model, Model]:
+    root = tmp_path_factory.mktemp("distopt")
+    return (
+        build_distributed_optimizer(root / "small", SMALL_LAYERS),
+        build_distributed_optimizer(root / "large", LARGE_LAYERS),
+    )
+
+
+def check_optimizer(layout: str) -> Callable[[Path, Model], None]:
+    """Read back through ucp (the output in `layout` -> ucp, in this process): every atom and optimizer state."""
+
+    def check(out: Path, model: Model) -> None:
+        url = out
+        if layout != "universal":
+            url = out.parent / f"{out.name}-ucp"
+            assert convert(str(out), str(url), from_layout=layout, to_layout="universal").dropped == ()
+        loaded = ucp.load(str(url))
+        got = {f"model/{n}": t for n, t in loaded["model"].items()}
+        for n, states in loaded["optimizer"]["state"].items():
+            got.update({f"optimizer/{s}/{n}": t for s, t in states.items()})
+        assert_atoms(got, model.atoms)
+
+    return check
+
+
+DISTRIBUTED_OPTIMIZER_COMMANDS = {
+    "convert-tp2-tp1ep2": (
+        lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "tp1ep2"],
+        check_optimizer("tp1ep2"),
+    ),
+    "convert-torch_dist-tp2": (
+        lambda m, dst: ["convert", str(m.torch_dist), str(dst), "--from", "torch_dist", "--to", "tp2"],
+        check_optimizer("tp2"),
+    ),
+    "convert-tp2-torch_dist": (
+        lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "torch_dist"],
+        check_optimizer("torch_dist"),
+    ),
+    "convert-tp2-universal": (
+        lambda m, dst: ["convert", str(m.megatron), str(dst), "--from", "tp2", "--to", "universal"],
+        check_optimizer("universal"),
+    ),
+    "convert-torch_dist-universal": (
+        lambda m, dst: ["convert", str(m.torch_dist), str(dst), "--from", "torch_dist", "--to", "universal"],
+        check_optimizer("universal"),
+    ),
+}
+
+
+def assert_peak_rss_bounded(
+    models: tuple[Model, Model], tmp_path: Path, command: str, argv, check, limit: float | None = None
+) -> None:
+    """The command's peak RSS on the large model exceeds the small one's by less than `limit` bytes (by default a
+    quarter of what the model grows)."""
     peaks = []
     for model in models:
         dst = tmp_path / f"out-{len(peaks)}"
@@ -207,4 +303,26 @@ def test_peak_rss_does_not_grow_with_the_model(models, tmp_path, command):
         f"{command}: peak RSS {peaks[0] / MiB:.0f} MiB (model {small.nbytes / MiB:.0f} MiB), "
         f"{peaks[1] / MiB:.0f} MiB (model {large.nbytes / MiB:.0f} MiB): +{growth / MiB:.1f} MiB"
     )
-    assert growth < 0.25 * (large.nbytes - small.nbytes), f"{command}: peak RSS grew by {growth / MiB:.1f} MiB"
+    limit = 0.25 * (large.nbytes - small.nbytes) if limit is None else limit
+    assert growth < limit, f"{command}: peak RSS grew by {growth / MiB:.1f} MiB"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_peak_rss_does_not_grow_with_the_model(models, tmp_path, command):
+    assert_peak_rss_bounded(models, tmp_path, command, *COMMANDS[command])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("command", list(DISTRIBUTED_OPTIMIZER_COMMANDS))
+def test_peak_rss_does_not_grow_with_a_distributed_optimizer(distributed_optimizer_models, tmp_path, command):
+    """Megatron files with a distributed optimizer (each rank's flat buffers in distrib_optim.pt, several buckets;
+    torch_dist's per-parameter states) convert within the budget too, their optimizer state intact. The bound is a
+    quarter of what the weights alone grow: less than half of what one state's flat buffer of a tp2 rank grows, so
+    a buffer held whole would exceed it."""
+    small, large = distributed_optimizer_models
+    weights = sum(t.numel() * t.element_size() for n, t in large.atoms.items() if n.startswith("model/")) - sum(
+        t.numel() * t.element_size() for n, t in small.atoms.items() if n.startswith("model/")
+    )
+    argv, check = DISTRIBUTED_OPTIMIZER_COMMANDS[command]
+    assert_peak_rss_bounded(distributed_optimizer_models, tmp_path, command, argv, check, limit=0.25 * weights)
