@@ -53,6 +53,8 @@ LOAD_TP, LOAD_PP, LOAD_EP = (int(x) for x in os.environ.get("UCP_DISTOPT_LOAD", 
 # UCP_DISTOPT_TIED=1: the output layer shares the embedding's weight; across pipeline stages megatron-core keeps a copy
 # on the last stage and gives both a grad buffer bucket of their own
 TIED = os.environ.get("UCP_DISTOPT_TIED") == "1"
+# save_dist's form of the optimizer state (megatron-core's distrib_optim_sharding_type)
+SHARDING = os.environ.get("UCP_DISTOPT_SHARDING", "fully_reshardable")
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
@@ -158,7 +160,9 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
     from megatron.core import parallel_state as ps
 
     pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
-    if TIED:  # (megatron-core moves the tied copies to the GPU for its init all-reduce; here they stay on the CPU)
+    # (megatron-core moves the tied copies to the GPU for its init all-reduce, and dp_zero_gather_scatter its
+    # gathered buffers for the gather; here they stay on the CPU)
+    if TIED or (torch_dist and SHARDING == "dp_zero_gather_scatter"):
         torch.Tensor.cuda = lambda self, *args, **kwargs: self
     tp_rank = ps.get_tensor_model_parallel_rank()
     model = build_model(tp=TP, pp=PP, ep=EP, bf16=True, tied=TIED)
@@ -183,7 +187,7 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
     if torch_dist:
         args.ckpt_format = "torch_dist"
         metadata = {
-            "distrib_optim_sharding_type": os.environ.get("UCP_DISTOPT_SHARDING", "fully_reshardable"),
+            "distrib_optim_sharding_type": SHARDING,
             "distrib_optim_fully_reshardable_mem_efficient": True,
         }
         os.makedirs(iter_dir, exist_ok=True)

@@ -275,6 +275,38 @@ def test_torch_dist_fully_reshardable_optimizer_converts_and_loads_in_megatron(t
     assert_bitwise_equal(files_of(tmp_path / "from_u"), files_of(tmp_path / "tp1"), "via universal")
 
 
+def test_deprecated_torch_dist_optimizer_forms_are_named_not_carried(tmp_path):
+    """megatron-core 0.16.1 still saves the deprecated `dp_zero_gather_scatter` form (each model-parallel rank's
+    gathered distrib_optim.pt content as one object): ucp converts the model and names the optimizer as not
+    carried. The other deprecated form, `fully_sharded_model_space` (the default without a sharding type in the
+    metadata), megatron-core 0.16.1 cannot save at all: its ShardedTensor refuses the flattened range the form
+    needs, on any device, so there is no such checkpoint to read (should a later megatron-core save one, this
+    fails and ucp should learn to read it)."""
+    pytest.importorskip("megatron.core")
+    worker, env = "tests/megatron_distopt_worker.py", {**ENV, "UCP_DISTOPT_SAVE": "1,1,1"}
+    spawn(
+        [worker, "save_dist", str(tmp_path / "src"), str(tmp_path / "s")],
+        1,
+        300,
+        {**env, "UCP_DISTOPT_SHARDING": "dp_zero_gather_scatter"},
+    )
+    report = convert(str(tmp_path / "src"), str(tmp_path / "tp1"), from_layout="torch_dist", to_layout="tp1")
+    assert report.dropped == ("optimizer",)
+    saved = torch.load(f"{tmp_path / 's'}.0", weights_only=True)
+    written = load_rank_file(tmp_path / "tp1" / ITER / "mp_rank_00" / RANK_FILE)
+    assert "optimizer" not in written
+    name = "decoder.layers.1.self_attention.linear_qkv.weight"
+    weight = written["model"][name]
+    assert torch.equal(weight.reshape(-1), saved[name]["param"].to(weight.dtype))  # (the bf16 copy of its master)
+    with pytest.raises(AssertionError, match="ShardedTensor.flattened_range is not supported"):
+        spawn(
+            [worker, "save_dist", str(tmp_path / "fs"), str(tmp_path / "s2")],
+            1,
+            300,
+            {**env, "UCP_DISTOPT_SHARDING": "fully_sharded_model_space"},
+        )
+
+
 # megatron-core's layout (TP, PP, EP) -> ucp's name for its rank files (each a 4-rank job)
 DP_RESHARDABLE_LAYOUTS = {"1,2,2": "tp1pp2ep2", "2,2,1": "tp2pp2", "2,1,2": "tp2ep2"}
 
