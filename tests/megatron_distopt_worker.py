@@ -92,7 +92,7 @@ def shards(t: Trainable, pp_rank: int, ep_rank: int, pp: int, ep: int) -> dict[s
                     "range": (r.start, r.end),
                     "shape": tuple(p.shape),
                     "tp_rank": tp_rank,
-                    "partition_dim": p.partition_dim if split else None,
+                    "partition_dim": getattr(p, "partition_dim", None) if split else None,
                     **{k: tensors[k].detach().float().clone() for k in ("param", "exp_avg", "exp_avg_sq")},
                 }
     return out

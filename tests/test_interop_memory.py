@@ -292,7 +292,7 @@ def assert_peak_rss_bounded(
 ) -> None:
     """The command's peak RSS on the large model exceeds the small one's by less than `limit` bytes (by default a
     quarter of what the model grows)."""
-    peaks = []
+    peaks: list[int] = []
     for model in models:
         dst = tmp_path / f"out-{len(peaks)}"
         peaks.append(peak_rss(argv(model, dst)))
