@@ -442,9 +442,8 @@ def test_torch_dist_param_groups_ucp_does_not_know_are_refused(distopt, tmp_path
     assert not dst.exists()
 
 
-# a job that loads a torch_dist checkpoint ucp wrote: its (TP, PP, EP) and process count (TP 1: the test assembles
-# whole parameters from the ranks' pieces)
-TORCH_DIST_LOADS = {"1,1,2": 2, "1,2,1": 2, "1,2,2": 4, "1,1,1": 2}
+# a job that loads a torch_dist checkpoint ucp wrote: its (TP, PP, EP) and process count
+TORCH_DIST_LOADS = {"1,1,2": 2, "1,2,1": 2, "1,2,2": 4, "1,1,1": 2, "2,1,1": 2, "2,2,1": 4}
 
 
 @pytest.mark.parametrize("load_in", DRAW.sample(sorted(TORCH_DIST_LOADS), 2))
