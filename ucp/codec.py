@@ -248,9 +248,10 @@ def read_object(
     offset of that part inside the chunk), or None to skip the chunk. A plain object is one read. A shard whose
     inner chunks are all wanted is one read too, laid out as ucp writes shards (index, then the inner chunks back
     to back in C order) and checked against its index, falling back to the general path if the index says
-    otherwise; a shard wanted whole inside the array is delivered with one copy (`_read_whole_shard`). Otherwise a shard is a read of its index, then one scatter read over the wanted inner chunks (gaps
-    land in scratch); where each request is costly (`storage.whole_object_reads`) and every inner chunk is
-    wanted, it is one whole-object read.
+    otherwise; a shard wanted whole inside the array is delivered with one copy (`_read_whole_shard`). Otherwise
+    a shard is a read of its index, then one scatter read over the wanted inner chunks (gaps land in scratch);
+    where each request is costly (`storage.whole_object_reads`) and every inner chunk is wanted, it is one
+    whole-object read.
     """
     chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
     try:
