@@ -19,6 +19,11 @@ Each is timed twice, by where the weights land:
 - "into": in the job's own parameters, allocated and touched before the timer, as a job that has built its model
   has them (ucp `load_weights(..., into=params)`; safetensors copied into them, as `load_state_dict` does).
 
+Locally, two floors are timed in the same run: "raw read" of the files each method reads (ucp's chunk objects of the
+model, with ucp's threads on a disk; safetensors' files one after another, as load_file reads them), `preadv` into
+memory allocated and touched before the timer, no checksum, no parsing. They say what the file count and placement
+cost before any format's work.
+
 With --s3 the same files go to a moto S3 server on 127.0.0.1 (in process), and S3 rows are added.
 Prints a table: seconds (median of the repeats), bytes read from storage, and the effective rate.
 """
@@ -26,6 +31,8 @@ Prints a table: seconds (median of the repeats), bytes read from storage, and th
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import os
 import statistics
 import tempfile
 import time
@@ -39,6 +46,7 @@ from ucp.distributed import ShardedModel, VirtualWorld
 from ucp.families import MixtralConfig, canonical_atoms
 from ucp.layout import parse_layout
 from ucp.reshard import shard
+from ucp.storage import open_storage
 
 from .targets import MotoServer, drop_page_cache
 
@@ -171,6 +179,35 @@ def safetensors_s3(fs, prefix: str, into: Params | None = None) -> Callable[[], 
     return run
 
 
+def chunk_objects(ucp_root: Path) -> list[Path]:
+    """The files a weights-only load of every parameter reads: the chunk objects below the model's group (not the
+    `zarr.json` documents, which ucp's loads do not read: the manifest plans them)."""
+    return sorted(p for p in ucp_root.glob("step_*/attempt-*/model/**/*") if p.is_file() and p.name != "zarr.json")
+
+
+def raw_read(files: list[Path], threads: int) -> Callable[[], int]:
+    """`preadv` of whole files into one buffer allocated and touched up front: the floor of any reader of them."""
+    sizes = [f.stat().st_size for f in files]
+    buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # (a few thousand files: quadratic is fine)
+    views = [memoryview(buffer[o : o + n].numpy()) for o, n in zip(offsets, sizes, strict=True)]
+
+    def read_one(i: int) -> int:
+        fd = os.open(files[i], os.O_RDONLY)
+        try:
+            return os.preadv(fd, [views[i]], 0)
+        finally:
+            os.close(fd)
+
+    def run() -> int:
+        if threads == 1:
+            return sum(map(read_one, range(len(files))))
+        with cf.ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(read_one, range(len(files))))
+
+    return run
+
+
 def methods(ucp_url: str, hf: Callable[[Params | None], Callable[[], int]], st_params: Params, options: dict | None):
     """(name, run) of every method, ucp's in both layouts and both destinations, then safetensors'."""
     out = []
@@ -208,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         st_params = safetensors_params(hf)
         for method, fn in methods(url, lambda into: safetensors_local(hf, into), st_params, None):
             rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
+        objects, st_files = chunk_objects(Path(url)), sorted(hf.glob("*.safetensors"))
+        threads = open_storage(url).default_io_threads
+        for method, fn in (
+            (f"raw read, ucp's {len(objects)} files", raw_read(objects, threads)),
+            (f"raw read, safetensors' {len(st_files)}", raw_read(st_files, 1)),
+        ):
+            rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
         if args.s3:
             rows += _s3_rows(root, hf, st_params, args.repeats)
         print(f"{'method':<26} {'storage':<7} {'seconds':>9} {'MiB read':>11} {'GiB/s':>9}")
@@ -227,6 +271,9 @@ def ratios(rows: list[Row]) -> str:
             mine = by.get((f"ucp tp1, {dest}", storage))
             if st and mine:
                 out.append(f"{storage} {dest}: ucp tp1 / safetensors = {mine / st:.2f}x")
+    floors = [r.seconds for r in rows if r.method.startswith("raw read")]
+    if len(floors) == 2:
+        out.append(f"local raw reads of the same files: ucp's / safetensors' = {floors[0] / floors[1]:.2f}x")
     return "\n".join(out)
 
 
