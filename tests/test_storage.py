@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import ucp.storage
 from ucp.errors import StorageError
-from ucp.storage import MEMORY_FILE_SYSTEMS, LocalStorage, Storage, file_system_type
+from ucp.storage import (
+    MEMORY_FILE_SYSTEMS,
+    PREFETCH_AHEAD,
+    PREFETCH_GIVE_UP_CACHED,
+    LocalStorage,
+    Storage,
+    file_system_type,
+)
 
 
 def test_file_system_type_of_a_path_not_yet_made_is_its_parents(tmp_path):
@@ -87,3 +99,162 @@ def test_a_failing_directory_sync_names_the_root(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", failing_fsync)
     with pytest.raises(StorageError, match=r"cannot make .*root durable \(fsync\): Input/output error"):
         storage.flush()
+
+
+def _advised(monkeypatch, cached: bool = False) -> list[str]:
+    """The paths LocalStorage.prefetching asks the kernel for, in order (the real posix_fadvise still runs), with
+    every object taken as `cached` in the page cache or not (the files a test has just written are)."""
+    asked: list[str] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        asked.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    monkeypatch.setattr(ucp.storage, "_in_page_cache", lambda fd: cached)
+    return asked
+
+
+def _wait_for(predicate, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _prefetchers_alive() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ucp-prefetch"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prefetching_asks_for_the_keys_in_order_and_stays_its_lead_ahead_of_the_reader(tmp_path, monkeypatch, seed):
+    rng = random.Random(seed)
+    storage = LocalStorage(str(tmp_path / "root"))
+    storage.in_memory = False  # (a disk's behaviour, wherever the test's temporary directory is)
+    keys = [f"step/a{i}/c.0" for i in range(PREFETCH_AHEAD + rng.randint(1, 2 * PREFETCH_AHEAD))]
+    for key in keys:
+        storage.write(key, [os.urandom(rng.randint(0, 4096))])
+    rng.shuffle(keys)  # (the order of the reads, not of the writes)
+    asked = _advised(monkeypatch)
+    with storage.prefetching(keys) as advance:
+        _wait_for(lambda: len(asked) >= PREFETCH_AHEAD)
+        time.sleep(0.05)
+        assert len(asked) == PREFETCH_AHEAD  # no further until the reader has read some
+        read = rng.randint(1, len(keys) - PREFETCH_AHEAD)
+        for _ in range(read):
+            advance()
+        _wait_for(lambda: len(asked) >= PREFETCH_AHEAD + read)
+        time.sleep(0.05)
+        assert len(asked) == PREFETCH_AHEAD + read
+    assert asked == [os.path.join(storage.root, k) for k in keys[: len(asked)]]
+    assert not _prefetchers_alive()  # the context stopped and joined it, with keys left
+
+
+def test_prefetching_passes_over_what_it_cannot_open_and_stops_when_the_reader_fails(tmp_path, monkeypatch):
+    storage = LocalStorage(str(tmp_path / "root"))
+    storage.in_memory = False
+    storage.write("s/ok/c.0", [b"x" * 100])
+    storage.write("s/last/c.0", [b"y"])
+    os.mkfifo(tmp_path / "root" / "s" / "fifo")  # would block a plain open: never waited on
+    os.symlink("/etc/passwd", tmp_path / "root" / "s" / "link")  # never followed
+    keys = ["s/missing/c.0", "s/fifo", "s/link", "../outside", "s", "s/ok/c.0", "s/last/c.0"]
+    asked = _advised(monkeypatch)
+    with pytest.raises(OSError, match="the reader's own failure"), storage.prefetching(keys) as advance:
+        for _ in keys:
+            advance()
+        _wait_for(lambda: any(p.endswith("last/c.0") for p in asked))
+        raise OSError("the reader's own failure")
+    assert not any("passwd" in p or "outside" in p for p in asked)
+    assert not _prefetchers_alive()
+
+
+def test_prefetching_stops_where_the_objects_are_in_the_page_cache_already(tmp_path, monkeypatch):
+    storage = LocalStorage(str(tmp_path / "root"))
+    storage.in_memory = False
+    keys = [f"s/a{i}/c.0" for i in range(PREFETCH_GIVE_UP_CACHED + 50)]
+    for key in keys:
+        storage.write(key, [b"x"])
+    looked: list[int] = []
+    asked = _advised(monkeypatch, cached=True)
+    monkeypatch.setattr(ucp.storage, "_in_page_cache", lambda fd: looked.append(fd) or True)
+    with storage.prefetching(keys) as advance:
+        for _ in keys:
+            advance()
+        _wait_for(lambda: not _prefetchers_alive())
+    assert len(looked) == PREFETCH_GIVE_UP_CACHED and asked == []
+
+
+def test_in_page_cache_tells_a_file_just_read_from_one_dropped_from_memory(tmp_path):
+    if file_system_type(str(tmp_path)) in MEMORY_FILE_SYSTEMS or not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("a memory file system keeps every file in memory; or no RWF_NOWAIT here")
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 16))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.pread(fd, 1 << 16, 0)
+        assert ucp.storage._in_page_cache(fd)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not ucp.storage._in_page_cache(fd)
+    finally:
+        os.close(fd)
+
+
+def test_prefetching_does_nothing_in_memory(tmp_path, monkeypatch):
+    storage = LocalStorage(str(tmp_path / "root"))
+    storage.in_memory = True
+    storage.write("s/a/c.0", [b"x"])
+    asked = _advised(monkeypatch)
+    with storage.prefetching(["s/a/c.0"]) as advance:
+        advance()
+        assert not _prefetchers_alive()
+    assert asked == []
+
+
+def test_loads_tell_the_storage_the_small_objects_they_read_one_after_another(tmp_path, monkeypatch):
+    """ucp.load and a sharded load (load_weights) hand the disk the keys of the small objects they read in the
+    calling thread, in the order they read them, and read the same bits as without reading ahead."""
+    import ucp
+    from ucp.interop.weights import load_weights
+    from ucp.workpool import SMALL_OBJECT_BYTES
+
+    from .test_hf import random_full_state, save_in_layout, tiny_config
+
+    rng = random.Random()
+    told: list[list[str]] = []
+    real = LocalStorage.prefetching
+
+    def recording(self: LocalStorage, keys):
+        told.append(list(keys))
+        self.in_memory = False  # (read ahead wherever the test's temporary directory is)
+        return real(self, keys)
+
+    state = {"small": {f"t{i}": torch.randn(rng.randint(1, 2000)) for i in range(rng.randint(20, 60))}}
+    state["big"] = torch.randn(SMALL_OBJECT_BYTES // 2)  # 2x the lane's limit: read on the pool
+    url = str(tmp_path / "plain")
+    ucp.save(state, url, step=0)
+    plain = ucp.load(url)
+    monkeypatch.setattr(LocalStorage, "prefetching", recording)
+    again = ucp.load(url)
+    assert all(torch.equal(again["small"][k], plain["small"][k]) for k in state["small"])
+    assert torch.equal(again["big"], plain["big"])
+    prefix = ucp.open_checkpoint(url).prefix
+    assert sorted(told[-1]) == sorted(f"{prefix}/small/{k}/c.0" for k in state["small"])
+
+    cfg = tiny_config(num_hidden_layers=2)
+    sharded = str(tmp_path / "sharded")
+    save_in_layout(random_full_state(cfg), cfg, rng.choice(["tp2pp2", "tp1pp2dp2zero1"]), sharded, step=1)
+    layout, rank = rng.choice([("tp2", 1), ("tp1", 0), ("tp2pp2", 2)])
+    told.clear()
+    got = load_weights(sharded, layout, rank).params
+    reader = ucp.open_checkpoint(sharded)
+    small = told[-1]
+    assert small and all(k.startswith(reader.prefix + "/model/") for k in small)
+    assert all(
+        reader.atoms[k.removeprefix(reader.prefix + "/").rsplit("/", 1)[0]].object_bytes < SMALL_OBJECT_BYTES
+        for k in small
+    )
+    monkeypatch.setattr(LocalStorage, "prefetching", real)
+    want = load_weights(sharded, layout, rank).params
+    assert all(torch.equal(got[n], want[n]) for n in want)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import random
 import threading
 
 import pytest
 
-from ucp.workpool import SMALL_OBJECT_BYTES, SizedPool, run_sized, wait_all
+from ucp.workpool import SMALL_OBJECT_BYTES, ObjectCall, SizedPool, run_sized, wait_all
 
 
 def _recorder():
@@ -27,7 +28,7 @@ def test_run_sized_runs_small_objects_in_the_calling_thread_and_large_ones_on_th
     sizes = [rng.choice([1, SMALL_OBJECT_BYTES - 1, SMALL_OBJECT_BYTES, 64 << 20]) for _ in range(200)]
     seen, call = _recorder()
     with cf.ThreadPoolExecutor(4, thread_name_prefix="pool") as pool:
-        run_sized(pool, [(lambda i=i: call(i), n) for i, n in enumerate(sizes)])
+        run_sized(pool, [ObjectCall(lambda i=i: call(i), n) for i, n in enumerate(sizes)])
     assert sorted(i for i, _ in seen) == list(range(len(sizes)))  # each exactly once
     for i, thread in seen:
         small = sizes[i] < SMALL_OBJECT_BYTES
@@ -47,8 +48,8 @@ def test_run_sized_raises_the_first_failure_and_runs_nothing_after_it_in_its_lan
         raise OSError("disk full")
 
     big = 64 << 20
-    calls = [(lambda i=i: ok(i), 1 if failing == "small" else big) for i in range(5)]
-    calls.insert(2, (boom, 1 if failing == "small" else big))
+    calls = [ObjectCall(lambda i=i: ok(i), 1 if failing == "small" else big) for i in range(5)]
+    calls.insert(2, ObjectCall(boom, 1 if failing == "small" else big))
     with cf.ThreadPoolExecutor(1) as pool, pytest.raises(OSError, match="disk full"):
         run_sized(pool, calls)
     if failing == "small":
@@ -65,3 +66,33 @@ def test_sized_pool_puts_small_work_on_its_own_thread():
     lanes = dict(seen)
     assert lanes[0] == lanes[2] and lanes[0].startswith("t-small")
     assert not lanes[1].startswith("t-small") and not lanes[3].startswith("t-small")
+
+
+def test_run_sized_tells_the_storage_the_small_lanes_keys_in_order_and_each_object_it_has_read():
+    rng = random.Random()
+    sizes = [rng.choice([1, SMALL_OBJECT_BYTES - 1, SMALL_OBJECT_BYTES, 64 << 20]) for _ in range(rng.randint(1, 200))]
+    lane: list[tuple] = []  # what the calling thread did, in order
+    me = threading.get_ident()
+
+    @contextlib.contextmanager
+    def prefetching(keys):
+        lane.append(("told", list(keys)))
+        yield lambda: lane.append(("advanced",))
+        lane.append(("done",))
+
+    def read(i: int) -> None:
+        if threading.get_ident() == me:
+            lane.append(("read", i))
+
+    calls = [ObjectCall(lambda i=i: read(i), n, f"k{i}") for i, n in enumerate(sizes)]
+    with cf.ThreadPoolExecutor(4) as pool:
+        run_sized(pool, calls, True, prefetching)
+    small = [i for i, n in enumerate(sizes) if n < SMALL_OBJECT_BYTES]
+    if not small:
+        assert lane == []  # nothing read one after another: nothing to read ahead of
+        return
+    assert lane == [
+        ("told", [f"k{i}" for i in small]),
+        *[e for i in small for e in (("read", i), ("advanced",))],
+        ("done",),
+    ]

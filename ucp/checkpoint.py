@@ -34,7 +34,7 @@ from .format import (
 from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .session import SaveSession
 from .storage import Storage, open_storage
-from .workpool import run_sized
+from .workpool import ObjectCall, run_sized
 
 DEFAULT_IO_THREADS = 16  # requests in flight on local files (object stores: Storage.default_io_threads)
 
@@ -261,6 +261,10 @@ class CheckpointReader:
             ) from None
         meta.check_zarr_json(loads(raw, f"atom {meta.path!r} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
 
+    def object_key(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
+        """The storage key of chunk object `index` of `meta` in this step."""
+        return meta.object_key(self.prefix, index)
+
     def recorded(self, meta: AtomMeta, index: tuple[int, ...]) -> ObjectSum | None:
         """The size and checksum the commit recorded for chunk object `index` of `meta` (None in format 1.0)."""
         objects = self.manifest.objects
@@ -268,10 +272,9 @@ class CheckpointReader:
 
     def read_object(self, meta: AtomMeta, index: tuple[int, ...], dest_for: codec.DestFn) -> None:
         """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object."""
-        key = meta.chunk_key(index)
-        where = f"atom {meta.path!r} chunk {key} (step {self.step})"
+        where = f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
         codec.read_object(
-            self.storage, self._atom_key(meta, key), meta, index, dest_for, where, self.recorded(meta, index)
+            self.storage, self.object_key(meta, index), meta, index, dest_for, where, self.recorded(meta, index)
         )
 
     def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
@@ -286,12 +289,14 @@ class CheckpointReader:
         metas = [self.atoms[p] for p in paths]
         out = {m.path: allocate(m) for m in metas}
         tasks = [
-            (functools.partial(self.read_chunk_into, m, i, out[m.path]), m.object_bytes)
+            ObjectCall(
+                functools.partial(self.read_chunk_into, m, i, out[m.path]), m.object_bytes, self.object_key(m, i)
+            )
             for m in metas
             for i in chunk_indices(m.grid)
         ]
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            run_sized(pool, tasks, self.storage.serial_small_objects(writing=False))
+            run_sized(pool, tasks, self.storage.serial_small_objects(writing=False), self.storage.prefetching)
         return out
 
     def load_state(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from .format import AtomMeta
 from .quantization import FLOAT8, dequantize, scale_box, scale_shape
 from .reshard import LocalTensor, local_plan, local_tensor, piece_view, put_local
 from .sharded_model import ShardedModel, atom_path, check_atom, states_held
-from .workpool import run_sized
+from .workpool import ObjectCall, run_sized
 
 
 @dataclass
@@ -62,7 +62,7 @@ def load_sharded(
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
     shapes = canonical_atoms(model.config)
     local: dict[str, Any] = {}
-    jobs: list[tuple[Callable[[], None], int]] = []
+    jobs: list[ObjectCall] = []
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read in the stored dtype, the caller's tensor)
     made: list[LocalTensor] = []  # the local tensors not from `into`
     finishes: list[Callable[[], object]] = []  # once read: pieces read in another dtype, put into their local tensors
@@ -108,7 +108,7 @@ def load_sharded(
                 bytes_needed += nbytes
     with cf.ThreadPoolExecutor(reader.io_threads) as pool:
         before = reader.storage.stats.bytes_read
-        run_sized(pool, jobs, reader.storage.serial_small_objects(writing=False))
+        run_sized(pool, jobs, reader.storage.serial_small_objects(writing=False), reader.storage.prefetching)
         read = reader.storage.stats.bytes_read - before
     for finish in finishes:
         finish()
@@ -172,23 +172,23 @@ def _chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
 
 def piece_reads(
     reader: CheckpointReader, lt: LocalTensor, metas: Sequence[AtomMeta], tensor: torch.Tensor
-) -> list[tuple[Callable[[], None], int]]:
+) -> list[ObjectCall]:
     """The reads that fill `tensor` (local tensor `lt`, in the atoms' stored dtype) from the chunks its pieces
     overlap, each with the bytes of its object; `metas` are the pieces' atoms. Each read is one stored object; run
     them in any order, at once."""
-    reads: list[tuple[Callable[[], None], int]] = []
+    reads: list[ObjectCall] = []
     for p, meta in zip(lt.pieces, metas):
         reads += region_reads(reader, meta, p.atom_box, piece_view(tensor, p))
     return reads
 
 
-def region_reads(
-    reader: CheckpointReader, meta: AtomMeta, box: Box, view: torch.Tensor
-) -> list[tuple[Callable[[], None], int]]:
+def region_reads(reader: CheckpointReader, meta: AtomMeta, box: Box, view: torch.Tensor) -> list[ObjectCall]:
     """The reads that fill `view` (shaped like `box`, in the atom's stored dtype) with region `box` of an atom, one
-    per chunk object it overlaps, each with the bytes of its object."""
+    per chunk object it overlaps."""
     return [
-        (functools.partial(_read_region, reader, meta, i, box, view), meta.object_bytes)
+        ObjectCall(
+            functools.partial(_read_region, reader, meta, i, box, view), meta.object_bytes, reader.object_key(meta, i)
+        )
         for i in _chunks_touching(meta, box)
     ]
 
@@ -221,7 +221,7 @@ def dequantised(atoms: Mapping[str, AtomMeta], meta: AtomMeta, shapes: Mapping[s
 
 def _converted_reads(
     reader: CheckpointReader, meta: AtomMeta, box: Box, view: torch.Tensor, scales: Scales | None
-) -> tuple[list[tuple[Callable[[], None], int]], Callable[[], object], int]:
+) -> tuple[list[ObjectCall], Callable[[], object], int]:
     """Region `box` of an atom for `view`, which has another dtype: the reads into a buffer of the atom's dtype (and
     with `scales`, of the scales of the blocks the region falls in), the step that then puts it into `view` (cast, or
     dequantised: each element times its block's scale in float32, rounded once) and the bytes they read for it."""

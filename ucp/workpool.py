@@ -5,10 +5,25 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TypeVar
+from contextlib import AbstractContextManager, nullcontext
+from typing import NamedTuple, TypeVar
 
 Call = Callable[[], object]
 K = TypeVar("K", bound=Hashable)
+
+
+class ObjectCall(NamedTuple):
+    """A call that moves one stored object, with the object's bytes (which lane it takes: SMALL_OBJECT_BYTES) and,
+    for a read, the object's key, so that the storage can be told ahead which objects will be read."""
+
+    call: Call
+    nbytes: int
+    key: str | None = None
+
+
+# Storage.prefetching: given the keys a lane will read in order, a context in which the storage reads ahead of it,
+# and a callable the lane calls after each object it has read.
+Prefetching = Callable[[Sequence[str]], AbstractContextManager[Callable[[], None]]]
 
 
 def pack(sizes: Mapping[K, int], limit: int) -> list[list[K]]:
@@ -66,15 +81,25 @@ def in_small_lane(object_bytes: int, serial_small: bool) -> bool:
     return serial_small and object_bytes < SMALL_OBJECT_BYTES
 
 
-def run_sized(pool: cf.ThreadPoolExecutor, calls: Sequence[tuple[Call, int]], serial_small: bool = True) -> None:
-    """Run (call, bytes) pairs: the large ones on `pool`, the small ones (SMALL_OBJECT_BYTES) meanwhile in the
-    calling thread, one after another (unless `serial_small` is False: then every one on the pool). The first
-    failure cancels what has not started and is raised."""
-    futures = submit_batched(pool, [call for call, n in calls if not in_small_lane(n, serial_small)])
+def run_sized(
+    pool: cf.ThreadPoolExecutor,
+    calls: Sequence[ObjectCall],
+    serial_small: bool = True,
+    prefetching: Prefetching | None = None,
+) -> None:
+    """Run object calls: the large ones on `pool`, the small ones (SMALL_OBJECT_BYTES) meanwhile in the calling
+    thread, one after another (unless `serial_small` is False: then every one on the pool), with the storage reading
+    ahead of them where it can (`prefetching`: a disk's reads then overlap, where each would wait in turn). The
+    first failure cancels what has not started and is raised."""
+    futures = submit_batched(pool, [c.call for c in calls if not in_small_lane(c.nbytes, serial_small)])
+    small = [c for c in calls if in_small_lane(c.nbytes, serial_small)]
     try:
-        for call, n in calls:
-            if in_small_lane(n, serial_small):
-                call()
+        keys = [c.key for c in small if c.key is not None]
+        with prefetching(keys) if prefetching and keys else nullcontext(None) as advance:
+            for c in small:
+                c.call()
+                if advance is not None:
+                    advance()
     except BaseException:
         for f in futures:
             f.cancel()
@@ -102,10 +127,10 @@ class SizedPool:
         self.narrow.shutdown(wait=wait)
 
 
-def submit_sized(pool: SizedPool, calls: Sequence[tuple[Call, int]], serial_small: bool) -> list[cf.Future]:
-    """Submit (call, bytes) pairs, batched, each in the lane of its size (every one on the wide pool unless
+def submit_sized(pool: SizedPool, calls: Sequence[ObjectCall], serial_small: bool) -> list[cf.Future]:
+    """Submit object calls, batched, each in the lane of its size (every one on the wide pool unless
     `serial_small`)."""
-    small = [in_small_lane(n, serial_small) for _, n in calls]
-    return submit_batched(pool.narrow, [c for (c, _), s in zip(calls, small) if s]) + submit_batched(
-        pool.wide, [c for (c, _), s in zip(calls, small) if not s]
+    small = [in_small_lane(c.nbytes, serial_small) for c in calls]
+    return submit_batched(pool.narrow, [c.call for c, s in zip(calls, small) if s]) + submit_batched(
+        pool.wide, [c.call for c, s in zip(calls, small) if not s]
     )

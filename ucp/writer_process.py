@@ -48,7 +48,7 @@ from .errors import UcpError, WriterProcessError
 from .format import AtomMeta
 from .staging import Arena, map_shared_arena
 from .storage import Storage
-from .workpool import SMALL_OBJECT_BYTES, SizedPool, submit_sized
+from .workpool import SMALL_OBJECT_BYTES, ObjectCall, SizedPool, submit_sized
 
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
@@ -283,13 +283,17 @@ class _Server:
     def _start(self, kind: str, req: int, sid: int, payload: Any) -> None:
         storage = self.storages[sid]
         written: Written = []
-        calls: list[tuple[Callable[[], object], int]]  # (call, bytes of its object)
+        calls: list[ObjectCall]
         if kind == "chunks":
-            calls = [(functools.partial(self._write_chunk, storage, ref, written), ref.nbytes) for ref in payload]
+            calls = [
+                ObjectCall(functools.partial(self._write_chunk, storage, ref, written), ref.nbytes) for ref in payload
+            ]
         elif kind == "documents":
-            calls = [(functools.partial(_write_document, storage, key, data, written), 0) for key, data in payload]
+            calls = [
+                ObjectCall(functools.partial(_write_document, storage, key, data, written), 0) for key, data in payload
+            ]
         else:
-            calls = [(storage.flush, SMALL_OBJECT_BYTES)]
+            calls = [ObjectCall(storage.flush, SMALL_OBJECT_BYTES)]
         self._reply_when_done(req, submit_sized(self.pool, calls, storage.serial_small_objects(writing=True)), written)
 
     def _write_chunk(self, storage: Storage, ref: ChunkRef, written: Written) -> None:

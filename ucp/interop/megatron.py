@@ -1264,8 +1264,8 @@ def _read_local(
     """One local tensor of a target rank, read from the atom chunks it overlaps (load_sharded, for one tensor;
     padding zero)."""
     out = torch.zeros(lt.shape, dtype=dtype)
-    for read, _ in piece_reads(reader, lt, [atom_meta[(p.atom, lt.state)] for p in lt.pieces], out):
-        read()
+    for read in piece_reads(reader, lt, [atom_meta[(p.atom, lt.state)] for p in lt.pieces], out):
+        read.call()
     return out
 
 
