@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import itertools
 import os
 import statistics
 import tempfile
@@ -189,8 +190,8 @@ def raw_read(files: list[Path], threads: int) -> Callable[[], int]:
     """`preadv` of whole files into one buffer allocated and touched up front: the floor of any reader of them."""
     sizes = [f.stat().st_size for f in files]
     buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]  # (a few thousand files: quadratic is fine)
-    views = [memoryview(buffer[o : o + n].numpy()) for o, n in zip(offsets, sizes, strict=True)]
+    offsets = itertools.accumulate(sizes, initial=0)
+    views = [memoryview(buffer[o : o + n].numpy()) for o, n in zip(offsets, sizes, strict=False)]
 
     def read_one(i: int) -> int:
         fd = os.open(files[i], os.O_RDONLY)

@@ -117,3 +117,31 @@ def test_reshard_config_fits_and_divides(size: int) -> None:
     assert nbytes <= size
     assert config.num_key_value_heads % 4 == 0 and config.num_hidden_layers % 2 == 0
     assert config.num_local_experts % 2 == 0
+
+
+def test_coldstart_floor_reads_every_chunk_object_of_the_model_and_nothing_else(tmp_path: Path) -> None:
+    """The cold start's raw-read floor of ucp reads the files a weights-only load reads: each chunk object below
+    the model's group once (no zarr.json, no optimizer state), every byte of it."""
+    import random
+
+    import torch
+
+    import ucp
+    from bench_io.coldstart import chunk_objects, raw_read
+    from ucp.format import chunk_indices
+
+    rng = random.Random()
+    url = tmp_path / "ckpt"
+    model = {f"w{i}": torch.randn(rng.randint(1, 300), rng.randint(1, 40)) for i in range(rng.randint(2, 9))}
+    ucp.save({"model": model, "optimizer": {"m": torch.randn(50)}}, str(url), step=0)
+    files = chunk_objects(url)
+    reader = ucp.open_checkpoint(str(url))
+    wanted = {
+        reader.object_key(meta, index)
+        for meta in reader.atoms.values()
+        if meta.path.startswith("model/")
+        for index in chunk_indices(meta.grid)
+    }
+    assert sorted(str(f.relative_to(url)) for f in files) == sorted(wanted)
+    for threads in (1, rng.randint(2, 8)):
+        assert raw_read(files, threads)() == sum(f.stat().st_size for f in files)
