@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -17,8 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucp
+from ucp.attempt import collect_garbage
 from ucp.format import COMMIT_MARKER, step_dirname
 from ucp.inspection import describe, verify
+from ucp.storage import LocalStorage
 
 from .helpers import reseal_manifest, step_path
 
@@ -184,6 +187,48 @@ def test_a_symlinked_chunk_is_not_followed_on_read(tmp_path):
     chunk.symlink_to(target)
     with pytest.raises(ucp.StorageError, match="symbolic link"):
         ucp.load(str(tmp_path))
+
+
+def test_a_directory_replaced_by_a_link_is_not_followed_on_read(tmp_path):
+    """Any directory between the step and a chunk moved elsewhere and linked back: every byte it holds is still
+    what the manifest's checksums say, but a read through it is refused, naming the path."""
+    root = tmp_path / "ckpt"
+    make(root)
+    chunk = next((step_path(root, 3) / "model" / "w").glob("c.*"))
+    directory = random.choice([p for p in chunk.parents if p.is_relative_to(step_path(root, 3))])
+    moved = tmp_path / "elsewhere"
+    directory.rename(moved)
+    directory.symlink_to(moved, target_is_directory=True)
+    with pytest.raises(ucp.StorageError, match="symbolic link"):
+        ucp.load(str(root))
+    with pytest.raises(ucp.StorageError, match="symbolic link"):
+        LocalStorage(str(root)).read(str(chunk.relative_to(root)))
+    out = run_cli("verify", str(root), timeout=30)  # (a damaged atom is a report line; a damaged manifest an error)
+    assert out.returncode != 0 and "symbolic link" in out.stdout + out.stderr
+
+
+def test_gc_never_removes_anything_through_a_linked_directory(tmp_path):
+    """A step directory below the latest commit, without a marker, would be a 1.0 save's leftovers; as a link to
+    elsewhere it is left alone, and so is what it points to (as is the target of a link inside a dead attempt)."""
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    ucp.save({"w": torch.ones(2)}, str(root), step=5)
+    outside.mkdir()
+    for name in ("keep.txt", "zarr.json"):
+        (outside / name).write_text("not ucp's")
+    (outside / "sub").mkdir()
+    (root / step_dirname(3)).symlink_to(outside, target_is_directory=True)
+    storage = LocalStorage(str(root))
+    storage.write(f"{step_dirname(2)}/attempt-{'0' * 32}/model/w/c.0", [b"x"])  # a dead attempt: no owner record
+    os.utime(root / step_dirname(2) / f"attempt-{'0' * 32}", (time.time() - 3600,) * 2)
+    os.symlink(outside, root / step_dirname(2) / f"attempt-{'0' * 32}" / "model" / "link")
+    removed = collect_garbage(storage)
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt", "sub", "zarr.json"]
+    assert (root / step_dirname(3)).is_symlink() and removed == [f"{step_dirname(2)}/attempt-{'0' * 32}"]
+    for call in (storage.listdir, storage.delete, storage.remove_empty_dir):
+        with pytest.raises(ucp.StorageError, match=f"{step_dirname(3)} is a symbolic link"):
+            call(f"{step_dirname(3)}/sub")
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt", "sub", "zarr.json"]
+    assert ucp.load(str(root))["w"].tolist() == [1.0, 1.0]
 
 
 def test_a_state_key_longer_than_a_file_name_is_refused_before_any_write(tmp_path):

@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from functools import lru_cache
 
 from . import commit
-from .errors import FormatError
+from .errors import FormatError, NotAFileError
 from .format import (
     ATTEMPT_RECORD,
     FORMAT_VERSION,
@@ -200,7 +200,11 @@ def collect_garbage(storage: Storage, *, now: float | None = None) -> list[str]:
         except FormatError:
             continue  # damaged: an operator's case, never ours to delete
         step_dir = step_dirname(step)
-        names = storage.listdir(step_dir)
+        try:
+            names = storage.listdir(step_dir)
+        except NotAFileError as e:  # a step directory replaced by a link: an operator's case too
+            log.warning("left %s/%s alone: %s", storage.url, step_dir, e)
+            continue
         for name in names:
             key = f"{step_dir}/{name}"
             if is_attempt_dirname(name):

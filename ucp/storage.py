@@ -6,8 +6,9 @@ Each storage counts the bytes it moves (`stats`), which is how read amplificatio
 every key it writes (`stats.write_log`).
 
 Failures other than a missing object are `StorageError`s naming the path: no space, no permission, an object
-store that refuses or cannot be reached. Local storage never follows a symbolic link below its root and reads
-only regular files, so a link or a FIFO planted in a checkpoint cannot redirect a write or hang a read.
+store that refuses or cannot be reached. Local storage never follows a symbolic link below its root (neither a
+file's nor a directory's) and reads only regular files, so a link or a FIFO planted in a checkpoint cannot redirect
+a write, a read or a removal, nor hang a read.
 """
 
 from __future__ import annotations
@@ -169,8 +170,11 @@ _PARALLEL_DIR_SYNCS = 32  # a flush with fewer directories syncs them in the cal
 # How many objects LocalStorage.prefetching asks for ahead of its reader: enough to keep a disk busy, few enough
 # (small objects: 256 of at most SMALL_OBJECT_BYTES, 64 MiB) that the page cache keeps them until they are read.
 PREFETCH_AHEAD = 256
-# ... and after how many objects in a row that it finds in the page cache already it stops (a warm checkpoint).
+# ... after how many objects in a row that it finds in the page cache already it looks at only one in so many (a
+# warm checkpoint: its Python would only contend with the reader's for the GIL) ...
 PREFETCH_GIVE_UP_CACHED = 64
+# ... and how many objects a reader must have for it to start a thread at all (a load of one tensor has one).
+PREFETCH_MIN_KEYS = 16
 
 
 def _in_page_cache(fd: int) -> bool:
@@ -224,9 +228,42 @@ class LocalStorage(Storage):
         self._made_dirs: set[str] = set()
         self._unsynced_dirs: set[str] = set()  # gained an entry since the last flush
         self._dirs_lock = threading.Lock()
+        self._real_root: str | None = None  # the root with its own links resolved (_check_opened_below_root)
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, check_relative_key(key)) if key else self.root
+        # normalised, so that the kernel never resolves a ".." (after a link, it would lead elsewhere than it reads)
+        return os.path.join(self.root, posixpath.normpath(check_relative_key(key))) if key else self.root
+
+    def _refuse_links_below_root(self, path: str, *, last: bool) -> None:
+        """Refuse a path that passes through a symbolic link below the root (a directory replaced by a link to
+        elsewhere), so that a listing or a removal never reaches outside the root; `last`: the final name too."""
+        names = os.path.relpath(path, self.root).split(os.sep)
+        if names == ["."]:
+            return
+        current = self.root
+        for name in names if last else names[:-1]:
+            current = os.path.join(current, name)
+            try:
+                if stat.S_ISLNK(os.lstat(current).st_mode):
+                    raise NotAFileError(f"{current} is a symbolic link: ucp does not follow links inside a checkpoint")
+            except FileNotFoundError:
+                return  # nothing below it either
+
+    def _check_opened_below_root(self, fd: int, path: str) -> None:
+        """Refuse an object opened through a symbolic link in one of its directories (O_NOFOLLOW guards the last
+        name only): the path the kernel opened must be the one asked for. One readlink (~1 us) per open."""
+        try:
+            opened = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return  # no /proc (not Linux): the final name is still never a link
+        if self._real_root is None or not opened.startswith(self._real_root + os.sep):
+            self._real_root = os.path.realpath(self.root)  # (the root itself may be a link: its caller named it)
+        wanted = self._real_root + path[len(self.root) :]
+        if opened not in (wanted, wanted + " (deleted)"):
+            self._refuse_links_below_root(path, last=False)  # names the link where it can still be seen
+            raise NotAFileError(
+                f"{path} was reached through a symbolic link: ucp does not follow links inside a checkpoint"
+            )
 
     def _makedirs(self, directory: str) -> None:
         """Create `directory` and its missing parents; below the root, refuse any that is a symbolic link (a
@@ -344,10 +381,14 @@ class LocalStorage(Storage):
                     f"{path} is a symbolic link: ucp does not follow links inside a checkpoint"
                 ) from None
             raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise NotAFileError(f"{path} is not a regular file")
+            self._check_opened_below_root(fd, path)
+        except BaseException:
             os.close(fd)
-            raise NotAFileError(f"{path} is not a regular file")
+            raise
         return fd, info.st_size
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
@@ -396,8 +437,10 @@ class LocalStorage(Storage):
             return None
 
     def listdir(self, key: str = "") -> list[str]:
+        path = self._path(key)
+        self._refuse_links_below_root(path, last=True)
         try:
-            return sorted(os.listdir(self._path(key)))
+            return sorted(os.listdir(path))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -405,6 +448,7 @@ class LocalStorage(Storage):
         import shutil
 
         path = self._path(key)
+        self._refuse_links_below_root(path, last=False)  # (a link itself is removed, never what it points to)
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
@@ -418,6 +462,7 @@ class LocalStorage(Storage):
 
     def remove_empty_dir(self, key: str) -> None:
         path = self._path(key)
+        self._refuse_links_below_root(path, last=False)
         try:
             os.rmdir(path)
         except OSError:
@@ -465,7 +510,7 @@ class LocalStorage(Storage):
         # copied, the GIL released), so that the disk serves many at once (2.1 s). In memory there is nothing to wait
         # for; where the objects turn out to be in the page cache already, the thread stops, as its Python would only
         # contend with the reader's for the GIL (a warm load of those atoms: 1.09 s with it, 1.12 s without).
-        if self.in_memory or not keys or not hasattr(os, "posix_fadvise"):
+        if self.in_memory or len(keys) < PREFETCH_MIN_KEYS or not hasattr(os, "posix_fadvise"):
             yield _nothing
             return
         read = 0  # objects the reader has read (only it writes this; the thread reads it)
@@ -479,18 +524,23 @@ class LocalStorage(Storage):
             cached_run = 0
             for i, key in enumerate(keys):
                 while i >= read + PREFETCH_AHEAD and not stop.is_set():
-                    time.sleep(0.001)  # (a poll: the reader takes ~50 us an object; no wake-up per object)
+                    # (a poll, no wake-up per object: the reader takes ~50 us an object; 10 ms through a warm stretch)
+                    time.sleep(0.001 if cached_run < PREFETCH_GIVE_UP_CACHED else 0.01)
                 if stop.is_set():
                     return
+                if cached_run >= PREFETCH_GIVE_UP_CACHED and i % PREFETCH_GIVE_UP_CACHED:
+                    continue  # a warm stretch: only every so many objects is looked at, in case it ends
                 try:
-                    fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                    fd = os.open(
+                        self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+                    )
                 except (OSError, UcpError):
                     continue  # (a hint only: the read itself reports what is wrong with the object)
                 try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        continue  # (a device or a FIFO: nothing to ask for; the read refuses it)
                     if _in_page_cache(fd):
                         cached_run += 1
-                        if cached_run == PREFETCH_GIVE_UP_CACHED:
-                            return
                     else:
                         cached_run = 0
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
@@ -500,7 +550,11 @@ class LocalStorage(Storage):
                     os.close(fd)
 
         thread = threading.Thread(target=read_ahead, name="ucp-prefetch", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (a process at its limit): read without it
+            yield _nothing
+            return
         try:
             yield advance
         finally:

@@ -98,7 +98,7 @@ def run_sized(
         with prefetching(keys) if prefetching and keys else nullcontext(None) as advance:
             for c in small:
                 c.call()
-                if advance is not None:
+                if advance is not None and c.key is not None:
                     advance()
     except BaseException:
         for f in futures:
