@@ -233,3 +233,22 @@ def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_pa
         if swapped != data:
             with pytest.raises(IntegrityError, match="not the one the commit recorded"):
                 ucp.load(str(tmp_path))
+
+
+def test_tensors_torch_calls_contiguous_whatever_their_strides_save_and_load(tmp_path):
+    """One element (or none) taken by slicing keeps its source's strides (x[0:1, 0] has stride 3), and torch calls
+    it contiguous: its bytes are still taken without a copy, and it loads back equal."""
+    rng = random.Random()
+    state = {}
+    for i in range(24):
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8])
+        base = (torch.randn(rng.randint(2, 5), rng.randint(2, 5), rng.randint(2, 5)) * 9).to(dtype)
+        picks = [
+            rng.choice([slice(j := rng.randrange(n), j + 1), rng.randrange(n), slice(0, 0), slice(None)])
+            for n in base.shape
+        ]
+        state[f"t{i}"] = base[tuple(picks)]
+    ucp.save(state, str(tmp_path), step=0, options=ucp.SaveOptions(fsync=False))
+    got = ucp.load(str(tmp_path))
+    for name, want in state.items():
+        assert got[name].shape == want.shape and got[name].dtype == want.dtype and torch.equal(got[name], want), name

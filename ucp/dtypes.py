@@ -64,6 +64,10 @@ def fill_value(name: str) -> bool | int | float:
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """The little-endian bytes of a contiguous CPU tensor, without a copy."""
     flat = tensor.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # one element (or none) counts as contiguous whatever its stride (x[0:1, 0] keeps x's row stride), and a
+        # byte view of it must have stride 1: the same element, its stride set to 1
+        flat = flat.as_strided((flat.numel(),), (1,))
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     return flat.numpy().data.cast("B")
