@@ -235,6 +235,41 @@ def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_pa
                 ucp.load(str(tmp_path))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_inner_chunks_of_whole_rows_encode_as_any_inner_chunk_does(seed):
+    """codec.encode takes inner chunks of whole rows from a contiguous chunk as byte ranges; its objects are
+    byte for byte those of the general path (a tensor per inner chunk, taken here with a non-contiguous chunk)."""
+    from ucp import codec
+    from ucp.boxes import to_slices
+
+    rng = random.Random(seed)
+    fast = 0
+    for _ in range(60):
+        shape = tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3)))
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int8, torch.float64])
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        split = rng.choice([None, *range(len(shape))])
+        periods = (
+            None
+            if split is None
+            else [shape[d] // 2 if d == split and shape[d] % 2 == 0 else None for d in range(len(shape))]
+        )
+        policy = ChunkingPolicy(object_bytes=rng.randint(64, 4096), inner_bytes=rng.randint(8, 512))
+        chunk_shape, inner = choose_chunks(shape, itemsize, policy, periods, split)
+        if inner is None:
+            continue
+        meta = AtomMeta("w", shape, str(dtype).removeprefix("torch."), chunk_shape, inner, {})
+        array = (torch.randn(shape) * 50).to(dtype)
+        for index in chunk_indices(meta.grid):
+            chunk = array[to_slices(meta.chunk_box(index))].contiguous()
+            strided = torch.stack([chunk, chunk], -1)[..., 0]  # the same values, not contiguous
+            assert not strided.is_contiguous()
+            got, want = codec.encode(meta, index, chunk), codec.encode(meta, index, strided)
+            assert got.sum == want.sum and b"".join(map(bytes, got.parts)) == b"".join(map(bytes, want.parts))
+            fast += all(g == 1 for g in meta.inner_grid[1:]) and chunk.shape[1:] == inner[1:]
+    assert fast  # (the byte-range path was taken)
+
+
 def test_tensors_torch_calls_contiguous_whatever_their_strides_save_and_load(tmp_path):
     """One element (or none) taken by slicing keeps its source's strides (x[0:1, 0] has stride 3), and torch calls
     it contiguous: its bytes are still taken without a copy, and it loads back equal."""

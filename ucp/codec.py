@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -92,6 +92,39 @@ def head_nbytes(meta: AtomMeta) -> int:
     return index_nbytes(meta) + (math.prod(meta.inner_grid) * CRC_BYTES if meta.crc_table else 0)
 
 
+def _inner_chunk_parts(
+    meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor
+) -> Iterator[list[memoryview | bytes] | None]:
+    """`_chunk_parts` of each inner chunk of shard `outer` in C order; None for those outside the array."""
+    inner = meta.inner_chunk_shape
+    assert inner is not None
+    if (
+        chunk.dim()
+        and all(g == 1 for g in meta.inner_grid[1:])
+        and chunk.shape[1:] == inner[1:]
+        and chunk.is_contiguous()
+    ):
+        # Inner chunks of whole rows (what a save without a split dimension cuts): each is a byte range of the
+        # chunk, taken without a tensor per inner chunk (~15 us of the GIL each, ~1,000 of them in 1 GiB).
+        data = dtypes.as_bytes(chunk)
+        row_bytes = data.nbytes // chunk.shape[0] if chunk.shape[0] else 0
+        for start in range(0, meta.inner_grid[0] * inner[0], inner[0]):
+            if start >= chunk.shape[0]:
+                yield None
+                continue
+            part = data[start * row_bytes : (start + inner[0]) * row_bytes]
+            tail = inner[0] * row_bytes - part.nbytes  # (the array's edge: zero padding, as _chunk_parts pads)
+            yield [part, _crc(part)] if not tail else [part, _zeros(tail), _crc(part, _zeros(tail))]
+        return
+    origin = tuple(a for a, _ in meta.chunk_box(outer))
+    for box in _inner_boxes(meta, outer):
+        if box is None:
+            yield None
+        else:
+            local = tuple((a - o, b - o) for (a, b), o in zip(box, origin))
+            yield _chunk_parts(chunk[to_slices(local)], inner)
+
+
 @dataclass(frozen=True)
 class Encoded:
     """One object ready to write: its parts (back to back) and its checksum for the manifest."""
@@ -107,18 +140,15 @@ def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> Encod
         plain = _chunk_parts(chunk, meta.chunk_shape)
         return Encoded(plain, (_nbytes(plain), struct.unpack("<I", plain[-1])[0]))
     assert meta.crc_table, "ucp writes format 2 shards only"
-    origin = tuple(a for a, _ in meta.chunk_box(outer))
     parts: list[memoryview | bytes] = []
     entries: list[int] = []
     table: list[bytes] = []
     offset = head_nbytes(meta)
-    for box in _inner_boxes(meta, outer):
-        if box is None:
+    for inner_parts in _inner_chunk_parts(meta, outer, chunk):
+        if inner_parts is None:
             entries += [EMPTY_INDEX_ENTRY, EMPTY_INDEX_ENTRY]
             table.append(bytes(CRC_BYTES))
             continue
-        local = tuple((a - o, b - o) for (a, b), o in zip(box, origin))
-        inner_parts = _chunk_parts(chunk[to_slices(local)], meta.inner_chunk_shape)
         nbytes = _nbytes(inner_parts)
         parts += inner_parts
         table.append(inner_parts[-1])  # type: ignore[arg-type]  # (the checksum part is bytes)
