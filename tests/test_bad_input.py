@@ -186,6 +186,24 @@ def test_unsupported_tensor_dtype(ckpt):
     assert snapshot(root) == before
 
 
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: torch.eye(3).to_sparse(), "sparse_coo tensor"),
+        (lambda: torch.eye(3).to_sparse_csr(), "sparse_csr tensor"),
+        (lambda: torch.empty(3, 4, device="meta"), "meta device"),
+    ],
+)
+def test_tensors_without_dense_values_are_named(ckpt, make, says):
+    root, _ = ckpt
+    before = snapshot(root)
+    with pytest.raises(ucp.StateError, match=rf"state\['model'\]\['w'\] is .*{says}"):
+        ucp.save({"model": {"w": make(), "b": torch.ones(2)}}, str(root), step=4)
+    with ucp.CheckpointManager(str(root), mode="async") as manager, pytest.raises(ucp.StateError, match=says):
+        manager.save(4, {"w": make()})
+    assert snapshot(root) == before
+
+
 def test_bad_cli_arguments(ckpt):
     root, _ = ckpt
     assert_cli_error(run_cli("inspect", str(root), "--step", "three"), "--step")

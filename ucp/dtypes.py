@@ -42,6 +42,19 @@ def zarr_name(dtype: torch.dtype) -> str:
         ) from None
 
 
+def check_dense(tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """`tensor` if its values are laid out in memory, as ucp stores and loads them (strided, with data); otherwise a
+    StateError naming `where` and what to do instead."""
+    if tensor.layout != torch.strided:
+        raise StateError(
+            f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor: ucp stores dense tensors "
+            "(save tensor.to_dense(), or its parts as tensors of their own)"
+        )
+    if tensor.device.type == "meta":
+        raise StateError(f"{where} is on the meta device: it has no values to save or load into")
+    return tensor
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a Zarr v3 data type name."""
     try:

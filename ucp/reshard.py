@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ucp import dtypes
 from ucp.boxes import (
     Box,
     box_numel,
@@ -657,7 +658,7 @@ def local_tensor(local_state: Mapping[str, Any], key: tuple[str, ...]) -> torch.
         node = node[k]
     if not isinstance(node, torch.Tensor):
         raise StateError(f"the local state's {'/'.join(key)} is a {type(node).__name__}, not a tensor")
-    return node
+    return dtypes.check_dense(node, f"the local state's {'/'.join(key)}")
 
 
 def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import dtypes
 from .errors import FormatError, StateError
 from .format import MAX_ATOM_PATH_BYTES, MAX_KEY_BYTES, MAX_TREE_DEPTH, RESERVED_NAMES
 
@@ -67,7 +68,7 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
             atom = "/".join(path)
             if len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
                 raise StateError(f"{where[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
-            tensors[atom] = value
+            tensors[atom] = dtypes.check_dense(value, where)
             return {"atom": atom}
         if isinstance(value, np.generic) and isinstance(value.item(), (bool, int, float)):
             value = value.item()
