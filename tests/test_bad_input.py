@@ -211,6 +211,35 @@ def test_bad_cli_arguments(ckpt):
     assert run_cli("nosuchcommand").returncode == 2
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ucp.SaveOptions(io_threads=0),
+        lambda: ucp.SaveOptions(io_threads=-3),
+        lambda: ucp.SaveOptions(io_threads=True),
+        lambda: ucp.ChunkingPolicy(object_bytes=0),
+        lambda: ucp.ChunkingPolicy(inner_bytes=-1),
+        lambda: ucp.ChunkingPolicy(object_bytes=2.5),
+    ],
+)
+def test_options_out_of_range_are_refused_where_they_are_made(make):
+    with pytest.raises(ValueError, match=r"(io_threads|object_bytes|inner_bytes) must be"):
+        make()
+
+
+def test_a_root_that_is_a_file_or_of_no_known_protocol_is_named(tmp_path):
+    root = tmp_path / "a-file"
+    root.write_text("not a directory")
+    with pytest.raises(ucp.StorageError, match=f"{root} is not a directory"):
+        ucp.save({"w": torch.ones(2)}, str(root), step=0)
+    assert root.read_text() == "not a directory"
+    with pytest.raises(ucp.StorageError, match="nosuch://x/y: no storage for nosuch://"):
+        ucp.save({"w": torch.ones(2)}, "nosuch://x/y", step=0)
+    assert_cli_error(run_cli("inspect", "nosuch://x/y"), "no storage for nosuch://")
+    out = run_cli("convert", str(tmp_path), str(tmp_path / "out"), "--from", "tp1", "--to", "tp2", "--workers", "0")
+    assert out.returncode == 2 and "--workers: must be at least 1" in out.stderr
+
+
 def test_another_frameworks_checkpoint_gets_the_command_that_reads_it(tmp_path):
     megatron = tmp_path / "megatron"
     (megatron / "iter_0000010" / "mp_rank_00").mkdir(parents=True)

@@ -45,6 +45,13 @@ class SaveOptions:
     io_threads: int | None = None  # requests in flight; None: the storage's default (16 local, 2/core tmpfs, 64 S3)
     fsync: bool = True  # local files: fsync every object and new directory before the commit
 
+    def __post_init__(self) -> None:
+        threads = self.io_threads
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(
+                f"SaveOptions.io_threads must be at least 1 (or None: the storage's default), got {threads!r}"
+            )
+
 
 def io_threads_for(options: SaveOptions, storage: Storage) -> int:
     return options.io_threads or storage.default_io_threads

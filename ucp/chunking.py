@@ -17,6 +17,12 @@ class ChunkingPolicy:
     object_bytes: int = 64 * MiB
     inner_bytes: int = 1 * MiB
 
+    def __post_init__(self) -> None:
+        for name in ("object_bytes", "inner_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ChunkingPolicy.{name} must be a positive number of bytes, got {value!r}")
+
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     best = 1

@@ -300,7 +300,10 @@ class LocalStorage(Storage):
         while not os.path.isdir(path) and os.path.dirname(path) != path:
             missing.append(path)
             path = os.path.dirname(path)
-        os.makedirs(self.root, exist_ok=True)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except FileExistsError:
+            raise StorageError(f"{self.root} is not a directory: a checkpoint root must be one") from None
         with self._dirs_lock:
             self._made_dirs.add(self.root)
             self._unsynced_dirs.update(os.path.dirname(made) for made in missing)
@@ -827,5 +830,8 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsy
         options["config_kwargs"] = config
         if "endpoint_url" not in options and os.environ.get("AWS_ENDPOINT_URL"):
             options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
-    fs, root = fsspec.core.url_to_fs(url, **options)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ValueError as e:  # (fsspec: "Protocol not known", or an implementation it cannot import)
+        raise StorageError(f"{url}: no storage for {protocol}:// ({e})") from None
     return FsspecStorage(fs, root, url)

@@ -219,7 +219,10 @@ class HotTier:
         fsync: bool = True,
     ):
         if keep_last < 1 or durable_every < 1:
-            raise ValueError(f"keep_last and durable_every must be at least 1, got {keep_last} and {durable_every}")
+            raise ValueError(
+                f"the hot tier keeps at least 1 step (local_keep) and makes every Nth durable with N at least 1 "
+                f"(durable_every), got {keep_last} and {durable_every}"
+            )
         self.storage = LocalStorage(run_directory(local_dir, durable_url), fsync=fsync)
         self.comm: Comm = comm or LocalComm()
         self.keep_last, self.durable_every, self.transfer_bytes = keep_last, durable_every, transfer_bytes

@@ -52,7 +52,19 @@ def _streaming(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-budget", type=_bytes, default=DEFAULT_MEMORY_BUDGET, help="peak tensor memory (default 4GiB)"
     )
-    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="parallel reads and writes (default 8)")
+    p.add_argument(
+        "--workers", type=_at_least_one, default=DEFAULT_WORKERS, help="parallel reads and writes (default 8)"
+    )
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
 
 
 def _streaming_kwargs(args: argparse.Namespace) -> dict[str, Any]:
