@@ -51,7 +51,7 @@ def check_dense(tensor: torch.Tensor, where: str) -> torch.Tensor:
             "(save tensor.to_dense(), or its parts as tensors of their own)"
         )
     if tensor.device.type == "meta":
-        raise StateError(f"{where} is on the meta device: it has no values to save or load into")
+        raise StateError(f"{where} is on the meta device: it has no values to save")
     return tensor
 
 
