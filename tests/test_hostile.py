@@ -207,6 +207,25 @@ def test_a_directory_replaced_by_a_link_is_not_followed_on_read(tmp_path):
     assert out.returncode != 0 and "symbolic link" in out.stdout + out.stderr
 
 
+def test_a_root_named_through_a_link_is_the_callers_choice(tmp_path):
+    """The root itself (or a directory above it) may be a link: only links below the root are refused."""
+    (tmp_path / "real" / "deeper").mkdir(parents=True)
+    (tmp_path / "above").symlink_to(tmp_path / "real", target_is_directory=True)
+    (tmp_path / "real" / "root-link").symlink_to(tmp_path / "real" / "deeper", target_is_directory=True)
+    for root in (tmp_path / "above" / "deeper", tmp_path / "real" / "root-link", tmp_path / "above" / "root-link"):
+        state = {"w": torch.randn(3, 5), "small": {f"t{i}": torch.randn(2) for i in range(20)}}
+        step = random.randrange(100)
+        ucp.save(state, str(root), step=step, options=OPTIONS)
+        got = ucp.load(str(root))
+        assert torch.equal(got["w"], state["w"]) and all(
+            torch.equal(got["small"][k], v) for k, v in state["small"].items()
+        )
+        assert ucp.CheckpointManager(str(root)).steps() == [step]
+        assert verify(ucp.open_checkpoint(str(root))).ok
+        LocalStorage(str(root)).delete(step_dirname(step))
+        assert ucp.CheckpointManager(str(root)).steps() == []
+
+
 def test_gc_never_removes_anything_through_a_linked_directory(tmp_path):
     """A step directory below the latest commit, without a marker, would be a 1.0 save's leftovers; as a link to
     elsewhere it is left alone, and so is what it points to (as is the target of a link inside a dead attempt)."""
