@@ -194,6 +194,7 @@ def test_unsupported_tensor_dtype(ckpt):
         (lambda: torch.empty(3, 4, device="meta"), "meta device"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_tensors_without_dense_values_are_named(ckpt, make, says):
     root, _ = ckpt
     before = snapshot(root)
