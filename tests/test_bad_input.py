@@ -237,8 +237,16 @@ def test_a_root_that_is_a_file_or_of_no_known_protocol_is_named(tmp_path):
     with pytest.raises(ucp.StorageError, match="nosuch://x/y: no storage for nosuch://"):
         ucp.save({"w": torch.ones(2)}, "nosuch://x/y", step=0)
     assert_cli_error(run_cli("inspect", "nosuch://x/y"), "no storage for nosuch://")
-    out = run_cli("convert", str(tmp_path), str(tmp_path / "out"), "--from", "tp1", "--to", "tp2", "--workers", "0")
-    assert out.returncode == 2 and "--workers: must be at least 1" in out.stderr
+    convert = ("convert", str(tmp_path), str(tmp_path / "out"), "--from", "tp1", "--to", "tp2")
+    for option, value, says in [
+        ("--workers", "0", "must be at least 1"),
+        ("--memory-budget", "0", "must be positive"),
+        ("--memory-budget", "-5MiB", "must be positive"),
+        ("--memory-budget", "infGiB", "not a size"),
+    ]:
+        out = run_cli(*convert, option, value)
+        assert out.returncode == 2 and f"{option}: {says}" in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_another_frameworks_checkpoint_gets_the_command_that_reads_it(tmp_path):
