@@ -32,7 +32,7 @@ def _bytes(text: str) -> int:
     except (ValueError, OverflowError):  # (OverflowError: "infGiB")
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB)") from None
     if size < 1:
-        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
     return size
 
 
