@@ -244,7 +244,7 @@ def test_a_root_that_is_a_file_or_of_no_known_protocol_is_named(tmp_path):
         ("--memory-budget", "-5MiB", "must be positive"),
         ("--memory-budget", "infGiB", "not a size"),
     ]:
-        out = run_cli(*convert, option, value)
+        out = run_cli(*convert, f"{option}={value}")  # (with "=": "-5MiB" would read as an option)
         assert out.returncode == 2 and f"{option}: {says}" in out.stderr, out.stderr
     assert not (tmp_path / "out").exists()
 
