@@ -240,13 +240,18 @@ def test_gc_never_removes_anything_through_a_linked_directory(tmp_path):
     storage.write(f"{step_dirname(2)}/attempt-{'0' * 32}/model/w/c.0", [b"x"])  # a dead attempt: no owner record
     os.utime(root / step_dirname(2) / f"attempt-{'0' * 32}", (time.time() - 3600,) * 2)
     os.symlink(outside, root / step_dirname(2) / f"attempt-{'0' * 32}" / "model" / "link")
+    (outside / "ucp-attempt.json").write_text("{}")  # an owner record there, for a linked attempt to be read through
+    linked_attempt = root / step_dirname(6) / f"attempt-{'1' * 32}"
+    linked_attempt.parent.mkdir()
+    linked_attempt.symlink_to(outside, target_is_directory=True)
     removed = collect_garbage(storage)
-    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt", "sub", "zarr.json"]
-    assert (root / step_dirname(3)).is_symlink() and removed == [f"{step_dirname(2)}/attempt-{'0' * 32}"]
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt", "sub", "ucp-attempt.json", "zarr.json"]
+    assert (root / step_dirname(3)).is_symlink() and linked_attempt.is_symlink()
+    assert removed == [f"{step_dirname(2)}/attempt-{'0' * 32}"]
     for call in (storage.listdir, storage.delete, storage.remove_empty_dir):
         with pytest.raises(ucp.StorageError, match=f"{step_dirname(3)} is a symbolic link"):
             call(f"{step_dirname(3)}/sub")
-    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt", "sub", "zarr.json"]
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt", "sub", "ucp-attempt.json", "zarr.json"]
     assert ucp.load(str(root))["w"].tolist() == [1.0, 1.0]
 
 

@@ -304,3 +304,50 @@ def test_loads_tell_the_storage_the_small_objects_they_read_one_after_another(tm
     monkeypatch.setattr(LocalStorage, "prefetching", real)
     want = load_weights(sharded, layout, rank).params
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_file_in_the_middle_of_a_key_is_nothing_there(tmp_path):
+    storage = LocalStorage(str(tmp_path / "root"))
+    storage.write("f", [b"a file"])
+    assert storage.listdir("f/sub") == []
+    storage.delete("f/a/b")
+    storage.remove_empty_dir("f/a/b")
+    assert storage.read("f").tobytes() == b"a file"
+
+
+def test_a_directory_moved_while_it_is_opened_is_named_as_moved(tmp_path, monkeypatch):
+    """A directory renamed between the open and the check (an operator's mv during a load): the read is refused as
+    moved, not as a link, and nothing is listed or removed in its new place."""
+    storage = LocalStorage(str(tmp_path / "root"))
+    storage.write("step/a/c.0", [b"x"])
+    real_open = os.open
+
+    def open_then_move(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if os.path.exists(tmp_path / "root" / "step"):
+            os.rename(tmp_path / "root" / "step", tmp_path / "root" / "moved")
+        return fd
+
+    for call in (
+        lambda: storage.read("step/a/c.0"),
+        lambda: storage.listdir("step/a"),
+        lambda: storage.delete("step/a/c.0"),
+    ):
+        monkeypatch.setattr(os, "open", open_then_move)
+        with pytest.raises(StorageError, match="was moved or replaced while it was opened"):
+            call()
+        monkeypatch.setattr(os, "open", real_open)
+        os.rename(tmp_path / "root" / "moved", tmp_path / "root" / "step")
+    assert storage.read("step/a/c.0").tobytes() == b"x"
+
+
+def test_an_unknown_or_uninstalled_protocol_is_a_storage_error():
+    import importlib.util
+
+    from ucp.storage import open_storage
+
+    with pytest.raises(StorageError, match=r"nosuch://x: no storage for nosuch://"):
+        open_storage("nosuch://x")
+    if importlib.util.find_spec("gcsfs") is None:
+        with pytest.raises(StorageError, match=r"gcs://bucket/x: no storage for gcs://"):
+            open_storage("gcs://bucket/x")

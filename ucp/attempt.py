@@ -177,7 +177,7 @@ def _attempt_is_dead(storage: Storage, step: int, attempt: str, now: float) -> b
     except FileNotFoundError:
         changed = storage.mtime(f"{step_dirname(step)}/{attempt}")
         return changed is None or now - changed > ORPHAN_GRACE_S
-    except FormatError as e:
+    except (FormatError, NotAFileError) as e:  # (damaged, or reached through a link: an operator's case)
         log.warning("%s; its attempt is left alone", e)
         return False
     return owner.is_dead(now)

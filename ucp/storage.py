@@ -246,11 +246,11 @@ class LocalStorage(Storage):
             try:
                 if stat.S_ISLNK(os.lstat(current).st_mode):
                     raise NotAFileError(f"{current} is a symbolic link: ucp does not follow links inside a checkpoint")
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return  # nothing below it either
 
     def _check_opened_below_root(self, fd: int, path: str) -> None:
-        """Refuse an object opened through a symbolic link in one of its directories (O_NOFOLLOW guards the last
+        """Refuse a file or directory opened through a symbolic link below the root (O_NOFOLLOW guards a file's last
         name only): the path the kernel opened must be the one asked for. One readlink (~1 us) per open."""
         try:
             opened = os.readlink(f"/proc/self/fd/{fd}")
@@ -260,10 +260,8 @@ class LocalStorage(Storage):
             self._real_root = os.path.realpath(self.root)  # (the root itself may be a link: its caller named it)
         wanted = self._real_root + path[len(self.root) :]
         if opened not in (wanted, wanted + " (deleted)"):
-            self._refuse_links_below_root(path, last=False)  # names the link where it can still be seen
-            raise NotAFileError(
-                f"{path} was reached through a symbolic link: ucp does not follow links inside a checkpoint"
-            )
+            self._refuse_links_below_root(path, last=True)  # names the link where it can still be seen
+            raise StorageError(f"{path} was moved or replaced while it was opened (it is now {opened})")
 
     def _makedirs(self, directory: str) -> None:
         """Create `directory` and its missing parents; below the root, refuse any that is a symbolic link (a
@@ -439,11 +437,22 @@ class LocalStorage(Storage):
         except OSError:
             return None
 
+    @contextmanager
+    def _directory(self, path: str) -> Iterator[int]:
+        """A descriptor of the directory `path` (the root or below it), checked to be reached through no link below
+        the root: what is listed or removed through it is below the root, whatever is renamed meanwhile."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._check_opened_below_root(fd, path)
+            yield fd
+        finally:
+            os.close(fd)
+
     def listdir(self, key: str = "") -> list[str]:
         path = self._path(key)
-        self._refuse_links_below_root(path, last=True)
         try:
-            return sorted(os.listdir(path))
+            with self._directory(path) as fd:
+                return sorted(os.listdir(fd))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -451,23 +460,27 @@ class LocalStorage(Storage):
         import shutil
 
         path = self._path(key)
-        self._refuse_links_below_root(path, last=False)  # (a link itself is removed, never what it points to)
+        if path == self.root:
+            raise StateError(f"{path}: ucp never deletes the root of its storage")
+        name = os.path.basename(path)
         try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-                self._forget_dirs(path)
-            elif os.path.lexists(path):
-                os.remove(path)
-        except FileNotFoundError:
-            pass  # (removed meanwhile: absent is not an error)
+            with self._directory(os.path.dirname(path)) as parent:
+                # (a link itself is removed, never what it points to; rmtree with dir_fd never follows one below)
+                if stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=parent)
+                    self._forget_dirs(path)
+                else:
+                    os.unlink(name, dir_fd=parent)
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # (absent, or removed meanwhile: not an error)
         except OSError as e:
             raise StorageError(f"cannot delete {path}: {e.strerror or e}") from e
 
     def remove_empty_dir(self, key: str) -> None:
         path = self._path(key)
-        self._refuse_links_below_root(path, last=False)
         try:
-            os.rmdir(path)
+            with self._directory(os.path.dirname(path)) as parent:
+                os.rmdir(os.path.basename(path), dir_fd=parent)
         except OSError:
             return  # not empty (a save started there meanwhile), or already gone
         self._forget_dirs(path)
@@ -556,6 +569,10 @@ class LocalStorage(Storage):
         try:
             thread.start()
         except RuntimeError:  # no thread to be had (a process at its limit): read without it
+            started = False
+        else:
+            started = True
+        if not started:
             yield _nothing
             return
         try:
@@ -830,8 +847,10 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsy
         options["config_kwargs"] = config
         if "endpoint_url" not in options and os.environ.get("AWS_ENDPOINT_URL"):
             options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
-    except ValueError as e:  # (fsspec: "Protocol not known", or an implementation it cannot import)
-        raise StorageError(f"{url}: no storage for {protocol}:// ({e})") from None
+    if "::" not in protocol:  # (a chained URL names several: fsspec checks them itself)
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as e:  # not known, or its package is not installed
+            raise StorageError(f"{url}: no storage for {protocol}:// ({e})") from None
+    fs, root = fsspec.core.url_to_fs(url, **options)
     return FsspecStorage(fs, root, url)
