@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -247,6 +248,21 @@ def test_a_root_that_is_a_file_or_of_no_known_protocol_is_named(tmp_path):
         out = run_cli(*convert, f"{option}={value}")  # (with "=": "-5MiB" would read as an option)
         assert out.returncode == 2 and f"{option}: {says}" in out.stderr, out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_inside_its_source_or_holding_it_is_refused(ckpt, tmp_path):
+    """`ucp export ckpt ckpt/step_.../out` would put files into a committed step (and lose them at its retention)."""
+    root, _ = ckpt
+    before = snapshot(root)
+    inside = [root / "out", root / step_dirname(3) / "out", root]
+    for args in [
+        *(("export", str(root), str(dst), "--to", random.choice(["hf", "dcp", "megatron-dist"])) for dst in inside),
+        ("import", str(root / "somewhere"), str(root), "--from", "hf"),
+        ("convert", str(root), str(root / "tp2"), "--from", "universal", "--to", "tp2"),
+        ("convert", str(tmp_path), str(root), "--from", "tp2", "--to", "universal"),
+    ]:
+        assert_cli_error(run_cli(*args), "the source", "write it elsewhere")
+    assert snapshot(root) == before and not (root / "out").exists() and not (root / "tp2").exists()
 
 
 def test_another_frameworks_checkpoint_gets_the_command_that_reads_it(tmp_path):

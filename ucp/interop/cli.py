@@ -19,6 +19,7 @@ from typing import Any
 
 from ucp.cli import add_storage_option, parse_storage_options
 from ucp.errors import UcpError
+from ucp.interop.staging import check_apart
 from ucp.interop.streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS
 
 MEGATRON_DIST = "megatron-dist"  # Megatron-LM's torch_dist format, as export/import name it
@@ -89,6 +90,7 @@ def _print_dropped(report: Any) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from ucp.interop.megatron import convert
 
+    check_apart(args.src, args.dst)
     report = convert(
         args.src,
         args.dst,
@@ -109,6 +111,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    check_apart(args.url, args.dir)
     if args.to == MEGATRON_DIST:
         from ucp.interop.megatron import convert
 
@@ -160,6 +163,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    check_apart(args.src, args.url)
     if args.from_ == MEGATRON_DIST:
         from ucp.interop.megatron import convert
 
@@ -254,7 +258,7 @@ def register(subparsers: Any) -> None:
         help="hf: Hugging Face safetensors; dcp: torch DCP; megatron-dist: Megatron-LM's torch_dist format "
         "(as `ucp convert URL DIR --from universal --to torch_dist`)",
     )
-    p.add_argument("dir", help="output directory (must not exist, or be empty)")
+    p.add_argument("dir", help="output directory (must not exist, or be empty; not inside the checkpoint)")
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument("--step", type=_step, default="latest", help="step to export (default: latest)")
     p.add_argument("--max-shard-size", type=_bytes, default=1 << 30, help="largest safetensors file (default 1GiB)")

@@ -25,6 +25,20 @@ def check_destination(dst: str | os.PathLike) -> Path:
     return path
 
 
+def check_apart(source: str, destination: str) -> None:
+    """A conversion's output neither inside its source nor holding it (local paths; URLs are left to their store):
+    an export into a committed step's directory would go with the step at its retention, and a source below its
+    output would be read while written."""
+    if any("://" in p and not p.startswith("file://") for p in (source, destination)):
+        return
+    src, dst = (Path(p.removeprefix("file://")).resolve() for p in (source, destination))
+    if dst == src or dst.is_relative_to(src) or src.is_relative_to(dst):
+        raise DestinationExistsError(
+            f"destination {destination} {'lies inside' if dst != src and dst.is_relative_to(src) else 'is or holds'} "
+            f"the source {source}; write it elsewhere"
+        )
+
+
 def fsync_tree(root: Path) -> None:
     """fsync every file and directory below root (durable before the rename publishes it)."""
     for dirpath, _dirs, files in os.walk(root):
