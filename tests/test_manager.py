@@ -79,3 +79,16 @@ def test_optimizer_state_is_stored_per_parameter_name(tmp_path):
     state = ucp.load(str(tmp_path))
     assert state["optimizer"]["param_groups"][0]["params"] == ["0.weight", "0.bias", "3.weight", "3.bias"]
     assert state["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.95]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("stop", ["close", "abandon"])
+def test_a_closed_or_abandoned_manager_refuses_to_save_and_leaves_nothing(tmp_path, mode, stop):
+    manager = ucp.CheckpointManager(str(tmp_path), mode=mode)
+    manager.save(1, {"w": torch.ones(3)}).result()
+    getattr(manager, stop)()
+    with pytest.raises(ucp.StateError, match=f"was {stop}(ed|d): saves need a new CheckpointManager"):
+        manager.save(2, {"w": torch.ones(3)})
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [step_dirname(1)]
+    with ucp.CheckpointManager(str(tmp_path)) as again:
+        assert again.steps() == [1] and again.restore()["w"].tolist() == [1.0, 1.0, 1.0]

@@ -10,6 +10,7 @@ from . import attempt, commit
 from .checkpoint import CheckpointReader, SaveOptions, io_threads_for, plan_save
 from .comm import Comm
 from .commit import CommitRecord
+from .errors import StateError
 from .pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
 from .sharded_load import LoadReport, load_sharded
 from .sharded_model import ShardedModel, extra_state
@@ -72,6 +73,7 @@ class CheckpointManager:
             else None
         )
         self.last_restore: RestoreReport | None = None
+        self._stopped: str | None = None  # "closed" or "abandoned": no more saves
         self.pipeline = SavePipeline(io_threads_for(self.options, self.storage), staging_bytes, writer)
         if mode != "sync":
             self.pipeline.start_writer()  # it imports while the trainer sets up, not at the first save
@@ -104,6 +106,7 @@ class CheckpointManager:
         mode: Mode | None = None,
     ) -> SaveHandle:
         """Save `state` (a nested dict of tensors and JSON values) as `step`; retention follows the commit."""
+        self._check_open()
         self.pipeline.wait()
         plan = plan_save(state, self._target, step, self.options, layout=layout, atom_attributes=atom_attributes)
         return self._submit(plan, mode)
@@ -120,11 +123,16 @@ class CheckpointManager:
         """Every rank calls this with its local state (docs/LOCAL_STATE.md); `extra` is taken from rank 0."""
         if self.comm is None:
             raise ValueError("save_sharded needs the manager's comm (CheckpointManager(..., comm=TorchComm(group)))")
+        self._check_open()
         self.pipeline.wait()
         plan = plan_sharded_save(
             local_state, self._target, step=step, model=model, comm=self.comm, extra=extra, options=self.options
         )
         return self._submit(plan, mode)
+
+    def _check_open(self) -> None:
+        if self._stopped is not None:
+            raise StateError(f"the manager of {self.root_url} was {self._stopped}: saves need a new CheckpointManager")
 
     @property
     def _target(self) -> Storage:
@@ -150,11 +158,13 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish the save in flight and stop the writers (threads and process)."""
+        self._stopped = "closed"
         self.pipeline.close()
 
     def abandon(self) -> None:
         """Stop without waiting for the save in flight, which stays uncommitted (a job that lost a peer: that
         save's collectives cannot complete). The manager is unusable afterwards."""
+        self._stopped = "abandoned"
         self.pipeline.abandon()
 
     def __enter__(self) -> Self:
