@@ -113,8 +113,8 @@ def _inner_chunk_parts(
                 yield None
                 continue
             part = data[start * row_bytes : (start + inner[0]) * row_bytes]
-            tail = inner[0] * row_bytes - part.nbytes  # (the array's edge: zero padding, as _chunk_parts pads)
-            yield [part, _crc(part)] if not tail else [part, _zeros(tail), _crc(part, _zeros(tail))]
+            padding = _zeros(inner[0] * row_bytes - part.nbytes)  # (the array's edge, padded as _chunk_parts pads)
+            yield [part, padding, _crc(part, padding)] if padding else [part, _crc(part)]
         return
     origin = tuple(a for a, _ in meta.chunk_box(outer))
     for box in _inner_boxes(meta, outer):

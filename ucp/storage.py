@@ -234,14 +234,13 @@ class LocalStorage(Storage):
         # normalised, so that the kernel never resolves a ".." (after a link, it would lead elsewhere than it reads)
         return os.path.join(self.root, posixpath.normpath(check_relative_key(key))) if key else self.root
 
-    def _refuse_links_below_root(self, path: str, *, last: bool) -> None:
-        """Refuse a path that passes through a symbolic link below the root (a directory replaced by a link to
-        elsewhere), so that a listing or a removal never reaches outside the root; `last`: the final name too."""
+    def _refuse_links_below_root(self, path: str) -> None:
+        """Refuse, naming it, a symbolic link below the root on the way to `path` (`path` included)."""
         names = os.path.relpath(path, self.root).split(os.sep)
         if names == ["."]:
             return
         current = self.root
-        for name in names if last else names[:-1]:
+        for name in names:
             current = os.path.join(current, name)
             try:
                 if stat.S_ISLNK(os.lstat(current).st_mode):
@@ -260,7 +259,7 @@ class LocalStorage(Storage):
             self._real_root = os.path.realpath(self.root)  # (the root itself may be a link: its caller named it)
         wanted = self._real_root + path[len(self.root) :]
         if opened not in (wanted, wanted + " (deleted)"):
-            self._refuse_links_below_root(path, last=True)  # names the link where it can still be seen
+            self._refuse_links_below_root(path)  # names the link where it can still be seen
             raise StorageError(f"{path} was moved or replaced while it was opened (it is now {opened})")
 
     def _makedirs(self, directory: str) -> None:
@@ -568,11 +567,10 @@ class LocalStorage(Storage):
         thread = threading.Thread(target=read_ahead, name="ucp-prefetch", daemon=True)
         try:
             thread.start()
+            started = True
         except RuntimeError:  # no thread to be had (a process at its limit): read without it
             started = False
-        else:
-            started = True
-        if not started:
+        if not started:  # (yielded outside the handler, so that the reader's errors do not chain to it)
             yield _nothing
             return
         try:

@@ -32,11 +32,13 @@ def check_apart(source: str, destination: str) -> None:
     if any("://" in p and not p.startswith("file://") for p in (source, destination)):
         return
     src, dst = (Path(p.removeprefix("file://")).resolve() for p in (source, destination))
-    if dst == src or dst.is_relative_to(src) or src.is_relative_to(dst):
-        raise DestinationExistsError(
-            f"destination {destination} {'lies inside' if dst != src and dst.is_relative_to(src) else 'is or holds'} "
-            f"the source {source}; write it elsewhere"
-        )
+    if dst != src and dst.is_relative_to(src):
+        relation = "lies inside"
+    elif dst == src or src.is_relative_to(dst):
+        relation = "is or holds"
+    else:
+        return
+    raise DestinationExistsError(f"destination {destination} {relation} the source {source}; write it elsewhere")
 
 
 def fsync_tree(root: Path) -> None:
