@@ -35,26 +35,55 @@ def dead_pid() -> int:
     return proc.pid
 
 
+def age(root, key: str, seconds: float) -> None:
+    """Make everything at and below `key` look last written `seconds` ago (what the store's clock says)."""
+    then = time.time() - seconds
+    os.utime(root / key, (then, then))
+    for directory, _, files in os.walk(root / key):
+        for name in [*files, "."]:
+            os.utime(os.path.join(directory, name), (then, then))
+
+
 def test_what_gc_removes_and_what_it_keeps(tmp_path):
     ucp.save({"w": torch.ones(2)}, str(tmp_path), step=1)
     elsewhere = {"host": "another-host", "boot_id": "another-boot", "pid": 1}
     dead = make_attempt(tmp_path, 2, pid=dead_pid())
     reused_pid = make_attempt(tmp_path, 3, pid_start=1)  # our pid, but a process that started at another time
     alive = make_attempt(tmp_path, 4)  # this process: a save in progress
-    expired = make_attempt(tmp_path, 5, renewed_at=time.time() - 301, **elsewhere)
-    leased = make_attempt(tmp_path, 6, renewed_at=time.time() - 10, **elsewhere)
-    loser = make_attempt(tmp_path, 1)  # alive, but its step was committed by another attempt: it can never commit
-    orphan_old, orphan_new = make_attempt(tmp_path, 7), make_attempt(tmp_path, 8)
-    for orphan in (orphan_old, orphan_new):  # writes that outlived their attempt's removal: no owner record
+    # Another host's lease is judged by when the store last saw its record written, never by that host's clock:
+    expired = make_attempt(tmp_path, 5, renewed_at=time.time() + 86400, **elsewhere)  # its clock a day ahead
+    age(tmp_path, expired + "/ucp-attempt.json", 301)
+    leased = make_attempt(tmp_path, 6, renewed_at=time.time() - 86400, **elsewhere)  # its clock a day behind
+    loser_alive = make_attempt(tmp_path, 1)  # its step was committed by another attempt, but it may still write
+    loser_dead = make_attempt(tmp_path, 1, pid=dead_pid())
+    orphan_old, orphan_new, orphan_written = (
+        make_attempt(tmp_path, 7),
+        make_attempt(tmp_path, 8),
+        make_attempt(tmp_path, 9),
+    )
+    for orphan in (orphan_old, orphan_new, orphan_written):  # writes that outlived their attempt's removal
         os.remove(tmp_path / orphan / "ucp-attempt.json")
-    os.utime(tmp_path / orphan_old, (time.time() - 120, time.time() - 120))
+    age(tmp_path, orphan_old, 120)
+    age(tmp_path, orphan_written, 120)
+    (tmp_path / orphan_written / "model" / "w" / "c.1").write_bytes(b"late")  # a write just now, deep below it
 
     removed = attempt.collect_garbage(open_storage(str(tmp_path)))
-    assert sorted(removed) == sorted([dead, reused_pid, expired, loser, orphan_old])
+    assert sorted(removed) == sorted([dead, reused_pid, expired, loser_dead, orphan_old])
     assert ucp.CheckpointManager(str(tmp_path)).gc() == []  # (a manager collects on start: nothing is left)
-    for key in (alive, leased, orphan_new):
+    for key in (alive, leased, loser_alive, orphan_new, orphan_written):
         assert (tmp_path / key).exists(), key
     assert not (tmp_path / step_dirname(2)).exists(), "an empty step directory goes with its last attempt"
+    assert ucp.load(str(tmp_path))["w"].tolist() == [1.0, 1.0]
+
+
+def test_gc_never_removes_the_attempt_a_marker_names(tmp_path):
+    """Even with its owner gone: a commit whose answer was lost may have landed after its saver gave up."""
+    ucp.save({"w": torch.ones(2)}, str(tmp_path), step=1)
+    storage = open_storage(str(tmp_path))
+    reader = ucp.open_checkpoint(str(tmp_path))
+    record = dataclasses.replace(attempt.OwnerRecord.mine(1, reader.record.attempt, 300.0), pid=dead_pid())
+    attempt.write_owner(storage, record)
+    assert attempt.collect_garbage(storage) == []
     assert ucp.load(str(tmp_path))["w"].tolist() == [1.0, 1.0]
 
 
@@ -90,14 +119,14 @@ def test_the_owner_renews_its_lease_while_it_saves(tmp_path):
 
 
 def test_no_renewal_lands_after_the_attempt_ends(tmp_path):
-    """A lease renewed every 2 ms, the attempt aborted or committed at a random moment: no owner record is written
+    """A lease renewed every 10 ms, the attempt aborted or committed at a random moment: no owner record is written
     back into the removed attempt, nor rewritten in the committed one after its commit."""
     rng = random.Random()
     storage = open_storage(str(tmp_path))
     for trial in range(40):
-        session = SaveSession.begin(storage, trial, lease_s=0.006)
+        session = SaveSession.begin(storage, trial, lease_s=0.03)
         key = attempt.record_key(trial, session.attempt)
-        time.sleep(rng.uniform(0, 0.02))
+        time.sleep(rng.uniform(0, 0.05))
         if trial % 2:
             session.abort(RuntimeError("done"))
             time.sleep(0.01)

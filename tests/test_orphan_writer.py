@@ -1,10 +1,12 @@
 """A trainer SIGKILLed with an async save in flight, and a new job saving the same step at once: the committed
-step is bitwise the new job's, and the dead trainer's writer process is gone within a second of its parent.
+step is bitwise the new job's, and the dead trainer's writer process is gone within a second of its parent,
+quietly (no traceback of a broken connection).
 
 Before format 2 the orphaned writer kept draining its queue into the step directory after the new job committed
 (valid checksums, `ucp verify` green, another job's tensors on the next restore). Now it dies with its parent and,
 writing in its own attempt directory, could not reach the new job's step anyway. TRIALS trials with random timing;
-in half of them the writer is stopped (SIGSTOP) at the kill, as a writer stuck in IO would be.
+in half of them the writer is stopped (SIGSTOP) at the kill, as a writer stuck in IO would be, and in every other
+one the manager was made from a thread other than the main one (no parent-death signal: the watchdog stops it).
 """
 
 from __future__ import annotations
@@ -67,7 +69,11 @@ def test_a_killed_trainers_writer_never_reaches_the_new_jobs_step(tmp_path):
     for trial in range(TRIALS):
         root = str(tmp_path / f"trial{trial}")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.orphan_saver", root], cwd=REPO, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-m", "tests.orphan_saver", root, *(["--thread"] if trial % 2 else [])],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         try:
             writer_pid = json.loads(proc.stdout.readline())["writer_pid"]
@@ -92,6 +98,8 @@ def test_a_killed_trainers_writer_never_reaches_the_new_jobs_step(tmp_path):
         if stopped and not gone(writer_pid):
             os.kill(writer_pid, signal.SIGCONT)
         assert lived < 1.0, f"trial {trial}: the writer outlived its parent by {lived:.2f} s"
+        printed = proc.stderr.read()  # (to its end: the writer, which shares it, is gone)
+        assert "Traceback" not in printed, f"trial {trial}: the orphaned writer printed\n{printed[-2000:]}"
         time.sleep(0.05)  # (had it lived, its late writes would land now)
         reader = ucp.open_checkpoint(root)
         assert reader.step == 2

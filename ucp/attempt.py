@@ -6,18 +6,25 @@ can never reach a committed step: the commit marker names the one attempt it com
 
 The first object of an attempt is its owner record, `ucp-attempt.json`: the saving process (host, boot id,
 pid namespace, pid and its start time) and a lease (`renewed_at`, `lease_s`) that the owner renews every third
-of the lease while the save runs. An uncommitted attempt is garbage, and `collect_garbage` removes it, when
+of the lease while the save runs. An uncommitted attempt is garbage, and `collect_garbage` removes it, when no live process can still be saving it:
 
-- its step was committed by another attempt (it can never commit now), or
 - its owner ran on this host (same host name, boot id and pid namespace) and that process is gone (no such
   pid, or the pid now belongs to a process that started at another time), or
-- its lease ran out: `renewed_at + lease_s` is in the past by this host's clock (an owner on another host;
-  this assumes clocks that agree to well within the lease, 5 minutes by default), or
-- it has no owner record and nothing in it changed for `ORPHAN_GRACE_S` (writes that outlived their attempt's
-  removal; an attempt being created shows its directory a moment before its record, hence the grace).
+- its owner ran elsewhere and its lease ran out: the store last saw the owner record written (its modification
+  time, which the store stamps) more than `lease_s` ago by the store's own clock (`Storage.clock`). No host's clock
+  takes part: a host whose clock is wrong by any amount neither loses a live save nor keeps a dead one, or
+- it has no owner record and nothing in it changed for `ORPHAN_GRACE_S` by the store's clock (writes that
+  outlived their attempt's removal; an attempt being created shows its directory a moment before its record).
 
-Anything else may be a save in progress and is left alone. A step directory with a damaged commit marker is
-never touched.
+An attempt of a step that another attempt committed is removed only once its owner is gone too: a live loser of
+a race is still writing into it, and removes it itself when its commit is refused. The attempt that a commit
+marker names is never removed (only `commit.delete_step`, which removes the marker first, does that). A step
+directory with a damaged commit marker is never touched.
+
+A saver that cannot renew its lease (a host cut off from the store) may have its attempt removed once the lease
+has run out; so it never commits after its own clock says that its last renewal is more than `lease_s` old, less a
+margin (`Lease.expired`): no marker names an attempt that gc may have removed, as long as the two clocks run at
+about the same rate (their offsets do not matter).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from datetime import UTC, datetime
 from functools import lru_cache
 
 from . import commit
-from .errors import FormatError, NotAFileError
+from .errors import FormatError, NotAFileError, StorageError
 from .format import (
     ATTEMPT_RECORD,
     FORMAT_VERSION,
@@ -49,6 +56,7 @@ log = logging.getLogger("ucp")
 
 DEFAULT_LEASE_S = float(os.environ.get("UCP_ATTEMPT_LEASE_S", "300"))
 ORPHAN_GRACE_S = 60.0
+LEASE_MARGIN_S = 30.0  # a save stops short of committing this long before its lease could run out (at most)
 
 
 def new_attempt_id() -> str:
@@ -130,12 +138,14 @@ class OwnerRecord:
             raise FormatError(f"{where} is not an attempt owner record (mistyped fields)")
         return record
 
-    def is_dead(self, now: float) -> bool:
+    def is_dead(self, renewed: float, now: float) -> bool:
+        """Whether the owner can no longer be saving: gone from this host, or (elsewhere) its lease ran out, with
+        `renewed` when the store last saw this record written and `now` the store's time (module doc)."""
         host, boot_id, pid_ns = _this_host()
         if (self.host, self.boot_id, self.pid_ns) == (host, boot_id, pid_ns) and boot_id is not None:
             started = process_start(self.pid)
             return started is None or (self.pid_start is not None and started != self.pid_start)
-        return now > self.renewed_at + self.lease_s
+        return now > renewed + self.lease_s
 
 
 def record_key(step: int, attempt: str) -> str:
@@ -147,20 +157,33 @@ def write_owner(storage: Storage, record: OwnerRecord) -> None:
 
 
 class Lease:
-    """Renews an attempt's owner record every third of its lease while its save runs (a daemon thread)."""
+    """An attempt's owner record, written when the attempt starts and renewed every third of its lease while the
+    save runs (a daemon thread)."""
 
     def __init__(self, storage: Storage, record: OwnerRecord):
         self.storage, self.record = storage, record
+        self._renewed = time.monotonic()  # (taken before the write: the store stamps the record later than this)
+        write_owner(storage, record)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ucp-lease", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.record.lease_s / 3):
+            sent = time.monotonic()
             try:
                 write_owner(self.storage, OwnerRecord(**{**asdict(self.record), "renewed_at": time.time()}))
+                self._renewed = sent
             except Exception as e:  # noqa: BLE001 -- the save itself reports storage failures; keep trying
                 log.warning("could not renew the lease of %s step %d: %s", self.record.attempt, self.record.step, e)
+
+    def expired(self) -> float | None:
+        """How long ago, by this process's clock, the lease may have run out where gc judges it (None while it is
+        safely held): a save must not commit then, since gc may have removed its attempt. The margin covers the
+        commit's own request."""
+        margin = min(LEASE_MARGIN_S, self.record.lease_s / 10)
+        over = time.monotonic() - self._renewed - (self.record.lease_s - margin)
+        return over if over > 0 else None
 
     def stop(self) -> None:
         """Stop renewing, and wait for a renewal in flight: one that landed after the attempt was removed (or
@@ -170,17 +193,32 @@ class Lease:
             self._thread.join()
 
 
-def _attempt_is_dead(storage: Storage, step: int, attempt: str, now: float) -> bool:
+def _attempt_is_dead(storage: Storage, step: int, attempt: str, clock: _StoreClock) -> bool:
     key = record_key(step, attempt)
     try:
         owner = OwnerRecord.parse(storage.read(key, 0, MAX_MARKER_BYTES + 1), f"{storage.url}/{key}")
     except FileNotFoundError:
-        changed = storage.mtime(f"{step_dirname(step)}/{attempt}")
-        return changed is None or now - changed > ORPHAN_GRACE_S
+        changed = storage.newest_mtime(f"{step_dirname(step)}/{attempt}")
+        return changed is None or clock.now() - changed > ORPHAN_GRACE_S
     except (FormatError, NotAFileError) as e:  # (damaged, or reached through a link: an operator's case)
         log.warning("%s; its attempt is left alone", e)
         return False
-    return owner.is_dead(now)
+    renewed = storage.mtime(key)
+    if renewed is None:  # (a store that keeps no modification times: the owner's own clock is all there is)
+        return owner.is_dead(owner.renewed_at, time.time())
+    return owner.is_dead(renewed, clock.now())
+
+
+class _StoreClock:
+    """The store's time, asked for once per collection and only if needed (it costs a write)."""
+
+    def __init__(self, storage: Storage, now: float | None):
+        self.storage, self._now = storage, now
+
+    def now(self) -> float:
+        if self._now is None:
+            self._now = self.storage.clock()
+        return self._now
 
 
 def _is_stray_temp(name: str) -> bool:
@@ -189,8 +227,9 @@ def _is_stray_temp(name: str) -> bool:
 
 def collect_garbage(storage: Storage, *, now: float | None = None) -> list[str]:
     """Remove every attempt that no live saver owns (module docstring), and the leftovers of interrupted format 1.0
-    saves below the latest commit. Returns what was removed, as keys below the root."""
-    now = time.time() if now is None else now
+    saves below the latest commit. `now`: the store's time, if the caller knows it (tests). Returns what was
+    removed, as keys below the root."""
+    clock = _StoreClock(storage, now)
     removed: list[str] = []
     steps = commit.step_dirs(storage)
     latest = max(commit.committed_steps(storage), default=None)
@@ -209,11 +248,13 @@ def collect_garbage(storage: Storage, *, now: float | None = None) -> list[str]:
             key = f"{step_dir}/{name}"
             if is_attempt_dirname(name):
                 if record is not None and name == record.attempt:
-                    continue
-                if record is None and not _attempt_is_dead(storage, step, name, now):
-                    continue
+                    continue  # the committed attempt
+                if not _attempt_is_dead(storage, step, name, clock):
+                    continue  # (a live loser of a race removes its attempt itself)
+                if _named_by_marker(storage, step, name):
+                    continue  # committed meanwhile
             elif _is_stray_temp(name):
-                if now - (storage.mtime(key) or 0) <= ORPHAN_GRACE_S:
+                if clock.now() - (storage.mtime(key) or 0) <= ORPHAN_GRACE_S:
                     continue
             elif record is not None or latest is None or step >= latest:
                 continue  # a 1.0 step's contents: only an uncommitted one below the latest commit is a leftover
@@ -223,3 +264,13 @@ def collect_garbage(storage: Storage, *, now: float | None = None) -> list[str]:
         if record is None and removed and removed[-1].startswith(step_dir + "/"):
             storage.remove_empty_dir(step_dir)
     return removed
+
+
+def _named_by_marker(storage: Storage, step: int, attempt: str) -> bool:
+    """Whether the step's commit marker names `attempt` now (an unreadable marker counts as naming it: nothing is
+    removed on a guess)."""
+    try:
+        record = commit.read_marker(storage, step)
+    except (FormatError, StorageError):
+        return True
+    return record is not None and record.attempt == attempt

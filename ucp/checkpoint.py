@@ -19,13 +19,14 @@ import torch
 
 from . import __version__, codec, commit, dtypes, tree
 from .chunking import ChunkingPolicy, choose_chunks
-from .errors import FormatError, IntegrityError, StateError
+from .errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
 from .format import (
     MAX_DOCUMENT_BYTES,
     ZARR_JSON,
     AtomMeta,
     ObjectSum,
     StepManifest,
+    check_step,
     chunk_indices,
     is_attempt_dirname,
     loads,
@@ -167,13 +168,6 @@ def plan_save(
     return SavePlan(SaveSession.begin(storage, step), metas, group_paths(metas), jobs, manifest)
 
 
-def check_step(step: object) -> int:
-    """A step number to save: a non-negative integer (step directories hold at least 8 digits, more if needed)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise StateError(f"a step must be a non-negative integer, got {step!r:.80}")
-    return step
-
-
 def save(
     state: dict[str, Any],
     url: str,
@@ -229,7 +223,10 @@ class CheckpointReader:
         self.prefix = self.record.prefix  # the committed attempt's directory (the step directory in format 1.0)
         where = f"{storage.url}/{self.prefix}/{ZARR_JSON}"
         if committed is None:
-            manifest_bytes = commit.read_manifest_bytes(storage, self.record)
+            try:
+                manifest_bytes = commit.read_manifest_bytes(storage, self.record)
+            except ObjectMissingError as e:
+                raise self._removed_or(e) from None
         else:
             manifest_bytes = commit.check_manifest_bytes(committed[1], self.record, where)
         self.manifest = StepManifest.from_group_json(loads(manifest_bytes, where), where)
@@ -263,8 +260,8 @@ class CheckpointReader:
         try:
             raw = self.storage.read(self._atom_key(meta, ZARR_JSON), 0, MAX_DOCUMENT_BYTES + 1)
         except FileNotFoundError:
-            raise IntegrityError(
-                f"atom {meta.path!r} is missing from step {self.step} (no {meta.path}/{ZARR_JSON})"
+            raise self._removed_or(
+                ObjectMissingError(f"atom {meta.path!r} is missing from step {self.step} (no {meta.path}/{ZARR_JSON})")
             ) from None
         meta.check_zarr_json(loads(raw, f"atom {meta.path!r} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
 
@@ -280,9 +277,29 @@ class CheckpointReader:
     def read_object(self, meta: AtomMeta, index: tuple[int, ...], dest_for: codec.DestFn) -> None:
         """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object."""
         where = f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
-        codec.read_object(
-            self.storage, self.object_key(meta, index), meta, index, dest_for, where, self.recorded(meta, index)
-        )
+        try:
+            codec.read_object(
+                self.storage, self.object_key(meta, index), meta, index, dest_for, where, self.recorded(meta, index)
+            )
+        except ObjectMissingError as e:
+            raise self._removed_or(e) from None
+
+    def _removed_or(self, missing: ObjectMissingError) -> UcpError:
+        """What a missing object means: the step was removed meanwhile (retention, `delete`) if its commit marker no
+        longer names this attempt, else damage (`missing` itself). A reader of a step that is being deleted is told
+        so, not that its checkpoint is damaged."""
+        if self.record.attempt is not None:  # (a format 1.0 step has no attempt to tell apart)
+            try:
+                now = commit.read_marker(self.storage, self.step)
+            except UcpError:
+                now = None
+            if now is None or now.attempt != self.record.attempt:
+                return StepRemovedError(
+                    f"step {self.step} at {self.storage.url} was removed while it was being read ({missing})"
+                )
+        elif not self.storage.exists(commit.marker_key(self.step)):
+            return StepRemovedError(f"step {self.step} at {self.storage.url} was removed while it was being read")
+        return missing
 
     def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
         """Read, verify and decode one stored object into `out` (the full atom's tensor)."""

@@ -26,7 +26,7 @@ import torch
 
 from . import dtypes
 from .boxes import Box, to_slices
-from .errors import IntegrityError
+from .errors import IntegrityError, ObjectMissingError
 from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, ObjectSum, chunk_indices
 from .storage import Storage, scatter_into
 
@@ -313,7 +313,7 @@ def read_object(
         if extents:
             _read_extents(storage, key, meta, extents, whole, where)
     except FileNotFoundError:
-        raise IntegrityError(f"{where} is missing") from None
+        raise ObjectMissingError(f"{where} is missing") from None
 
 
 def _read_extents(

@@ -20,7 +20,14 @@ from typing import Any
 
 import crc32c
 
-from .errors import CheckpointNotFoundError, FormatError, NotAFileError, StepExistsError
+from .errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    NotAFileError,
+    ObjectMissingError,
+    StepExistsError,
+    StorageError,
+)
 from .format import (
     COMMIT_MARKER,
     FORMAT_VERSION,
@@ -79,9 +86,43 @@ def manifest_checksum(manifest_bytes: bytes | memoryview) -> int:
     return crc32c.crc32c(manifest_bytes)
 
 
+COMMIT_TRIES = 3  # creates of a marker whose outcome stayed unknown (each already retried by the store's client)
+
+
+def create_once(storage: Storage, key: str, data: bytes) -> bool:
+    """Create `key` holding `data` exclusively, deciding the outcome by what the store then holds, not by the status
+    of the last request: True if `key` holds `data` (created now, or by an earlier try of this same call whose
+    answer was lost: a retried conditional put finds its own first success and is refused), False if it holds
+    anything else (another writer's). Raises StorageError if neither can be told (the store cannot be read)."""
+    failure: StorageError | None = None
+    for _ in range(COMMIT_TRIES):
+        try:
+            storage.create_exclusive(key, data)
+            return True
+        except FileExistsError:
+            failure = None
+        except StorageError as e:  # the request may or may not have reached the store
+            failure = e
+        try:
+            held = bytes(storage.read(key, 0, len(data) + 1))
+        except FileNotFoundError:
+            continue  # it did not land (or was removed meanwhile): try again
+        except StorageError as e:
+            raise StorageError(
+                f"the outcome of creating {storage.url.rstrip('/')}/{key} is unknown ({failure or 'it exists'}), "
+                f"and reading it back failed: {e}"
+            ) from e
+        if held != data:
+            return False
+        log.info("%s/%s: a create's answer was lost; the store holds what it wrote", storage.url, key)
+        return True
+    raise failure or StorageError(f"cannot create {storage.url.rstrip('/')}/{key}: it keeps vanishing")
+
+
 def commit(storage: Storage, step: int, attempt: str, manifest_bytes: bytes, atoms: int, nbytes: int) -> CommitRecord:
     """Commit attempt `attempt` of `step`, whose data and manifest are already durable: create the marker, or
-    raise StepExistsError if another attempt committed the step first."""
+    raise StepExistsError if another attempt committed the step first. Whether it committed is decided by the
+    marker the store holds (`create_once`)."""
     record = CommitRecord(
         step=step,
         manifest_crc32c=manifest_checksum(manifest_bytes),
@@ -91,13 +132,11 @@ def commit(storage: Storage, step: int, attempt: str, manifest_bytes: bytes, ato
         attempt=attempt,
         manifest_nbytes=len(manifest_bytes),
     )
-    try:
-        storage.create_exclusive(marker_key(step), dumps(record.to_json()))
-    except FileExistsError:
+    if not create_once(storage, marker_key(step), dumps(record.to_json())):
         raise StepExistsError(
             f"step {step} at {storage.url} was committed by another save meanwhile; "
             "committed steps are never overwritten"
-        ) from None
+        )
     return record
 
 
@@ -220,7 +259,7 @@ def read_manifest_bytes(storage: Storage, record: CommitRecord) -> bytes:
     try:
         data = bytes(storage.read(key, 0, limit + 1))
     except FileNotFoundError:
-        raise FormatError(f"{where} is missing") from None
+        raise ObjectMissingError(f"{where} is missing") from None
     return check_manifest_bytes(data, record, where)
 
 

@@ -2,7 +2,20 @@
 
 
 class UcpError(Exception):
-    """Base class of every error ucp raises on purpose."""
+    """Base class of every error ucp raises on purpose. Each subclass is known by its name (`error_kind`), so that a
+    failure on one rank of a save is raised on every rank as the same type, whichever module defines it."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        _KINDS[cls.__name__] = cls
+
+
+_KINDS: dict[str, type[UcpError]] = {"UcpError": UcpError}
+
+
+def error_kind(name: str) -> type[UcpError] | None:
+    """The ucp error class called `name` (any defined so far, the interop ones included), or None."""
+    return _KINDS.get(name)
 
 
 class LayoutError(UcpError, ValueError):
@@ -11,6 +24,10 @@ class LayoutError(UcpError, ValueError):
 
 class CheckpointNotFoundError(UcpError):
     """The URL holds no ucp checkpoint, or not the requested (committed) step."""
+
+
+class StepRemovedError(CheckpointNotFoundError):
+    """The step was deleted (by retention, or another job's `delete`) while it was being read: nothing is damaged."""
 
 
 class FormatError(UcpError):
@@ -23,6 +40,10 @@ class UnsupportedVersionError(FormatError):
 
 class IntegrityError(UcpError):
     """Stored bytes are missing, truncated or fail their checksum."""
+
+
+class ObjectMissingError(IntegrityError):
+    """An object that the committed manifest names is not there (deleted, or never written)."""
 
 
 class StateError(UcpError):

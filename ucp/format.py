@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes
-from .errors import FormatError, UnsupportedVersionError
+from .errors import FormatError, StateError, UnsupportedVersionError
 
 FORMAT_VERSION = "2.0"
 FORMAT_MAJOR = 2
@@ -53,6 +53,13 @@ MAX_ATOM_PATH_BYTES = 768  # leaves room for the root, step and attempt in a 1,0
 
 def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def check_step(step: object) -> int:
+    """A step number to save: a non-negative integer (step directories hold at least 8 digits, more if needed)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateError(f"a step must be a non-negative integer, got {step!r:.80}")
+    return step
 
 
 def parse_step_dirname(name: str) -> int | None:

@@ -15,7 +15,7 @@ import torch
 from . import dtypes
 from .boxes import box_shape, relative, to_slices
 from .checkpoint import CheckpointReader, group_paths
-from .errors import FormatError, IntegrityError, StorageError
+from .errors import FormatError, IntegrityError, ObjectMissingError, StorageError
 from .format import MAX_DOCUMENT_BYTES, ZARR_JSON, AtomMeta, chunk_indices, group_json, loads
 
 
@@ -203,7 +203,7 @@ def _check_document(reader: CheckpointReader, key: str, expected: dict[str, Any]
     try:
         doc = loads(reader.storage.read(key, 0, MAX_DOCUMENT_BYTES + 1), where, MAX_DOCUMENT_BYTES)
     except FileNotFoundError:
-        raise IntegrityError(f"{what} is missing ({where})") from None
+        raise ObjectMissingError(f"{what} is missing ({where})") from None
     if not isinstance(doc, dict) or any(doc.get(k) != v for k, v in expected.items()):
         raise FormatError(f"{what} ({where}) is not the Zarr group document ucp wrote: {json.dumps(doc)[:200]}")
 

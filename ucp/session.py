@@ -24,24 +24,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Self
+from typing import NoReturn, Self
 
 from . import attempt, commit
 from .comm import Comm, LocalComm
-from .errors import StepExistsError, StorageError, UcpError
-from .format import FORMAT_VERSION, ZARR_JSON, AtomMeta, ObjectSum, StepManifest, chunk_indices, dumps
+from .errors import StepExistsError, StorageError, UcpError, error_kind
+from .format import FORMAT_VERSION, ZARR_JSON, AtomMeta, ObjectSum, StepManifest, check_step, chunk_indices, dumps
 from .storage import Storage
 
 log = logging.getLogger("ucp")
-
-
-def _all_subclasses(cls: type[UcpError]) -> list[type[UcpError]]:
-    return [c for child in cls.__subclasses__() for c in (child, *_all_subclasses(child))]
-
-
-# The ucp errors a failed save re-raises on every rank by name (each takes one message).
-_KINDS: list[type[UcpError]] = [UcpError, *_all_subclasses(UcpError)]
-_ERRORS: dict[str, type[UcpError]] = {e.__name__: e for e in _KINDS}
 
 
 def ensure_root(storage: Storage) -> None:
@@ -66,6 +57,8 @@ class SaveSession:
         self.storage, self.step, self.attempt, self.comm = storage, step, attempt_id, comm
         self.prefix = f"{commit.step_dirname(step)}/{attempt_id}"
         self.after_commit: list[Callable[[commit.CommitRecord | None], None]] = []
+        # What failed after the commit (retention, gc, the hot tier's drain): logged and kept here, never raised
+        self.after_commit_errors: list[Exception] = []
         self._lease = lease
         self._objects: dict[str, ObjectSum] = {}
         self._lock = threading.Lock()
@@ -89,14 +82,14 @@ class SaveSession:
         lease = None
         if comm.rank == 0:
             try:
+                check_step(step)
                 if commit.read_marker(storage, step) is not None:
                     raise StepExistsError(
                         f"step {step} is already committed at {storage.url}; committed steps are never overwritten"
                     )
                 ensure_root(storage)
                 record = attempt.OwnerRecord.mine(step, attempt.new_attempt_id(), lease_s or attempt.DEFAULT_LEASE_S)
-                attempt.write_owner(storage, record)
-                lease = attempt.Lease(storage, record)
+                lease = attempt.Lease(storage, record)  # (writes the owner record first)
                 message = {"attempt": record.attempt}
             except BaseException as e:
                 if comm.world_size == 1:
@@ -140,7 +133,16 @@ class SaveSession:
             raise _as_error(outcome) from (error or failure)
         assert record is not None or not self.is_coordinator
         for hook in self.after_commit:
-            hook(record)
+            try:
+                hook(record)
+            except Exception as e:  # noqa: BLE001 -- the step is committed: what follows cannot undo that
+                self.after_commit_errors.append(e)
+                log.error(
+                    "step %d at %s is committed, but the work after its commit failed: %s",
+                    self.step,
+                    self.storage.url,
+                    e,
+                )
         return record
 
     def _end(
@@ -155,16 +157,17 @@ class SaveSession:
             assert gathered is not None
             self._stop_lease()  # (every rank has written: what follows removes or commits the attempt)
             try:
-                for rank, g in enumerate(gathered):
-                    if "failure" in g:
-                        failure = error if rank == 0 else None
-                        raise _failed(g["failure"], self, rank if self.comm.world_size > 1 else None)
+                failed = {rank: g["failure"] for rank, g in enumerate(gathered) if "failure" in g}
+                if failed:
+                    failure = error if 0 in failed else None
+                    raise _failed(failed, self)
                 objects: dict[str, ObjectSum] = {}
                 for g in gathered:
                     objects.update({k: (v[0], v[1]) for k, v in g["objects"].items()})
                 assert manifest is not None, "the coordinator commits the manifest"
                 if self._cancelled:
                     raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
+                self._check_lease()
                 record = self._commit(manifest, objects)
             except BaseException as e:  # noqa: BLE001 -- raised on every rank below, after the attempt is removed
                 self._abort()
@@ -173,6 +176,17 @@ class SaveSession:
         if self.comm.world_size > 1:
             outcome = json.loads(self.comm.broadcast_bytes(dumps(outcome) if self.is_coordinator else None))
         return outcome, record, failure
+
+    def _check_lease(self) -> None:
+        """Refuse to commit once the lease may have run out where gc judges it (`attempt.Lease.expired`)."""
+        lease = self._lease
+        expired = lease.expired() if lease is not None else None
+        if lease is not None and expired is not None:
+            raise StorageError(
+                f"step {self.step} at {self.storage.url} was not committed: its attempt's lease could not be renewed "
+                f"for {lease.record.lease_s + expired:.1f} s (the store unreachable?), so garbage collection may have "
+                "removed the attempt"
+            )
 
     def abort(self, error: BaseException) -> None:
         """End an attempt that failed before `finish` (single process only): remove what it wrote."""
@@ -229,13 +243,25 @@ class SaveSession:
         return sums
 
     def _abort(self) -> None:
+        """Remove the attempt, unless a commit marker names it: a commit whose answer was lost may have landed, and
+        what a marker names is never removed (an unreadable marker leaves it to `collect_garbage`, which checks)."""
+        try:
+            held = commit.read_marker(self.storage, self.step)
+        except UcpError as e:
+            log.warning("left the failed attempt %s/%s to gc: its step's marker cannot be read (%s)", *self._where, e)
+            return
+        if held is not None and held.attempt == self.attempt:
+            log.error("the attempt %s/%s is committed: not removed", *self._where)
+            return
         try:
             self.storage.delete(self.prefix)
             self.storage.remove_empty_dir(commit.step_dirname(self.step))
         except UcpError as e:
-            log.warning(
-                "could not remove the failed attempt %s/%s (collect_garbage will): %s", self.storage.url, self.prefix, e
-            )
+            log.warning("could not remove the failed attempt %s/%s (collect_garbage will): %s", *self._where, e)
+
+    @property
+    def _where(self) -> tuple[str, str]:
+        return self.storage.url, self.prefix
 
     def _stop_lease(self) -> None:
         if self._lease is not None:
@@ -246,22 +272,29 @@ def _describe(error: BaseException) -> dict:
     return {"error": str(error) or type(error).__name__, "type": type(error).__name__}
 
 
-def _failed(described: dict, session: SaveSession, rank: int | None) -> UcpError:
-    """The error a failed save raises: the failure's own type where it is a ucp one, else a StorageError (an
-    OSError from a write, say); it names the step, the root and, in a distributed save, the rank that failed."""
-    kind = _ERRORS.get(described["type"], StorageError)
+def _failed(failed: dict[int, dict], session: SaveSession) -> UcpError:
+    """The error a failed save raises: the failure's own type where it is a ucp one (the first failing rank's), else
+    a StorageError (an OSError from a write, say); it names the step, the root and, in a distributed save, every
+    rank that failed with its reason."""
+    first = failed[min(failed)]
+    kind = error_kind(first["type"]) or StorageError
     if kind is StepExistsError:
-        return StepExistsError(described["error"])
-    where = f" (rank {rank} failed)" if rank is not None else ""
+        return StepExistsError(first["error"])
+    if session.comm.world_size == 1:
+        reason = first["error"]
+    else:
+        ranks = ", ".join(map(str, sorted(failed)))
+        reason = f"rank{'s' if len(failed) > 1 else ''} {ranks} failed: " + "; ".join(
+            f"rank {rank}: {d['type']}: {d['error']}" for rank, d in sorted(failed.items())
+        )
     return kind(
-        f"step {session.step} was not saved at {session.storage.url}{where}, and what this attempt wrote "
-        f"was removed: {described['error']}"
+        f"step {session.step} was not saved at {session.storage.url}, and what this attempt wrote was removed: {reason}"
     )
 
 
 def _as_error(described: dict) -> UcpError:
-    return _ERRORS.get(described.get("type", ""), UcpError)(described.get("error", "the save failed"))
+    return (error_kind(described.get("type", "")) or UcpError)(described.get("error", "the save failed"))
 
 
-def _raise(described: dict) -> None:
+def _raise(described: dict) -> NoReturn:
     raise _as_error(described)

@@ -45,6 +45,7 @@ from .errors import (
 )
 
 Buffer = bytes | bytearray | memoryview
+CLOCK_KEY = ".ucp-clock"  # an empty object at the root, rewritten to read the store's time (Storage.clock)
 log = logging.getLogger("ucp")
 
 
@@ -123,8 +124,21 @@ class Storage(ABC):
     def exists(self, key: str) -> bool: ...
 
     def mtime(self, key: str) -> float | None:
-        """When the object or directory was last modified (seconds since the epoch), or None if unknown/absent."""
+        """When the object or directory was last modified (seconds since the epoch, as the store stamps it), or
+        None if unknown/absent."""
         return None
+
+    def newest_mtime(self, key: str) -> float | None:
+        """The latest modification time of the object, or of anything below the directory (prefix) `key`."""
+        return self.mtime(key)
+
+    def clock(self) -> float:
+        """The store's time now, on the clock that stamps its modification times (a remote file system's or an
+        object store's, not this host's): what an age read from `mtime` is measured against. It costs a write of
+        a small object at the root; a store that keeps no times gives this host's clock."""
+        self.write(CLOCK_KEY, [b""])
+        stamp = self.mtime(CLOCK_KEY)
+        return time.time() if stamp is None else stamp
 
     @abstractmethod
     def listdir(self, key: str = "") -> list[str]:
@@ -436,6 +450,17 @@ class LocalStorage(Storage):
         except OSError:
             return None
 
+    def newest_mtime(self, key: str) -> float | None:
+        newest = self.mtime(key)
+        for directory, subdirs, files in os.walk(self._path(key)):  # (never into a linked directory)
+            for name in (*subdirs, *files):
+                try:
+                    stamp = os.lstat(os.path.join(directory, name)).st_mtime
+                except OSError:
+                    continue  # removed meanwhile
+                newest = stamp if newest is None else max(newest, stamp)
+        return newest
+
     @contextmanager
     def _directory(self, path: str) -> Iterator[int]:
         """A descriptor of the directory `path` (the root or below it), checked to be reached through no link below
@@ -667,8 +692,12 @@ class FsspecStorage(Storage):
         except FileExistsError:
             raise
         except Exception as e:
-            if "PreconditionFailed" in str(e) or "412" in str(e):
-                raise FileExistsError(errno.EEXIST, "object exists", self._path(key)) from None
+            # (s3fs raises FileExistsError where the store names the condition; one that answers a bare 412 is
+            # told apart by the response botocore parsed, never by the message, which may hold a key such as
+            # step_00000412)
+            code, status = service_error(e)
+            if code == "PreconditionFailed" or status == 412:
+                raise FileExistsError(errno.EEXIST, "object exists", self._path(key)) from e
             raise self._error("create", key, e) from e
         self.stats.record_write(key, len(data))
 
@@ -693,10 +722,15 @@ class FsspecStorage(Storage):
             info = self.fs.info(self._path(key))
         except Exception:  # noqa: BLE001 -- absent or unknown: the caller decides
             return None
-        stamp = info.get("LastModified") or info.get("mtime") or info.get("created")
-        if stamp is None:
-            return None
-        return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+        return _stamp(info)
+
+    def newest_mtime(self, key: str) -> float | None:
+        try:
+            found = self.fs.find(self._path(key), detail=True)
+        except Exception:  # noqa: BLE001 -- absent or unknown: the caller decides
+            found = {}
+        stamps = [s for s in map(_stamp, found.values()) if s is not None]
+        return max(stamps) if stamps else self.mtime(key)
 
     def listdir(self, key: str = "") -> list[str]:
         path = self._path(key)
@@ -745,6 +779,14 @@ class FsspecStorage(Storage):
         return (FsspecStorage, (self.fs, self.root, self.url))
 
 
+def _stamp(info: dict[str, Any]) -> float | None:
+    """The modification time in an fsspec `info` entry (S3's LastModified, a file system's mtime), if any."""
+    stamp = info.get("LastModified") or info.get("mtime") or info.get("created")
+    if stamp is None:
+        return None
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+
+
 # What the exceptions of botocore, aiobotocore, aiohttp, s3fs and the OS mean, by name (none of them is imported
 # here: a local checkpoint never loads an S3 client).
 _AUTH = {
@@ -782,6 +824,20 @@ def _chain(e: BaseException) -> list[BaseException]:
     return out
 
 
+def service_error(e: BaseException) -> tuple[str | None, int | None]:
+    """The error code and HTTP status that an object store answered with, as botocore parsed them (the
+    `response` of a ClientError anywhere in `e`'s chain; s3fs keeps it as the cause of what it raises), or
+    (None, None) when no answer came back."""
+    for exc in _chain(e):
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error") or {}
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            code = error.get("Code") if isinstance(error, dict) else None
+            return (str(code) if code is not None else None), (status if isinstance(status, int) else None)
+    return None, None
+
+
 def storage_error(what: str, e: BaseException, fs: Any = None) -> StorageError:
     """The one place where a storage library's exception becomes a ucp error: the kind of failure (credentials,
     an unreachable endpoint, a missing bucket, anything else), `what` was being done, the cause in one line; the
@@ -791,20 +847,20 @@ def storage_error(what: str, e: BaseException, fs: Any = None) -> StorageError:
     )
     where = f" ({endpoint})" if endpoint else ""
     cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-    for exc in _chain(e):
-        name, text = type(exc).__name__, str(exc)
-        if name in _AUTH or isinstance(exc, PermissionError) or any(code in text for code in _AUTH):
-            return StorageAuthError(
-                f"{what}: the store{where} refused the credentials, or found none ({cause}); {_CREDENTIALS_HINT}"
-            )
-        if name in _UNREACHABLE or isinstance(exc, (ConnectionRefusedError, TimeoutError)):
-            return StorageUnreachableError(
-                f"{what}: the endpoint{where} cannot be reached after {S3_ATTEMPTS} attempts ({cause})"
-            )
-        if name == "NoSuchBucket" or "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-            return BucketNotFoundError(
-                f"{what}: the bucket does not exist{where}; create it first (ucp never creates buckets)"
-            )
+    code, _ = service_error(e)
+    names = {type(exc).__name__ for exc in _chain(e)} | ({code} if code else set())
+    if names & _AUTH or any(isinstance(exc, PermissionError) for exc in _chain(e)):
+        return StorageAuthError(
+            f"{what}: the store{where} refused the credentials, or found none ({cause}); {_CREDENTIALS_HINT}"
+        )
+    if names & _UNREACHABLE or any(isinstance(exc, (ConnectionRefusedError, TimeoutError)) for exc in _chain(e)):
+        return StorageUnreachableError(
+            f"{what}: the endpoint{where} cannot be reached after {S3_ATTEMPTS} attempts ({cause})"
+        )
+    if "NoSuchBucket" in names:
+        return BucketNotFoundError(
+            f"{what}: the bucket does not exist{where}; create it first (ucp never creates buckets)"
+        )
     return StorageError(f"{what}: {cause}")
 
 

@@ -48,7 +48,7 @@ from . import attempt, commit
 from .checkpoint import CheckpointReader, SaveOptions
 from .comm import Comm, LocalComm
 from .commit import CommitRecord
-from .errors import CheckpointNotFoundError, FormatError, IntegrityError, StorageError
+from .errors import CheckpointNotFoundError, FormatError, IntegrityError, ObjectMissingError, StorageError
 from .format import ZARR_JSON, AtomMeta, StepManifest, chunk_indices
 from .session import SaveSession, ensure_root
 from .storage import Buffer, IOStats, LocalStorage, Storage
@@ -300,11 +300,11 @@ class HotTier:
             ensure_root(self.storage)
             self.storage.write(f"{session.prefix}/{ZARR_JSON}", [bytes(blobs["manifest"])])
             self.storage.flush()
-            try:
-                self.storage.create_exclusive(commit.marker_key(session.step), bytes(blobs["marker"]))
-            except FileExistsError:
+            if not commit.create_once(self.storage, commit.marker_key(session.step), bytes(blobs["marker"])):
                 log.warning(
-                    "hot tier %s: step %d was committed here before; kept as it was", self.storage.url, session.step
+                    "hot tier %s: step %d was committed here before by another save; kept as it was",
+                    self.storage.url,
+                    session.step,
                 )
 
     def apply_retention(self) -> None:
@@ -482,9 +482,10 @@ class HotTier:
                 try:
                     check_object(reader, reader.atoms[path], index)
                     ok[i] = True
+                except ObjectMissingError:
+                    pass  # (not held here: another node's copy or the durable URL serves it)
                 except IntegrityError as e:
-                    if "is missing" not in str(e):
-                        damaged.append(f"{self.storage.url}: {e}")
+                    damaged.append(f"{self.storage.url}: {e}")
                 except (FormatError, StorageError) as e:
                     damaged.append(f"{self.storage.url}: {e}")
         held = [[False] * len(objects) for _ in range(self.nodes.count)]

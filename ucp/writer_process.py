@@ -256,7 +256,8 @@ class _Server:
         while True:
             try:
                 message = self.conn.recv()
-            except EOFError:
+            except (EOFError, OSError):  # (ConnectionResetError: the parent was killed)
+                _check_parent()  # gone: exit at once, quietly
                 break
             if message is None:
                 break
@@ -278,7 +279,11 @@ class _Server:
 
     def _send_replies(self) -> None:
         while (reply := self._replies.get()) is not None:
-            self.conn.send(reply)
+            try:
+                self.conn.send(reply)
+            except OSError:  # (BrokenPipeError, ConnectionResetError: the parent is gone or closed us)
+                _check_parent()
+                return
 
     def _start(self, kind: str, req: int, sid: int, payload: Any) -> None:
         storage = self.storages[sid]
