@@ -2,7 +2,8 @@
 
 Usage: python -m tests.dist_fail_worker URL OUT_DIR
 World 2, layout tp2. Rank 1's storage fails every chunk write (ENOSPC). Every rank must raise the same
-StorageError (naming rank 1 and the step) and nothing may be committed; then a save with working storage commits,
+StorageError (naming rank 1 and the step) and nothing may be committed; so must an error of interop's own type
+(InteropError) on rank 1, and failures on both ranks name both; then a save with working storage commits,
 and a save of the committed step raises StepExistsError on every rank. Writes OUT_DIR/rank{r}.json.
 """
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 import ucp
 from ucp.distributed import ShardedModel, TorchComm, save_sharded
+from ucp.interop.errors import InteropError
 from ucp.layout import parse_layout
 from ucp.reshard import shard
 from ucp.storage import LocalStorage
@@ -28,6 +30,23 @@ class FullDisk(LocalStorage):
         if "/c." in key:
             raise OSError(28, "No space left on device", key)
         super().write(key, parts)
+
+
+class Refusing(LocalStorage):
+    """Fails its chunk writes with an error of a type that the save protocol's module does not know of itself."""
+
+    def write(self, key, parts):
+        if "/c." in key:
+            raise InteropError(f"{key}: refused by this rank's source")
+        super().write(key, parts)
+
+
+def outcome(save) -> list[str] | None:
+    try:
+        save()
+    except ucp.UcpError as e:
+        return [type(e).__name__, str(e)]
+    return None
 
 
 def main(url: str, out_dir: str) -> None:
@@ -45,6 +64,15 @@ def main(url: str, out_dir: str) -> None:
     except ucp.UcpError as e:
         result["failed"] = [type(e).__name__, str(e)]
     result["committed_after_failure"] = ucp.CheckpointManager(url).steps() if rank == 0 else None
+    # An error type defined outside ucp's core (interop's), on rank 1; then failures on both ranks
+    storage = Refusing(url, fsync=False) if rank == 1 else LocalStorage(url, fsync=False)
+    result["interop"] = outcome(
+        lambda: save_sharded(local, url, step=2, model=model, comm=comm, storage=storage, options=OPTIONS)
+    )
+    storage = Refusing(url, fsync=False) if rank == 1 else FullDisk(url, fsync=False)
+    result["both"] = outcome(
+        lambda: save_sharded(local, url, step=3, model=model, comm=comm, storage=storage, options=OPTIONS)
+    )
     dist.barrier()
     record = save_sharded(local, url, step=1, model=model, comm=comm, options=OPTIONS)
     result["second"] = record.step if record is not None else None

@@ -214,6 +214,39 @@ def test_bad_cli_arguments(ckpt):
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["import", "SRC", "DST", "--from", "hf", "--step", "-1"],
+        ["import", "SRC", "DST", "--from", "dcp", "--step=-7"],
+        ["convert", "SRC", "DST", "--from", "tp2", "--to", "universal", "--step", "-3"],
+        ["convert", "SRC", "DST", "--from", "tp2", "--to", "universal", "--iteration", "-3"],
+        ["export", "SRC", "--to", "hf", "DST", "--step", "-1"],
+    ],
+)
+def test_a_negative_step_is_refused_in_one_line_and_writes_nothing(tmp_path, argv):
+    """(It once wrote step_-0000001, which nothing can read.)"""
+    argv = [str(tmp_path / a) if a in ("SRC", "DST") else a for a in argv]
+    result = run_cli(*argv)
+    assert result.returncode == 2 and "non-negative integer" in result.stderr, result.stderr
+    assert not (tmp_path / "DST").exists()
+
+
+def test_a_negative_step_is_refused_by_every_save(tmp_path):
+    from ucp.interop.hf import import_hf
+
+    with pytest.raises(ucp.StateError, match="non-negative"):
+        ucp.save({"w": torch.ones(2)}, str(tmp_path / "a"), step=-5)
+    with pytest.raises(ucp.StateError, match="non-negative"):
+        ucp.CheckpointManager(str(tmp_path / "b")).save(-1, {"w": torch.ones(2)})
+    from .test_hf import save_hf
+
+    src, _ = save_hf(tmp_path)
+    with pytest.raises(ucp.StateError, match="non-negative"):
+        import_hf(src, str(tmp_path / "c"), step=-1)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "b" / "step_-0000001").exists()
+
+
+@pytest.mark.parametrize(
     "make",
     [
         lambda: ucp.SaveOptions(io_threads=0),

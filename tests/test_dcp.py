@@ -213,3 +213,37 @@ def test_cli_export_and_import_dcp(tmp_path, capsys):
     assert got["model.norm.weight"].dtype == torch.bfloat16
     assert ucp_cli.main(["import", str(tmp_path / "u"), str(tmp_path / "u3"), "--from", "dcp"]) == 1
     assert "not a DCP checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["garbage", "hostile pickle", "truncated"])
+def test_a_damaged_or_hostile_data_file_is_one_line_and_leaves_no_destination(tmp_path, capsys, damage):
+    """Nothing is executed, the CLI says in one line which file it could not read, and the destination (new) is not
+    created: DCP's own CheckpointException (wrapping an UnpicklingError or worse) never reaches the user."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    cfg = tiny_config(num_hidden_layers=1)
+    src = tmp_path / "d"
+    dcp.save(random_full_state(cfg, states=())["model"], checkpoint_id=str(src), no_dist=True)
+    (src / "config.json").write_text(_hf_config_json(cfg))
+    data = min(src.glob("*.distcp"))
+    ran = tmp_path / "ran"
+
+    class Hostile:
+        def __reduce__(self):
+            return (os.mkdir, (str(ran),))
+
+    payload = {
+        "garbage": os.urandom(data.stat().st_size),
+        "hostile pickle": pickle.dumps(Hostile()) * (data.stat().st_size // 64 + 1),
+        "truncated": data.read_bytes()[: data.stat().st_size // 3],
+    }[damage]
+    data.write_bytes(payload)
+    dest = tmp_path / "u"
+    assert ucp_cli.main(["import", str(src), str(dest), "--from", "dcp", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert str(data) in err, err
+    assert not ran.exists(), "the hostile pickle ran"
+    assert not dest.exists(), f"a partial destination was left: {list(dest.rglob('*'))}"

@@ -31,8 +31,13 @@ def test_one_rank_out_of_space_fails_every_rank_and_commits_nothing(tmp_path):
             message,
         )
         assert "No space left" in message
+        kind, message = r["interop"]
+        assert kind == "InteropError" and "rank 1 failed" in message and "refused by this rank's source" in message
+        kind, message = r["both"]
+        assert "ranks 0, 1 failed" in message and "No space left" in message and "InteropError" in message, message
         assert r["again"] is not None and "step 1" in r["again"]
     assert results[0]["committed_after_failure"] == []
+    assert ucp.CheckpointManager(url).steps() == [1]
     assert results[0]["second"] == 1 and results[1]["second"] is None
     assert [n for n in os.listdir(tmp_path / "ckpt" / step_dirname(1)) if n.startswith("attempt-")] == [
         ucp.open_checkpoint(url).record.attempt

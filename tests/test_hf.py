@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,20 @@ def test_cli_export_import_and_errors(tmp_path, capsys):
     assert _cli(["import", str(tmp_path / "nowhere"), str(tmp_path / "ucp2")]) == 1
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "ucp2").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage header", "garbage index"])
+def test_a_damaged_hf_checkpoint_is_one_line_naming_the_file_and_leaves_no_destination(tmp_path, capsys, damage):
+    src, _ = save_hf(tmp_path)
+    files = sorted(src.glob("*.safetensors"))
+    target = src / "model.safetensors.index.json" if damage == "garbage index" else files[-1]
+    if not target.exists():  # (a single-file model has no index)
+        pytest.skip("no index to damage")
+    data = target.read_bytes()
+    target.write_bytes(data[: len(data) // 2] if damage == "truncated" else os.urandom(64) + data[64:])
+    dest = tmp_path / "ucp"
+    capsys.readouterr()
+    assert _cli(["import", str(src), str(dest), "--from", "hf", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and str(target) in err, err
+    assert not dest.exists()

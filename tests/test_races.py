@@ -1,5 +1,7 @@
 """Two processes racing to save one step: exactly one commits, the other gets StepExistsError, and the step holds
-exactly the winner's tensors; the loser leaves nothing behind. Locally and on S3 (moto), 20 trials each."""
+exactly the winner's tensors; the loser leaves nothing behind. Locally and on S3 (moto), 20 trials each, with
+`ucp.save` and through a CheckpointManager of each mode, whose gc after every commit once removed the live loser's
+attempt as it wrote (and told the winner its committed save had failed)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 TRIALS = 20
 
 
-def race(url: str, sync_dir: Path, env: dict | None = None) -> list[dict[int, str]]:
+def race(url: str, sync_dir: Path, env: dict | None = None, how: str = "save") -> list[dict[int, str]]:
     sync_dir.mkdir()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.race_saver", url, str(w), str(TRIALS), str(sync_dir)],
+            [sys.executable, "-m", "tests.race_saver", url, str(w), str(TRIALS), str(sync_dir), how],
             cwd=REPO,
             stdout=subprocess.PIPE,
             text=True,
@@ -38,24 +40,25 @@ def race(url: str, sync_dir: Path, env: dict | None = None) -> list[dict[int, st
     for proc in procs:
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0
+        for r in map(json.loads, out.splitlines()):
+            assert r.get("after_commit") in (None, []), f"trial {r['trial']}: {r['after_commit']}"
         outcomes.append({r["trial"]: r["outcome"] for r in map(json.loads, out.splitlines())})
     return outcomes
 
 
-def check(url: str, outcomes: list[dict[int, str]], storage_options: dict | None = None) -> None:
+def check(url: str, outcomes: list[dict[int, str]], storage_options: dict | None = None, how: str = "save") -> None:
     from ucp.storage import open_storage
 
     for trial in range(TRIALS):
         got = sorted(o[trial] for o in outcomes)
         assert got == ["committed", "exists"], f"trial {trial}: {got}"
         winner = next(w for w in (0, 1) if outcomes[w][trial] == "committed")
-        root = f"{url}/trial{trial}"
-        reader = ucp.open_checkpoint(root, storage_options=storage_options)
-        assert reader.step == 5
+        root, step = (f"{url}/trial{trial}", 5) if how == "save" else (url, trial)
+        reader = ucp.open_checkpoint(root, step, storage_options=storage_options)
         assert_same_state(state(winner, trial), reader.load_state())
         assert verify(reader).ok
         storage = open_storage(root, storage_options)
-        attempts = [n for n in storage.listdir(step_dirname(5)) if is_attempt_dirname(n)]
+        attempts = [n for n in storage.listdir(step_dirname(step)) if is_attempt_dirname(n)]
         assert attempts == [reader.record.attempt], f"trial {trial}: the loser left {attempts}"
 
 
@@ -70,3 +73,19 @@ def test_two_processes_race_to_save_one_step_on_s3(s3_bucket, tmp_path):
     url = f"s3://{bucket}/race"
     outcomes = race(url, tmp_path / "sync", {"UCP_TEST_STORAGE_OPTIONS": json.dumps(options)})
     check(url, outcomes, options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_two_managers_race_to_save_one_step(tmp_path, how):
+    url = str(tmp_path / "ckpt")
+    check(url, race(url, tmp_path / "sync", how=how), how=how)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_two_managers_race_to_save_one_step_on_s3(s3_bucket, tmp_path, how):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/race-{how}"
+    outcomes = race(url, tmp_path / "sync", {"UCP_TEST_STORAGE_OPTIONS": json.dumps(options)}, how=how)
+    check(url, outcomes, options, how=how)

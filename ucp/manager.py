@@ -74,6 +74,7 @@ class CheckpointManager:
         )
         self.last_restore: RestoreReport | None = None
         self._stopped: str | None = None  # "closed" or "abandoned": no more saves
+        self._last: SaveHandle | None = None
         self.pipeline = SavePipeline(io_threads_for(self.options, self.storage), staging_bytes, writer)
         if mode != "sync":
             self.pipeline.start_writer()  # it imports while the trainer sets up, not at the first save
@@ -139,13 +140,20 @@ class CheckpointManager:
         """Where saves commit first: the hot tier if there is one, else the durable root."""
         return self.hot.storage if self.hot is not None else self.storage
 
+    @property
+    def after_commit_errors(self) -> list[Exception]:
+        """What failed after the last save committed (retention, gc, a drain to the durable URL): such failures
+        never fail a committed save; they are logged (`ucp` logger) and kept here until the next save."""
+        return self._last.after_commit_errors if self._last is not None else []
+
     def _submit(self, plan: SavePlan, mode: Mode | None) -> SaveHandle:
         if self.hot is None:
             plan.session.after_commit.append(self._after_commit)
         else:
             documents = [key for key, _ in plan.documents()]
             self.hot.attach(plan.session, documents, plan.manifest, self.storage, self.options, self._after_commit)
-        return self.pipeline.submit(plan, mode or self.mode)
+        self._last = self.pipeline.submit(plan, mode or self.mode)
+        return self._last
 
     def _after_commit(self, record: CommitRecord | None) -> None:
         if record is not None:  # (the coordinator)

@@ -158,6 +158,12 @@ class SaveHandle:
     def done(self) -> bool:
         return self._future is None or self._future.done()
 
+    @property
+    def after_commit_errors(self) -> list[Exception]:
+        """What failed after the step committed (retention, gc, the hot tier's drain to the durable URL): logged
+        with the `ucp` logger and kept here, never raised as the save's failure (the step is committed)."""
+        return [] if self._session is None else list(self._session.after_commit_errors)
+
     def result(self, timeout: float | None = None) -> CommitRecord | None:
         """Wait for the commit (None on processes that do not commit); raise the save's error if it failed."""
         if self._future is not None:

@@ -30,7 +30,7 @@ from . import attempt, commit
 from .comm import Comm, LocalComm
 from .errors import StepExistsError, StorageError, UcpError, error_kind
 from .format import FORMAT_VERSION, ZARR_JSON, AtomMeta, ObjectSum, StepManifest, check_step, chunk_indices, dumps
-from .storage import Storage
+from .storage import CLOCK_KEY, Storage
 
 log = logging.getLogger("ucp")
 
@@ -48,6 +48,17 @@ def ensure_root(storage: Storage) -> None:
         storage.create_exclusive(ZARR_JSON, dumps(doc))
     except FileExistsError:
         pass  # another save made it meanwhile
+
+
+def remove_unused_root(storage: Storage) -> None:
+    """Undo what a failed first save left in a root that it found empty: the root's group document (and on local
+    files the directory, if that leaves it empty). A root that holds any step is left as it is."""
+    names = set(storage.listdir(""))
+    if names - {ZARR_JSON, CLOCK_KEY}:
+        return
+    for name in names:
+        storage.delete(name)
+    storage.remove_empty_dir("")
 
 
 class SaveSession:
@@ -282,9 +293,10 @@ def _failed(failed: dict[int, dict], session: SaveSession) -> UcpError:
         return StepExistsError(first["error"])
     if session.comm.world_size == 1:
         reason = first["error"]
+    elif len(failed) == 1:
+        reason = f"rank {min(failed)} failed: {first['error']}"
     else:
-        ranks = ", ".join(map(str, sorted(failed)))
-        reason = f"rank{'s' if len(failed) > 1 else ''} {ranks} failed: " + "; ".join(
+        reason = f"ranks {', '.join(map(str, sorted(failed)))} failed: " + "; ".join(
             f"rank {rank}: {d['type']}: {d['error']}" for rank, d in sorted(failed.items())
         )
     return kind(

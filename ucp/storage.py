@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import contextlib
 import errno
 import functools
 import logging
@@ -502,6 +503,10 @@ class LocalStorage(Storage):
 
     def remove_empty_dir(self, key: str) -> None:
         path = self._path(key)
+        if not key:  # the root itself (named by its caller, perhaps through a link of theirs)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.root)
+            return
         try:
             with self._directory(os.path.dirname(path)) as parent:
                 os.rmdir(os.path.basename(path), dir_fd=parent)

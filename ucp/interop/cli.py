@@ -37,13 +37,24 @@ def _bytes(text: str) -> int:
     return size
 
 
+def _number(text: str) -> int:
+    """A step or iteration number: a non-negative integer (step_-0000001 is nothing any reader can name)."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return number
+
+
 def _step(text: str) -> int | str:
     if text == "latest":
         return text
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a step is a number or 'latest', got {text!r}") from None
+        return _number(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer or 'latest', got {text!r}") from None
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -243,8 +254,10 @@ def register(subparsers: Any) -> None:
         help="with --to torch_dist: the expert-parallel size of the job that will load it, whose distributed "
         "optimizer entry differs with EP > 1 (a dense and an expert optimizer) (default: as the source was saved)",
     )
-    p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
-    p.add_argument("--step", type=int, default=None, help="ucp step to write or read (default: the iteration / latest)")
+    p.add_argument("--iteration", type=_number, default=None, help="Megatron iteration to read (default: the latest)")
+    p.add_argument(
+        "--step", type=_number, default=None, help="ucp step to write or read (default: the iteration / latest)"
+    )
     _streaming(p)
     _common(p)
     p.set_defaults(func=cmd_convert)
@@ -279,7 +292,7 @@ def register(subparsers: Any) -> None:
         "universal`) (default hf)",
     )
     p.add_argument(
-        "--step", type=int, default=None, help="step number to write (default 0; megatron-dist: the iteration)"
+        "--step", type=_number, default=None, help="step number to write (default 0; megatron-dist: the iteration)"
     )
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument(

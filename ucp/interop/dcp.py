@@ -280,13 +280,40 @@ def _check_shapes(targets: list[_Target], config: Any, where: str) -> None:
 def _load_targets(root: Path, metadata: Any, targets: list[_Target], config: Any) -> dict[AtomKey, torch.Tensor]:
     """Some DCP tensors, reassembled by DCP's own reader (only these entries are read), split into atoms."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     with _quiet():
         full = {
             t.fqn: torch.empty(t.shape, dtype=metadata.state_dict_metadata[t.fqn].properties.dtype) for t in targets
         }
-        dcp.load(full, storage_reader=_safe_reader(root), no_dist=True)
+        try:
+            dcp.load(full, storage_reader=_safe_reader(root), no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- (DCP's is a BaseException) what a damaged or hostile data file raises
+            files = sorted(_files_of(metadata, {t.fqn for t in targets}))
+            raise InteropError(
+                f"cannot read {', '.join(str(root / f) for f in files) or root} (tensors "
+                f"{', '.join(t.fqn for t in targets[:3])}{' ...' if len(targets) > 3 else ''}): damaged, or not what "
+                f"its {METADATA} says ({_innermost(e)})"
+            ) from None
     return {(atom, t.state): part for t in targets for atom, part in _split(t, full.pop(t.fqn), config).items()}
+
+
+def _files_of(metadata: Any, fqns: set[str]) -> set[str]:
+    """The data files (relative to the checkpoint) that hold DCP entries `fqns`, as its metadata says."""
+    storage = getattr(metadata, "storage_data", None) or {}
+    return {str(info.relative_path) for index, info in storage.items() if getattr(index, "fqn", None) in fqns}
+
+
+def _innermost(e: BaseException) -> str:
+    """The first line of the deepest cause that DCP wrapped (its CheckpointException holds each rank's failure)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # (the exception and its stack)
+        e = first[0] if isinstance(first, tuple) else first
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0].split('. ')[0][:200] if text else ''}".rstrip(": ")
 
 
 def _first_dtype(metadata: Any, targets: list[_Target], state: str | None) -> torch.dtype:

@@ -23,6 +23,7 @@ an export writes them back bitwise, or with `dtype` dequantised (no scales, no q
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -546,11 +547,14 @@ def open_hf(src_dir: str | Path) -> HfSource:
         raise InteropError(f"{cfg_path} is not valid JSON: {e}") from None
     config, extra = ucp_config_from_hf(doc, str(cfg_path))
     if (root / INDEX_NAME).is_file():
-        weight_map = json.loads((root / INDEX_NAME).read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise InteropError(f"{root / INDEX_NAME} is not a safetensors index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise InteropError(f"{root / INDEX_NAME}: its weight_map is not a map of tensor names to file names")
     elif (root / SINGLE_NAME).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(root / SINGLE_NAME), framework="pt") as f:
+        with open_safetensors(root / SINGLE_NAME) as f:
             weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
     else:
         raise InteropError(
@@ -560,6 +564,20 @@ def open_hf(src_dir: str | Path) -> HfSource:
         if not (root / fname).is_file():
             raise InteropError(f"{root}/{INDEX_NAME} names {fname}, which is missing")
     return HfSource(root, config, extra, weight_map)
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """safetensors' `safe_open` of `path`; what it raises on a damaged file (a header that is not one, offsets past
+    its end, a short file), while opening it or reading from it, is an InteropError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise InteropError(f"{path} is not a readable safetensors file ({type(e).__name__}: {first})") from None
 
 
 @dataclass(frozen=True)
@@ -584,14 +602,12 @@ class StoredAtom:
 def _stored_atoms(src: HfSource) -> Iterator[tuple[str, StoredAtom]]:
     """(canonical name, where it lies) for every stored tensor, file by file, fused expert tensors split per
     expert. Reads the files' headers only."""
-    from safetensors import safe_open
-
     by_file: dict[str, list[str]] = {}
     for name, fname in src.weight_map.items():
         by_file.setdefault(fname, []).append(name)
     moe = expert_names_of(src.config)
     for fname, names in by_file.items():
-        with safe_open(str(src.root / fname), framework="pt") as f:
+        with open_safetensors(src.root / fname) as f:
             for name in names:
                 if _IGNORED.match(name):
                     continue
@@ -705,11 +721,9 @@ def refuse_cast_of_quantised(config: Any, dtype: str | torch.dtype | None, where
 def read_stored_atoms(root: Path, atoms: dict[str, StoredAtom]) -> dict[AtomKey, torch.Tensor]:
     """The values of some atoms, each copied out of its file's mapping (which closes with the file, so that
     the file's pages stop counting as this process's memory)."""
-    from safetensors import safe_open
-
     out: dict[AtomKey, torch.Tensor] = {}
     for fname in dict.fromkeys(s.file for s in atoms.values()):
-        with safe_open(str(root / fname), framework="pt") as f:
+        with open_safetensors(root / fname) as f:
             for name, s in atoms.items():
                 if s.file == fname:
                     out[(name, None)] = (f.get_slice(s.name)[s.index] if s.index else f.get_tensor(s.name)).clone()

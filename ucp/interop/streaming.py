@@ -24,7 +24,7 @@ from ucp import dtypes, heap
 from ucp.checkpoint import SaveOptions, chunk_jobs, group_paths
 from ucp.format import AtomMeta
 from ucp.pipeline import ChunkJob, SavePipeline, SavePlan
-from ucp.session import SaveSession
+from ucp.session import SaveSession, remove_unused_root
 from ucp.sharded_model import AtomKey, ShardedModel, atom_metas
 from ucp.sharded_save import manifest_for
 from ucp.storage import open_storage
@@ -112,6 +112,7 @@ def save_atoms(
         written.update(tensors)
         bar.update(sum(m.nbytes for m in group_metas))
 
+    fresh = not storage.root_exists() or not storage.listdir("")
     try:
         with SaveSession.begin(storage, step) as session:  # a failure removes what the attempt wrote
             model_paths = {m.path for m in metas.values()}
@@ -121,6 +122,10 @@ def save_atoms(
             if written != set(metas):
                 raise AssertionError(f"atoms never written: {sorted(set(metas) - written)[:5]}")
             session.finish(manifest)
+    except BaseException:
+        if fresh:  # (an import into a new destination leaves none behind)
+            remove_unused_root(storage)
+        raise
     finally:
         pipeline.close()
         bar.close()

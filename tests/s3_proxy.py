@@ -1,0 +1,160 @@
+"""An HTTP proxy on 127.0.0.1 in front of the S3 server (moto) that fails chosen requests, as an unlucky network
+and store would: before forwarding (the store unchanged, the client sees an error), after forwarding (the store
+changed, the client sees an error, so its retry meets its own first success), or by resetting the connection
+after forwarding (the answer lost). Requests are sorted into kinds by what a save sends (`kind_of`)."""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+KINDS = ("chunk", "metadata", "owner", "marker", "clock", "delete", "list", "read")
+MODES = ("before", "after", "reset")
+
+
+def _error(code: str, path: str) -> bytes:
+    """S3's answer to a request it failed; its message names the key, as real ones may."""
+    return f"<Error><Code>{code}</Code><Message>injected by the test's proxy: {path}</Message></Error>".encode()
+
+
+def kind_of(method: str, path: str, query: str) -> str:
+    """What a request is, for a ucp save: a PUT of a chunk, of a zarr.json, of an attempt's owner record, of a
+    commit marker or of the store-clock probe; a delete (DeleteObject, or DeleteObjects as s3fs's rm sends it);
+    a listing; any other read (GET, HEAD)."""
+    if method == "DELETE" or (method == "POST" and "delete" in query):
+        return "delete"
+    if method == "PUT":
+        name = path.rsplit("/", 1)[-1]
+        return {"ucp-commit.json": "marker", "ucp-attempt.json": "owner", "zarr.json": "metadata"}.get(
+            name, "clock" if name == ".ucp-clock" else "chunk"
+        )
+    if method == "GET" and ("list-type" in query or "prefix=" in query or path.count("/") <= 1):
+        return "list"
+    return "read"
+
+
+@dataclass
+class Fault:
+    kind: str
+    nth: int  # the nth request of `kind` after arming (1-based) fails ...
+    mode: str
+    times: int = 1  # ... and so do the next times-1 of that kind (its client's retries)
+    status: int = 500  # what the failed request is answered (modes before and after)
+    code: str = "InternalError"
+    seen: int = 0
+    fired: int = 0
+
+
+class FaultProxy:
+    """`arm(kind, nth, mode, times)` makes the nth next request of a kind fail; `counts` says what went through."""
+
+    def __init__(self, upstream: str):
+        self.upstream = urlsplit(upstream)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.fired: list[tuple[str, str, str]] = []  # (kind, mode, path) of each failed request
+        self._fault: Fault | None = None
+        self._lock = threading.Lock()
+        handler = type("Handler", (_Handler,), {"proxy": self})
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def arm(
+        self, kind: str, nth: int, mode: str, times: int = 1, status: int = 500, code: str = "InternalError"
+    ) -> None:
+        assert kind in KINDS and mode in MODES and nth >= 1 and times >= 1
+        with self._lock:
+            self._fault, self.fired = Fault(kind, nth, mode, times, status, code), []
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._fault = None
+
+    def _decide(self, kind: str, path: str) -> Fault | None:
+        """The fault this request meets, or None to forward it as it is."""
+        with self._lock:
+            self.counts[kind] += 1
+            fault = self._fault
+            if fault is None or fault.kind != kind:
+                return None
+            fault.seen += 1
+            if fault.seen < fault.nth or fault.fired >= fault.times:
+                return None
+            fault.fired += 1
+            self.fired.append((kind, fault.mode, path))
+            return fault
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    proxy: FaultProxy
+    protocol_version = "HTTP/1.1"
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            parts = []
+            while (size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)) > 0:
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                pass  # (trailers)
+            return b"".join(parts)
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def _handle(self) -> None:
+        body = self._body()
+        split = urlsplit(self.path)
+        fault = self.proxy._decide(kind_of(self.command, split.path, split.query), self.path)
+        mode = fault.mode if fault is not None else None
+        refusal = (
+            (fault.status, [("Content-Type", "application/xml")], _error(fault.code, split.path)) if fault else None
+        )
+        if refusal is not None and mode == "before":
+            return self._answer(*refusal)
+        upstream = http.client.HTTPConnection(self.proxy.upstream.hostname, self.proxy.upstream.port, timeout=60)
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection", "transfer-encoding")
+        }
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            headers["Content-Length"] = str(len(body))
+        headers["Host"] = f"{self.proxy.upstream.hostname}:{self.proxy.upstream.port}"
+        try:
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            response = upstream.getresponse()
+            data = response.read()
+        finally:
+            upstream.close()
+        if refusal is not None and mode == "after":
+            return self._answer(*refusal)
+        if mode == "reset":
+            self.close_connection = True
+            self.connection.shutdown(2)  # (the request reached the store; its answer never comes back)
+            return None
+        kept = [(k, v) for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")]
+        return self._answer(response.status, kept, data)
+
+    def _answer(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
+        self.send_response(status)
+        for k, v in headers:
+            if k.lower() != "content-length" or self.command == "HEAD":
+                self.send_header(k, v)
+        if self.command != "HEAD":
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        else:
+            self.end_headers()
+
+    do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _handle
+
+    def log_message(self, *args: object) -> None:
+        pass
