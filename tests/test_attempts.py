@@ -119,23 +119,32 @@ def test_the_owner_renews_its_lease_while_it_saves(tmp_path):
 
 
 def test_no_renewal_lands_after_the_attempt_ends(tmp_path):
-    """A lease renewed every 10 ms, the attempt aborted or committed at a random moment: no owner record is written
-    back into the removed attempt, nor rewritten in the committed one after its commit."""
+    """A lease renewed every 67 ms, the attempt aborted or committed at a random moment: no owner record is written
+    back into the removed attempt, nor rewritten in the committed one after its commit. (A commit that finds its
+    lease out of date, as a machine loaded enough to delay the renewal thread may, is refused and removed: that
+    path must not see a late renewal either.)"""
     rng = random.Random()
     storage = open_storage(str(tmp_path))
     for trial in range(40):
-        session = SaveSession.begin(storage, trial, lease_s=0.03)
+        session = SaveSession.begin(storage, trial, lease_s=0.2)
         key = attempt.record_key(trial, session.attempt)
-        time.sleep(rng.uniform(0, 0.05))
+        time.sleep(rng.uniform(0, 0.3))
+        committed = False
         if trial % 2:
             session.abort(RuntimeError("done"))
-            time.sleep(0.01)
-            assert not storage.exists(key), f"trial {trial}: a renewal wrote the owner record after the abort"
         else:
-            session.finish(StepManifest(step=trial, tree={}, atoms={}))
+            try:
+                session.finish(StepManifest(step=trial, tree={}, atoms={}))
+                committed = True
+            except ucp.StorageError as e:
+                assert "lease" in str(e), e
+        if committed:
             ended = storage.mtime(key)
-            time.sleep(0.01)
+            time.sleep(0.1)
             assert storage.mtime(key) == ended, f"trial {trial}: a renewal rewrote the owner record after the commit"
+        else:
+            time.sleep(0.1)
+            assert not storage.exists(key), f"trial {trial}: a renewal wrote the owner record after the abort"
 
 
 def test_a_committed_step_holds_one_attempt_and_a_failed_save_none(tmp_path):
