@@ -239,8 +239,8 @@ def test_gc_never_removes_anything_through_a_linked_directory(tmp_path):
     storage = LocalStorage(str(root))
     storage.write(f"{step_dirname(2)}/attempt-{'0' * 32}/model/w/c.0", [b"x"])  # a dead attempt: no owner record
     os.symlink(outside, root / step_dirname(2) / f"attempt-{'0' * 32}" / "model" / "link")
-    for directory, _, files in os.walk(root / step_dirname(2)):  # (nothing in it written for an hour)
-        for name in [".", *files]:
+    for directory, dirs, files in os.walk(root / step_dirname(2)):  # (nothing in it written for an hour)
+        for name in [".", *dirs, *files]:
             os.utime(os.path.join(directory, name), (time.time() - 3600,) * 2, follow_symlinks=False)
     (outside / "ucp-attempt.json").write_text("{}")  # an owner record there, for a linked attempt to be read through
     linked_attempt = root / step_dirname(6) / f"attempt-{'1' * 32}"
