@@ -337,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = runner.Plan(
             runs, targets, args.repeats, cache_mode=args.cache, io_threads=args.io_threads, local_only=local_only
         )
+        if not plan.count():
+            raise UcpError(
+                f"nothing to measure: no method of --methods {','.join(args.methods)} runs on {_targets(args)} (the"
+                " methods without S3 support run on local targets only)"
+            )
         moved = sum(state.nbytes * len(plan.cells(names, state.name)) for state, names in runs) * args.repeats
         objects = sum(state.count * len(plan.cells(names, state.name)) for state, names in runs) * args.repeats
         print(
@@ -356,8 +361,6 @@ def main(argv: list[str] | None = None) -> int:
             t.close()
         if pool is not None:
             pool.close()
-    if not results:
-        raise UcpError(f"nothing to measure: no method of --methods {','.join(args.methods)} runs on {_targets(args)}")
     summaries = runner.summarize(results)
 
     print()
