@@ -28,6 +28,7 @@ from .targets import CACHE_MODES, DEFAULT_TARGETS, TARGETS, Probe, Target, is_re
 GiB = 1 << 30
 QUICK = {"size": 4 << 20, "repeats": 1, "small_tensors": 100}
 DEFAULTS = {"size": GiB, "repeats": 3, "small_tensors": 20_000}
+EMBEDDED_S3_SIZE = 256 << 20  # the default --size when the s3 target is the embedded moto server: a run of minutes
 
 _UNITS = {
     "": 1,
@@ -66,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_io", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--size", type=parse_size, help="bytes of the main synthetic state (default 1GiB; --quick 4MiB)")
+    p.add_argument(
+        "--size",
+        type=parse_size,
+        help="bytes of the main synthetic state (default 1GiB; 256MiB with the embedded S3 server; --quick 4MiB)",
+    )
     p.add_argument("--repeats", type=int, help="repeats per measurement, medians reported (default 3; --quick 1)")
     p.add_argument(
         "--targets",
@@ -279,17 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     from . import report, runner
     from .state import large_specs, make_state, small_specs, transformer_state
 
-    base = QUICK if args.quick else DEFAULTS
-    for key, value in base.items():
-        if key != "small_tensors" and getattr(args, key) is None:
-            setattr(args, key, value)
-    small_asked = args.small_tensors is not None
-    if args.small_tensors is None:  # the small state scales with the size asked for
-        args.small_tensors = (
-            base["small_tensors"] if args.quick else max(200, round(base["small_tensors"] * args.size / GiB))
-        )
-    args.small_methods = args.small_methods or ["raw", "ucp"]
-    args.cache = args.cache or "auto"
     if args.procs < 1:
         raise UcpError("--procs must be at least 1")
 
@@ -297,6 +291,24 @@ def main(argv: list[str] | None = None) -> int:
     targets = setup_targets(args)
     pool = None
     try:
+        base = QUICK if args.quick else DEFAULTS
+        if args.size is None and not args.quick and any(getattr(t, "server", None) for t in targets):
+            args.size = EMBEDDED_S3_SIZE
+            print(
+                f"bench_io: --size {EMBEDDED_S3_SIZE >> 20}MiB, the default with the embedded S3 server (a stand-in that moves"
+                " tens of MB/s; give --size for another)",
+                file=sys.stderr,
+            )
+        for key, value in base.items():
+            if key != "small_tensors" and getattr(args, key) is None:
+                setattr(args, key, value)
+        small_asked = args.small_tensors is not None
+        if args.small_tensors is None:  # the small state scales with the size asked for
+            args.small_tensors = (
+                base["small_tensors"] if args.quick else max(200, round(base["small_tensors"] * args.size / GiB))
+            )
+        args.small_methods = args.small_methods or ["raw", "ucp"]
+        args.cache = args.cache or "auto"
         probes = {t.name: probe(t) for t in targets}
         for t in targets:
             print(
