@@ -295,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.size is None and not args.quick and any(getattr(t, "server", None) for t in targets):
             args.size = EMBEDDED_S3_SIZE
             print(
-                f"bench_io: --size {EMBEDDED_S3_SIZE >> 20}MiB, the default with the embedded S3 server (a stand-in that moves"
-                " tens of MB/s; give --size for another)",
+                f"bench_io: --size {EMBEDDED_S3_SIZE >> 20}MiB, the default with the embedded S3 server (a stand-in"
+                " that moves tens of MB/s; give --size for another)",
                 file=sys.stderr,
             )
         for key, value in base.items():
