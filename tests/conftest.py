@@ -21,8 +21,31 @@ def pytest_configure(config):
     os.environ.setdefault(SEED_VARIABLE, str(random.SystemRandom().randrange(2**32)))
 
 
-def pytest_report_header(config):
+def _seed_line() -> str:
     return f"test draws: {SEED_VARIABLE}={os.environ[SEED_VARIABLE]} (set it to draw the same layouts again)"
+
+
+def pytest_report_header(config):
+    return _seed_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    # (the header is not printed under -q, the README's command: the last line says it then too)
+    terminalreporter.write_line(_seed_line())
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Scale each test's timeout (pyproject's, or its own timeout mark) by how overloaded the machine is when the
+    test starts: the 1-minute load average over the cores, at least 1. The budgets are for a machine whose cores
+    the suite has to itself; at a load of 6 on 2 cores every process gets a third of a core and a test takes three
+    times as long, so its timeout is three times as long too. (Runs outside pytest-timeout's own wrapper: tryfirst.)"""
+    base = item.get_closest_marker("timeout")
+    seconds = base.args[0] if base is not None and base.args else item.config.getini("timeout")
+    factor = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    if seconds and factor > 1:
+        item.add_marker(pytest.mark.timeout(float(seconds) * factor), append=False)  # (the closest mark wins)
+    yield
 
 
 @pytest.fixture(scope="session")
