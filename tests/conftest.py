@@ -41,7 +41,8 @@ def pytest_runtest_protocol(item, nextitem):
     the suite has to itself; at a load of 6 on 2 cores every process gets a third of a core and a test takes three
     times as long, so its timeout is three times as long too. (Runs outside pytest-timeout's own wrapper: tryfirst.)"""
     base = item.get_closest_marker("timeout")
-    seconds = base.args[0] if base is not None and base.args else item.config.getini("timeout")
+    given = item.config.getoption("timeout", None) or item.config.getini("timeout")  # (--timeout, else pyproject's)
+    seconds = base.args[0] if base is not None and base.args else given
     factor = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     if seconds and factor > 1:
         item.add_marker(pytest.mark.timeout(float(seconds) * factor), append=False)  # (the closest mark wins)
