@@ -210,7 +210,9 @@ def test_bad_cli_arguments(ckpt):
     root, _ = ckpt
     assert_cli_error(run_cli("inspect", str(root), "--step", "three"), "--step")
     assert_cli_error(run_cli("inspect", "memory://nothing", "-o", "novalue"), "KEY=VALUE")
-    assert_cli_error(run_cli("inspect", str(root), "-o", "endpoint_url=x"), "-o/--storage-option applies only")
+    assert_cli_error(
+        run_cli("inspect", str(root), "-o", "endpoint_url=x"), "-o/--storage-option endpoint_url=x applies only"
+    )
     assert run_cli("nosuchcommand").returncode == 2
 
 

@@ -246,12 +246,18 @@ def test_every_flag_is_refused_where_it_does_not_apply_and_taken_where_it_does(
 def test_the_refusals_a_user_met(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The cases of the report that asked for this, end to end."""
     for argv, says in (
-        (["import", "SRC", "URL", "--from", "hf", "--config", "c.json"], "--config applies only with --from dcp"),
-        (["export", "URL", "--to", "dcp", "OUT", "--max-shard-size", "1GiB"], "--max-shard-size applies only"),
+        (
+            ["import", "SRC", "URL", "--from", "hf", "--config", "c.json"],
+            "--config c.json applies only with --from dcp",
+        ),
+        (
+            ["export", "URL", "--to", "dcp", "OUT", "--max-shard-size", "1GiB"],
+            "--max-shard-size 1073741824 applies only",
+        ),
         (["convert", "URL", "OUT", "--from", "universal", "--to", "tp2", "--iteration", "3"], "--iteration"),
-        (["convert", "A", "B", "--from", "tp2", "--to", "tp1", "--step", "4"], "--step applies only"),
+        (["convert", "A", "B", "--from", "tp2", "--to", "tp1", "--step", "4"], "--step 4 applies only"),
         (["inspect", str(tmp_path), "-o", "endpoint_url=http://x"], f"not to the local path {tmp_path}"),
-        (["bench", "--targets", "tmpfs", "--bucket", "b"], "--bucket applies only with the s3 target"),
+        (["bench", "--targets", "tmpfs", "--bucket", "b"], "--bucket b applies only with the s3 target"),
         (["bench", "--targets", "disk", "--small-tensors", "0", "--small-methods", "raw"], "--small-methods"),
     ):
         status, lines = refused([a.replace("SRC", str(tmp_path / "s")) for a in argv], capsys)

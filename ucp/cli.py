@@ -75,10 +75,12 @@ def storage_option_applies(*urls: Callable[[argparse.Namespace], str | None]) ->
 def refuse_inapplicable(
     args: argparse.Namespace, rules: Sequence[Applies], context: Callable[[argparse.Namespace], str]
 ) -> None:
-    """Raise a UcpError naming the first flag given in `args` where its rule says it means nothing."""
+    """Raise a UcpError naming the first flag given in `args` (with its value) where its rule says it means nothing."""
     for rule in rules:
-        if getattr(args, rule.dest, None) not in (None, [], False) and not rule.when(args):
-            raise UcpError(f"{rule.flag} applies only {rule.where}, not {rule.context(args) or context(args)}")
+        value = getattr(args, rule.dest, None)
+        if value not in (None, [], False) and not rule.when(args):
+            given = "" if value is True else " " + " ".join(map(str, value if isinstance(value, list) else [value]))
+            raise UcpError(f"{rule.flag}{given} applies only {rule.where}, not {rule.context(args) or context(args)}")
 
 
 def _add_location(p: argparse.ArgumentParser) -> None:
