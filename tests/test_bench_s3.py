@@ -104,6 +104,7 @@ def test_an_http_server_that_is_not_s3(not_s3):
     assert "does not exist" not in result.stderr
 
 
+@pytest.mark.slow  # (a whole run, six methods: tens of seconds)
 def test_a_run_leaves_nothing_outside_its_prefix_and_its_columns_agree(s3_bucket, tmp_path):
     bucket, options = s3_bucket
     before = store(options)
