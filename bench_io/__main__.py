@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {
         **{k: v for k, v in vars(args).items()},
+        # the storage options' names only: their values may be credentials (-o secret=...)
+        "storage_option": [pair.partition("=")[0] + "=..." for pair in args.storage_option],
         "targets": {t.name: {"root": str(getattr(t.root, "url", t.root)), "fstype": t.fstype} for t in targets},
         "probes": {name: vars(p) for name, p in probes.items()},
         "host": {
