@@ -116,6 +116,7 @@ def test_a_run_leaves_nothing_outside_its_prefix_and_its_columns_agree(s3_bucket
     assert result.returncode == 0, result.stderr[-3000:]
     assert "by the probes" in result.stderr  # (how long it will take, said before it starts)
     assert store(options) == before  # every method's objects removed, no bucket made
+    assert "secret=testing" not in out.read_text()  # (the results keep the options' names, not credentials)
     for m in json.loads(out.read_text())["medians"]:
         if m["blocking_vs_copy"] is not None:  # the ratio is the one of the two columns beside it
             assert m["blocking_vs_copy"] == pytest.approx(m["blocking_s"] / m["copy_s"]), m
