@@ -9,10 +9,10 @@ On tmpfs the page cache *is* the storage: nothing can be dropped, and the report
 S3: with no endpoint given, a `moto_server` subprocess on 127.0.0.1 (its own process, so the server does not
 share the benchmark's GIL) makes the command run anywhere, in a scratch bucket of its own; `--endpoint-url` /
 AWS_ENDPOINT_URL and the AWS credentials in the environment point it at a real S3 or MinIO, under a fresh prefix of
-an existing `--bucket` (the benchmark never creates one there). Before anything is measured, `check_s3` lists,
-writes, reads and deletes one probe object under that prefix, so that credentials, endpoint, bucket and permissions
-fail in one line (ucp's StorageError kinds) rather than in every method. An object store has no page cache to drop:
-every read goes over the network ("s3" in the cache column).
+an existing `--bucket` (the benchmark never creates one there). Before anything is measured, `check_s3` lists the
+prefix and the target's probe writes, reads and deletes a few objects under it, so that credentials, endpoint,
+bucket and permissions fail in one line (ucp's StorageError kinds) rather than in every method. An object store has
+no page cache to drop: every read goes over the network ("s3" in the cache column).
 
 Every target is probed before the run (`probe`: a few objects written, read back and deleted through ucp's storage
 layer) so that the command can say how long the run will take before it starts.
