@@ -2,6 +2,10 @@
 
 MLPerf Storage's method: incompressible data, fsync on write, cold page cache before each read, several
 repeats (medians reported). Every load is verified against what was saved, so a fast wrong method shows.
+
+Before anything is measured, every target is set up and probed (an S3 endpoint's credentials, bucket and
+permissions are checked there: a problem is one line and a non-zero exit, and nothing is left behind), and the run
+says how long it should take. A run that measured nothing, or whose measurements failed, exits non-zero.
 """
 
 from __future__ import annotations
@@ -14,15 +18,17 @@ import sys
 import time
 from typing import Any
 
-from ucp.checkpoint import DEFAULT_IO_THREADS
-from ucp.cli import add_storage_option
+from ucp.cli import Applies, add_storage_option, refuse_inapplicable
+from ucp.errors import UcpError
 
 from .methods import DEFAULT_METHODS, METHODS
-from .state import GiB, MiB, large_specs, make_state, small_specs, transformer_state
-from .targets import CACHE_MODES, DEFAULT_TARGETS, TARGETS, Target, is_remote
+from .targets import CACHE_MODES, DEFAULT_TARGETS, TARGETS, Probe, Target, is_remote, probe
 
-QUICK = {"size": 4 * MiB, "repeats": 1, "small_tensors": 100}
+# (torch, and what needs it, is imported once a run starts: `ucp bench --help` and argument errors answer at once)
+GiB = 1 << 30
+QUICK = {"size": 4 << 20, "repeats": 1, "small_tensors": 100}
 DEFAULTS = {"size": GiB, "repeats": 3, "small_tensors": 20_000}
+EMBEDDED_S3_SIZE = 256 << 20  # the default --size when the s3 target is the embedded moto server: a run of minutes
 
 _UNITS = {
     "": 1,
@@ -61,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_io", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--size", type=parse_size, help="bytes of the main synthetic state (default 1GiB; --quick 4MiB)")
+    p.add_argument(
+        "--size",
+        type=parse_size,
+        help="bytes of the main synthetic state (default 1GiB; 256MiB with the embedded S3 server; --quick 4MiB)",
+    )
     p.add_argument("--repeats", type=int, help="repeats per measurement, medians reported (default 3; --quick 1)")
     p.add_argument(
         "--targets",
@@ -71,13 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--endpoint-url",
-        help="S3 endpoint of a real S3 / MinIO (default: AWS_ENDPOINT_URL, else an embedded moto server);"
-        " credentials from the AWS environment",
+        help="with the s3 target: the endpoint of a real S3 / MinIO (default: AWS_ENDPOINT_URL, else an embedded moto"
+        " server); credentials from -o key=... -o secret=... or the AWS environment",
     )
-    p.add_argument("--bucket", help="existing bucket to write under (default: a scratch bucket, removed afterwards)")
+    p.add_argument(
+        "--bucket",
+        help="with the s3 target: an existing bucket to write under (a fresh prefix, removed afterwards); needed with"
+        " an endpoint of yours (the embedded server gets a scratch bucket)",
+    )
     add_storage_option(
         p,
-        "an s3fs storage option for the s3 target, as every ucp command takes them: endpoint_url=..., key=...,"
+        "with the s3 target: an s3fs storage option, as every ucp command takes them: endpoint_url=..., key=...,"
         ' secret=..., profile=NAME, client_kwargs={"region_name": "..."}; the AWS environment applies too',
     )
     p.add_argument(
@@ -93,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_METHODS),
         help=f"comma list of {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)})",
     )
-    p.add_argument("--dir", help="parent directory for the disk target (default /var/tmp)")
+    p.add_argument("--dir", help="with the disk target: its parent directory (default /var/tmp)")
     p.add_argument(
         "--small-tensors",
         type=int,
@@ -104,14 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--small-methods",
         type=parse_list(list(METHODS)),
-        default=["raw", "ucp"],
         help="methods run on the small state and its few-large-tensors twin (default: raw,ucp)",
     )
     p.add_argument(
         "--cache",
         choices=CACHE_MODES,
-        default="auto",
-        help="how reads are made cold: auto (drop_caches if root, else fadvise), or force one; none = warm",
+        help="with the disk target: how its reads are made cold: auto (the default: drop_caches if root, else"
+        " fadvise), or force one; none = warm (tmpfs has no cache to drop, S3 none to keep)",
     )
     p.add_argument(
         "--io-threads",
@@ -173,8 +186,77 @@ def _ucp_revision() -> str | None:
     return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def _targets(args: argparse.Namespace) -> str:
+    return f"--targets {','.join(args.targets)}"
+
+
+def _small_states_run(args: argparse.Namespace) -> bool:
+    """Whether the small-tensor states run: one process, not disabled, on a local target or asked for on S3."""
+    local = any(name != "s3" for name in args.targets)
+    return args.procs == 1 and args.small_tensors != 0 and (local or args.small_tensors is not None)
+
+
+# where each flag that depends on the targets or on --procs means something (ucp/cli.py refuses the others)
+RULES = (
+    Applies("--endpoint-url", "endpoint_url", lambda args: "s3" in args.targets, "with the s3 target", _targets),
+    Applies("--bucket", "bucket", lambda args: "s3" in args.targets, "with the s3 target", _targets),
+    Applies("-o/--storage-option", "storage_option", lambda a: "s3" in a.targets, "with the s3 target", _targets),
+    Applies("--dir", "dir", lambda args: "disk" in args.targets, "with the disk target", _targets),
+    Applies(
+        "--cache",
+        "cache",
+        lambda args: "disk" in args.targets,
+        "with the disk target (tmpfs has no page cache to drop, S3 no cache at all)",
+        _targets,
+    ),
+    Applies(
+        "--small-tensors",
+        "small_tensors",
+        lambda args: args.procs == 1,
+        "with --procs 1 (the ranks of --procs N save the main state only)",
+        lambda args: f"--procs {args.procs}",
+    ),
+    Applies(
+        "--small-methods",
+        "small_methods",
+        _small_states_run,
+        "where the small-tensor states run (--procs 1; --small-tensors not 0; a local target, or --small-tensors"
+        " given for S3)",
+        lambda args: (
+            f"{_targets(args)} --procs {args.procs}"
+            + ("" if args.small_tensors is None else f" --small-tensors {args.small_tensors}")
+        ),
+    ),
+)
+
+
+def setup_targets(args: argparse.Namespace) -> list[Target]:
+    """Every target asked for, ready and checked; the first that cannot be set up is a UcpError (those already made
+    are closed first), so nothing runs against a target that will fail."""
+    from ucp.cli import parse_storage_options
+
+    targets: list[Target] = []
+    try:
+        for name in args.targets:
+            try:
+                if name == "s3":
+                    options = parse_storage_options(args.storage_option)
+                    targets.append(
+                        TARGETS[name](args.dir, endpoint_url=args.endpoint_url, bucket=args.bucket, options=options)
+                    )
+                else:
+                    targets.append(TARGETS[name](args.dir))
+            except (RuntimeError, OSError) as e:  # (an S3 target's errors are ucp's already)
+                raise UcpError(f"target {name}: {e} (leave it out of --targets)") from e
+    except BaseException:
+        for t in targets:
+            t.close()
+        raise
+    return targets
+
+
 def main(argv: list[str] | None = None) -> int:
-    from . import report, runner
+    """`ucp bench ARGS` (ucp/cli.py reports a UcpError raised here in one line)."""
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `ucp bench -- --size 1GiB` passes the separator through
@@ -196,60 +278,66 @@ def main(argv: list[str] | None = None) -> int:
 
         return collectives.main(argv[1:])
     args = build_parser().parse_args(argv)
-    base = QUICK if args.quick else DEFAULTS
-    for key, value in base.items():
-        if key != "small_tensors" and getattr(args, key) is None:
-            setattr(args, key, value)
-    small_asked = args.small_tensors is not None
-    if args.small_tensors is None:  # the small state scales with the size asked for
-        args.small_tensors = (
-            base["small_tensors"] if args.quick else max(200, round(base["small_tensors"] * args.size / GiB))
-        )
+    refuse_inapplicable(args, RULES, _targets)
+    from ucp.checkpoint import DEFAULT_IO_THREADS
+
+    from . import report, runner
+    from .state import large_specs, make_state, small_specs, transformer_state
 
     if args.procs < 1:
-        raise SystemExit("bench_io: --procs must be at least 1")
-    t0 = time.perf_counter()
+        raise UcpError("--procs must be at least 1")
+
+    # The targets first: a store that refuses us fails the run before minutes of state are generated.
+    targets = setup_targets(args)
     pool = None
-    if args.procs > 1:
-        from . import procs
-
-        print(
-            f"bench_io: starting {args.procs} rank processes, {args.size / args.procs / 2**20:.0f} MiB of state each ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        pool = procs.RankPool(args.procs, args.size, args.seed, args.io_threads or DEFAULT_IO_THREADS)
-        main_state: Any = pool.state
-        runs: list[tuple[Any, list[str]]] = []
-    else:
-        print(f"bench_io: generating {args.size / 2**20:.0f} MiB of random state ...", file=sys.stderr, flush=True)
-        main_state = transformer_state(args.size, seed=args.seed)
-        runs = [(main_state, args.methods)]
-        if args.small_tensors > 0:
-            small = make_state("small", small_specs(args.small_tensors, seed=args.seed), seed=args.seed + 1)
-            large = make_state("large", large_specs(small.nbytes), seed=args.seed + 2)
-            runs += [(small, args.small_methods), (large, args.small_methods)]
-    print(f"bench_io: states ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-
-    targets: list[Target] = []
-    skipped: dict[str, str] = {}
     try:
-        for name in args.targets:
-            try:
-                if name == "s3":
-                    from ucp.cli import parse_storage_options
-
-                    options = parse_storage_options(args.storage_option)
-                    targets.append(
-                        TARGETS[name](args.dir, endpoint_url=args.endpoint_url, bucket=args.bucket, options=options)
-                    )
-                else:
-                    targets.append(TARGETS[name](args.dir))
-            except (RuntimeError, OSError) as e:
-                skipped[name] = str(e)
-                print(f"bench_io: skipping target {name}: {e}", file=sys.stderr)
+        base = QUICK if args.quick else DEFAULTS
+        if args.size is None and not args.quick and any(getattr(t, "server", None) for t in targets):
+            args.size = EMBEDDED_S3_SIZE
+            print(
+                f"bench_io: --size {EMBEDDED_S3_SIZE >> 20}MiB, the default with the embedded S3 server (a stand-in"
+                " that moves tens of MB/s; give --size for another)",
+                file=sys.stderr,
+            )
+        for key, value in base.items():
+            if key != "small_tensors" and getattr(args, key) is None:
+                setattr(args, key, value)
+        small_asked = args.small_tensors is not None
+        if args.small_tensors is None:  # the small state scales with the size asked for
+            args.small_tensors = (
+                base["small_tensors"] if args.quick else max(200, round(base["small_tensors"] * args.size / GiB))
+            )
+        args.small_methods = args.small_methods or ["raw", "ucp"]
+        args.cache = args.cache or "auto"
+        probes = {t.name: probe(t) for t in targets}
         for t in targets:
-            print(f"bench_io: target {t.name}: {getattr(t.root, 'url', t.root)} ({t.fstype})", file=sys.stderr)
+            print(
+                f"bench_io: target {t.name}: {getattr(t.root, 'url', t.root)} ({t.fstype}); "
+                f"{_probe_text(probes[t.name])}",
+                file=sys.stderr,
+            )
+        t0 = time.perf_counter()
+        if args.procs > 1:
+            from . import procs
+
+            print(
+                f"bench_io: starting {args.procs} rank processes, {args.size / args.procs / 2**20:.0f} MiB of state"
+                " each ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            pool = procs.RankPool(args.procs, args.size, args.seed, args.io_threads or DEFAULT_IO_THREADS)
+            main_state: Any = pool.state
+            runs: list[tuple[Any, list[str]]] = [(main_state, args.methods)]
+        else:
+            print(f"bench_io: generating {args.size / 2**20:.0f} MiB of random state ...", file=sys.stderr, flush=True)
+            main_state = transformer_state(args.size, seed=args.seed)
+            runs = [(main_state, args.methods)]
+            if args.small_tensors > 0:
+                small = make_state("small", small_specs(args.small_tensors, seed=args.seed), seed=args.seed + 1)
+                large = make_state("large", large_specs(small.nbytes), seed=args.seed + 2)
+                runs += [(small, args.small_methods), (large, args.small_methods)]
+        print(f"bench_io: states ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         # Many small tensors on an object store take most of a run's time (a request each): asked for, not assumed.
         local_only = frozenset() if small_asked else frozenset({"small", "large"})
         if small_asked is False and any(is_remote(t.root) for t in targets) and args.small_tensors > 0:
@@ -261,11 +349,17 @@ def main(argv: list[str] | None = None) -> int:
         plan = runner.Plan(
             runs, targets, args.repeats, cache_mode=args.cache, io_threads=args.io_threads, local_only=local_only
         )
+        if not plan.count():
+            raise UcpError(
+                f"nothing to measure: no method of --methods {','.join(args.methods)} runs on {_targets(args)} (the"
+                " methods without S3 support run on local targets only)"
+            )
         moved = sum(state.nbytes * len(plan.cells(names, state.name)) for state, names in runs) * args.repeats
         objects = sum(state.count * len(plan.cells(names, state.name)) for state, names in runs) * args.repeats
         print(
             f"bench_io: {plan.count()} measurements, each a save and a load: {moved / 2**30:.1f} GiB and "
-            f"{objects:,} tensors each way in all; the progress lines say how long is left",
+            f"{objects:,} tensors each way in all; about {_duration(plan.estimate_s(probes))} by the probes (the"
+            " progress lines say how long is left)",
             file=sys.stderr,
             flush=True,
         )
@@ -294,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {
         **{k: v for k, v in vars(args).items()},
+        # the storage options' names only: their values may be credentials (-o secret=...)
+        "storage_option": [pair.partition("=")[0] + "=..." for pair in args.storage_option],
         "targets": {t.name: {"root": str(getattr(t.root, "url", t.root)), "fstype": t.fstype} for t in targets},
-        "skipped_targets": skipped,
+        "probes": {name: vars(p) for name, p in probes.items()},
         "host": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
@@ -312,8 +408,27 @@ def main(argv: list[str] | None = None) -> int:
         report.write_png(
             args.png, summaries, f"bench_io: {main_state.nbytes / 2**20:.0f} MiB, median of {args.repeats}"
         )
-    return 0 if all(m.ok for m in results) else 1
+    failed = [m for m in results if not m.ok]
+    if failed:
+        print(
+            f"bench_io: {len(failed)} of {len(results)} measurements failed (the lines starting with !)",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _probe_text(p: Probe) -> str:
+    return (
+        f"probe: write {p.write_bps / 1e6:.0f} MB/s, read {p.read_bps / 1e6:.0f} MB/s, "
+        f"{p.request_s * 1e3:.1f} ms a small object"
+    )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+if __name__ == "__main__":  # the same command as `ucp bench`, its errors reported the same way
+    from ucp.cli import main as ucp_main
+
+    sys.exit(ucp_main(["bench", *sys.argv[1:]]))

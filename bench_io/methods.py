@@ -23,16 +23,18 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import crc32c
-import torch
 
 import ucp
-from ucp.checkpoint import DEFAULT_IO_THREADS
 
-from .state import SyntheticState, flatten
 from .targets import RemoteDir, is_remote
+
+if TYPE_CHECKING:  # (torch is imported where a method runs: `ucp bench --help` and its argument errors need none)
+    import torch
+
+    from .state import SyntheticState
 
 Where = Path | RemoteDir
 
@@ -56,7 +58,11 @@ class Method(ABC):
     paired_copy: ClassVar[bool] = False  # async: the runner times a plain copy of the state just before the save
     storage: ClassVar[bool] = True  # False: an in-memory baseline, run once per state, not per target
 
-    def __init__(self, io_threads: int = DEFAULT_IO_THREADS):
+    def __init__(self, io_threads: int | None = None):
+        if io_threads is None:
+            from ucp.checkpoint import DEFAULT_IO_THREADS
+
+            io_threads = DEFAULT_IO_THREADS
         self.io_threads = io_threads
 
     @abstractmethod
@@ -80,6 +86,8 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
+    import torch
+
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -140,6 +148,8 @@ class Raw(Method):
         fsync_path(directory)
 
     def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        import torch
+
         if is_remote(directory):
             fs = directory.fs
             index = json.loads(fs.cat_file((directory / self.INDEX).path))
@@ -233,6 +243,8 @@ class RawObjects(Raw):
         fsync_path(directory)
 
     def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        import torch
+
         if is_remote(directory):
             index = json.loads(directory.fs.cat_file((directory / self.INDEX).path))
             blobs = directory.fs.cat([(directory / f"{p}/c").path for p in index], batch_size=-1)
@@ -302,6 +314,8 @@ class RawOneFile(Method):
         fsync_path(directory)
 
     def load(self, directory: Path) -> dict[str, torch.Tensor]:
+        import torch
+
         index = json.loads((directory / "index.json").read_text())
         out = {p: torch.empty(shape, dtype=getattr(torch, dtype)) for p, (_, dtype, shape) in index.items()}
         fd = os.open(directory / "state.bin", os.O_RDONLY)
@@ -332,7 +346,7 @@ class Ucp(Method):
     description = "ucp.save / ucp.load (Zarr v3, crc32c per chunk, fsync, commit marker)"
     remote = True
 
-    def __init__(self, io_threads: int = DEFAULT_IO_THREADS):
+    def __init__(self, io_threads: int | None = None):
         super().__init__(io_threads)
         self.options = ucp.SaveOptions(fsync=True, io_threads=io_threads)
 
@@ -348,6 +362,8 @@ class Ucp(Method):
         return None
 
     def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        from .state import flatten
+
         url, options = self._url(directory)
         return flatten(ucp.load(url, step=0, storage_options=options))
 
@@ -355,6 +371,8 @@ class Ucp(Method):
 def timed_copy(state: SyntheticState) -> tuple[float, dict[str, torch.Tensor]]:
     """Seconds to copy_ every tensor of `state` into preallocated, pre-faulted tensors (the floor for an async
     save's blocking time), and the copies."""
+    import torch
+
     dest = {p: torch.empty_like(t) for p, t in state.flat.items()}
     for t in dest.values():
         if t.numel():
@@ -389,7 +407,7 @@ class UcpAsync(Ucp):
     )
     writer = "process"
 
-    def __init__(self, io_threads: int = DEFAULT_IO_THREADS):
+    def __init__(self, io_threads: int | None = None):
         super().__init__(io_threads)
         self._pipeline: Any = None
 
@@ -430,6 +448,8 @@ class TorchSave(Method):
     remote = True
 
     def save(self, state: SyntheticState, directory: Any) -> None:
+        import torch
+
         if is_remote(directory):
             buf = io.BytesIO()
             torch.save(state.tree, buf)
@@ -442,6 +462,10 @@ class TorchSave(Method):
         fsync_path(directory)
 
     def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        import torch
+
+        from .state import flatten
+
         if is_remote(directory):
             data = directory.fs.cat_file((directory / "state.pt").path)
             return flatten(torch.load(io.BytesIO(data), weights_only=True))
@@ -485,6 +509,8 @@ class Safetensors(Method):
 
 def touch_pages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Read one byte of every page (and the last byte) of each tensor, so mapped files are really read."""
+    import torch
+
     page = os.sysconf("SC_PAGE_SIZE")
     for t in tensors.values():
         if t.numel():
@@ -565,6 +591,7 @@ class Dcp(Method):
         return None
 
     def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        import torch
         import torch.distributed.checkpoint as dcp
 
         out = {p: torch.empty(shape, dtype=dtype) for p, (shape, dtype) in self._shapes.items()}
@@ -612,6 +639,7 @@ class PlainCopy(Method):
     remote = True
 
     def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
+        timed_copy(state)  # warm, as before the copies paired with the async saves (runner.measure)
         elapsed, self._dest = timed_copy(state)
         return {"blocking_s": elapsed, "time_s": elapsed}
 

@@ -20,7 +20,9 @@ def _cache(s: Summary) -> str:
 
 
 def table(summaries: list[Summary]) -> str:
-    """One row per (state, method, target): median GB/s, ratio to raw, how the read was made cold."""
+    """One row per (state, method, target): median GB/s, ratio to raw, how the read was made cold. For the async
+    saves: the median blocking time, the median plain copy of the same bytes (timed just before each save) and
+    their ratio, which is the one of the two columns beside it."""
     header = (
         "state",
         "method",
@@ -30,6 +32,7 @@ def table(summaries: list[Summary]) -> str:
         "save/raw",
         "load/raw",
         "block s",
+        "copy s",
         "blk/copy",
         "blk/dcp-as",
         "read cache",
@@ -47,7 +50,8 @@ def table(summaries: list[Summary]) -> str:
                 _f(s.load_gbps, ".3f", "-" if s.target == "memory" else "FAILED"),
                 _f(s.save_vs_raw, ".2f"),
                 _f(s.load_vs_raw, ".2f"),
-                _f(s.blocking_s, ".3f"),
+                _f(s.blocking_s, ".4g"),  # (significant digits: a tiny state's copy takes microseconds)
+                _f(s.copy_s, ".4g"),
                 _f(s.blocking_vs_copy, ".2f"),
                 _f(s.blocking_vs_dcp_async, ".2f"),
                 _cache(s),
@@ -56,7 +60,7 @@ def table(summaries: list[Summary]) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    numeric = {3, 4, 5, 6, 7, 8, 9, 11, 12}
+    numeric = {3, 4, 5, 6, 7, 8, 9, 10, 12, 13}
     lines = []
     for k, row in enumerate(rows):
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ucp.cli import Applies, refuse_inapplicable
+
 MAX_IO = 1 << 30
 
 
@@ -156,8 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of layouts B, each loaded rank by rank",
     )
     p.add_argument("--target", choices=("disk", "tmpfs"), default="disk")
-    p.add_argument("--dir", help="parent directory for the disk target (default /var/tmp)")
-    p.add_argument("--cache", choices=("auto", "drop_caches", "fadvise", "none"), default="auto")
+    p.add_argument("--dir", help="with --target disk: its parent directory (default /var/tmp)")
+    p.add_argument(
+        "--cache",
+        choices=("auto", "drop_caches", "fadvise", "none"),
+        help="with --target disk: how reads are made cold (default auto)",
+    )
     p.add_argument("--io-threads", type=int, default=16)
     p.add_argument(
         "--object-bytes", type=parse_size, help="ChunkingPolicy.object_bytes for the save (default: ucp's, 64 MiB)"
@@ -334,8 +340,20 @@ def write_png(path: str, doc: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def _target(args: argparse.Namespace) -> str:
+    return f"--target {args.target}"
+
+
+RULES = (
+    Applies("--dir", "dir", lambda args: args.target == "disk", "with --target disk", _target),
+    Applies("--cache", "cache", lambda args: args.target == "disk", "with --target disk (tmpfs has no cache to drop)"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    refuse_inapplicable(args, RULES, _target)
+    args.cache = args.cache or "auto"
     doc = run(args)
     print(table(doc))
     if args.json:

@@ -7,9 +7,15 @@ is still resident, and report that with the method, so a warm read is never pass
 On tmpfs the page cache *is* the storage: nothing can be dropped, and the report says so.
 
 S3: with no endpoint given, a `moto_server` subprocess on 127.0.0.1 (its own process, so the server does not
-share the benchmark's GIL) makes the command run anywhere; `--endpoint-url` / AWS_ENDPOINT_URL and the AWS
-credentials in the environment point it at a real S3 or MinIO. An object store has no page cache to drop:
-every read goes over the network ("s3" in the cache column).
+share the benchmark's GIL) makes the command run anywhere, in a scratch bucket of its own; `--endpoint-url` /
+AWS_ENDPOINT_URL and the AWS credentials in the environment point it at a real S3 or MinIO, under a fresh prefix of
+an existing `--bucket` (the benchmark never creates one there). Before anything is measured, `check_s3` lists the
+prefix and the target's probe writes, reads and deletes a few objects under it, so that credentials, endpoint,
+bucket and permissions fail in one line (ucp's StorageError kinds) rather than in every method. An object store has
+no page cache to drop: every read goes over the network ("s3" in the cache column).
+
+Every target is probed before the run (`probe`: a few objects written, read back and deleted through ucp's storage
+layer) so that the command can say how long the run will take before it starts.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.launch import free_port
-from ucp.storage import file_system_type
+from ucp.errors import BucketNotFoundError, StorageError, UcpError
+from ucp.storage import Storage, file_system_type, open_storage, storage_error
 
 CACHE_MODES = ("auto", "drop_caches", "fadvise", "none")
 
@@ -152,9 +159,63 @@ class Target:
     def remove(self, directory: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
+    def storage(self) -> Storage:
+        """ucp's storage at the target's root (what `probe` writes through)."""
+        return open_storage(str(self.root))
+
     def close(self) -> None:
         if self._owned:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A target's speed, measured before the run: bytes per second written and read with many objects in flight
+    (each object written durably), and the seconds of one small object's write and read (a request's cost)."""
+
+    write_bps: float
+    read_bps: float
+    request_s: float
+
+    def seconds(self, nbytes: int, objects: int, in_flight: int) -> float:
+        """A rough time for saving and loading `nbytes` in `objects` objects, `in_flight` at a time."""
+        return nbytes / self.write_bps + nbytes / self.read_bps + 2 * objects * self.request_s / max(1, in_flight)
+
+
+PROBE_OBJECTS, PROBE_OBJECT_BYTES = 8, 2 << 20
+
+
+def probe(target: Target) -> Probe:
+    """Write, read back and delete PROBE_OBJECTS objects of PROBE_OBJECT_BYTES (all in flight at once) and one small
+    object, under a probe prefix of the target's root (removed afterwards). Storage errors are ucp's (one line)."""
+    import concurrent.futures as cf
+
+    storage = target.storage()
+    prefix = f"_probe-{uuid.uuid4().hex[:8]}"
+    data = os.urandom(PROBE_OBJECT_BYTES)
+    keys = [f"{prefix}/{i}" for i in range(PROBE_OBJECTS)]
+    try:
+        with cf.ThreadPoolExecutor(PROBE_OBJECTS) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(lambda key: storage.write(key, [data]), keys))
+            storage.flush()
+            t1 = time.perf_counter()
+            read = list(pool.map(lambda key: bytes(storage.read(key)), keys))
+            t2 = time.perf_counter()
+        if any(r != data for r in read):
+            raise StorageError(
+                f"{target.name}: the probe objects under {getattr(target.root, 'url', target.root)} "
+                "came back different from what was written"
+            )
+        t3 = time.perf_counter()
+        storage.write(f"{prefix}/small", [b"x" * 4096])
+        storage.flush()
+        storage.read(f"{prefix}/small")
+        t4 = time.perf_counter()
+    finally:
+        storage.delete(prefix)
+    total = PROBE_OBJECTS * PROBE_OBJECT_BYTES
+    return Probe(total / max(t1 - t0, 1e-6), total / max(t2 - t1, 1e-6), (t4 - t3) / 2)
 
 
 def _scratch(parent: str | Path, name: str, volatile: bool) -> Target:
@@ -261,6 +322,10 @@ class S3Target(Target):
         except (FileNotFoundError, OSError):
             pass
 
+    def storage(self) -> Storage:
+        root: RemoteDir = self.root  # type: ignore[assignment]
+        return open_storage(root.url, root.storage_options)
+
     def close(self) -> None:
         try:
             root: RemoteDir = self.root  # type: ignore[assignment]
@@ -281,10 +346,16 @@ def s3_target(
     options: dict[str, Any] | None = None,
 ) -> Target:
     """The s3 target: `endpoint_url` (or the options' endpoint_url, or AWS_ENDPOINT_URL) with the credentials of
-    `options` (s3fs storage options: key, secret, profile, ...) or the AWS environment, or an embedded moto server
-    when no endpoint is given. A scratch bucket is made (and removed) unless `bucket` is named."""
+    `options` (s3fs storage options: key, secret, profile, ...) or the AWS environment, under a fresh prefix of the
+    existing `bucket`; or, when no endpoint is given, an embedded moto server and a scratch bucket on it (removed
+    afterwards). Checked before it is returned (`check_s3`): a UcpError names what is wrong."""
     options = dict(options or {})
     endpoint_url = endpoint_url or options.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint_url is not None and bucket is None:
+        raise UcpError(
+            f"--bucket: name an existing bucket on {endpoint_url} to write under (the benchmark works under a fresh "
+            "prefix of it and removes it; it creates no bucket on a store of yours)"
+        )
     server = None
     if endpoint_url is None:
         server = MotoServer()
@@ -294,18 +365,51 @@ def s3_target(
     options["endpoint_url"] = endpoint_url
     owned = bucket is None
     bucket = bucket or f"bench-io-{uuid.uuid4().hex[:12]}"
+    root = RemoteDir(f"s3://{bucket}/bench_io-{uuid.uuid4().hex[:8]}", options)
     try:
-        fs = s3_filesystem(options)
         if owned:
-            fs.mkdir(bucket)
-    except Exception:
+            s3_filesystem(options).mkdir(bucket)  # (on the embedded server only)
+        check_s3(root)
+    except BaseException:
         if server is not None:
             server.close()
         raise
-    root = RemoteDir(f"s3://{bucket}/bench_io-{uuid.uuid4().hex[:8]}", options)
     t = S3Target("s3", root, f"s3 ({'moto, embedded' if server else endpoint_url})", volatile=False)  # type: ignore[arg-type]
     t.server, t.bucket_owned = server, owned
     return t
+
+
+def check_s3(root: RemoteDir) -> None:
+    """That `root`'s endpoint speaks S3, takes the credentials and holds the bucket: a listing of the (empty) prefix,
+    whose failure becomes ucp's error for it (StorageAuthError, StorageUnreachableError, BucketNotFoundError), or a
+    StorageError saying that the endpoint is not an S3 endpoint (an HTTP server whose answer is not S3's). Writing,
+    reading and deleting under the prefix are checked by the target's `probe`."""
+    storage = open_storage(root.url, root.storage_options)
+    bucket, _, prefix = root.path.partition("/")
+    endpoint = root.storage_options.get("endpoint_url")
+    try:
+        listing = storage.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/", MaxKeys=1)
+    except Exception as e:
+        # (s3fs raises its own exception from botocore's, whose `response` holds the HTTP status and S3's error code)
+        response = next((x.response for x in (e, e.__cause__) if isinstance(getattr(x, "response", None), dict)), None)
+        code = str(((response or {}).get("Error") or {}).get("Code", ""))
+        if response is not None and (not code or code.isdigit()):  # an HTTP status, no S3 error document
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", code)
+            raise StorageError(
+                f"cannot list {root.url}: {endpoint} is not an S3 endpoint (it answered a bucket listing with HTTP "
+                f"{status} and no S3 error); give the S3 API's URL (--endpoint-url)"
+            ) from e
+        if code == "NoSuchBucket":
+            raise BucketNotFoundError(
+                f"cannot list {root.url}: the bucket {bucket!r} does not exist ({endpoint}); name an existing one "
+                "with --bucket (the benchmark creates none)"
+            ) from e
+        raise storage_error(f"cannot list {root.url}", e, storage.fs) from e
+    if not isinstance(listing, dict) or not {"Name", "KeyCount", "Prefix"} & set(listing):
+        raise StorageError(
+            f"cannot list {root.url}: {endpoint} is not an S3 endpoint (its answer to a bucket listing is not S3's); "
+            "give the S3 API's URL (--endpoint-url)"
+        )
 
 
 def is_remote(directory: object) -> bool:

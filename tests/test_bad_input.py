@@ -209,7 +209,10 @@ def test_tensors_without_dense_values_are_named(ckpt, make, says):
 def test_bad_cli_arguments(ckpt):
     root, _ = ckpt
     assert_cli_error(run_cli("inspect", str(root), "--step", "three"), "--step")
-    assert_cli_error(run_cli("inspect", str(root), "-o", "novalue"), "KEY=VALUE")
+    assert_cli_error(run_cli("inspect", "memory://nothing", "-o", "novalue"), "KEY=VALUE")
+    assert_cli_error(
+        run_cli("inspect", str(root), "-o", "endpoint_url=x"), "-o/--storage-option endpoint_url=x applies only"
+    )
     assert run_cli("nosuchcommand").returncode == 2
 
 

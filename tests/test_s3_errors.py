@@ -3,9 +3,7 @@ cause (the original exception as its cause), one line from the CLI with a non-ze
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,48 +15,6 @@ import ucp
 from ucp.errors import BucketNotFoundError, StorageAuthError, StorageUnreachableError
 
 from .launch import free_port
-
-
-@pytest.fixture(scope="module")
-def auth_server():
-    """A moto server that checks signatures (its first 4 requests are free: they make a user, its key and policy)."""
-    import boto3
-
-    port = free_port()
-    env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="4")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(300):
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        endpoint = f"http://127.0.0.1:{port}"
-        iam = boto3.client(
-            "iam", endpoint_url=endpoint, aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1"
-        )
-        iam.create_user(UserName="ucp")
-        key = iam.create_access_key(UserName="ucp")["AccessKey"]
-        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
-        iam.put_user_policy(UserName="ucp", PolicyName="s3", PolicyDocument=json.dumps(policy))
-        good = {"endpoint_url": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id=good["key"],
-            aws_secret_access_key=good["secret"],
-            region_name="us-east-1",
-        ).create_bucket(Bucket="secured")
-        yield good
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

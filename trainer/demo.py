@@ -15,6 +15,10 @@
    pieces from node a over the process group;
 5. prints the loss per step with the layout that trained it and the restarts, the recovery times, writes loss.png
    and shows `ucp inspect` of the durable checkpoint.
+
+The node lost and the node back are recorded in the metrics file as they happen (`report.log_node_event`), so that
+the recovery times the demo prints and those of the run report are one figure, computed once (`report.recoveries`),
+and the loss plot is the report's (`report.plot_loss`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ucp.storage import LocalStorage, open_storage
 from ucp.tiers import run_directory
 
 from . import elastic
+from . import report as run_report
 from .launch import trainer_argv
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "tiny-moe.yaml"
@@ -85,7 +90,7 @@ def hot_steps(node_dir: Path, ckpt: str) -> list[int]:
         return []
 
 
-def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
+def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> None:
     def node_dir(name: str) -> Path:
         return run_dir / f"node-{name}-shm"
 
@@ -110,7 +115,7 @@ def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
         job.wait_for(
             lambda: max(hot_steps(node_dir("b"), ckpt), default=0) >= args.kill_after, f"step {args.kill_after}"
         )
-        lost_at = job.lose("b")
+        run_report.log_node_event(run_dir / "metrics.jsonl", "b", "lost", job.lose("b"))
         shutil.rmtree(node_dir("b"), ignore_errors=True)
         print(
             f"== node b lost: SIGKILL to its agent and processes, its hot tier deleted (hot steps of node a: "
@@ -120,7 +125,7 @@ def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
         job.wait_for(
             lambda: max(hot_steps(node_dir("a"), ckpt), default=0) >= args.rejoin_after, f"step {args.rejoin_after}"
         )
-        rejoined_at = time.time()
+        run_report.log_node_event(run_dir / "metrics.jsonl", "b", "back", time.time())
         print(f"== node b is back (empty): a torchrun agent with 2 processes, hot tier in {node_dir('b')}", flush=True)
         job.start("b")
         job.wait(900)
@@ -128,13 +133,10 @@ def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> dict[str, float]:
         raise SystemExit(f"the demo failed: {e}") from None
     finally:
         job.stop()
-    return {"lost_at": lost_at, "rejoined_at": rejoined_at}
 
 
-def report(args: argparse.Namespace, run_dir: Path, times: dict[str, float]) -> None:
+def report(run_dir: Path) -> None:
     records = read_metrics(run_dir / "metrics.jsonl")
-    steps = [r for r in records if "event" not in r]
-    restarts = [r for r in records if r.get("event") == "restart"]
     print(
         "\n== loss per step, with the layout that trained it (after a restart, the steps since the checkpoint it "
         "resumed from are trained again, on the same data)"
@@ -154,59 +156,23 @@ def report(args: argparse.Namespace, run_dir: Path, times: dict[str, float]) -> 
     twice = [v for v in trained.values() if len(v) > 1]
     worst = max((abs(max(v) - min(v)) / abs(v[0]) for v in twice), default=0.0)
     print(f"{len(twice)} steps trained twice: largest relative loss difference {worst:.1e} (same data, another layout)")
-    for r, since, what in (
-        (next((r for r in restarts if r["world_size"] == 2), None), times["lost_at"], "node lost"),
-        (next((r for r in restarts if r["world_size"] == 4), None), times["rejoined_at"], "node back"),
-    ):
-        if r is None:
-            continue
-        first = next(s for s in steps if s["time"] >= r["time"])
-        tiers = r["bytes_by_tier"]
+    for recovery in run_report.recoveries(records):
+        tiers = recovery.restart["bytes_by_tier"]
         print(
-            f"{what} -> first step on {r['world_size']} processes in {first['time'] - since:.1f} s, resumed from step "
-            f"{r['from_step']}; the ranks read {tiers['local'] / 2**20:.1f} MiB from their own node's memory, "
+            f"{recovery.describe()}; the ranks read {tiers['local'] / 2**20:.1f} MiB from their own node's memory, "
             f"{tiers['peers'] / 2**20:.1f} from other nodes, {tiers['durable'] / 2**20:.1f} from the durable URL"
         )
-    plot(run_dir, steps, restarts)
-
-
-def plot(run_dir: Path, steps: list[dict], restarts: list[dict]) -> None:
-    """The loss per step, by the number of processes that trained it, with the restarts marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    by_world: dict[int, tuple[list[int], list[float]]] = {}
-    for r in steps:
-        world = r["world_size"]
-        by_world.setdefault(world, ([], []))[0].append(r["step"])
-        by_world[world][1].append(r["loss"])
-    for world, (xs, ys) in sorted(by_world.items(), reverse=True):
-        ax.plot(xs, ys, "o" if world == 4 else "s", ms=3.5, label=f"{world} processes")
-    for i, r in enumerate(restarts):
-        ax.axvline(
-            r["from_step"] + 0.5,
-            color="C3",
-            ls="--",
-            lw=1,
-            label="restart (resumed after the step)" if i == 0 else None,
-        )
-        ax.annotate(
-            f"{r['world_size']} procs", (r["from_step"] + 0.6, ax.get_ylim()[1]), va="top", fontsize=8, color="C3"
-        )
-    ax.set(xlabel="step", ylabel="LM loss", title="tiny MoE under torchrun: a node lost, then back")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss.png", dpi=120)
+    run_report.plot_loss(records, run_dir / "loss.png", "tiny MoE under torchrun: a node lost, then back")
     print(f"wrote {run_dir / 'loss.png'}")
 
 
 def inspect(ckpt: str) -> None:
     """What `ucp inspect` shows for the last durable checkpoint (its head and its totals)."""
-    table = format_table(describe(CheckpointReader(open_storage(ckpt), "latest"))).splitlines()
     print(f"\n== ucp inspect {ckpt}")
+    if not commit.committed_steps(open_storage(ckpt)):  # (a short run may have drained no save: --durable-every)
+        print("no step reached the durable URL (every --durable-every-th save is drained there)")
+        return
+    table = format_table(describe(CheckpointReader(open_storage(ckpt), "latest"))).splitlines()
     print("\n".join(table[:16] + ["  ..."] + table[-1:]))
 
 
@@ -218,11 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     if commit.committed_steps(open_storage(ckpt)):
         raise SystemExit(f"{ckpt} already holds checkpoints: the demo starts from an empty URL")
     started = time.perf_counter()
-    times = run(args, run_dir, ckpt)
-    report(args, run_dir, times)
+    run(args, run_dir, ckpt)
+    report(run_dir)
     inspect(ckpt)
-    from . import report as run_report
-
     page = run_report.write(run_dir / "metrics.jsonl", run_dir / "report")
     print(f"\nrun report (step time per phase, memory per rank and stage, restarts): {page}")
     print(f"demo done in {time.perf_counter() - started:.0f} s; everything is in {run_dir}")

@@ -3,11 +3,19 @@
     python -m trainer.report ucp-demo-run              # RUN: a metrics JSONL file, or a directory holding one
     python -m trainer.report run/metrics.jsonl --out report-dir
 
-The page shows loss and learning rate over the steps (restarts and resumes marked), where each step's time
-went (data, forward, backward, pipeline wait, optimizer, checkpoint; the mean over ranks, stacked), the same per
-pipeline stage, peak memory per rank grouped by stage, the checkpoint events (blocking time per save) and the
-restarts, and a table naming every rank with its coordinates, mean phase times and peak memory. The plots are
-embedded as base64 PNGs, so the page is one file; the PNGs are also written beside it.
+The page opens with what the run cost: the time training waited for its checkpoints (each whole `save` call, which
+also waits for the previous save, with the snapshot's blocking time as a part of it) and each restart's recovery
+time (`recoveries`, which the demo prints too). Then loss and learning rate over the steps, coloured by the layout
+that trained them (`plot_loss`: restarts and in-place re-formings marked apart, as the demo's loss.png), where each
+step's time went (data, forward, backward, pipeline wait, optimizer, checkpoint; the mean over ranks, stacked), the
+same per pipeline stage, peak memory per rank grouped by stage, the checkpoint and restart events, and a table
+naming every rank with its coordinates, mean phase times and peak memory. The plots are embedded as base64 PNGs, so
+the page is one file; the PNGs are also written beside it.
+
+Recovery times come from the metrics file alone: a restart's is the time from its cause to the end of the first step
+trained after it. The cause is what a launcher recorded there (`{"event": "node", "node", "change", "time"}`: the
+demo records a node lost and a node back, `log_node_event`), else the last step logged before the restart (so, for
+a failure nobody recorded, an upper bound).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import json
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,24 +57,77 @@ def find_metrics(run: Path) -> Path:
     return found[0]
 
 
-def read(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(step records, event records); a restarted run logs a step again: the last record of a step wins."""
-    steps: dict[int, dict[str, Any]] = {}
-    events = []
+def read(path: Path) -> list[dict[str, Any]]:
+    """Every record of a metrics file, in the order written (a restarted run logs the steps since its checkpoint
+    again: `last_per_step` keeps the last record of each)."""
+    records = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except ValueError:
             raise SystemExit(f"trainer.report: {path}:{n} is not JSON") from None
-        if "event" in record:
-            events.append(record)
-        elif "step" in record:
-            steps[record["step"]] = record
-    if not steps:
+    if not any("event" not in r and "step" in r for r in records):
         raise SystemExit(f"trainer.report: {path} holds no step records")
-    return [steps[s] for s in sorted(steps)], events
+    return records
+
+
+def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The step records, one per step (the last one written), by step."""
+    steps = {r["step"]: r for r in records if "event" not in r and "step" in r}
+    return [steps[s] for s in sorted(steps)]
+
+
+def log_node_event(metrics: Path, node: str, change: str, when: float) -> None:
+    """Record in the metrics file that a node was lost or came back (`change`), at `when` (time.time()): the cause
+    `recoveries` measures the next restart from. (One short appended line: rank 0's lines stay whole.)"""
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"event": "node", "node": node, "change": change, "time": when}) + "\n")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A restart (its metrics event), what caused it and the seconds from the cause to the end of the first step
+    trained after it."""
+
+    restart: dict[str, Any]
+    cause: str
+    seconds: float
+
+    def describe(self) -> str:
+        r = self.restart
+        how = "re-formed in place" if r.get("in_place") else "restarted"
+        return (
+            f"{self.cause} -> first step on {r['world_size']} processes ({r['layout']}, {how}) {self.seconds:.1f} s "
+            f"later, resumed from step {r['from_step']}"
+        )
+
+
+def recoveries(records: list[dict[str, Any]]) -> list[Recovery]:
+    """Each restart of a run, measured from the node event recorded before it (the demo's), or else from the last
+    step logged before it, to the first step logged after it (the one the job resumed with)."""
+    out = []
+    cause: dict[str, Any] | None = None
+    last_step: dict[str, Any] | None = None
+    for i, record in enumerate(records):
+        kind = record.get("event")
+        if kind == "node":
+            cause = record
+        elif kind is None and "step" in record:
+            last_step = record
+        elif kind == "restart":
+            first = next((r for r in records[i + 1 :] if "event" not in r and "step" in r), None)
+            if first is None or (cause is None and last_step is None):
+                continue
+            if cause is not None:
+                since, what = cause["time"], f"node {cause['node']} {cause['change']}"
+            else:
+                assert last_step is not None
+                since, what = last_step["time"], f"a failure after step {last_step['step']} (measured from that step)"
+            out.append(Recovery(record, what, first["time"] - since))
+            cause = None
+    return out
 
 
 def breakdown(record: dict[str, Any]) -> dict[str, float]:
@@ -78,32 +140,65 @@ def breakdown(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _plots(steps: list[dict[str, Any]], events: list[dict[str, Any]], out: Path) -> dict[str, Path]:
+def plot_loss(records: list[dict[str, Any]], path: Path, title: str = "loss per step") -> list[str]:
+    """Every step's loss as logged (a step trained again after a restart shows twice), coloured by the layout that
+    trained it, the learning rate beside it, and where the job restarted, re-formed in place or resumed (after the
+    step it resumed from), each named apart, with the layout it went on in. Returns the legend's labels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [r["step"] for r in steps]
-    marks = [(e, e["event"]) for e in events if e["event"] in ("restart", "resume")]
-    saves = [e for e in events if e["event"] == "checkpoint"]
-    paths = {}
-
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ax.plot(xs, [r["loss"] for r in steps], color="#4c72b0", label="loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    steps = [r for r in records if "event" not in r and "step" in r]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    trained_by = list(dict.fromkeys((r.get("layout", "?"), r.get("world_size")) for r in steps))
+    for i, (layout, world) in enumerate(trained_by):
+        mine = [r for r in steps if (r.get("layout", "?"), r.get("world_size")) == (layout, world)]
+        label = f"{layout} ({world} processes)" if world else layout
+        ax.plot(
+            [r["step"] for r in mine], [r["loss"] for r in mine], "os^dv"[i % 5], ms=3.5, color=f"C{i}", label=label
+        )
+    lr = last_per_step(records)
     lr_ax = ax.twinx()
-    lr_ax.plot(xs, [r["lr"] for r in steps], color="#dd8452", label="learning rate")
-    lr_ax.set_ylabel("learning rate")
-    for e, kind in marks:
-        step = e.get("from_step", 0) + 0.5
-        ax.axvline(step, color="#c44e52" if kind == "restart" else "#999999", ls="--", lw=1)
-    ax.set_title("loss and learning rate (dashed: resumes; red: restarts)")
+    lr_ax.plot([r["step"] for r in lr], [r["lr"] for r in lr], color="#bbbbbb", lw=1)
+    lr_ax.set_ylabel("learning rate (grey)")
+    kinds = {
+        "in place": ("C2", ":", "re-formed in place"),
+        "restart": ("C3", "--", "restarted"),
+        "resume": ("#999999", "-.", "resumed"),
+    }
+    named: set[str] = set()
+    for i, r in enumerate(records):
+        if r.get("event") == "restart":
+            kind = "in place" if r.get("in_place") else "restart"
+        elif r.get("event") == "resume" and not (i + 1 < len(records) and records[i + 1].get("event") == "restart"):
+            kind = "resume"  # (a new run from a checkpoint: no earlier incarnation logged steps)
+        else:
+            continue
+        color, style, label = kinds[kind]
+        x = r["from_step"] + 0.5
+        ax.axvline(x, color=color, ls=style, lw=1.2, label=None if label in named else f"{label} (after the step)")
+        named.add(label)
+        ax.annotate(f" {r['layout']}", (x, 1), xycoords=("data", "axes fraction"), va="top", fontsize=8, color=color)
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    legend = ax.legend(fontsize=8)
     fig.tight_layout()
-    paths["loss"] = out / "loss.png"
-    fig.savefig(paths["loss"], dpi=100)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return [text.get_text() for text in legend.get_texts()]
+
+
+def _plots(records: list[dict[str, Any]], out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = last_per_step(records)
+    xs = [r["step"] for r in steps]
+    saves = [e for e in records if e.get("event") == "checkpoint"]
+    paths = {"loss": out / "loss.png"}
+    plot_loss(records, paths["loss"], "loss and learning rate")
 
     fig, ax = plt.subplots(figsize=(8, 3.6))
     parts = [breakdown(r) for r in steps]
@@ -162,6 +257,25 @@ def _plots(steps: list[dict[str, Any]], events: list[dict[str, Any]], out: Path)
     return paths
 
 
+def checkpoint_headline(records: list[dict[str, Any]]) -> str:
+    """What the checkpoints cost the training: the time its save calls took in all (each waits for the previous
+    save too, so this is what training waited), and the snapshot's blocking time as a part of it."""
+    saves = [r for r in records if r.get("event") == "checkpoint"]
+    if not saves:
+        return "none"
+    calls = [r.get("call_s", r["blocking_s"]) for r in saves]
+    blocking = [r["blocking_s"] for r in saves]
+    return (
+        f"training waited {sum(calls):.2f} s for {len(saves)} saves (the whole save call, which also waits for the "
+        f"previous save: median {statistics.median(calls):.3f} s); of it, {sum(blocking):.2f} s blocked on the "
+        f"snapshot (median {statistics.median(blocking):.3f} s)"
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
@@ -171,32 +285,20 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 def write(run: Path, out: Path | None = None) -> Path:
     """Build the report of RUN into OUT (default: a `report` directory beside the metrics file); its HTML path."""
     metrics = find_metrics(run)
-    steps, events = read(metrics)
+    records = read(metrics)
+    steps = last_per_step(records)
+    events = [r for r in records if "event" in r]
     out = out or metrics.parent / "report"
     out.mkdir(parents=True, exist_ok=True)
-    plots = _plots(steps, events, out)
-    saves = [e for e in events if e["event"] == "checkpoint"]
-    restarts = [e for e in events if e["event"] == "restart"]
+    plots = _plots(records, out)
     layouts = list(dict.fromkeys(r.get("layout", "?") for r in steps))
     summary = [
+        ["checkpoints", checkpoint_headline(records)],
+        ["restarts", "; ".join(r.describe() for r in recoveries(records)) or "none"],
         ["steps", f"{steps[0]['step']}..{steps[-1]['step']} ({len(steps)})"],
         ["layouts", ", ".join(layouts)],
         ["final loss", f"{steps[-1]['loss']:.6f}"],
         ["median step time", f"{statistics.median(r['step_time_s'] for r in steps):.3f} s"],
-        [
-            "checkpoint saves",
-            f"{len(saves)}"
-            + (f", median blocking {statistics.median(e.get('blocking_s', 0) for e in saves):.3f} s" if saves else ""),
-        ],
-        [
-            "restarts",
-            f"{len(restarts)}"
-            + "".join(
-                f"; step {e['from_step']} in {e['layout']} after {e['failure_to_first_step_s']:.1f} s"
-                + (" (in place)" if e.get("in_place") else "")
-                for e in restarts
-            ),
-        ],
     ]
     ranks: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for s in steps:
@@ -219,9 +321,10 @@ def write(run: Path, out: Path | None = None) -> Path:
     event_rows = [
         [
             e["event"],
-            e.get("step", e.get("from_step", "")),
-            e.get("layout", ""),
-            f"{e.get('blocking_s', e.get('restore_s', 0)):.3f}",
+            e.get("step", e.get("from_step", e.get("node", ""))),
+            e.get("layout", e.get("change", "")),
+            _seconds(e.get("call_s")),
+            _seconds(e.get("blocking_s", e.get("restore_s"))),
         ]
         for e in events
     ]
@@ -240,7 +343,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}img{{max-width:10
 <h2>ranks</h2><p>mean milliseconds per step of each phase, peak memory in MiB</p>
 {_table(["rank", "tp", "pp", "dp", "ep", *PHASES, "peak RSS", "CUDA peak"], rank_rows)}
 <h2>events</h2>
-{_table(["event", "step", "layout", "blocking / restore s"], event_rows)}
+{_table(["event", "step (node)", "layout (change)", "save call s", "blocking / restore s"], event_rows)}
 </body></html>
 """
     path = out / "report.html"

@@ -1,25 +1,90 @@
-"""ucp: universal checkpoints (Zarr v3 over fsspec) that reshard to any parallel layout."""
+"""ucp: universal checkpoints (Zarr v3 over fsspec) that reshard to any parallel layout.
+
+The names below are imported on first use (PEP 562), so that `import ucp.cli` (the `ucp` command) does not pay for
+torch and zarr before it knows which command it runs: `ucp --help` and an argument error answer at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .checkpoint import CheckpointReader, SaveOptions, load, open_checkpoint, save
-from .chunking import ChunkingPolicy
-from .dtypes import register_bfloat16_with_zarr
-from .errors import (
-    CheckpointNotFoundError,
-    FormatError,
-    IntegrityError,
-    LayoutError,
-    StateError,
-    StepExistsError,
-    StepRemovedError,
-    StorageError,
-    UcpError,
-    UnsupportedVersionError,
-    WriterProcessError,
-)
-from .manager import CheckpointManager
-from .training_state import restore_training_state, training_state
+# name -> the module that defines it
+_EXPORTS = {
+    "CheckpointReader": "checkpoint",
+    "SaveOptions": "checkpoint",
+    "load": "checkpoint",
+    "open_checkpoint": "checkpoint",
+    "save": "checkpoint",
+    "ChunkingPolicy": "chunking",
+    "register_bfloat16_with_zarr": "dtypes",
+    "CheckpointNotFoundError": "errors",
+    "FormatError": "errors",
+    "IntegrityError": "errors",
+    "LayoutError": "errors",
+    "StateError": "errors",
+    "StepExistsError": "errors",
+    "StepRemovedError": "errors",
+    "StorageError": "errors",
+    "UcpError": "errors",
+    "UnsupportedVersionError": "errors",
+    "WriterProcessError": "errors",
+    "CheckpointManager": "manager",
+    "restore_training_state": "training_state",
+    "training_state": "training_state",
+}
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointReader, SaveOptions, load, open_checkpoint, save
+    from .chunking import ChunkingPolicy
+    from .dtypes import register_bfloat16_with_zarr
+    from .errors import (
+        CheckpointNotFoundError,
+        FormatError,
+        IntegrityError,
+        LayoutError,
+        StateError,
+        StepExistsError,
+        StepRemovedError,
+        StorageError,
+        UcpError,
+        UnsupportedVersionError,
+        WriterProcessError,
+    )
+    from .manager import CheckpointManager
+    from .training_state import restore_training_state, training_state
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ucp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # (the next access is a plain lookup)
+    return value
+
+
+class _Package(types.ModuleType):
+    """The package, whose exported names win over its submodules of the same name: importing the submodule
+    `ucp.training_state` sets the package's attribute `training_state` to it (the import system does so after every
+    submodule import), and `ucp.training_state(...)` must stay the function, as when the exports were eager."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{_EXPORTS.get(name)}":
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "CheckpointManager",

@@ -1,4 +1,10 @@
-"""The `ucp` command line: inspect and verify checkpoints, run the IO benchmark."""
+"""The `ucp` command line: inspect and verify checkpoints, run the IO benchmark.
+
+Nothing heavy is imported before a command runs (each imports what it needs), so that `ucp --help` and an argument
+error answer at once. A flag given where it means nothing (a storage option with a local path, a DCP-only option
+with another format) is refused in one line naming it, before anything is read or written: `Applies` says where each
+such flag applies, and `refuse_inapplicable` checks every parsed command against its own.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import UcpError
@@ -28,6 +36,51 @@ def add_storage_option(
 ) -> None:
     """`-o/--storage-option KEY=VALUE`, repeatable, as every command that opens a URL takes it (parse_storage_options)."""
     p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def is_remote(url: str) -> bool:
+    """Whether `url` names a store that storage options configure (s3://, memory://, ...), not a local path."""
+    return "://" in url and not url.startswith("file://")
+
+
+@dataclass(frozen=True)
+class Applies:
+    """Where a flag means something. A flag given (a value other than None, [] or False) while `when` is false for
+    the parsed arguments is refused: "FLAG applies only WHERE, not CONTEXT", CONTEXT being the rule's own (`context`,
+    when it returns a string) or the command's (its --from/--to, its URL)."""
+
+    flag: str
+    dest: str
+    when: Callable[[argparse.Namespace], bool]
+    where: str
+    context: Callable[[argparse.Namespace], str | None] = lambda args: None
+
+
+def storage_option_applies(*urls: Callable[[argparse.Namespace], str | None]) -> Applies:
+    """`-o` applies where a URL that the command opens with the storage options (each of `urls` gives one, or None
+    where that side is not opened with them) names a remote store."""
+
+    def opened(args: argparse.Namespace) -> list[str]:
+        return [u for u in (url(args) for url in urls) if u is not None]
+
+    return Applies(
+        "-o/--storage-option",
+        "storage_option",
+        lambda args: any(is_remote(u) for u in opened(args)),
+        "to a remote store's URL (s3://..., or another fsspec URL)",
+        lambda args: f"to the local path {' and '.join(opened(args))}" if opened(args) else None,
+    )
+
+
+def refuse_inapplicable(
+    args: argparse.Namespace, rules: Sequence[Applies], context: Callable[[argparse.Namespace], str]
+) -> None:
+    """Raise a UcpError naming the first flag given in `args` (with its value) where its rule says it means nothing."""
+    for rule in rules:
+        value = getattr(args, rule.dest, None)
+        if value not in (None, [], False) and not rule.when(args):
+            given = "" if value is True else " " + " ".join(map(str, value if isinstance(value, list) else [value]))
+            raise UcpError(f"{rule.flag}{given} applies only {rule.where}, not {rule.context(args) or context(args)}")
 
 
 def _add_location(p: argparse.ArgumentParser) -> None:
@@ -75,6 +128,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(args.dir)
 
 
+_LOCATION_RULES: dict[str, Any] = {
+    "rules": (storage_option_applies(lambda args: args.url),),
+    "context": lambda args: args.url,
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ucp", description="Universal checkpoints: inspect, verify, convert, export, import, demo, benchmark."
@@ -90,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show a step: format version, layout, atoms and totals")
     _add_location(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=cmd_inspect, **_LOCATION_RULES)
 
     p = sub.add_parser(
         "verify",
@@ -98,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         "commit's record, and every atom's, group's and the root's zarr.json (exit 1 if anything is damaged)",
     )
     _add_location(p)
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=cmd_verify, **_LOCATION_RULES)
 
     p = sub.add_parser("demo", help="save a small model's training state, load it back, inspect the checkpoint")
     p.add_argument("--dir", default="ucp-demo", help="checkpoint root to write (default: ./ucp-demo)")
@@ -112,19 +171,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from bench_io.__main__ import main as bench_main  # (bench_io parses its own arguments)
+
+    return bench_main(args.bench_argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # bench_io parses its own arguments
-        from bench_io.__main__ import main as bench_main
-
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    verbose = 1 if argv[:1] in (["-v"], ["--verbose"]) else 0
+    if argv[verbose : verbose + 1] == ["bench"]:  # bench_io parses its own arguments; its errors are ours (below)
+        args = argparse.Namespace(func=_bench, bench_argv=argv[verbose + 1 :], verbose=bool(verbose))
+    else:
+        args = build_parser().parse_args(argv)
     if args.verbose:  # what the library logs (the `ucp` logger: silent by default), on stderr
         import logging
 
         logging.basicConfig(format="ucp: %(levelname)s %(message)s", level=logging.WARNING)
         logging.getLogger("ucp").setLevel(logging.INFO)
     try:
+        refuse_inapplicable(args, getattr(args, "rules", ()), getattr(args, "context", lambda args: ""))
         return args.func(args)
     except UcpError as e:
         print(f"ucp: error: {e}", file=sys.stderr)

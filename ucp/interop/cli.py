@@ -10,6 +10,11 @@
     ucp export URL --to dcp DIR                        ucp -> torch.distributed.checkpoint
     ucp export URL --to megatron-dist DIR              ucp -> Megatron torch_dist (as convert --to torch_dist)
     ucp import DIR URL [--from hf|dcp|megatron-dist]   Hugging Face (or DCP, Megatron torch_dist) -> ucp
+
+A flag that means nothing for the chosen --from/--to (`--config` with --from hf, `--max-shard-size` with --to dcp,
+`--iteration` with --from universal, `--step` between two Megatron layouts, `-o` with local paths) is refused in one
+line naming it (the `Applies` rules of each command, checked by ucp/cli.py before the command runs). The converters
+are imported by the command that runs them, not here: `ucp --help` stays fast.
 """
 
 from __future__ import annotations
@@ -17,12 +22,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ucp.cli import add_storage_option, parse_storage_options
-from ucp.errors import UcpError
+from ucp.cli import Applies, add_storage_option, parse_storage_options, storage_option_applies
 from ucp.interop.staging import check_apart
-from ucp.interop.streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS
 
 MEGATRON_DIST = "megatron-dist"  # Megatron-LM's torch_dist format, as export/import name it
+UNIVERSAL, TORCH_DIST = "universal", "torch_dist"  # (the --from/--to of convert that name formats, not layouts)
 
 
 def _bytes(text: str) -> int:
@@ -64,12 +68,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _streaming(p: argparse.ArgumentParser) -> None:
     """The options of every conversion: tensors stream through within a memory budget, many reads and writes at once."""
-    p.add_argument(
-        "--memory-budget", type=_bytes, default=DEFAULT_MEMORY_BUDGET, help="peak tensor memory (default 4GiB)"
-    )
-    p.add_argument(
-        "--workers", type=_at_least_one, default=DEFAULT_WORKERS, help="parallel reads and writes (default 8)"
-    )
+    p.add_argument("--memory-budget", type=_bytes, help="peak tensor memory (default 4GiB)")
+    p.add_argument("--workers", type=_at_least_one, help="parallel reads and writes (default 8)")
 
 
 def _at_least_one(text: str) -> int:
@@ -83,12 +83,13 @@ def _at_least_one(text: str) -> int:
 
 
 def _streaming_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The options every converter takes the same way (`_streaming` and `_common` add them to each parser)."""
+    """The options every converter takes the same way (`_streaming` and `_common` add them to each parser); the
+    converters' own defaults where none is given."""
+    given = {"memory_budget": args.memory_budget, "workers": args.workers}
     return {
         "storage_options": parse_storage_options(args.storage_option),
-        "memory_budget": args.memory_budget,
-        "workers": args.workers,
         "progress": not args.no_progress,
+        **{key: value for key, value in given.items() if value is not None},
     }
 
 
@@ -126,8 +127,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.to == MEGATRON_DIST:
         from ucp.interop.megatron import convert
 
-        if args.dtype is not None:
-            raise UcpError("--dtype: a Megatron torch_dist checkpoint is written in the stored dtypes")
         converted = convert(
             args.url,
             args.dir,
@@ -149,7 +148,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.dir,
             dtype=args.dtype,
             step=args.step,
-            max_shard_bytes=args.max_shard_size,
+            **({} if args.max_shard_size is None else {"max_shard_bytes": args.max_shard_size}),
             **_streaming_kwargs(args),
         )
         print(
@@ -178,10 +177,6 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.from_ == MEGATRON_DIST:
         from ucp.interop.megatron import convert
 
-        if args.dtype is not None or args.config is not None:
-            raise UcpError(
-                "--dtype and --config: a Megatron torch_dist checkpoint is imported as stored, with its args"
-            )
         converted = convert(
             args.src,
             args.url,
@@ -260,7 +255,27 @@ def register(subparsers: Any) -> None:
     )
     _streaming(p)
     _common(p)
-    p.set_defaults(func=cmd_convert)
+    megatron_source = "with a Megatron source (--from LAYOUT or torch_dist)"
+    p.set_defaults(
+        func=cmd_convert,
+        context=lambda args: f"--from {args.from_} --to {args.to}",
+        rules=(
+            Applies("--iteration", "iteration", lambda args: args.from_ != UNIVERSAL, megatron_source),
+            Applies("--vocab-size", "vocab_size", lambda args: args.from_ != UNIVERSAL, megatron_source),
+            Applies(
+                "--step",
+                "step",
+                lambda args: UNIVERSAL in (args.from_, args.to),
+                "with --from universal or --to universal (the ucp step to read or write; a Megatron checkpoint "
+                "keeps its iteration)",
+            ),
+            Applies("--target-ep", "target_ep", lambda args: args.to == TORCH_DIST, "with --to torch_dist"),
+            storage_option_applies(
+                lambda args: args.src if args.from_ == UNIVERSAL else None,
+                lambda args: args.dst if args.to == UNIVERSAL else None,
+            ),
+        ),
+    )
 
     p = subparsers.add_parser("export", help="write a ucp checkpoint in another framework's format")
     p.add_argument("url", help="ucp checkpoint root (local path, s3://...) or a step directory")
@@ -274,10 +289,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("dir", help="output directory (must not exist, or be empty; not inside the checkpoint)")
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument("--step", type=_step, default="latest", help="step to export (default: latest)")
-    p.add_argument("--max-shard-size", type=_bytes, default=1 << 30, help="largest safetensors file (default 1GiB)")
+    p.add_argument("--max-shard-size", type=_bytes, help="with --to hf: the largest safetensors file (default 1GiB)")
     _streaming(p)
     _common(p)
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(
+        func=cmd_export,
+        context=lambda args: f"--to {args.to}",
+        rules=(
+            Applies(
+                "--dtype",
+                "dtype",
+                lambda args: args.to != MEGATRON_DIST,
+                "with --to hf or dcp (a Megatron torch_dist checkpoint is written in the stored dtypes)",
+            ),
+            Applies("--max-shard-size", "max_shard_size", lambda args: args.to == "hf", "with --to hf"),
+            storage_option_applies(lambda args: args.url),
+        ),
+    )
 
     p = subparsers.add_parser("import", help="turn another framework's checkpoint into a ucp checkpoint")
     p.add_argument("src", help="Hugging Face directory (config.json + safetensors) or DCP directory")
@@ -294,10 +322,27 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--step", type=_number, default=None, help="step number to write (default 0; megatron-dist: the iteration)"
     )
-    p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument(
-        "--config", default=None, help="DCP only: the model's Hugging Face config.json (default: SRC/config.json)"
+        "--dtype", default=None, help="with --from hf or dcp: cast parameters: bf16, fp16, fp32 (default: as stored)"
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="with --from dcp: the model's Hugging Face config.json (default: SRC/config.json)",
     )
     _streaming(p)
     _common(p)
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(
+        func=cmd_import,
+        context=lambda args: f"--from {args.from_}",
+        rules=(
+            Applies(
+                "--dtype",
+                "dtype",
+                lambda args: args.from_ != MEGATRON_DIST,
+                "with --from hf or dcp (a Megatron torch_dist checkpoint is imported as stored)",
+            ),
+            Applies("--config", "config", lambda args: args.from_ == "dcp", "with --from dcp"),
+            storage_option_applies(lambda args: args.url),
+        ),
+    )

@@ -1,0 +1,128 @@
+"""`ucp bench` against remote storage as users meet it: every way the S3 target can be wrong (no credentials, wrong
+credentials, a missing bucket, an unreachable endpoint, an HTTP server that is not S3) is one line and a non-zero
+exit before anything is measured, and leaves the store as it was; a run that works leaves nothing outside its own
+prefix (no method creates a bucket), and a run with nothing to measure exits non-zero."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .launch import free_port
+from .test_s3_errors import no_aws_environment, one_line
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str, env: dict[str, str] | None = None, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ucp", "bench", "--quick", "--size", "1MiB", "--targets", "s3", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+    )
+
+
+def store(options: dict[str, str]) -> dict[str, list[str]]:
+    """Every bucket of the server with every key in it."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True, use_listings_cache=False)
+    return {bucket: sorted(fs.find(bucket)) for bucket in sorted(fs.ls(""))}
+
+
+@pytest.fixture
+def not_s3() -> Iterator[str]:
+    """An HTTP server on loopback that is not S3 (Python's file server, serving an empty directory)."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_no_credentials(s3_bucket):
+    bucket, options = s3_bucket
+    before = store(options)
+    result = bench("--endpoint-url", options["endpoint_url"], "--bucket", bucket, env=no_aws_environment())
+    one_line(result, f"s3://{bucket}/bench_io-", "found none", "AWS_ACCESS_KEY_ID")
+    assert store(options) == before
+
+
+def test_wrong_credentials(auth_server):
+    wrong = ["-o", f"key={auth_server['key']}", "-o", "secret=not-the-secret"]
+    before = store(auth_server)
+    result = bench("--endpoint-url", auth_server["endpoint_url"], "--bucket", "secured", *wrong)
+    one_line(result, "s3://secured/bench_io-", "refused the credentials")
+    assert "0 measurements" not in result.stderr
+    assert store(auth_server) == before
+
+
+def test_a_missing_bucket_is_named_and_not_created(s3_bucket):
+    _, options = s3_bucket
+    before = store(options)
+    args = ["--endpoint-url", options["endpoint_url"], "--bucket", "no-such-bucket", "--methods", "raw,ucp,dcp"]
+    result = bench(*args, "-o", "key=testing", "-o", "secret=testing")
+    one_line(result, "no-such-bucket", "does not exist")
+    assert store(options) == before  # (dcp's writer used to create it)
+
+
+def test_an_endpoint_without_a_bucket_is_refused(s3_bucket):
+    _, options = s3_bucket
+    before = store(options)
+    one_line(bench("--endpoint-url", options["endpoint_url"]), "--bucket", "existing bucket")
+    assert store(options) == before
+
+
+def test_an_unreachable_endpoint():
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = bench("--endpoint-url", endpoint, "--bucket", "b", "-o", "key=k", "-o", "secret=s", timeout=120)
+    one_line(result, endpoint, "cannot be reached")
+
+
+def test_an_http_server_that_is_not_s3(not_s3):
+    result = bench("--endpoint-url", not_s3, "--bucket", "bucket", "-o", "key=k", "-o", "secret=s")
+    one_line(result, not_s3, "is not an S3 endpoint")
+    assert "does not exist" not in result.stderr
+
+
+@pytest.mark.slow  # (a whole run, six methods: tens of seconds)
+def test_a_run_leaves_nothing_outside_its_prefix_and_its_columns_agree(s3_bucket, tmp_path):
+    bucket, options = s3_bucket
+    before = store(options)
+    out = tmp_path / "r.json"
+    args = ["--endpoint-url", options["endpoint_url"], "--bucket", bucket, "--small-tensors", "0", "--json", str(out)]
+    result = bench(
+        *args, "--methods", "raw,ucp,ucp-async,dcp,dcp-async,copy", "-o", "key=testing", "-o", "secret=testing"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "by the probes" in result.stderr  # (how long it will take, said before it starts)
+    assert store(options) == before  # every method's objects removed, no bucket made
+    assert "secret=testing" not in out.read_text()  # (the results keep the options' names, not credentials)
+    for m in json.loads(out.read_text())["medians"]:
+        if m["blocking_vs_copy"] is not None:  # the ratio is the one of the two columns beside it
+            assert m["blocking_vs_copy"] == pytest.approx(m["blocking_s"] / m["copy_s"]), m
+
+
+def test_a_run_with_nothing_to_measure_fails():
+    result = bench("--methods", "raw-crc")  # (raw-crc has no S3 support; the embedded server)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("ucp: error: nothing to measure: no method of --methods")
