@@ -20,7 +20,7 @@ import torch
 from . import __version__, codec, commit, dtypes, tree
 from .boxes import Box, full_box, intersect, relative, to_slices
 from .chunking import ChunkingPolicy, choose_chunks
-from .devices import on_host
+from .devices import load_device, on_host
 from .errors import FormatError, IntegrityError, StateError
 from .format import (
     MAX_DOCUMENT_BYTES,
@@ -335,7 +335,8 @@ class CheckpointReader:
         Reads are planned from the committed manifest alone (its checksum is in the commit marker), so an atom's
         own zarr.json, which only other Zarr readers need, is not read here: `ucp verify` checks that it agrees."""
         metas = [self.atoms[p] for p in paths]
-        out = {m.path: allocate(m, device=device) for m in metas}
+        place = load_device(device)
+        out = {m.path: allocate(m, device=place) for m in metas}
         with open_landing(out.values(), metas) as landing:
             self.run_reads([r for m in metas for r in self.region_reads(m, full_box(m.shape), out[m.path], landing)])
         return out

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .errors import UcpError
+from .errors import StateError, UcpError
 
 # cudaHostRegisterPortable: the memory counts as page-locked for every device, not only the current one
 _PORTABLE = 1
@@ -34,6 +34,20 @@ _PORTABLE = 1
 def on_host(tensor: torch.Tensor) -> bool:
     """Whether the CPU reads `tensor`'s bytes where they are (a CPU tensor)."""
     return tensor.device.type == "cpu"
+
+
+def load_device(device: torch.device | str | None) -> torch.device | None:
+    """`device` as where a load puts its tensors (None: host memory); a StateError for a name torch does not know
+    and for the meta device, which holds no values."""
+    if device is None:
+        return None
+    try:
+        place = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise StateError(f"cannot load onto device {device!r}: {e}") from None
+    if place.type == "meta":
+        raise StateError("cannot load onto the meta device: it holds no values")
+    return place
 
 
 def cuda_in_use() -> bool:

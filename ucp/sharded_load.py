@@ -14,7 +14,7 @@ import torch
 from . import dtypes
 from .boxes import Box, box_shape
 from .checkpoint import CheckpointReader, chunks_touching
-from .devices import on_host
+from .devices import load_device, on_host
 from .errors import FormatError, StateError
 from .families import canonical_atoms
 from .format import AtomMeta
@@ -61,6 +61,7 @@ def load_sharded(
     the blocks it falls in, two ranks sharing a block where a split does not fall on block edges, and its float32
     product rounded once into the local tensor (`dtype`, or its `into` tensor's; float32 when neither says), the
     same bits as `ucp.quantization.dequantize` gives those elements of the whole atom."""
+    device = load_device(device)
     model = states_held(model, reader.atoms)
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
     shapes = canonical_atoms(model.config)
