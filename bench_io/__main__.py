@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import collectives
 
         return collectives.main(argv[1:])
+    if argv[:1] == ["gpu"]:
+        from . import gpu
+
+        return gpu.main(argv[1:])
     args = build_parser().parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
     for key, value in base.items():

@@ -22,6 +22,7 @@ from .errors import UcpError
 
 ARENA_BYTES = 64 << 20  # an arena holds at least one chunk object of the default chunking policy
 _ALIGN = 64  # slot offsets: any dtype can be viewed at them, and cache lines are not shared
+_PAGE = 4096
 
 
 @dataclass(eq=False)
@@ -129,7 +130,8 @@ class StagingPool:
 
     def reserve(self, sizes: Iterable[int]) -> None:
         """Make the arenas that slots of `sizes`, acquired in this order, will take (as far as the capacity allows),
-        now rather than inside the first save: a save of the same chunks then allocates (and page-locks) nothing."""
+        now rather than inside the first save: a save of the same chunks then allocates (and page-locks) nothing,
+        and finds every page of its slots mapped (each slot is written here, a byte a page, while it is held)."""
         slots = []
         try:
             for nbytes in sizes:
@@ -137,6 +139,7 @@ class StagingPool:
                 if slot is None:
                     break  # (the capacity is reached: a save waits for writes to free memory anyway)
                 slots.append(slot)
+                slot.memory[::_PAGE].zero_()
         finally:
             for slot in slots:
                 self.release(slot)
