@@ -27,7 +27,8 @@ Loads:
 `--trainer-steps N` (0: skip) also runs the reference trainer on the device, one rank: N steps with an async
 checkpoint every `--trainer-every` steps against N without, median step time (the step plus the checkpoint call).
 
-`--device cpu` runs everything on the CPU (a smoke test of the benchmark itself; the figures mean nothing).
+`--budget-s S` stops measuring once S seconds have gone (what was measured is reported, and the JSON says what was
+left out). `--device cpu` runs everything on the CPU (a smoke test of the benchmark itself; the figures mean nothing).
 """
 
 from __future__ import annotations
@@ -110,6 +111,16 @@ class Bench:
         self.notes: dict[str, Any] = {}
         self._managers: dict[str, ucp.CheckpointManager] = {}
         self._floor: dict[str, torch.Tensor] | None = None
+        self.started = time.perf_counter()
+        self.skipped: list[str] = []  # what the time budget left out
+
+    def over_budget(self, what: str) -> bool:
+        """Whether the time budget is spent (then `what` is noted as left out)."""
+        budget = self.args.budget_s
+        if budget is None or time.perf_counter() - self.started < budget:
+            return False
+        self.skipped.append(what)
+        return True
 
     def timed(self, phase: str, method: str, medium: str, repeat: int, run: Callable[[], Any]) -> Any:
         """Run `run` (which returns a loaded state to check, a blocking time, or None) and record it."""
@@ -314,6 +325,8 @@ class Bench:
             for repeat in range(self.args.repeats):
                 root = base / f"r{repeat}"
                 for method in saves:
+                    if self.over_budget(f"{medium} r{repeat} {method}"):
+                        continue
                     self.save(method, root, medium, repeat)
                     for load in READS.get(method, ()):
                         if load in loads:
@@ -321,7 +334,7 @@ class Bench:
                     if method in READS:
                         shutil.rmtree(root / method, ignore_errors=True)
                 raw = [m for m in ("pinned-raw", "kvikio") if m in loads]
-                if raw:
+                if raw and not self.over_budget(f"{medium} r{repeat} raw loads"):
                     self.write_raw(root / "raw")
                     for method in raw:
                         if method == "kvikio" and not _kvikio_importable(self.notes):
@@ -463,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-steps", type=int, default=20, help="trainer steps per run (0: no trainer runs)")
     p.add_argument("--trainer-every", type=int, default=5, help="a checkpoint every this many steps (default 5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, help="stop measuring after this many seconds (default: no limit)")
     p.add_argument("--json", help="write the rows, medians and machine here")
     return p
 
@@ -481,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     for directory in [d.strip() for d in args.dirs.split(",") if d.strip()]:
         bench.run_medium(directory, args.saves, args.loads)
     trainer = None
-    if args.trainer_steps > 0:
+    if args.trainer_steps > 0 and not bench.over_budget("trainer"):
         print("bench_io gpu: the reference trainer, with checkpoints and without", flush=True)
         with tempfile.TemporaryDirectory(dir=args.dirs.split(",")[0]) as work:
             try:
@@ -498,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare (staging made and page-locked before the first save): {bench.notes['prepare_s']}")
     if trainer is not None:
         print(f"trainer: {trainer}")
+    if bench.skipped:
+        print(f"left out (the time budget was spent): {', '.join(bench.skipped)}")
     if args.json:
         doc = {
             "config": {k: v for k, v in vars(args).items()},
@@ -505,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [asdict(r) for r in bench.rows],
             "medians": summaries,
             "notes": bench.notes,
+            "left_out": bench.skipped,
             "trainer": trainer,
             "elapsed_s": time.perf_counter() - started,
         }

@@ -19,8 +19,9 @@ wheels=${UCP_WHEELS:-}
 size=6GiB
 repeats=2
 device=cuda
-tests_timeout=270
-bench_timeout=330
+tests_timeout=250
+bench_budget=150
+bench_timeout=220
 while [ $# -gt 0 ]; do
     case $1 in
         --wheels) wheels=$2; shift 2 ;;
@@ -80,7 +81,7 @@ echo "gpu_check: $gpus x $gpu, torch $("$python" -c 'import torch; print(torch._
 
 # 1. the gpu tests (trainer runs included)
 t0=$(date +%s)
-timeout "$tests_timeout" "$python" -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py \
+timeout "$tests_timeout" "$python" -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py --timeout 150 \
     --junitxml="$out/gpu-tests.xml" -o junit_family=xunit1 2>&1 | tee "$out/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 tests_s=$(( $(date +%s) - t0 ))
@@ -88,7 +89,8 @@ tests_s=$(( $(date +%s) - t0 ))
 # 2. the benchmark: a device-resident state against the floors and the alternatives, and the trainer's step time
 t0=$(date +%s)
 timeout "$bench_timeout" "$python" -m bench_io gpu --device "$device" --size "$size" --repeats "$repeats" --dirs /dev/shm \
-    --trainer-steps 20 --trainer-every 5 --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.txt"
+    --trainer-steps 20 --trainer-every 5 --budget-s "$bench_budget" --json "$out/bench-gpu.json" 2>&1 \
+    | tee "$out/bench-gpu.txt"
 bench_rc=${PIPESTATUS[0]}
 bench_s=$(( $(date +%s) - t0 ))
 

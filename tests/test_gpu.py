@@ -357,3 +357,27 @@ def test_layouts_sharing_one_gpu_with_gloo_resume_in_another_layout(tmp_path):
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     for r, ref in zip(resumed, reference[4:], strict=True):
         assert math.isclose(r["loss"], ref["loss"], rel_tol=1e-4), (r["step"], r["loss"], ref["loss"])
+
+
+@pytest.mark.slow
+def test_the_demo_runs_on_a_gpu_machine(tmp_path):
+    """`python -m trainer.demo` on a GPU machine: its four ranks train on the GPUs (gloo: two simulated nodes share
+    them), a node is lost and comes back, and the losses go on as on CPU."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.demo", "--dir", str(run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "steps trained twice" in proc.stdout and (run / "loss.png").exists()
+    from trainer.demo import read_metrics
+
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert any("cuda_peak_allocated_bytes" in rank for r in metrics if "ranks" in r for rank in r["ranks"])

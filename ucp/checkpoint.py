@@ -33,7 +33,7 @@ from .format import (
     parse_step_dirname,
 )
 from .landing import Landing, open_landing
-from .pipeline import ChunkJob, SavePipeline, SavePlan
+from .pipeline import ChunkJob, SavePipeline, SavePlan, one_shot_staging
 from .session import SaveSession
 from .storage import Storage, open_storage
 from .workpool import ObjectCall, run_sized
@@ -196,11 +196,11 @@ def save(
     """
     options = options or SaveOptions()
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
-    pipeline = SavePipeline(io_threads_for(options, storage), writer="threads")  # (a sync save needs no process)
+    plan = plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes)
+    # (a sync save needs no writer process; it stages only what is on a device)
+    pipeline = SavePipeline(io_threads_for(options, storage), one_shot_staging(plan.metadata), writer="threads")
     try:
-        record = pipeline.submit(
-            plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes), "sync"
-        ).result()
+        record = pipeline.submit(plan, "sync").result()
     finally:
         pipeline.close()
     assert record is not None

@@ -60,6 +60,15 @@ WRITERS = ("process", "threads")
 DEFAULT_WRITER: Writer = "process" if PROCESS_WRITER_SUPPORTED else "threads"
 _BATCH_BYTES = 4 << 20  # chunks go to the writers in batches of about this size...
 _BATCH_CALLS = 64  # ...or this many, so that small objects do not pay one task (or message) each
+# Staging memory of a one-shot sync save (`ucp.save`, `save_sharded`): only its chunks on a device are staged, each
+# written as soon as it is there, so a little memory serves any state (page-locked memory stays in torch's cache).
+ONE_SHOT_STAGING_BYTES = 512 << 20
+
+
+def one_shot_staging(metas: Sequence[AtomMeta]) -> int:
+    """The staging bytes of a one-shot sync save of atoms `metas`: ONE_SHOT_STAGING_BYTES, or room for two of its
+    largest chunk objects."""
+    return max(ONE_SHOT_STAGING_BYTES, 2 * max((m.object_bytes for m in metas), default=0))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from .devices import on_host
 from .errors import StateError
 from .families import family_for
 from .format import AtomMeta, StepManifest
-from .pipeline import ChunkJob, SavePipeline, SavePlan
+from .pipeline import ChunkJob, SavePipeline, SavePlan, one_shot_staging
 from .reshard import LocalTensor, Transfer, chunk_write_plan, local_plan, local_tensor, owned_pieces, piece_view
 from .session import SaveSession
 from .sharded_model import AtomKey, ShardedModel, atom_metas, quantised_dtypes
@@ -245,7 +245,8 @@ def save_sharded(
     options = options or SaveOptions()
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
     plan = plan_sharded_save(local_state, storage, step=step, model=model, comm=comm, extra=extra, options=options)
-    pipeline = SavePipeline(io_threads_for(options, storage), writer="threads")  # (a sync save needs no process)
+    staging = one_shot_staging([c.meta for c in plan.chunks])  # (a sync save stages only what is on a device)
+    pipeline = SavePipeline(io_threads_for(options, storage), staging, writer="threads")
     try:
         return pipeline.submit(plan, "sync").result()
     finally:
@@ -276,7 +277,8 @@ class VirtualWorld:
         savers = [RankSaver(s, model, r, options) for r, s in enumerate(local_states)]
         outgoing = [s.outgoing() for s in savers]
         manifest, extra_chunks = manifest_for(model, savers[0].metas, extra or {}, step, options.chunking)
-        pipeline = SavePipeline(io_threads_for(options, storage), writer="threads")
+        staging = one_shot_staging(list(savers[0].metas.values()))
+        pipeline = SavePipeline(io_threads_for(options, storage), staging, writer="threads")
         try:
             with SaveSession.begin(storage, step) as session:  # one attempt for all ranks, removed if any fails
                 for rank, saver in enumerate(savers):
