@@ -28,6 +28,7 @@ from .format import (
     AtomMeta,
     ObjectSum,
     StepManifest,
+    chunk_indices,
     is_attempt_dirname,
     loads,
     parse_step_dirname,
@@ -338,7 +339,19 @@ class CheckpointReader:
         place = load_device(device)
         out = {m.path: allocate(m, device=place) for m in metas}
         with open_landing(out.values(), metas) as landing:
-            self.run_reads([r for m in metas for r in self.region_reads(m, full_box(m.shape), out[m.path], landing)])
+            self.run_reads(
+                [
+                    ObjectCall(
+                        functools.partial(self.read_chunk_into, m, i, out[m.path])
+                        if landing is None  # (whole chunks straight into host memory: the least work per object)
+                        else functools.partial(self.read_region, m, i, full_box(m.shape), out[m.path], landing),
+                        m.object_bytes,
+                        self.object_key(m, i),
+                    )
+                    for m in metas
+                    for i in chunk_indices(m.grid)
+                ]
+            )
         return out
 
     def load_state(self, *, device: torch.device | str | None = None) -> dict[str, Any]:

@@ -113,9 +113,13 @@ def load_sharded(
                 jobs += reads
                 finishes.append(finish)
                 bytes_needed += nbytes
-    with open_landing([view for _, _, view in regions], [meta for meta, _, _ in regions]) as landing:
+    # (only a load given a device or tensors of the caller's can land anywhere but in host memory)
+    off_host = [view for _, _, view in regions if not on_host(view)] if device is not None or into is not None else []
+    with open_landing(
+        off_host, [meta for meta, _, view in regions if not on_host(view)] if off_host else []
+    ) as landing:
         for meta, box, view in regions:
-            jobs += reader.region_reads(meta, box, view, None if on_host(view) else landing)
+            jobs += reader.region_reads(meta, box, view, landing if off_host and not on_host(view) else None)
         read = reader.run_reads(jobs)
     for finish in finishes:
         finish()
