@@ -20,12 +20,15 @@ context because of ucp).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 
 import torch
 
 from .errors import StateError, UcpError
+
+log = logging.getLogger("ucp")
 
 # cudaHostRegisterPortable: the memory counts as page-locked for every device, not only the current one
 _PORTABLE = 1
@@ -65,7 +68,10 @@ def page_lock(memory: torch.Tensor) -> None:
 
 
 def page_unlock(memory: torch.Tensor) -> None:
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(memory.data_ptr()))
+    """Undo `page_lock` (best effort: at the process's exit CUDA may be gone already, and the memory goes anyway)."""
+    error = torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
+    if error != torch.cuda.cudart().cudaError.success:
+        log.debug("cudaHostUnregister of staging memory: %s", error)
 
 
 def _index(device: torch.device) -> int:
