@@ -2,13 +2,16 @@
 # The GPU check: ucp's `gpu` tests and the GPU benchmark on a machine with one (or more) CUDA GPUs, in under 8 minutes.
 #
 #   scripts/gpu_check.sh [--wheels DIR] [--size 6GiB] [--repeats 2] [--quick] [--device cpu]
+#                        [--tests-timeout 250] [--bench-budget 150]
 #
+# The time: the tests are stopped after --tests-timeout seconds, the benchmark stops measuring after --bench-budget
+# (and is stopped 70 s later): about 6 minutes in all expected, 8 at the most.
 # (--device cpu: a smoke run of this script on a machine without a GPU: the gpu tests skip, the figures mean nothing.)
 # Needs a Python whose torch sees a GPU (torch with CUDA installed there). The project is used from this checkout
 # (PYTHONPATH), not installed. Whatever else it needs and the Python lacks (zarr, crc32c, s3fs, safetensors, pytest,
 # ...) is installed from a directory of wheels when one is given (--wheels DIR, or UCP_WHEELS, or ./wheels or
 # shared/wheels where present), without the network: `pip download -d wheels ".[test]"` on a machine that has it
-# makes one (kvikio too, `pip download -d wheels kvikio-cu12`, to have it measured). Writes to $OUT (default
+# makes one (kvikio too, `pip download -d wheels kvikio-cu13` or -cu12 as torch's CUDA, to have it measured). Writes to $OUT (default
 # ./gpu-check): gpu-tests.xml and gpu-tests.log (pytest), bench-gpu.json and bench-gpu.txt (python -m bench_io gpu),
 # collectives.json (with two or more GPUs: NCCL), and gpu-check.json, a summary of it all; prints the summary.
 set -uo pipefail
@@ -29,6 +32,8 @@ while [ $# -gt 0 ]; do
         --repeats) repeats=$2; shift 2 ;;
         --quick) size=512MiB; repeats=1; shift ;;
         --device) device=$2; shift 2 ;;
+        --tests-timeout) tests_timeout=$2; shift 2 ;;
+        --bench-budget) bench_budget=$2; bench_timeout=$(( $2 + 70 )); shift 2 ;;
         *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
     esac
 done
