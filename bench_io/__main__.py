@@ -277,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import collectives
 
         return collectives.main(argv[1:])
+    if argv[:1] == ["gpu"]:
+        from . import gpu
+
+        return gpu.main(argv[1:])
     args = build_parser().parse_args(argv)
     refuse_inapplicable(args, RULES, _targets)
     from ucp.checkpoint import DEFAULT_IO_THREADS

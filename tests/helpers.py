@@ -26,8 +26,8 @@ def assert_same_state(a: Any, b: Any, path: str = "state") -> None:
             f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
         )
         assert b.is_contiguous(), f"{path}: loaded tensor is not contiguous"
-        assert bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy()) == bytes(
-            b.reshape(-1).view(torch.uint8).numpy()
+        assert bytes(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()) == bytes(
+            b.cpu().reshape(-1).view(torch.uint8).numpy()
         ), f"{path}: bytes differ"
     elif isinstance(a, dict):
         assert isinstance(b, dict) and list(a) == list(b), (

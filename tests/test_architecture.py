@@ -8,11 +8,11 @@ from pathlib import Path
 
 UCP = Path(__file__).resolve().parents[1] / "ucp"
 LAYERS = {
-    0: {"errors", "boxes", "chunking", "workpool", "heap", "dtypes", "zarr_bfloat16"},
+    0: {"errors", "boxes", "chunking", "workpool", "heap", "dtypes", "zarr_bfloat16", "devices"},
     1: {"format", "tree"},
     2: {"storage"},
     3: {"codec", "commit", "attempt", "comm", "session"},
-    4: {"staging", "writer_process", "pipeline", "checkpoint", "inspection"},
+    4: {"staging", "landing", "writer_process", "pipeline", "checkpoint", "inspection"},
     5: {"layout", "partition", "quantization", "families", "reshard"},
     6: {"sharded_model", "sharded_save", "sharded_load", "distributed", "tiers"},
     7: {"manager", "training_state", "demo", "interop", "cli", "__init__", "__main__"},

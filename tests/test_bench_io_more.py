@@ -145,3 +145,17 @@ def test_coldstart_floor_reads_every_chunk_object_of_the_model_and_nothing_else(
     assert sorted(str(f.relative_to(url)) for f in files) == sorted(wanted)
     for threads in (1, rng.randint(2, 8)):
         assert raw_read(files, threads)() == sum(f.stat().st_size for f in files)
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
+    """`bench_io gpu --device cpu`, the benchmark's own smoke test (scripts/gpu_check.sh runs it on a GPU): every
+    method runs, every load is the state, the medians and the floors are in the JSON."""
+    out = tmp_path / "gpu.json"
+    args = ["gpu", "--device", "cpu", "--size", "8MiB", "--tensors", "2", "--repeats", "1", "--dirs", str(tmp_path)]
+    proc = _run([*args, "--trainer-steps", "0", "--json", str(out)])
+    assert "| load | ucp |" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert all(r["ok"] for r in doc["rows"]), [r for r in doc["rows"] if not r["ok"]]
+    medians = {(m["phase"], m["method"]) for m in doc["medians"]}
+    assert {("save", "floor"), ("save", "ucp-async-first"), ("load", "floor"), ("load", "ucp")} <= medians
+    assert {("save", "dcp-async"), ("load", "safetensors"), ("load", "torch"), ("load", "pinned-raw")} <= medians

@@ -181,7 +181,7 @@ def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_pa
     dimensions, into whole tensors and into regions of larger ones; a damaged or swapped inner chunk is refused by
     name."""
     from ucp.errors import IntegrityError
-    from ucp.sharded_load import _read_region
+    from ucp.landing import Landing
 
     seed = random.randrange(2**32)
     rng = random.Random(seed)
@@ -209,7 +209,16 @@ def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_pa
     view = out[tuple(slice(m, m + n) for m, n in zip(margin, shape))]
     full = tuple((0, n) for n in shape)
     for index in chunk_indices(meta.grid):
-        _read_region(reader, meta, index, full, view)
+        reader.read_region(meta, index, full, view)
+    assert torch.equal(view, t), case
+    assert torch.count_nonzero(out) == torch.count_nonzero(view), f"{case}: written outside its region"
+
+    # the same through a Landing (the load path to a device), with host memory as the destination: each object read
+    # and verified in a slot of its pool (room for about two), then copied into the region
+    out.zero_()
+    with Landing(2 * meta.object_bytes, pinned=False) as landing:
+        for index in chunk_indices(meta.grid):
+            reader.read_region(meta, index, full, view, landing)
     assert torch.equal(view, t), case
     assert torch.count_nonzero(out) == torch.count_nonzero(view), f"{case}: written outside its region"
 

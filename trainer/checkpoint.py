@@ -70,6 +70,8 @@ class Checkpointer:
             local_keep=cfg.checkpoint.local_keep,
             durable_every=cfg.checkpoint.durable_every,
         )
+        # The staging memory of the saves (page-locked on a GPU) is made now, not inside the first save.
+        self.manager.prepare(trainer.local_state(), self.model, extra=self.extra(0))
         self.pending: SaveHandle | None = None  # lazy mode: a snapshot that may still read the tensors
 
     def restore(self) -> Resumed | None:
@@ -79,14 +81,16 @@ class Checkpointer:
             return None
         t = self.trainer
         start = time.perf_counter()
-        # Read straight into the trainer's own tensors (memory it has touched fills several times faster than new
-        # memory, and no copy follows), but not a mixed-precision run's parameters: its masters may have to be made
-        # from the saved full-precision weights, which the bf16 parameters cannot hold.
+        # Read straight into the trainer's own tensors, on its device (memory it has touched fills several times faster
+        # than new memory, and no copy follows), but not a mixed-precision run's parameters: its masters may have to
+        # be made from the saved full-precision weights, which the bf16 parameters cannot hold.
         into = t.local_state()
         if t.optimizer.mixed:
             into = {"optimizer": into["optimizer"]}
         try:
-            local, extra, report = self.manager.restore_sharded(self.restore_model, t.mesh.rank, into=into)
+            local, extra, report = self.manager.restore_sharded(
+                self.restore_model, t.mesh.rank, into=into, device=t.device
+            )
         except CheckpointNotFoundError:
             return None  # (every rank sees the same: the choice of step is shared)
         local["optimizer"]["step"] = extra["optimizer_step"]
@@ -115,8 +119,21 @@ class Checkpointer:
         if not last and not (self.interval and step % self.interval == 0):
             return None
         start = time.perf_counter()
+        handle = self.manager.save_sharded(step, self.trainer.local_state(), self.model, extra=self.extra(step))
+        if handle.mode == "lazy":
+            self.pending = handle
+        return {
+            "event": "checkpoint",
+            "step": step,
+            "mode": handle.mode,
+            "blocking_s": handle.blocking_s,
+            "call_s": time.perf_counter() - start,
+        }
+
+    def extra(self, step: int) -> dict[str, Any]:
+        """The extra state a save of `step` carries."""
         t = self.trainer
-        extra = {
+        return {
             "step": step,
             "layout": str(t.mesh.layout),
             "data": t.data.state_dict(),
@@ -136,16 +153,6 @@ class Checkpointer:
                 "initializer_range": self.cfg.model.init_std,
             },
             "rng": rng_state(),
-        }
-        handle = self.manager.save_sharded(step, t.local_state(), self.model, extra=extra)
-        if handle.mode == "lazy":
-            self.pending = handle
-        return {
-            "event": "checkpoint",
-            "step": step,
-            "mode": handle.mode,
-            "blocking_s": handle.blocking_s,
-            "call_s": time.perf_counter() - start,
         }
 
     def abandon(self) -> None:

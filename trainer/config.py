@@ -17,6 +17,8 @@ import yaml
 
 FAMILIES = ("mixtral", "llama")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.precision: the parameters' dtype
+DEVICES = ("auto", "cpu", "cuda")  # train.device
+BACKENDS = ("auto", "nccl", "gloo")  # train.backend
 
 
 @dataclass
@@ -101,10 +103,22 @@ class TrainConfig:
     # HOST:PORT of a store that outlives any node the job can lose (torchrun's --rdzv-endpoint): after a lost peer
     # the survivors re-form the job in place instead of exiting for a restart (trainer/regroup.py). None: exit.
     regroup_store: str | None = None
+    # Where each rank trains and what carries its collectives (trainer/train.py `placement`). "auto": a GPU of its own
+    # (LOCAL_RANK's) with NCCL where the node has one per local rank, else the CPU with gloo. backend "gloo" on a GPU
+    # machine: CUDA tensors whose collectives go through host memory, so that several ranks can share one GPU (any
+    # TP/PP/EP layout on a one-GPU machine); device "cpu": train on the CPU even where there are GPUs.
+    device: str = "auto"
+    backend: str = "auto"
+    # torch.use_deterministic_algorithms: GPU runs repeat bit for bit (CPU runs do anyway), at some cost in speed
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"train.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"train.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -29,6 +29,8 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from ucp import commit
 from ucp.checkpoint import CheckpointReader
 from ucp.inspection import describe, format_table
@@ -94,12 +96,16 @@ def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> None:
     def node_dir(name: str) -> Path:
         return run_dir / f"node-{name}-shm"
 
+    # On a GPU machine the ranks train on its GPUs with gloo: the two simulated nodes' ranks share the GPUs, which
+    # NCCL (a GPU per rank) cannot do.
+    devices = ("--set", "train.backend=gloo") if torch.cuda.is_available() else ()
     argv = trainer_argv(
         CONFIG,
         args.layouts,
         args.steps,
         run_dir / "metrics.jsonl",
         *("--ckpt", ckpt, "--save-interval", str(args.save_interval), "--durable-every", str(args.durable_every)),
+        *devices,
     )
     job = elastic.Job(
         argv,

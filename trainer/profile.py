@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .parallel import collectives
+
 PHASES = ("data", "forward", "backward", "pipeline_wait", "optimizer", "checkpoint")
 
 
@@ -49,7 +51,7 @@ class StepProfile:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rows = [torch.empty_like(local) for _ in range(world)]
         if world > 1:
-            dist.all_gather(rows, local)
+            collectives.all_gather(rows, local)
         else:
             rows = [local]
         out = []

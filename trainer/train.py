@@ -11,6 +11,11 @@ token of the global batch, identical in every layout.
 With `--ckpt URL` the run resumes from the latest committed step under URL (in whatever layout saved it) and
 saves every `--save-interval` steps and at the last step (trainer/checkpoint.py).
 
+Each rank trains on a GPU of its own with NCCL where the node has one per local rank, else on the CPU with gloo;
+`--set train.backend=gloo` on a GPU machine keeps CUDA tensors but sends collectives through host memory, so that
+ranks can share a GPU (`placement`). With NCCL a ring of TCP connections notices a dead peer, which NCCL would wait
+for, and aborts the survivors' communicators (trainer/peerwatch.py).
+
 Under torchrun's elastic agent the same command runs unchanged: `--layout tp2pp2,tp2pp1,tp1pp1` lists the layouts
 the job may take, and each (re)start takes the first whose world size is WORLD_SIZE. A peer that dies fails the
 step at once (its connections reset) and a hung one within `train.collective_timeout_s`. With `--regroup-store` the
@@ -38,14 +43,16 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import Checkpointer
-from .config import Config, load_config
+from .config import Config, TrainConfig, load_config
 from .corpus import DEFAULT_DIR, ensure_corpus
 from .data import PretrainTokens, SyntheticTokens, TokenSource
 from .model import DecoderStage, StageSpec, is_expert_param
+from .parallel import collectives
 from .parallel.data import DistributedAdamW
 from .parallel.mesh import Layout, Mesh, parse_layout
 from .parallel.pipeline import P2P, StageOutput, interleaved_one_f_one_b, one_f_one_b, split_layers
 from .parallel.tensor import vocab_parallel_cross_entropy
+from .peerwatch import PeerWatch, abort_collectives, reachable_address
 from .profile import StepProfile
 from .regroup import Regroup, incarnation
 from .weights import init_from_seed
@@ -114,6 +121,13 @@ class Trainer:
         shape = (d.micro_batch_size, d.seq_len, m.hidden_size)
         self.p2p = P2P(mesh, shape, cfg.train.dtype, device, ring=layout.vpp > 1)
         self.profile = StepProfile()  # this rank's phases of the current step (reset by train_step)
+        self.peer_watch: PeerWatch | None = None  # (NCCL: build_trainer starts one)
+
+    def close(self) -> None:
+        """Stop watching the peers (a rank that ends, or re-forms the job, must not be taken for a dead one)."""
+        if self.peer_watch is not None:
+            self.peer_watch.stop()
+            self.peer_watch = None
 
     def local_state(self) -> dict:
         """This rank's model and optimizer state in the form of docs/LOCAL_STATE.md (live tensors, not copies)."""
@@ -173,7 +187,7 @@ class Trainer:
         if self.mesh.coords.tp != 0:
             tally.zero_()
         if dist.get_world_size() > 1:
-            dist.all_reduce(tally)
+            collectives.all_reduce(tally)
         self.profile.step_s = time.perf_counter() - start
         return StepMetrics(
             step=step,
@@ -256,17 +270,40 @@ def build_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
-def init_distributed(timeout_s: float, group: tuple[int, int, dist.Store] | None = None) -> torch.device:
+def placement(train: TrainConfig, local_rank: int, local_world: int, gpus: int) -> tuple[torch.device, str]:
+    """The device this rank trains on and the backend of its collectives, from `train.device` and `train.backend`
+    (trainer/config.py), its LOCAL_RANK, the node's process count and the GPUs it sees."""
+    device, backend = train.device, train.backend
+    if device == "auto":  # the GPUs where there are any and a backend is asked for, or one per local rank
+        device = "cuda" if gpus and (backend != "auto" or local_world <= gpus) else "cpu"
+    if device == "cpu":
+        if backend == "nccl":
+            raise ValueError("train.backend=nccl needs GPUs (train.device=cuda); on the CPU it is gloo")
+        return torch.device("cpu"), "gloo"
+    if not gpus:
+        raise ValueError("train.device=cuda, but torch sees no GPU")
+    backend = "nccl" if backend == "auto" else backend
+    if backend == "nccl" and local_world > gpus:
+        raise ValueError(
+            f"{local_world} ranks on this node but {gpus} GPUs: NCCL needs a GPU per rank "
+            "(train.backend=gloo lets ranks share GPUs)"
+        )
+    return torch.device("cuda", local_rank % gpus), backend
+
+
+def init_distributed(train: TrainConfig, group: tuple[int, int, dist.Store] | None = None) -> tuple[torch.device, str]:
     """Join the process group torchrun describes, or `group` (rank, world size, store: a re-formed job), or a
-    group of one without torchrun; gloo on CPU, NCCL on GPU. Every group made later (the checkpoint's included)
-    inherits `timeout_s`."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    group of one without torchrun, on this rank's device and backend (`placement`). Every group made later (the
+    checkpoint's included) inherits `train.collective_timeout_s`."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device, backend = placement(train, int(os.environ.get("LOCAL_RANK", "0")), local_world, gpus)
+    if train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS repeats bit for bit only with it)
+        torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=train.collective_timeout_s)
     if group is not None:
         rank, world_size, store = group
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -274,7 +311,22 @@ def init_distributed(timeout_s: float, group: tuple[int, int, dist.Store] | None
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return device
+    return device, backend
+
+
+def watch_peers() -> PeerWatch:
+    """Join the ring that aborts this rank's NCCL collectives when a peer dies (trainer/peerwatch.py); every rank
+    calls it together, once the process group is formed."""
+    token = [os.urandom(8).hex() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token)  # (a key of the store no earlier ring used)
+    return PeerWatch(
+        dist.distributed_c10d._get_default_store(),
+        f"ucp/peerwatch/{token[0]}",
+        dist.get_rank(),
+        dist.get_world_size(),
+        reachable_address(os.environ.get("MASTER_ADDR", "127.0.0.1")),
+        abort_collectives,
+    )
 
 
 def choose_layout(layouts: str, world_size: int) -> Layout:
@@ -290,13 +342,16 @@ def choose_layout(layouts: str, world_size: int) -> Layout:
 def build_trainer(cfg: Config, group: tuple[int, int, dist.Store] | None = None) -> Trainer:
     """Join the process group (torchrun's, or `group`: see init_distributed) and build this rank's trainer
     (weights initialized from the seed)."""
-    device = init_distributed(cfg.train.collective_timeout_s, group)
+    device, backend = init_distributed(cfg.train, group)
     layout = choose_layout(cfg.train.layout, dist.get_world_size())
     mesh = Mesh(layout, dist.get_rank())
     if cfg.data.source == "pretrain" and cfg.data.path is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         ensure_corpus()  # the built-in corpus, prepared once per machine (the barrier makes the others wait)
     dist.barrier()  # every communicator exists before the first send/recv (NCCL wants that)
-    return Trainer(cfg, mesh, device)
+    trainer = Trainer(cfg, mesh, device)
+    if backend == "nccl" and dist.get_world_size() > 1:
+        trainer.peer_watch = watch_peers()
+    return trainer
 
 
 def train(trainer: Trainer, started: float | None = None, regrouped: int = 0) -> None:
@@ -423,6 +478,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> None:
         while True:
             try:
                 train(trainer, started, regroup.generation if regroup else 0)
+                trainer.close()
                 return
             except Exception:
                 if regroup is None:
@@ -434,8 +490,10 @@ def main(argv: list[str] | None = None, started: float | None = None) -> None:
             # rather than at its collective timeout (measured: at once, against the whole timeout with a reference left).
             started = time.perf_counter()
             faulthandler.dump_traceback_later(10)  # a regroup that hangs says where
+            trainer.close()
             del trainer
-            dist.destroy_process_group()
+            if dist.is_initialized():  # (not after the peer watch aborted the groups: they are gone)
+                dist.destroy_process_group()
             gc.collect()
             group = regroup.survivors()  # (a RegroupError ends the process: the agent restarts it)
             faulthandler.cancel_dump_traceback_later()

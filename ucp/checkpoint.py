@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from . import __version__, codec, commit, dtypes, tree
+from .boxes import Box, full_box, intersect, relative, to_slices
 from .chunking import ChunkingPolicy, choose_chunks
+from .devices import load_device, on_host
 from .errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
 from .format import (
     MAX_DOCUMENT_BYTES,
@@ -32,7 +34,8 @@ from .format import (
     loads,
     parse_step_dirname,
 )
-from .pipeline import ChunkJob, SavePipeline, SavePlan
+from .landing import Landing, open_landing
+from .pipeline import ChunkJob, SavePipeline, SavePlan, one_shot_staging
 from .session import SaveSession
 from .storage import Storage, open_storage
 from .workpool import ObjectCall, run_sized
@@ -153,7 +156,8 @@ def plan_save(
     """The plan of a single-process save: every atom and chunk, then the commit. Bad states are refused here,
     before anything is written."""
     json_tree, tensors = tree.flatten(state)
-    tensors = {p: t.detach() if t.is_cuda else t.detach().contiguous() for p, t in tensors.items()}
+    # (a tensor on a device is copied to staging memory whatever its strides: no copy of it is made here)
+    tensors = {p: t.detach().contiguous() if on_host(t) else t.detach() for p, t in tensors.items()}
     metas = plan_atoms(tensors, options.chunking, atom_attributes)
     step = next_step(storage) if step is None else check_step(step)
     manifest = StepManifest(
@@ -187,11 +191,11 @@ def save(
     """
     options = options or SaveOptions()
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
-    pipeline = SavePipeline(io_threads_for(options, storage))
+    plan = plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes)
+    # (a sync save needs no writer process; it stages only what is on a device)
+    pipeline = SavePipeline(io_threads_for(options, storage), one_shot_staging(plan.metadata), writer="threads")
     try:
-        record = pipeline.submit(
-            plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes), "sync"
-        ).result()
+        record = pipeline.submit(plan, "sync").result()
     finally:
         pipeline.close()
     assert record is not None
@@ -302,29 +306,74 @@ class CheckpointReader:
         return missing
 
     def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
-        """Read, verify and decode one stored object into `out` (the full atom's tensor)."""
+        """Read, verify and decode one stored object into `out` (the full atom's tensor, in host memory)."""
         self.read_object(meta, index, codec.full_region(out))
 
-    def read_atoms(self, paths: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Read whole atoms, every chunk verified; many objects in flight.
+    def read_region(
+        self, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor, landing: Landing | None = None
+    ) -> None:
+        """Read the part of chunk object `index` that falls in region `box` of the atom into `view` (shaped like
+        `box`): straight into it, or, for a `view` on a device, through `landing` (the load path to a device: read and
+        verified in page-locked host memory, then copied asynchronously)."""
+        if landing is None:
+            assert on_host(view), "a read into a device's memory goes through a Landing"
+            self.read_object(meta, index, codec.region(box, view))
+            return
+        part = intersect(meta.chunk_box(index), box)
+        if part is not None:
+            target = view[to_slices(relative(part, box))]
+            landing.land(target, lambda host: self.read_object(meta, index, codec.region(part, host)))
+
+    def region_reads(
+        self, meta: AtomMeta, box: Box, view: torch.Tensor, landing: Landing | None = None
+    ) -> list[ObjectCall]:
+        """The reads that fill `view` (shaped like `box`, in the atom's stored dtype) with region `box` of an atom, one
+        per chunk object it overlaps (`read_region`; `landing` for a `view` on a device); run them in any order, at
+        once."""
+        return [
+            ObjectCall(
+                functools.partial(self.read_region, meta, i, box, view, landing),
+                meta.object_bytes,
+                self.object_key(meta, i),
+            )
+            for i in chunks_touching(meta, box)
+        ]
+
+    def run_reads(self, reads: list[ObjectCall]) -> int:
+        """Run object reads, many in flight; returns the bytes read from storage."""
+        before = self.storage.stats.bytes_read
+        with cf.ThreadPoolExecutor(self.io_threads) as pool:
+            run_sized(pool, reads, self.storage.serial_small_objects(writing=False), self.storage.prefetching)
+        return self.storage.stats.bytes_read - before
+
+    def read_atoms(self, paths: Iterable[str], *, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Read whole atoms, every chunk verified; many objects in flight. With `device` (e.g. "cuda") the tensors are
+        made there and the objects land in them through page-locked host memory (`ucp.landing`).
 
         Reads are planned from the committed manifest alone (its checksum is in the commit marker), so an atom's
         own zarr.json, which only other Zarr readers need, is not read here: `ucp verify` checks that it agrees."""
         metas = [self.atoms[p] for p in paths]
-        out = {m.path: allocate(m) for m in metas}
-        tasks = [
-            ObjectCall(
-                functools.partial(self.read_chunk_into, m, i, out[m.path]), m.object_bytes, self.object_key(m, i)
+        place = load_device(device)
+        out = {m.path: allocate(m, device=place) for m in metas}
+        with open_landing(out.values(), metas) as landing:
+            self.run_reads(
+                [
+                    ObjectCall(
+                        functools.partial(self.read_chunk_into, m, i, out[m.path])
+                        if landing is None  # (whole chunks straight into host memory: the least work per object)
+                        else functools.partial(self.read_region, m, i, full_box(m.shape), out[m.path], landing),
+                        m.object_bytes,
+                        self.object_key(m, i),
+                    )
+                    for m in metas
+                    for i in chunk_indices(m.grid)
+                ]
             )
-            for m in metas
-            for i in chunk_indices(m.grid)
-        ]
-        with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            run_sized(pool, tasks, self.storage.serial_small_objects(writing=False), self.storage.prefetching)
         return out
 
-    def load_state(self) -> dict[str, Any]:
-        return tree.unflatten(self.manifest.tree, self.read_atoms(tree.tree_atoms(self.manifest.tree)))
+    def load_state(self, *, device: torch.device | str | None = None) -> dict[str, Any]:
+        """The step's state as it was saved; its tensors on `device` (default: host memory)."""
+        return tree.unflatten(self.manifest.tree, self.read_atoms(tree.tree_atoms(self.manifest.tree), device=device))
 
     def total_bytes(self) -> int:
         return sum(m.nbytes for m in self.atoms.values())
@@ -333,13 +382,24 @@ class CheckpointReader:
         return sum(math.prod(m.grid) for m in self.atoms.values())
 
 
-def allocate(meta: AtomMeta, *, zero: bool = False) -> torch.Tensor:
-    """The tensor an atom is read into; a size the machine cannot give is a StateError naming the atom."""
+def chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
+    """The grid indices of the chunk objects of `meta` that region `box` overlaps."""
+    ranges = [range(a // c, (b - 1) // c + 1) if b > a else range(0) for (a, b), c in zip(box, meta.chunk_shape)]
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*prefix, i) for prefix in out for i in r]
+    return out
+
+
+def allocate(meta: AtomMeta, *, zero: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
+    """The tensor an atom is read into (on `device`, default host memory); a size the machine (or the device)
+    cannot give is a StateError naming the atom."""
     try:
         make = torch.zeros if zero else torch.empty
-        return make(meta.shape, dtype=dtypes.torch_dtype(meta.dtype))
+        return make(meta.shape, dtype=dtypes.torch_dtype(meta.dtype), device=device)
     except (RuntimeError, MemoryError) as e:
-        raise StateError(f"cannot allocate {meta.nbytes} bytes for atom {meta.path!r}: {e}") from None
+        where = f" on {device}" if device is not None else ""
+        raise StateError(f"cannot allocate {meta.nbytes} bytes{where} for atom {meta.path!r}: {e}") from None
 
 
 def open_checkpoint(
@@ -356,7 +416,12 @@ def open_checkpoint(
 
 
 def load(
-    url: str, *, step: int | str | None = "latest", storage_options: dict[str, Any] | None = None
+    url: str,
+    *,
+    step: int | str | None = "latest",
+    storage_options: dict[str, Any] | None = None,
+    device: torch.device | str | None = None,
 ) -> dict[str, Any]:
-    """Load a committed step as the nested dict it was saved from (tensors on CPU, bitwise identical)."""
-    return open_checkpoint(url, step, storage_options=storage_options).load_state()
+    """Load a committed step as the nested dict it was saved from, bitwise identical: its tensors in host memory, or
+    on `device` (e.g. "cuda", "cuda:1"), where they land straight from page-locked read buffers."""
+    return open_checkpoint(url, step, storage_options=storage_options).load_state(device=device)

@@ -25,7 +25,7 @@ import crc32c
 import torch
 
 from . import dtypes
-from .boxes import Box, to_slices
+from .boxes import Box, intersect, relative, to_slices
 from .errors import IntegrityError, ObjectMissingError
 from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, ObjectSum, chunk_indices
 from .storage import Storage, scatter_into
@@ -260,6 +260,19 @@ DestFn = Callable[[Box], "tuple[torch.Tensor, tuple[int, ...]] | None"]
 def full_region(out: torch.Tensor) -> DestFn:
     """Destination callback for reading whole atoms into `out`: every stored chunk is wanted whole."""
     return lambda box: (out[to_slices(box)], tuple(0 for _ in box))
+
+
+def region(box: Box, view: torch.Tensor) -> DestFn:
+    """Destination callback for reading region `box` of an atom into `view` (shaped like `box`): of each stored chunk
+    the part inside `box`."""
+
+    def dest_for(chunk_box: Box) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        part = intersect(chunk_box, box)
+        if part is None:
+            return None
+        return view[to_slices(relative(part, box))], tuple(a - c for (a, _), (c, _) in zip(part, chunk_box))
+
+    return dest_for
 
 
 def read_object(

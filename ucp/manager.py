@@ -6,15 +6,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Self
 
-from . import attempt, commit
-from .checkpoint import CheckpointReader, SaveOptions, io_threads_for, plan_save
+import torch
+
+from . import attempt, commit, tree
+from .checkpoint import CheckpointReader, SaveOptions, chunk_jobs, io_threads_for, plan_atoms, plan_save
 from .comm import Comm
 from .commit import CommitRecord
+from .devices import on_host
 from .errors import StateError
 from .pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
 from .sharded_load import LoadReport, load_sharded
 from .sharded_model import ShardedModel, extra_state
-from .sharded_save import plan_sharded_save
+from .sharded_save import RankSaver, extra_atoms, plan_sharded_save
 from .storage import Storage, open_storage
 from .tiers import HotTier, RestoreReport
 
@@ -40,6 +43,10 @@ class CheckpointManager:
     node keeps `local_keep` hot steps. `restore_sharded` takes the newest step that the surviving nodes hold
     between them or that `root_url` holds, reading over the process group what other nodes hold; what it read
     from where is in `last_restore`. Every rank of the job must pass a `local_dir` (its node's).
+
+    On GPUs: saves take tensors on any device (copied to page-locked staging memory on a side stream, the caller's
+    stream waiting for the copies); `prepare` makes that memory before the first save; restores land on a device
+    (`device=`, or the job's own CUDA tensors as `into`).
     """
 
     def __init__(
@@ -131,6 +138,34 @@ class CheckpointManager:
         )
         return self._submit(plan, mode)
 
+    def prepare(
+        self,
+        state: Mapping[str, Any],
+        model: ShardedModel | None = None,
+        *,
+        extra: dict[str, Any] | None = None,
+        mode: Mode | None = None,
+    ) -> int:
+        """Make the staging memory that saves of `state` need now (page-locked where the process uses CUDA), and start
+        the writer process, so that the first save spends its blocking time on the snapshot alone. `state` is what
+        `save` takes or, with `model`, this rank's local state as `save_sharded` takes it (with its `extra`, for rank
+        0). Only what a save in `mode` (default: the manager's) copies counts: a sync save copies only tensors on a
+        device. Returns the bytes of staging memory the manager holds."""
+        self._check_open()
+        staged = (mode or self.mode) != "sync"
+        if model is None:
+            tensors = tree.flatten(dict(state))[1]
+            values = [job.source() for job in chunk_jobs(plan_atoms(tensors, self.options.chunking), tensors)]
+            sizes = [_nbytes(v) for v in values if staged or not on_host(v)]
+        else:
+            rank = self.comm.rank if self.comm is not None else 0
+            saver = RankSaver(state, model, rank, self.options)
+            sizes = saver.chunk_nbytes() if staged or not saver.on_host else []
+            if rank == 0 and extra:
+                sizes += [_nbytes(job.source()) for job in extra_atoms(extra, self.options.chunking)[2]]
+        self.pipeline.prepare(sizes)
+        return self.pipeline.staging.allocated_bytes
+
     def _check_open(self) -> None:
         if self._stopped is not None:
             raise StateError(f"the manager of {self.root_url} was {self._stopped}: saves need a new CheckpointManager")
@@ -186,13 +221,15 @@ class CheckpointManager:
     def reader(self, step: int | str | None = "latest") -> CheckpointReader:
         return CheckpointReader(self.storage, step, io_threads=self.options.io_threads)
 
-    def restore(self, step: int | str | None = "latest") -> dict[str, Any]:
-        """The state of a committed step ('latest' or None: the newest; with a hot tier, of either tier)."""
+    def restore(self, step: int | str | None = "latest", *, device: torch.device | str | None = None) -> dict[str, Any]:
+        """The state of a committed step ('latest' or None: the newest; with a hot tier, of either tier), its tensors
+        on `device` (default: host memory)."""
         if self.hot is not None and step in ("latest", None):
             hot = commit.committed_steps(self.hot.storage)
             if hot and hot[-1] >= (self.latest_step() or -1):
-                return CheckpointReader(self.hot.storage, hot[-1], io_threads=self.options.io_threads).load_state()
-        return self.reader(step).load_state()
+                reader = CheckpointReader(self.hot.storage, hot[-1], io_threads=self.options.io_threads)
+                return reader.load_state(device=device)
+        return self.reader(step).load_state(device=device)
 
     def restore_sharded(
         self,
@@ -201,15 +238,17 @@ class CheckpointManager:
         step: int | str | None = "latest",
         *,
         into: Mapping[str, Any] | None = None,
+        device: torch.device | str | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any], LoadReport]:
         """This rank's local state in `model.layout` (whatever layout saved it), the extra state, and what was read;
-        `into`: the job's own tensors to fill in place (`load_sharded`). With a hot tier and step 'latest' every rank
-        calls it together (`ucp.tiers`); `last_restore` says what came from where."""
+        `into`: the job's own tensors to fill in place, on any device, and `device`: where the tensors `into` lacks are
+        made (`load_sharded`). With a hot tier and step 'latest' every rank calls it together (`ucp.tiers`);
+        `last_restore` says what came from where."""
         if self.hot is not None and step in ("latest", None):
-            local, extra, report, self.last_restore = self.hot.restore_sharded(model, self.storage, into)
+            local, extra, report, self.last_restore = self.hot.restore_sharded(model, self.storage, into, device)
             return local, extra, report
         reader = self.reader(step)
-        local, report = load_sharded(reader, model, rank, into=into)
+        local, report = load_sharded(reader, model, rank, into=into, device=device)
         self.last_restore = RestoreReport(reader.step, "durable", bytes_durable=report.bytes_read)
         return local, extra_state(reader), report
 
@@ -226,3 +265,7 @@ class CheckpointManager:
             return
         for step in self.steps()[: -self.keep_last]:
             commit.delete_step(self.storage, step)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -3,7 +3,6 @@ only the regions the rank needs, every read one stored object, many in flight.""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -13,15 +12,17 @@ from typing import Any
 import torch
 
 from . import dtypes
-from .boxes import Box, box_shape, intersect, relative, to_slices
-from .checkpoint import CheckpointReader
+from .boxes import Box, box_shape
+from .checkpoint import CheckpointReader, chunks_touching
+from .devices import load_device, on_host
 from .errors import FormatError, StateError
 from .families import canonical_atoms
 from .format import AtomMeta
+from .landing import open_landing
 from .quantization import FLOAT8, dequantize, scale_box, scale_shape
 from .reshard import LocalTensor, local_plan, local_tensor, piece_view, put_local
 from .sharded_model import ShardedModel, atom_path, check_atom, states_held
-from .workpool import ObjectCall, run_sized
+from .workpool import ObjectCall
 
 
 @dataclass
@@ -43,26 +44,30 @@ def load_sharded(
     *,
     dtype: torch.dtype | None = None,
     into: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[dict[str, Any], LoadReport]:
     """The local state of `rank` in `model.layout`, read straight from the atoms: only the regions this rank
     needs, many reads in flight, every inner chunk verified. Parameters are cast to `dtype` when given.
 
     `into`: a local state (the same nested keys) whose tensors are filled in place, as a job's own parameters
-    and optimizer state are by `load_state_dict`; the tensors it lacks are made. Memory a process already uses
-    fills several times faster than memory it has never touched (each new page is a fault), so a job that has
-    built its model loads fastest this way. A tensor of another shape is refused; of another dtype, cast. A load
-    that fails may have filled part of them.
+    and optimizer state are by `load_state_dict`, on whatever device they are; the tensors it lacks are made, on
+    `device` (default: host memory). Memory a process already uses fills several times faster than memory it has
+    never touched (each new page is a fault), so a job that has built its model loads fastest this way. A tensor of
+    another shape is refused; of another dtype, cast. A load that fails may have filled part of them. What lands on
+    a GPU is read and verified in page-locked host memory and copied asynchronously (`ucp.landing`).
 
     A block-quantised weight atom (docs/FORMAT.md section 2.1) of a model whose config has no such scales (its
     `weight_block_size` None: the model dequantised) is dequantised: each piece is read as stored with the scales of
     the blocks it falls in, two ranks sharing a block where a split does not fall on block edges, and its float32
     product rounded once into the local tensor (`dtype`, or its `into` tensor's; float32 when neither says), the
     same bits as `ucp.quantization.dequantize` gives those elements of the whole atom."""
+    device = load_device(device)
     model = states_held(model, reader.atoms)
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
     shapes = canonical_atoms(model.config)
     local: dict[str, Any] = {}
     jobs: list[ObjectCall] = []
+    regions: list[tuple[AtomMeta, Box, torch.Tensor]] = []  # read in the stored dtype, straight into the local tensor
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read in the stored dtype, the caller's tensor)
     made: list[LocalTensor] = []  # the local tensors not from `into`
     finishes: list[Callable[[], object]] = []  # once read: pieces read in another dtype, put into their local tensors
@@ -92,24 +97,30 @@ def load_sharded(
         if given is not None and given.dtype == stored:
             tensor = given if covered else given.zero_()  # padding: 0
         else:
-            tensor = torch.empty(lt.shape, dtype=stored) if covered else torch.zeros(lt.shape, dtype=stored)
+            place = given.device if given is not None else device
+            make = torch.empty if covered else torch.zeros
+            tensor = make(lt.shape, dtype=stored, device=place)
             if given is not None:
                 casts.append((tensor, given))
         put_local(local, lt.key, tensor if given is None else given)
         for p, meta, scales in zip(lt.pieces, metas, scaled):
             view = piece_view(tensor, p)
             if scales is None and dtypes.torch_dtype(meta.dtype) == stored:
-                jobs += region_reads(reader, meta, p.atom_box, view)
+                regions.append((meta, p.atom_box, view))
                 bytes_needed += p.numel * view.element_size()
             else:
                 reads, finish, nbytes = _converted_reads(reader, meta, p.atom_box, view, scales)
                 jobs += reads
                 finishes.append(finish)
                 bytes_needed += nbytes
-    with cf.ThreadPoolExecutor(reader.io_threads) as pool:
-        before = reader.storage.stats.bytes_read
-        run_sized(pool, jobs, reader.storage.serial_small_objects(writing=False), reader.storage.prefetching)
-        read = reader.storage.stats.bytes_read - before
+    # (only a load given a device or tensors of the caller's can land anywhere but in host memory)
+    off_host = [view for _, _, view in regions if not on_host(view)] if device is not None or into is not None else []
+    with open_landing(
+        off_host, [meta for meta, _, view in regions if not on_host(view)] if off_host else []
+    ) as landing:
+        for meta, box, view in regions:
+            jobs += reader.region_reads(meta, box, view, landing if off_host and not on_host(view) else None)
+        read = reader.run_reads(jobs)
     for finish in finishes:
         finish()
     for tensor, given in casts:
@@ -129,11 +140,12 @@ def _given(into: Mapping[str, Any] | None, lt: LocalTensor) -> torch.Tensor | No
     where = "/".join(lt.key)
     if not isinstance(node, torch.Tensor):
         raise StateError(f"cannot load into {where}: it is a {type(node).__name__}, not a tensor")
-    if tuple(node.shape) != lt.shape or node.device.type != "cpu":
+    if tuple(node.shape) != lt.shape:
         raise StateError(
-            f"cannot load into {where}: it is a {node.device.type} tensor of shape {list(node.shape)}, the layout's "
-            f"local tensor is a cpu tensor of shape {list(lt.shape)}"
+            f"cannot load into {where}: it has shape {list(node.shape)}, the layout's local tensor {list(lt.shape)}"
         )
+    if node.device.type == "meta":
+        raise StateError(f"cannot load into {where}: it is on the meta device, which holds no values")
     return node
 
 
@@ -147,11 +159,11 @@ def needed_objects(atoms: Mapping[str, AtomMeta], model: ShardedModel, rank: int
         for p in lt.pieces:
             meta = atoms.get(atom_path(p.atom, lt.state))
             if meta is not None:
-                out.update((meta.path, index) for index in _chunks_touching(meta, p.atom_box))
+                out.update((meta.path, index) for index in chunks_touching(meta, p.atom_box))
                 scales = dequantised(atoms, meta, shapes)
                 if scales is not None:
                     box = scale_box(p.atom_box, scales[1])
-                    out.update((scales[0].path, index) for index in _chunks_touching(scales[0], box))
+                    out.update((scales[0].path, index) for index in chunks_touching(scales[0], box))
     return out
 
 
@@ -162,14 +174,6 @@ def _cast_params(local: dict[str, Any], plan: list[LocalTensor], dtype: torch.dt
     return local
 
 
-def _chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
-    ranges = [range(a // c, (b - 1) // c + 1) if b > a else range(0) for (a, b), c in zip(box, meta.chunk_shape)]
-    out: list[tuple[int, ...]] = [()]
-    for r in ranges:
-        out = [(*prefix, i) for prefix in out for i in r]
-    return out
-
-
 def piece_reads(
     reader: CheckpointReader, lt: LocalTensor, metas: Sequence[AtomMeta], tensor: torch.Tensor
 ) -> list[ObjectCall]:
@@ -178,19 +182,8 @@ def piece_reads(
     them in any order, at once."""
     reads: list[ObjectCall] = []
     for p, meta in zip(lt.pieces, metas):
-        reads += region_reads(reader, meta, p.atom_box, piece_view(tensor, p))
+        reads += reader.region_reads(meta, p.atom_box, piece_view(tensor, p))
     return reads
-
-
-def region_reads(reader: CheckpointReader, meta: AtomMeta, box: Box, view: torch.Tensor) -> list[ObjectCall]:
-    """The reads that fill `view` (shaped like `box`, in the atom's stored dtype) with region `box` of an atom, one
-    per chunk object it overlaps."""
-    return [
-        ObjectCall(
-            functools.partial(_read_region, reader, meta, i, box, view), meta.object_bytes, reader.object_key(meta, i)
-        )
-        for i in _chunks_touching(meta, box)
-    ]
 
 
 Scales = tuple[AtomMeta, tuple[int, int]]  # a block-quantised weight's scale atom and block
@@ -225,32 +218,18 @@ def _converted_reads(
     """Region `box` of an atom for `view`, which has another dtype: the reads into a buffer of the atom's dtype (and
     with `scales`, of the scales of the blocks the region falls in), the step that then puts it into `view` (cast, or
     dequantised: each element times its block's scale in float32, rounded once) and the bytes they read for it."""
-    part = torch.empty(box_shape(box), dtype=dtypes.torch_dtype(meta.dtype))
-    reads = region_reads(reader, meta, box, part)
+    part = torch.empty(box_shape(box), dtype=dtypes.torch_dtype(meta.dtype))  # (host memory: converted there)
+    reads = reader.region_reads(meta, box, part)
     nbytes = part.numel() * part.element_size()
     if scales is None:
         return reads, functools.partial(view.copy_, part), nbytes
     scale_meta, block = scales
     covering = scale_box(box, block)
     factors = torch.empty(box_shape(covering), dtype=dtypes.torch_dtype(scale_meta.dtype))
-    reads += region_reads(reader, scale_meta, covering, factors)
+    reads += reader.region_reads(scale_meta, covering, factors)
     start = (box[-2][0], box[-1][0])
 
     def finish() -> None:
         view.copy_(dequantize(part, factors, block, view.dtype, start))
 
     return reads, finish, nbytes + factors.numel() * factors.element_size()
-
-
-def _read_region(
-    reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor
-) -> None:
-    """Read the part of chunk object `index` that falls in `box` of the atom into `view` (shaped like `box`)."""
-
-    def dest_for(chunk_box: Box) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-        part = intersect(chunk_box, box)
-        if part is None:
-            return None
-        return view[to_slices(relative(part, box))], tuple(a - c for (a, _), (c, _) in zip(part, chunk_box))
-
-    reader.read_object(meta, index, dest_for)

@@ -17,10 +17,11 @@ from .checkpoint import SaveOptions, chunk_jobs, group_paths, io_threads_for, pl
 from .chunking import ChunkingPolicy
 from .comm import Comm
 from .commit import CommitRecord
+from .devices import on_host
 from .errors import StateError
 from .families import family_for
 from .format import AtomMeta, StepManifest
-from .pipeline import ChunkJob, SavePipeline, SavePlan
+from .pipeline import ChunkJob, SavePipeline, SavePlan, one_shot_staging
 from .reshard import LocalTensor, Transfer, chunk_write_plan, local_plan, local_tensor, owned_pieces, piece_view
 from .session import SaveSession
 from .sharded_model import AtomKey, ShardedModel, atom_metas, quantised_dtypes
@@ -55,7 +56,9 @@ def _as_uint8(t: torch.Tensor) -> torch.Tensor:
 
 
 class RankSaver:
-    """One rank's part of a distributed save: what it sends, what it writes."""
+    """One rank's part of a distributed save: what it sends, what it writes. The local state may be on a device:
+    chunks are then views of it (or assembled on it), copied to staging memory by the pipeline; only the fragments
+    sent to other ranks come to host memory here."""
 
     def __init__(self, local_state: Mapping[str, Any], model: ShardedModel, rank: int, options: SaveOptions):
         self.model, self.rank, self.options = model, rank, options
@@ -63,8 +66,10 @@ class RankSaver:
         self.metas = atom_metas(model, _local_dtypes(local_state, plan, model), options.chunking)
         # (atom, state) -> [(atom box, view of the local data holding it)] for the pieces this rank writes
         self.owned: dict[AtomKey, list[tuple[Box, torch.Tensor]]] = {}
+        self.on_host = True  # whether every tensor this rank writes from is in host memory
         for lt in owned_pieces(model.config, model.layout, rank, model.optim_states):
-            tensor = local_tensor(local_state, lt.key).detach().to("cpu")
+            tensor = local_tensor(local_state, lt.key).detach()
+            self.on_host = self.on_host and on_host(tensor)
             for p in lt.pieces:
                 self.owned.setdefault((p.atom, lt.state), []).append((p.atom_box, piece_view(tensor, p)))
         self.transfers = chunk_write_plan(
@@ -87,7 +92,7 @@ class RankSaver:
         buffers: dict[int, list[torch.Tensor]] = {}
         for t in self._order(self.transfers.sends):
             buffers.setdefault(t.peer, []).append(_as_uint8(self._region((t.atom, t.state), t.atom_box)))
-        return {peer: torch.cat(parts) for peer, parts in buffers.items()}
+        return {peer: torch.cat(parts).to("cpu") for peer, parts in buffers.items()}  # (the comm sends host memory)
 
     def incoming_sizes(self) -> dict[int, int]:
         sizes: dict[int, int] = {}
@@ -110,17 +115,22 @@ class RankSaver:
     def _chunk_values(
         self, key: AtomKey, box: Box, fragments: dict[AtomKey, list[tuple[Box, torch.Tensor]]]
     ) -> torch.Tensor:
-        """A chunk's values: a view when one piece holds it, else assembled from pieces and received fragments."""
+        """A chunk's values: a view when one piece holds it, else assembled from pieces and received fragments (on
+        the device of this rank's pieces, where they are on one)."""
         sources = [*self.owned.get(key, []), *fragments.get(key, [])]
         for src_box, view in sources:
             if intersect(src_box, box) == box:
                 return view[to_slices(relative(box, src_box))]
-        out = torch.empty(box_shape(box), dtype=sources[0][1].dtype)
+        out = torch.empty(box_shape(box), dtype=sources[0][1].dtype, device=sources[0][1].device)
         for src_box, view in sources:
             part = intersect(src_box, box)
             if part is not None:
                 out[to_slices(relative(part, box))] = view[to_slices(relative(part, src_box))]
         return out
+
+    def chunk_nbytes(self) -> list[int]:
+        """The bytes of every chunk this rank writes, in the order of its plan's chunks."""
+        return [box_numel(box) * self.metas[(atom, state)].itemsize for atom, state, box in self.transfers.writes]
 
     def plan(
         self,
@@ -141,14 +151,22 @@ class RankSaver:
         return SavePlan(session, metadata, [], chunks, manifest, commit)
 
 
+def extra_atoms(
+    extra: dict[str, Any] | None, chunking: ChunkingPolicy
+) -> tuple[dict[str, Any], list[AtomMeta], list[ChunkJob]]:
+    """The extra state's tree, atoms and chunks (its tensors are small: copied to host memory here)."""
+    extra_tree, extra_tensors = tree.flatten({"extra": extra}) if extra else ({"dict": {}}, {})
+    extra_tensors = {p: t.detach().to("cpu").contiguous() for p, t in extra_tensors.items()}
+    extra_metas = plan_atoms(extra_tensors, chunking)
+    return extra_tree, extra_metas, chunk_jobs(extra_metas, extra_tensors)
+
+
 def manifest_for(
     model: ShardedModel, metas: Mapping[AtomKey, AtomMeta], extra: dict[str, Any], step: int, chunking: ChunkingPolicy
 ) -> tuple[StepManifest, list[ChunkJob]]:
     """The step manifest (canonical atoms, model config, the caller's extra state), and the chunks of the
     extra state's tensors (small, replicated: rank 0 writes them)."""
-    extra_tree, extra_tensors = tree.flatten({"extra": extra}) if extra else ({"dict": {}}, {})
-    extra_tensors = {p: t.detach().to("cpu").contiguous() for p, t in extra_tensors.items()}
-    extra_metas = plan_atoms(extra_tensors, chunking)
+    extra_tree, extra_metas, extra_chunks = extra_atoms(extra, chunking)
     model_tree: dict[str, Any] = {}
     states: dict[str, Any] = {}
     for (atom, state), meta in metas.items():
@@ -171,7 +189,7 @@ def manifest_for(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         writer=f"ucp {__version__}",
     )
-    return manifest, chunk_jobs(extra_metas, extra_tensors)
+    return manifest, extra_chunks
 
 
 def _add_rank0_writes(plan: SavePlan, manifest: StepManifest, extra_chunks: list[ChunkJob]) -> None:
@@ -227,7 +245,8 @@ def save_sharded(
     options = options or SaveOptions()
     storage = storage or open_storage(url, storage_options, fsync=options.fsync)
     plan = plan_sharded_save(local_state, storage, step=step, model=model, comm=comm, extra=extra, options=options)
-    pipeline = SavePipeline(io_threads_for(options, storage))
+    staging = one_shot_staging([c.meta for c in plan.chunks])  # (a sync save stages only what is on a device)
+    pipeline = SavePipeline(io_threads_for(options, storage), staging, writer="threads")
     try:
         return pipeline.submit(plan, "sync").result()
     finally:
@@ -258,7 +277,8 @@ class VirtualWorld:
         savers = [RankSaver(s, model, r, options) for r, s in enumerate(local_states)]
         outgoing = [s.outgoing() for s in savers]
         manifest, extra_chunks = manifest_for(model, savers[0].metas, extra or {}, step, options.chunking)
-        pipeline = SavePipeline(io_threads_for(options, storage))
+        staging = one_shot_staging(list(savers[0].metas.values()))
+        pipeline = SavePipeline(io_threads_for(options, storage), staging, writer="threads")
         try:
             with SaveSession.begin(storage, step) as session:  # one attempt for all ranks, removed if any fails
                 for rank, saver in enumerate(savers):

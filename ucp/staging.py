@@ -12,15 +12,17 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from .devices import page_lock, page_unlock
 from .errors import UcpError
 
 ARENA_BYTES = 64 << 20  # an arena holds at least one chunk object of the default chunking policy
 _ALIGN = 64  # slot offsets: any dtype can be viewed at them, and cache lines are not shared
+_PAGE = 4096
 
 
 @dataclass(eq=False)
@@ -63,8 +65,12 @@ def shared_arena(arena_id: int, size: int, pin_for_cuda: bool = False) -> Arena:
     except BaseException:
         os.close(fd)
         raise
-    if pin_for_cuda:  # page-locked, so that device-to-host copies into it are asynchronous (untested here: no GPU)
-        torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), size, 0)
+    if pin_for_cuda:  # page-locked, so that device-to-host copies into it are asynchronous
+        try:
+            page_lock(memory)
+        except BaseException:
+            os.close(fd)
+            raise
     return Arena(arena_id, memory, fd, registered=pin_for_cuda)
 
 
@@ -79,7 +85,7 @@ def map_shared_arena(arena_id: int, fd: int, size: int) -> Arena:
 def close_arena(arena: Arena) -> None:
     """Drop our reference; the mapping goes when the last tensor viewing it does."""
     if arena.registered:
-        torch.cuda.cudart().cudaHostUnregister(arena.memory.data_ptr())
+        page_unlock(arena.memory)
         arena.registered = False
     if arena.fd is not None:
         os.close(arena.fd)
@@ -121,6 +127,22 @@ class StagingPool:
                 if not wait:
                     return None
                 self._cond.wait()
+
+    def reserve(self, sizes: Iterable[int]) -> None:
+        """Make the arenas that slots of `sizes`, acquired in this order, will take (as far as the capacity allows),
+        now rather than inside the first save: a save of the same chunks then allocates (and page-locks) nothing,
+        and finds every page of its slots mapped (each slot is written here, a byte a page, while it is held)."""
+        slots = []
+        try:
+            for nbytes in sizes:
+                slot = self.acquire(nbytes, wait=False)
+                if slot is None:
+                    break  # (the capacity is reached: a save waits for writes to free memory anyway)
+                slots.append(slot)
+                slot.memory[::_PAGE].zero_()
+        finally:
+            for slot in slots:
+                self.release(slot)
 
     def release(self, slot: Slot) -> None:
         with self._cond:

@@ -342,17 +342,21 @@ class HotTier:
     # -- restoring
 
     def restore_sharded(
-        self, model: Any, durable: Storage, into: Mapping[str, Any] | None = None
+        self,
+        model: Any,
+        durable: Storage,
+        into: Mapping[str, Any] | None = None,
+        device: torch.device | str | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any], Any, RestoreReport]:
         """This rank's local state of the newest restorable step (module doc), its extra state, the LoadReport and
-        where the bytes came from; `into` as `load_sharded` takes it. Every rank calls it together."""
+        where the bytes came from; `into` and `device` as `load_sharded` takes them. Every rank calls it together."""
         from .sharded_load import load_sharded, needed_objects
         from .sharded_model import extra_state
 
         chosen = self._choose_step(durable)
         if chosen.source == "durable":
             reader = CheckpointReader(durable, chosen.step)
-            local, report = load_sharded(reader, model, self.rank, into=into)
+            local, report = load_sharded(reader, model, self.rank, into=into, device=device)
             return (
                 local,
                 extra_state(reader),
@@ -392,7 +396,7 @@ class HotTier:
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
         source = TierSource(self.storage, usable, fetched, durable_reader)
         tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes))
-        local, report = load_sharded(tiered, model, self.rank, into=into)
+        local, report = load_sharded(tiered, model, self.rank, into=into, device=device)
         extra = extra_state(tiered)
         stats = source.read_stats
         restore = RestoreReport(

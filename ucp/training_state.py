@@ -54,7 +54,18 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
         group = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in old.items() if k != "params"}
         group["params"] = [index[n] for n in old["params"]]
         groups.append(group)
-    optimizer.load_state_dict({"state": {index[n]: s for n, s in saved["state"].items()}, "param_groups": groups})
+    state = {index[n]: _host_steps(s) for n, s in saved["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _host_steps(state: Any) -> Any:
+    """A parameter's optimizer state with its step counter in host memory, where torch's optimizers keep it (a
+    state loaded onto a GPU would otherwise keep it there: `load_state_dict` moves it to the parameter's device only
+    for a capturable or fused optimizer, which wants it there)."""
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+        return {**state, "step": step.cpu()}
+    return state
 
 
 def rng_state() -> dict[str, Any]:
@@ -78,7 +89,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Set the RNGs from `rng_state()`'s state, as loaded (its generator states on any device)."""
+    torch.set_rng_state(state["torch"].cpu())
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     n = state["numpy"]
@@ -86,7 +98,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         (n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
     )
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([state["cuda"][str(i)] for i in range(len(state["cuda"]))])
+        torch.cuda.set_rng_state_all([state["cuda"][str(i)].cpu() for i in range(len(state["cuda"]))])
 
 
 def training_state(
@@ -113,7 +125,8 @@ def restore_training_state(
     *,
     rng: bool = True,
 ) -> None:
-    """Fill `model` (and `optimizer`, RNGs) from a state that `training_state` produced and ucp loaded."""
+    """Fill `model` (and `optimizer`, RNGs) from a state that `training_state` produced and ucp loaded, in host
+    memory or on any device (`ucp.load(url, device="cuda")`), into a model on any device."""
     model.load_state_dict(state["model"])
     if optimizer is not None:
         load_optimizer_state(model, optimizer, state["optimizer"])

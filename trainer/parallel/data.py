@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import OptimConfig
+from . import collectives
 from .mesh import Mesh, group_rank, group_size
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
@@ -108,7 +109,7 @@ class FlatBuffer:
     def allreduce_grads(self) -> None:
         """Sum the flat gradients over the group."""
         if self.size > 1:
-            dist.all_reduce(self.grad, group=self.group)
+            collectives.all_reduce(self.grad, group=self.group)
 
     def grad_of(self, entry: Entry) -> torch.Tensor:
         return self.grad[entry.offset : entry.offset + entry.numel]
@@ -130,7 +131,7 @@ class FlatBuffer:
         flat = owned
         if self.zero and self.size > 1:
             flat = torch.empty(self.padded, device=owned.device)
-            dist.all_gather_into_tensor(flat, owned.contiguous(), group=self.group)
+            collectives.all_gather_into_tensor(flat, owned.contiguous(), group=self.group)
         for e in self.entries:
             e.param.copy_(flat[e.offset : e.offset + e.numel].view_as(e.param))
 
@@ -205,7 +206,7 @@ class DistributedAdamW:
         counted = [dense.grad_of(e) for e in dense.entries if _counted_once(e.name, self.mesh, self.tied)]
         sums = torch.stack([torch.cat(counted).double().pow(2).sum(), expert.grad.double().pow(2).sum()])
         if dist.get_world_size() > 1:
-            dist.all_reduce(sums)
+            collectives.all_reduce(sums)
         # Every dense element has D replicas in the world, every expert element D/E.
         layout = self.mesh.layout
         return math.sqrt(sums[0].item() / layout.dp + sums[1].item() / (layout.dp // layout.ep))
@@ -221,7 +222,7 @@ class DistributedAdamW:
             grad = self.grad_of(self.chunks[-1], "output_layer.weight")
         else:
             return
-        dist.all_reduce(grad, group=self.mesh.embedding_group)
+        collectives.all_reduce(grad, group=self.mesh.embedding_group)
 
     def step_(self) -> tuple[float, float]:
         """One optimizer step from the gradients accumulated since `zero_grad`; returns (grad_norm, lr)."""

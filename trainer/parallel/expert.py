@@ -3,14 +3,15 @@
 The EP group is carved out of the data-parallel group (docs/LOCAL_STATE.md), so its members route different
 tokens. Every member sorts its (token, k) slots by expert, exchanges per-expert counts, sends each slot to the
 rank holding its expert, runs its local experts on what it received, and sends the results back to where the
-slots came from. gloo implements all_to_all_single with uneven splits, so CPU and GPU run the same code.
+slots came from. gloo implements all_to_all_single with uneven splits, so CPU and GPU run the same code
+(parallel/collectives.py).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from . import collectives
 from .mesh import group_size
 
 
@@ -21,7 +22,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, send_splits, recv_splits, group):
         ctx.group, ctx.send_splits, ctx.recv_splits = group, send_splits, recv_splits
         out = x.new_empty(sum(recv_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        collectives.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
         return out
 
     @staticmethod
@@ -49,7 +50,7 @@ class ExpertRouting:
             return
         # recv_counts[s * local_experts + e]: rows that source rank s sends to our local expert e.
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)
+        collectives.all_to_all_single(recv_counts, counts, group=group)
         self.send_splits = counts.view(self.ep, self.local_experts).sum(1).tolist()
         self.recv_splits = recv_counts.view(self.ep, self.local_experts).sum(1).tolist()
         self.counts_per_local_expert = recv_counts.view(self.ep, self.local_experts).sum(0).tolist()

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..profile import StepProfile
+from . import collectives
 from .mesh import Mesh, rank_of
 
 
@@ -71,21 +71,19 @@ class P2P:
         """One round, every message in flight at once (so two neighbours sending to each other cannot deadlock):
         an activation to the next stage, a gradient to the previous one, and (activation from the previous
         stage, gradient from the next) received; nothing to or from a stage that does not exist."""
-        ops = []
+        sends, recvs = [], []
         if send_next is not None and self.next is not None:
-            ops.append(dist.P2POp(dist.isend, send_next.contiguous(), self.next, tag=ACTIVATION))
+            sends.append((send_next.contiguous(), self.next, ACTIVATION))
         if send_prev is not None and self.prev is not None:
-            ops.append(dist.P2POp(dist.isend, send_prev.contiguous(), self.prev, tag=GRADIENT))
+            sends.append((send_prev.contiguous(), self.prev, GRADIENT))
         x = dy = None
         if recv_prev and self.prev is not None:
             x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, x, self.prev, tag=ACTIVATION))
+            recvs.append((x, self.prev, ACTIVATION))
         if recv_next and self.next is not None:
             dy = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, dy, self.next, tag=GRADIENT))
-        if ops:
-            for request in dist.batch_isend_irecv(ops):
-                request.wait()
+            recvs.append((dy, self.next, GRADIENT))
+        collectives.exchange(sends, recvs)
         return (x.requires_grad_() if x is not None else None), dy
 
     def recv_forward(self) -> torch.Tensor | None:

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import collectives
 from .mesh import group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group_size(group) > 1:
         x = x.contiguous()
-        dist.all_reduce(x, op=op, group=group)
+        collectives.all_reduce(x, op=op, group=group)
     return x
 
 

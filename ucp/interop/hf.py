@@ -401,7 +401,7 @@ class SafetensorsWriter:
             raise AssertionError(
                 f"{self.path}: got {name} {tensor.dtype}{list(tensor.shape)}, expected {self.specs[self.written]}"
             )
-        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data)
         self.written += 1
 
     def __enter__(self) -> Self:

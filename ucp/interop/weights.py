@@ -62,13 +62,15 @@ def load_weights(
     step: int | str = "latest",
     storage_options: dict[str, Any] | None = None,
     into: Mapping[str, torch.Tensor] | torch.nn.Module | None = None,
+    device: torch.device | str | None = None,
 ) -> LoadedWeights:
     """The parameters of `rank` in `layout`, read from the atoms of a ucp checkpoint written from any layout
-    (local path or any fsspec URL), cast to `dtype`. Only the parameter regions this rank holds are read.
+    (local path or any fsspec URL), cast to `dtype`, on `device` (default: host memory; a GPU's through page-locked
+    read buffers). Only the parameter regions this rank holds are read.
 
-    `into`: the job's own parameters, filled in place (a Megatron-Core module, or tensors by the names of
-    `LoadedWeights.params`); each keeps its dtype. Memory already in use fills faster than new memory, and the
-    job needs no copy afterwards. Parameters `into` lacks are returned as new tensors.
+    `into`: the job's own parameters, filled in place on whatever device they are (a Megatron-Core module, or
+    tensors by the names of `LoadedWeights.params`); each keeps its dtype. Memory already in use fills faster than
+    new memory, and the job needs no copy afterwards. Parameters `into` lacks are made on `device`.
 
     Block-quantised weights: with a `dtype` other than float8, or when each of the rank's quantised weights has an
     `into` tensor of such a dtype, they load dequantised, in any layout the unquantised model takes (a TP split
@@ -90,8 +92,8 @@ def load_weights(
     model = ShardedModel(config, target, optim_states=())
     with torch.no_grad():
         if block_scales(config):
-            return _load_quantised(reader, model, rank, cast, given)
-        local, report = load_sharded(reader, model, rank, dtype=cast, into=given)
+            return _load_quantised(reader, model, rank, cast, given, device)
+        local, report = load_sharded(reader, model, rank, dtype=cast, into=given, device=device)
     return LoadedWeights(local, report, config, target)
 
 
@@ -112,12 +114,17 @@ def _dequantised(
 
 
 def _load_quantised(
-    reader: CheckpointReader, model: ShardedModel, rank: int, cast: torch.dtype | None, given: dict[str, Any] | None
+    reader: CheckpointReader,
+    model: ShardedModel,
+    rank: int,
+    cast: torch.dtype | None,
+    given: dict[str, Any] | None,
+    device: torch.device | str | None,
 ) -> LoadedWeights:
     """`load_weights` of a model with block-quantised weights, some of them asked for as stored: read as stored (a
     rank's scales are those of its blocks, `ucp.partition`), then each weight dequantised with its local scales where
     `cast` or its `into` tensor asks for another dtype than float8."""
-    stored, report = load_sharded(reader, model, rank)
+    stored, report = load_sharded(reader, model, rank, device=device)
     block = block_size(model.config)
     assert block is not None  # (the model has scales)
     given = given or {}
