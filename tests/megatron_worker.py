@@ -275,8 +275,8 @@ def forward(model: torch.nn.Module, toks: torch.Tensor) -> torch.Tensor:
 
 def write_tp2_logits(cfg, spec, ckpt: str, out: str, rank: int) -> None:
     """The oracle workers' end (megatron_family_worker.py, megatron_deepseek_worker.py): megatron-core's GPT model of
-    `cfg` and `spec` in TP 2 loads this rank's file under CKPT strictly (every name and shape its own) and writes its
-    gathered logits to OUT.rank; then the process exits."""
+    `cfg` and `spec` in TP `cfg.tensor_model_parallel_size` (2 unless told) loads this rank's file under CKPT strictly
+    (every name and shape its own) and writes its gathered logits to OUT.rank; then the process exits."""
     import glob
 
     from megatron.core.models.gpt import GPTModel
@@ -284,7 +284,7 @@ def write_tp2_logits(cfg, spec, ckpt: str, out: str, rank: int) -> None:
     model = GPTModel(
         cfg,
         spec,
-        vocab_size=128 * 2,
+        vocab_size=128 * cfg.tensor_model_parallel_size,
         max_sequence_length=64,
         position_embedding_type="rope",
         rotary_base=10000,

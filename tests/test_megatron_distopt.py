@@ -138,13 +138,15 @@ def test_a_tied_embedding_across_stages_has_a_bucket_of_its_own(tmp_path):
     converts_and_loads(src, saved, tmp_path, env)
 
 
-def test_tp2pp2_dp2_to_tp4_dp1_loads_in_megatron_and_back_is_bitwise(tmp_path):
+@pytest.mark.parametrize(("heads", "kv"), [(8, 4), (4, 2), (4, 1)])
+def test_tp2pp2_dp2_to_tp4_dp1_loads_in_megatron_and_back_is_bitwise(tmp_path, heads, kv):
     """megatron-core's DistributedOptimizer in tp2pp2 with DP 2 (8 processes; several buckets on the first stage,
-    each TP shard with values of its own; GQA with 8 heads in 4 query groups, so TP 4 fits) -> ucp -> tp4 with
-    DP 1: megatron-core's tp4 job (4 processes) loads the files, and every parameter's master weight and moments,
-    joined from its TP shards, are bitwise the saved ones. Converted back to tp2pp2, every file is bitwise the
-    source's."""
-    env = {**ENV, "UCP_MEGATRON_SHAPE": "40,52,2,4,8,4", "UCP_DISTOPT_SAVE": "2,2,1", "UCP_DISTOPT_LOAD": "4,1,1"}
+    each TP shard with values of its own; GQA with `heads` heads in `kv` query groups: TP 4 divides them, or is a
+    multiple of them and the ranks of a group each hold a run of its fused QKV rows) -> ucp -> tp4 with DP 1:
+    megatron-core's tp4 job (4 processes) loads the files, and every parameter's master weight and moments, joined
+    from its TP shards, are bitwise the saved ones. Converted back to tp2pp2, every file is bitwise the source's."""
+    shape = f"40,52,2,4,{heads},{kv}"
+    env = {**ENV, "UCP_MEGATRON_SHAPE": shape, "UCP_DISTOPT_SAVE": "2,2,1", "UCP_DISTOPT_LOAD": "4,1,1"}
     src, saved = save(tmp_path, env, world=8)
     assert saved["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]["exp_avg"].abs().sum() > 0
     report = convert(str(src), str(tmp_path / "tp4"), from_layout="tp2pp2", to_layout="tp4")
