@@ -100,6 +100,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         iteration=args.iteration,
         vocab_size=args.vocab_size,
         target_ep=args.target_ep,
+        model_config=args.config,
         **_streaming_kwargs(args),
     )
     print(
@@ -167,16 +168,15 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.from_ == MEGATRON_DIST:
         from ucp.interop.megatron import convert
 
-        if args.dtype is not None or args.config is not None:
-            raise UcpError(
-                "--dtype and --config: a Megatron torch_dist checkpoint is imported as stored, with its args"
-            )
+        if args.dtype is not None:
+            raise UcpError("--dtype: a Megatron torch_dist checkpoint is imported as stored")
         converted = convert(
             args.src,
             args.url,
             from_layout="torch_dist",
             to_layout="universal",
             step=args.step,
+            model_config=args.config,
             **_streaming_kwargs(args),
         )
         print(f"imported {converted.atoms} atoms ({converted.bytes_written / 2**20:.1f} MiB) into {args.url}")
@@ -213,7 +213,11 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "convert", help="reshard a Megatron-LM checkpoint (torch or torch_dist format), or convert it to/from ucp"
     )
-    p.add_argument("src", help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt), or a ucp URL")
+    p.add_argument(
+        "src",
+        help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt) or one of its iter_NNNNNNN "
+        "directories, or a ucp URL",
+    )
     p.add_argument("dst", help="output directory, or a ucp URL with --to universal")
     p.add_argument(
         "--from",
@@ -244,6 +248,13 @@ def register(subparsers: Any) -> None:
         "optimizer entry differs with EP > 1 (a dense and an expert optimizer) (default: as the source was saved)",
     )
     p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="with --from torch_dist saved without Megatron-LM's args: the model's shape, as its Hugging Face "
+        "config.json or a JSON object of the job's Megatron-LM arguments",
+    )
     p.add_argument("--step", type=int, default=None, help="ucp step to write or read (default: the iteration / latest)")
     _streaming(p)
     _common(p)
@@ -283,7 +294,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
     p.add_argument(
-        "--config", default=None, help="DCP only: the model's Hugging Face config.json (default: SRC/config.json)"
+        "--config",
+        default=None,
+        help="DCP: the model's Hugging Face config.json (default: SRC/config.json); megatron-dist saved without "
+        "Megatron-LM's args: its Hugging Face config.json or a JSON object of the job's Megatron-LM arguments",
     )
     _streaming(p)
     _common(p)

@@ -617,11 +617,24 @@ class MegatronSource:
         return self.readers[rank].read(local_tensor(tree, key))
 
 
+_ITERATION_DIR = re.compile(r"iter_(\d+)")
+
+
 def iteration_dir(root: Path, iteration: int | None) -> tuple[int, Path]:
+    """(the iteration, its directory) of a Megatron-LM save root (the tracker names the latest, `iteration` another),
+    or of an iteration directory given itself (`iter_NNNNNNN`, `release`), as users point at one."""
+    named = _ITERATION_DIR.fullmatch(root.name)
+    if (named or root.name == "release") and root.is_dir() and not (root / TRACKER).is_file():
+        it = int(named[1]) if named else 0
+        if iteration is not None and iteration != it:
+            raise InteropError(f"--iteration {iteration}, but {root} is the directory of iteration {it}")
+        return it, root
     if iteration is None:
         tracker = root / TRACKER
         if not tracker.is_file():
-            raise InteropError(f"{root} is not a Megatron checkpoint directory (no {TRACKER})")
+            raise InteropError(
+                f"{root} is not a Megatron checkpoint directory (no {TRACKER}, and not an iter_NNNNNNN directory)"
+            )
         text = tracker.read_text().strip()
         if text == "release":
             return 0, root / "release"
@@ -1081,13 +1094,15 @@ def convert(
     progress: bool = False,
     vocab_size: int | None = None,
     target_ep: int | None = None,
+    model_config: str | Path | None = None,
 ) -> ConvertReport:
     """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
     or from (`from_layout="universal"`) a ucp checkpoint; "torch_dist" on either side is Megatron's
     dist_checkpointing format (ucp.interop.megatron_dist), which needs no layout. Carried: model weights, the
     optimizer's state (into torch_dist: a distributed optimizer's, made for a loading job of expert parallelism
     `target_ep`, by default the source's), opt_param_scheduler and the iteration; rng_state only into the source's
-    own layout. What is not carried is listed in `dropped`."""
+    own layout. What is not carried is listed in `dropped`. `model_config`: with `from_layout="torch_dist"`, the
+    model's shape of a checkpoint saved without Megatron-LM's args (megatron_dist.model_shape)."""
     if from_layout == to_layout and from_layout in (UNIVERSAL, TORCH_DIST):
         raise UcpError(f"--from {from_layout} --to {to_layout}: nothing to convert (it loads in any layout as it is)")
     if target_ep is not None and (to_layout != TORCH_DIST or target_ep < 1):
@@ -1095,10 +1110,16 @@ def convert(
             f"--target-ep {target_ep}: it says which job loads a --to torch_dist checkpoint (an EP of 1 or more); "
             f"--to {to_layout} " + ("names its own layout" if to_layout != TORCH_DIST else "needs a positive EP")
         )
+    if model_config is not None and from_layout != TORCH_DIST:
+        raise UcpError(
+            f"--config {model_config}: it gives the model's shape of a torch_dist checkpoint saved without "
+            f"Megatron-LM's args; --from {from_layout} "
+            + ("has its own config" if from_layout == UNIVERSAL else "files have their args")
+        )
     if from_layout == UNIVERSAL:
         return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress, target_ep)
     if from_layout == TORCH_DIST:
-        source = open_torch_dist(src, iteration=iteration, vocab_size=vocab_size)
+        source = open_torch_dist(src, iteration=iteration, vocab_size=vocab_size, model_config=model_config)
     else:
         source = open_megatron(src, from_layout, iteration=iteration, vocab_size=vocab_size)
     if to_layout == UNIVERSAL:

@@ -29,6 +29,7 @@ optimizer takes the `fully_reshardable` form (`write_torch_dist`, `common_optimi
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -273,16 +274,31 @@ def _check_backend(iter_dir: Path) -> None:
         raise InteropError(f"{path}: sharded backend {backend!r}; ucp reads Megatron's torch_dist format only")
 
 
-def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size: int | None = None) -> Any:
+def open_torch_dist(
+    src: str | Path,
+    *,
+    iteration: int | None = None,
+    vocab_size: int | None = None,
+    model_config: str | Path | None = None,
+) -> Any:
     """A Megatron torch_dist checkpoint, opened as a MegatronSource in layout tp1pp1 (see the module docstring).
-    The layout it was saved in is not needed: its args name it, and the metadata's global shapes are checked
-    against the model the args describe."""
+    `src`: a Megatron-LM save root (its tracker names the latest iteration, `iteration` another) or one
+    dist_checkpointing directory itself (`iter_NNNNNNN`, or any directory with metadata.json). The layout it was
+    saved in is not needed: its args name it, and the metadata's global shapes are checked against the model the
+    args describe. A directory saved without Megatron-LM's args (megatron-core's dist_checkpointing alone) needs the
+    model's shape from `model_config` (`model_shape`)."""
     from ucp.interop import megatron as m
 
     root = Path(src)
     if (root / "zarr.json").is_file():
         raise SourceMismatchError(f"{root} is a ucp checkpoint, not a Megatron one: use --from universal")
-    it, iter_dir = m.iteration_dir(root, iteration)
+    if is_torch_dist(root) and not (root / m.TRACKER).is_file():  # (the iteration's directory itself)
+        named = re.fullmatch(r"iter_(\d+)", root.name)
+        it, iter_dir = int(named[1]) if named else -1, root
+        if iteration is not None and iteration != it:
+            raise InteropError(f"--iteration {iteration}, but {root} is a torch_dist checkpoint of its own")
+    else:
+        it, iter_dir = m.iteration_dir(root, iteration)
     if not iter_dir.is_dir():
         raise InteropError(f"{iter_dir} does not exist (iteration {it} of {root})")
     if not is_torch_dist(iter_dir):
@@ -292,10 +308,11 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
     _check_backend(iter_dir)
     metadata = read_metadata(iter_dir)
     common = read_common(iter_dir)
-    args = common.get("args")
-    if args is None:
-        raise InteropError(f"{iter_dir / COMMON} holds no args: ucp needs them for the model's shape")
-    config, hf = m.config_from_args(args, str(iter_dir / COMMON), vocab_size)
+    if it < 0:  # (a directory of another name: the iteration its common state says, else 0)
+        it = common.get("iteration") if isinstance(common.get("iteration"), int) else 0
+        common.setdefault("iteration", it)
+    args, config, hf = model_shape(common.get("args"), iter_dir / COMMON, model_config, vocab_size)
+    common["args"] = args
     tensors = DistTensors(iter_dir, metadata)
     entries = metadata.state_dict_metadata
     chunk: dict[str, torch.Tensor] = {}
@@ -334,6 +351,47 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
     if optimizer is not None:
         source.optimizer, source.optim_state[0] = optimizer[1], optimizer[0]
     return source
+
+
+def model_shape(
+    args: Any, common: Path, model_config: str | Path | None, vocab_size: int | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """(Megatron args, family config, HF fields) of a torch_dist checkpoint: from the args Megatron-LM saves in
+    common.pt or, for one saved without them (megatron-core's dist_checkpointing alone), from `model_config`: a
+    Hugging Face config.json of the model, or a JSON object of the job's Megatron-LM arguments (`num_layers`,
+    `hidden_size`, ...: what `megatron.config_from_args` reads)."""
+    from ucp.interop import megatron as m
+    from ucp.interop.hf import ucp_config_from_hf
+
+    if model_config is None:
+        if args is None:
+            raise InteropError(
+                f"{common} holds no Megatron-LM args (a dist_checkpointing save outside Megatron-LM), so the model's "
+                "shape is unknown: give it with --config FILE, the model's Hugging Face config.json or a JSON object "
+                "of the job's Megatron-LM arguments (num_layers, hidden_size, num_attention_heads, ...)"
+            )
+        config, hf = m.config_from_args(args, str(common), vocab_size)
+        return args, config, hf
+    if args is not None:
+        raise InteropError(
+            f"--config {model_config}: {common} holds Megatron-LM's args, which give the model's shape already"
+        )
+    path = Path(model_config)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InteropError(f"--config {path}: not a readable JSON file ({e})") from None
+    if isinstance(doc, dict) and ("model_type" in doc or "architectures" in doc):
+        config, hf = ucp_config_from_hf(doc, str(path))
+        return m.args_for(config, Layout(), hf=hf), config, hf
+    if isinstance(doc, dict) and {"num_layers", "hidden_size"} <= set(doc):
+        args = argparse.Namespace(**doc)
+        config, hf = m.config_from_args(args, str(path), vocab_size)
+        return args, config, hf
+    raise InteropError(
+        f"--config {path}: neither a Hugging Face config.json (model_type) nor Megatron-LM arguments (num_layers, "
+        "hidden_size)"
+    )
 
 
 _OPTIMIZER = re.compile(r"(chained_\d+\.)?optimizer\.")
