@@ -192,7 +192,7 @@ def _qkv_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: in
     local = kv * group_rows // tp
     lo, hi = tp_rank * local, (tp_rank + 1) * local  # this rank's rows of the global fused tensor
     # where the part sits in a group's rows, and how many rows of it a group has
-    at, size = {"q": (0, qh * hd), "k": (qh * hd, hd), "v": ((qh + 1) * hd, hd)}[_given(spec.part)]
+    at, size = {"q": (0, qh * hd), "k": (qh * hd, hd), "v": ((qh + 1) * hd, hd)}[str(spec.part)]
     rest = tuple(shape[1:])
     pieces: list[tuple[Box, Box]] = []
     for g in range(lo // group_rows, -(-hi // group_rows)):

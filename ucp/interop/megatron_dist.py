@@ -309,7 +309,8 @@ def open_torch_dist(
     metadata = read_metadata(iter_dir)
     common = read_common(iter_dir)
     if it < 0:  # (a directory of another name: the iteration its common state says, else 0)
-        it = common.get("iteration") if isinstance(common.get("iteration"), int) else 0
+        saved = common.get("iteration")
+        it = saved if isinstance(saved, int) else 0
         common.setdefault("iteration", it)
     args, config, hf = model_shape(common.get("args"), iter_dir / COMMON, model_config, vocab_size)
     common["args"] = args
