@@ -185,6 +185,31 @@ def test_cli_convert_torch_dist(torch_dist, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_target_layout_arguments_are_checked_before_anything_is_read(torch_dist, tmp_path, capsys):
+    """--target-layout names the job a --to torch_dist is written for (the optimizer in Megatron-LM's default form):
+    refused with another --to, beside --target-ep, malformed or not fitting the model; nothing at DST."""
+    from ucp.errors import LayoutError
+
+    root, _ = torch_dist
+    dst = tmp_path / "out"
+    for kwargs, error, match in (
+        ({"to_layout": "tp2", "target_layout": "tp2"}, UcpError, "--target-layout tp2: .* --to tp2 names its own"),
+        ({"to_layout": "torch_dist", "target_layout": "tp2", "target_ep": 2}, UcpError, "the layout names its EP"),
+        ({"to_layout": "torch_dist", "target_layout": "tp2x"}, LayoutError, "malformed Megatron layout 'tp2x'"),
+        ({"to_layout": "torch_dist", "target_layout": "tp3"}, LayoutError, "tp=3 does not divide"),
+    ):
+        with pytest.raises(error, match=match):
+            convert(str(root), str(dst), from_layout="torch_dist", **kwargs)
+        assert not dst.exists()
+    argv = ["convert", str(root), str(dst), "--from", "torch_dist", "--to", "tp2", "--target-layout", "tp2"]
+    assert ucp_cli.main(argv) == 1
+    assert capsys.readouterr().err.count("\n") == 1 and not dst.exists()
+    # a source without optimizer: the weights, with the target job's args
+    convert(str(root), str(dst), from_layout="torch_dist", to_layout="torch_dist", target_layout="tp2pp2")
+    args = torch.load(dst / ITER / "common.pt", weights_only=False)["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
+
+
 def _rank_files(ckpt: Path) -> dict[str, dict]:
     return {d.name: load_rank_file(d / RANK_FILE) for d in sorted((ckpt / ITER).iterdir())}
 

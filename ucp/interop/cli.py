@@ -100,6 +100,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         iteration=args.iteration,
         vocab_size=args.vocab_size,
         target_ep=args.target_ep,
+        target_layout=args.target_layout,
         model_config=args.config,
         **_streaming_kwargs(args),
     )
@@ -246,6 +247,14 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="with --to torch_dist: the expert-parallel size of the job that will load it, whose distributed "
         "optimizer entry differs with EP > 1 (a dense and an expert optimizer) (default: as the source was saved)",
+    )
+    p.add_argument(
+        "--target-layout",
+        default=None,
+        metavar="LAYOUT",
+        help="with --to torch_dist: the layout (tp{T}[pp{P}][vpp{V}][ep{E}]) of the job that will load it; its "
+        "distributed optimizer is then written in Megatron-LM's default form (dp_reshardable) for that layout, "
+        "which loads with any DP (default: a form any layout loads, fully_reshardable)",
     )
     p.add_argument("--iteration", type=int, default=None, help="Megatron iteration to read (default: the latest)")
     p.add_argument(

@@ -710,6 +710,60 @@ def common_optimizer_entry(meta: OptimizerMeta, config: Any, expert_parallel: bo
     return entries[0] if len(entries) == 1 else dict(enumerate(entries))
 
 
+def _write_buckets(data: _DataFile, target: Any, produce: Callable[[int, LocalTensor], torch.Tensor]) -> int:
+    """The distributed optimizer in Megatron-LM's default form (dp_reshardable) for the job of layout
+    `target.optimizer_layout`, as megatron-core's `sharded_param_state_dp_reshardable` saves it: for each optimizer
+    (dense; expert under EP) of each of the job's model-parallel ranks (`dp_group_idx`: TP x PP ranks, the
+    expert optimizer's TP x EP x PP), each grad buffer bucket's master weights and moments as flat fp32 tensors
+    `[chained_I.]optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<G>.dtype_<(param, grad)>.bucket_idx_<B>.<state>` of
+    the bucket's size without its end padding (a chunk per parameter, zeros between them: memory holds one
+    parameter's state at a time), and as objects the rank's param groups (`.optimizer`), grad scaler, and bucket
+    sizes (`per_bucket_numel_unpadded`, which megatron-core checks on load; `per_bucket_numel`, with the end
+    padding a DP that divides 128 gives). The layout comes from megatron_distrib_optim.grad_buffers, as the
+    reader's. Returns the bytes of tensors written."""
+    from ucp.interop.megatron_distrib_optim import BUCKET_ALIGNMENT, grad_buffers, optimizer_entry
+
+    layout, meta, config = target.optimizer_layout, target.optimizer, target.config
+    assert layout is not None and meta is not None and meta.distributed is not None
+    pair = tuple(getattr(torch, d) for d in meta.distributed.dtypes)
+    written = 0
+    for rank in (layout.rank(t, e, p) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)):
+        c = layout.coords(rank)
+        plan = {lt.key[2:]: lt for lt in local_plan(config, layout, rank, meta.states) if lt.state is not None}
+        buffers_of = grad_buffers(config, layout, rank, meta.distributed.bucket_size)
+        groups_of = param_groups(config, layout, rank)
+        for i, (buffers, groups) in enumerate(zip(buffers_of, groups_of, strict=True)):
+            expert = i == 1
+            if not expert and c.ep != 0:
+                continue  # (the dense optimizer's DP group spans the EP ranks: one copy per TP and PP rank)
+            idx = c.tp + layout.tp * ((c.ep + layout.ep * c.pp) if expert else c.pp)
+            base = (f"chained_{i}." if len(buffers_of) > 1 else "") + f"optimizer.distributed.dp_group_idx_{idx}"
+            entry = optimizer_entry(meta, groups)
+            for key, value in entry.items():
+                data.obj(f"{base}.{key}/shard_0_1", [value])
+            sizes = [{pair: list(b.bucket_numels)} for b in buffers]
+            padded = [{pair: [-(-n // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT for n in b.bucket_numels]} for b in buffers]
+            data.obj(f"{base}.per_bucket_numel/shard_0_1", [padded])
+            data.obj(f"{base}.per_bucket_numel_unpadded/shard_0_1", [sizes])
+            for g, buffer in enumerate(buffers):
+                for b, numel in enumerate(buffer.bucket_numels):
+                    prefix = f"{base}.gbuf_idx_{g}.dtype_{pair}.bucket_idx_{b}"
+                    slots = sorted((s for s in buffer.slots if s.bucket == b), key=lambda s: s.bucket_offset)
+                    for stored, state in STATE_OF.items():
+                        at = 0
+                        for slot in slots:
+                            if slot.bucket_offset > at:  # (the alignment padding before a parameter)
+                                data.tensor(f"{prefix}.{stored}", (numel,), (at,), torch.zeros(slot.bucket_offset - at))
+                            p = slot.param
+                            value = produce(rank, plan[(p.chunk_key, p.name, state)]).reshape(-1).float()
+                            data.tensor(f"{prefix}.{stored}", (numel,), (slot.bucket_offset,), value)
+                            written += value.numel() * value.element_size()
+                            at = slot.bucket_offset + p.numel
+                        if at < numel:
+                            data.tensor(f"{prefix}.{stored}", (numel,), (at,), torch.zeros(numel - at))
+    return written
+
+
 def write_torch_dist(
     dst: str | Path,
     target: Any,  # megatron._TargetFiles of layout tp1pp1
@@ -729,7 +783,8 @@ def write_torch_dist(
     from ucp.interop.megatron import CHECKPOINT_VERSION, EXTRA_STATE_OWNERS, TRACKER
     from ucp.interop.staging import staged_dir
 
-    plan = local_plan(target.config, Layout(), 0, target.states)
+    buckets = target.optimizer is not None and target.optimizer_layout is not None  # (the dp_reshardable form)
+    plan = local_plan(target.config, Layout(), 0, () if buckets else target.states)
     stored_as = {state: stored for stored, state in STATE_OF.items()}  # ucp state -> fully_reshardable key
     written = 0
     with staged_dir(dst) as tmp:
@@ -769,6 +824,8 @@ def write_torch_dist(
                     )
                 del t
                 bar.update(1)
+            if buckets:
+                written += _write_buckets(data, target, produce)
             f.flush()
             os.fsync(f.fileno())
         metadata = Metadata(data.state_dict_metadata, storage_data=data.storage_data, storage_meta=StorageMeta())
@@ -782,7 +839,13 @@ def write_torch_dist(
             common["opt_param_scheduler"] = target.scheduler
         # how the sharded state dict was made, which Megatron-LM's loader reads back to make its own the same way
         content: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-        if target.optimizer is not None:
+        if buckets:
+            # (per optimizer only its form: the param groups are objects of each model-parallel rank)
+            kind = {"param_state_sharding_type": DP_RESHARDABLE}
+            count = len(param_groups(target.config, target.optimizer_layout, 0))
+            common["optimizer"] = kind if count == 1 else {i: dict(kind) for i in range(count)}
+            content |= {"distrib_optim_sharding_type": DP_RESHARDABLE}
+        elif target.optimizer is not None:
             common["optimizer"] = common_optimizer_entry(target.optimizer, target.config, target.expert_parallel)
             content |= {
                 "distrib_optim_sharding_type": FULLY_RESHARDABLE,
