@@ -14,17 +14,12 @@ from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
 
 from .helpers import DRAW, hf_logits, perturb_parameters
+from .test_families import SHAPE as FAMILY_SHAPE
 
 transformers = pytest.importorskip("transformers")
 
-SHAPE = {
-    "vocab_size": 100,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 64,
-}
+# the dense tests' model, its KV heads drawn here
+SHAPE = {k: v for k, v in FAMILY_SHAPE.items() if k != "num_key_value_heads"} | {"max_position_embeddings": 64}
 MOE = {"moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2}
 # architecture -> (config class, model class, fields of its own)
 ARCHS = {

@@ -455,6 +455,18 @@ def test_torch_dist_param_groups_ucp_does_not_know_are_refused(distopt, tmp_path
     assert not dst.exists()
 
 
+def load_dist(ckpt: Path, out: Path, layout: str, processes: int, env: dict[str, str]) -> dict[str, dict]:
+    """A megatron-core job of `layout` ("TP,PP,EP[,VPP]") on `processes` loads the torch_dist checkpoint CKPT as
+    Megatron-LM does (megatron_distopt_worker load_dist); each parameter's whole state, as it holds it."""
+    spawn(
+        ["tests/megatron_distopt_worker.py", "load_dist", str(ckpt), str(out)],
+        processes,
+        300,
+        {**env, "UCP_DISTOPT_LOAD": layout},
+    )
+    return assemble(out, processes)
+
+
 # a job that loads a torch_dist checkpoint ucp wrote: its (TP, PP, EP) and process count
 TORCH_DIST_LOADS = {"1,1,2": 2, "1,2,1": 2, "1,2,2": 4, "1,1,1": 2, "2,1,1": 2, "2,2,1": 4}
 
@@ -470,14 +482,7 @@ def test_the_distributed_optimizer_written_into_torch_dist_loads_in_megatron(dis
     dist = tmp_path / "dist"
     report = convert(str(src), str(dist), from_layout=SOURCE, to_layout="torch_dist", target_ep=ep)
     assert report.dropped == ()
-    processes = TORCH_DIST_LOADS[load_in]
-    spawn(
-        ["tests/megatron_distopt_worker.py", "load_dist", str(dist), str(tmp_path / "loaded")],
-        processes,
-        300,
-        {**ENV, "UCP_DISTOPT_LOAD": load_in},
-    )
-    loaded = assemble(tmp_path / "loaded", processes)
+    loaded = load_dist(dist, tmp_path / "loaded", load_in, TORCH_DIST_LOADS[load_in], ENV)
     assert set(loaded) == set(saved)
     assert_same_states(loaded, saved)
     info = torch.load(f"{tmp_path / 'loaded'}.0", weights_only=True)
@@ -597,13 +602,8 @@ def test_torch_dist_in_megatron_lms_default_form_resumes_with_the_saving_jobs_ne
     data = f"{ITER}/__0_0.distcp"
     assert (tmp_path / "direct" / data).read_bytes() == (tmp_path / "dist" / data).read_bytes()
     processes = RESUMED[layout]
-    spawn(
-        ["tests/megatron_distopt_worker.py", "load_dist", str(tmp_path / "dist"), str(tmp_path / "loaded")],
-        processes,
-        300,
-        {**env, "UCP_DISTOPT_LOAD": layout},
-    )
-    loaded, resumed = assemble(tmp_path / "loaded", processes), assemble(tmp_path / "loaded.next", processes)
+    loaded = load_dist(tmp_path / "dist", tmp_path / "loaded", layout, processes, env)
+    resumed = assemble(tmp_path / "loaded.next", processes)
     assert set(loaded) == set(saved) == set(resumed) and len(saved) > 20
     assert_same_states(loaded, saved)
     assert_same_states(resumed, following)
@@ -648,13 +648,6 @@ def test_the_default_form_written_for_another_layout_loads_in_megatron(distopt, 
     tp, pp, ep = (int(x) for x in load_in.split(","))
     target = f"tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
     convert(str(src), str(tmp_path / "dist"), from_layout=SOURCE, to_layout="torch_dist", target_layout=target)
-    processes = _processes(load_in)
-    spawn(
-        ["tests/megatron_distopt_worker.py", "load_dist", str(tmp_path / "dist"), str(tmp_path / "loaded")],
-        processes,
-        300,
-        {**ENV, "UCP_DISTOPT_LOAD": load_in},
-    )
-    loaded = assemble(tmp_path / "loaded", processes)
+    loaded = load_dist(tmp_path / "dist", tmp_path / "loaded", load_in, _processes(load_in), ENV)
     assert set(loaded) == set(saved)
     assert_same_states(loaded, saved)
