@@ -6,7 +6,8 @@ MoE model of megatron_worker.py, saved and loaded with megatron-core's own `dist
     python tests/megatron_dist_worker.py resave TP PP SRC DST         as the TP*PP ranks of a world
 
 save: random weights, then CKPT/iter_0000010 as Megatron-LM's save_checkpoint writes it with --ckpt-format torch_dist
-      (the model's sharded state dict; args, iteration and checkpoint_version in the common state) and its tracker.
+      (the model's sharded state dict; args, iteration and checkpoint_version in the common state) and its tracker;
+      with UCP_MEGATRON_BARE=1 also CKPT-bare, the same model as `dist_checkpointing.save` alone writes it.
 load: for each CKPT, a fresh model in layout TP PP loads it with `dist_checkpointing.load` (torch_dist, strict as
       Megatron-LM's default: a missing key is an error) and rank r writes its parameters to OUT.r as a list,
       one dict of name -> tensor per CKPT; a checkpoint in Megatron's legacy torch format (mp_rank_* files) is
@@ -52,6 +53,8 @@ def padded(tp: int) -> int:
 # UCP_MEGATRON_KIND names another model kind of megatron_order_worker.build (e.g. DeepSeek-V3's MLA; TP only, the
 # vocabulary padded as at 128), UCP_MEGATRON_CONFIG its ucp family config as JSON (for its Megatron args).
 KIND = os.environ.get("UCP_MEGATRON_KIND")
+# UCP_MEGATRON_BARE=1: save also writes CKPT-bare, the model saved with megatron-core's dist_checkpointing alone
+BARE = os.environ.get("UCP_MEGATRON_BARE") == "1"
 
 
 def build_model(tp: int, pp: int) -> torch.nn.Module:
@@ -109,6 +112,12 @@ def save(tp: int, pp: int, ckpt: str) -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(ITERATION))
+    if BARE:  # the same model saved by dist_checkpointing alone, without Megatron-LM's args, tracker or iteration
+        bare = ckpt + "-bare"
+        if dist.get_rank() == 0:
+            os.makedirs(bare)
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, bare, sharded_strategy=("torch_dist", 1))
 
 
 def load(tp: int, pp: int, out: str, ckpts: list[str]) -> None:

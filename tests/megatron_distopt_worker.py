@@ -1,10 +1,12 @@
 """Megatron-Core's distributed optimizer as the oracle of ucp's distrib_optim.pt conversion
 (tests/test_megatron_distopt.py).
 
-    python tests/megatron_distopt_worker.py save CKPT OUT        pp2 x ep2, bf16 (UCP_DISTOPT_SAVE="TP,PP,EP": another
-                                                                 layout); DP is what the ranks leave (4 ranks: DP 2)
+    python tests/megatron_distopt_worker.py save CKPT OUT        pp2 x ep2, bf16 (UCP_DISTOPT_SAVE="TP,PP,EP[,VPP]":
+                                                                 another layout); DP is what the ranks leave (4 ranks:
+                                                                 DP 2)
     python tests/megatron_distopt_worker.py save_dist CKPT OUT   the same, saved in the torch_dist format
-    python tests/megatron_distopt_worker.py load CKPT OUT        torch format, in UCP_DISTOPT_LOAD="TP,PP,EP" (tp1pp1)
+    python tests/megatron_distopt_worker.py load CKPT OUT        torch format, in UCP_DISTOPT_LOAD="TP,PP,EP[,VPP]"
+                                                                 (tp1pp1)
     python tests/megatron_distopt_worker.py load_dist CKPT OUT   torch_dist, in UCP_DISTOPT_LOAD
 
 `save` takes one step of Megatron's distributed optimizer (DDP with overlapped grad reduction in small buckets, so
@@ -16,13 +18,18 @@ or as UCP_DISTOPT_SHARDING says). Both runs are deterministic: the same layout g
 `load_state_dict`, `load_parameter_state`). Both write OUT.r: each parameter's piece of master weight and Adam
 moments that rank r's optimizer holds, found through megatron-core's own range maps and keyed by the global
 parameter name (layers and experts numbered as in a tp1pp1 model), with the rank's TP rank and the parameter's TP
-partition dimension, so a test can assemble whole states and compare two layouts name by name.
+partition dimension, so a test can assemble whole states and compare two layouts name by name. With VPP > 1 each
+rank holds VPP model chunks (Megatron-LM's `model0`, `model1`, ... in the rank file and the state dicts), each its
+own DDP (only the first bucketed, as Megatron-LM builds them) under one optimizer. With UCP_DISTOPT_NEXT=1 every
+mode then takes one more step (gradients drawn as the first step's, from another seed) and writes OUT.next.r the
+same way: the state a job continuing from the checkpoint reaches, to compare with the saving job's own next step.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,10 +53,19 @@ from tests.megatron_worker import (
 # torch_dist: megatron-core 0.16.1's fully_reshardable save indexes the gathered, bucket-coalesced state with the
 # padded buffer's offsets, so with several buckets and bucket padding it stores later buckets' parameters shifted)
 BUCKET = None if os.environ.get("UCP_DISTOPT_BUCKET") == "none" else 2000
+
+
+def _layout(text: str) -> tuple[int, int, int, int]:
+    """TP, PP, EP and VPP from "TP,PP,EP[,VPP]"."""
+    sizes = [int(x) for x in text.split(",")]
+    return sizes[0], sizes[1], sizes[2], sizes[3] if len(sizes) > 3 else 1
+
+
 # the saved layout (DP: the world size over TP x PP; 4 ranks in pp2 x ep2: DP 2, expert DP 1)
-TP, PP, EP = (int(x) for x in os.environ.get("UCP_DISTOPT_SAVE", "1,2,2").split(","))
+TP, PP, EP, VPP = _layout(os.environ.get("UCP_DISTOPT_SAVE", "1,2,2"))
 # load's and load_dist's layout
-LOAD_TP, LOAD_PP, LOAD_EP = (int(x) for x in os.environ.get("UCP_DISTOPT_LOAD", "1,1,1").split(","))
+LOAD_TP, LOAD_PP, LOAD_EP, LOAD_VPP = _layout(os.environ.get("UCP_DISTOPT_LOAD", "1,1,1"))
+NEXT = os.environ.get("UCP_DISTOPT_NEXT") == "1"  # take one more step after the save or the load
 # UCP_DISTOPT_TIED=1: the output layer shares the embedding's weight; across pipeline stages megatron-core keeps a copy
 # on the last stage and gives both a grad buffer bucket of their own
 TIED = os.environ.get("UCP_DISTOPT_TIED") == "1"
@@ -58,11 +74,12 @@ SHARDING = os.environ.get("UCP_DISTOPT_SHARDING", "fully_reshardable")
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def global_name(name: str, pp_rank: int, ep_rank: int, pp: int, ep: int) -> str:
-    """A local parameter name of stage pp_rank, EP rank ep_rank, as the tp1pp1 model names it."""
+def global_name(name: str, chunk: int, ep_rank: int, chunks: int, ep: int) -> str:
+    """A local parameter name of model chunk `chunk` (virtual stage v of pipeline rank p: v * PP + p; the stage
+    itself without VPP) of `chunks`, EP rank ep_rank, as the tp1pp1 model names it."""
     parts = name.split(".")
     if name.startswith("decoder.layers."):
-        parts[2] = str(int(parts[2]) + pp_rank * (L // pp))
+        parts[2] = str(int(parts[2]) + chunk * (L // chunks))
         if "local_experts" in parts:
             i = parts.index("local_experts") + 1
             parts[i] = str(int(parts[i]) + ep_rank * (E // ep))
@@ -74,6 +91,20 @@ def rank_dirname(tp_rank: int, pp_rank: int, ep_rank: int, pp: int, ep: int) -> 
     return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
+def chunks_of(t: Trainable) -> list[torch.nn.Module]:
+    return t.model if isinstance(t.model, list) else [t.model]
+
+
+def named_parameters(t: Trainable, pp_rank: int, ep_rank: int, pp: int, ep: int) -> list[tuple[str, str, Any]]:
+    """(local name, global name, parameter) of every parameter of every model chunk of the rank."""
+    chunks = chunks_of(t)
+    out = []
+    for v, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters():
+            out.append((name, global_name(name, v * pp + pp_rank, ep_rank, pp * len(chunks), ep), p))
+    return out
+
+
 def shards(t: Trainable, pp_rank: int, ep_rank: int, pp: int, ep: int) -> dict[str, dict]:
     """Each parameter's range of its flattened (TP-local) values this rank's distributed optimizer holds, with its
     fp32 master weight and Adam moments there (megatron-core's own range maps and state accessors), the TP rank
@@ -82,13 +113,13 @@ def shards(t: Trainable, pp_rank: int, ep_rank: int, pp: int, ep: int) -> dict[s
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     out = {}
-    for name, p in t.model.named_parameters():
+    for name, global_, p in named_parameters(t, pp_rank, ep_rank, pp, ep):
         split = getattr(p, "tensor_model_parallel", False)
         for o in t.optimizer.chained_optimizers:
             if p in o.model_param_group_index_map:
                 r = o._get_model_param_range_map(p)["param"]
                 tensors = o._get_main_param_and_optimizer_states(p)
-                out[global_name(name, pp_rank, ep_rank, pp, ep)] = {
+                out[global_] = {
                     "range": (r.start, r.end),
                     "shape": tuple(p.shape),
                     "tp_rank": tp_rank,
@@ -126,28 +157,67 @@ def distinct_tp_shards(model: torch.nn.Module, tp_rank: int) -> None:
                 p[padding_start(p, tp_rank) :] = 0
 
 
-def step(t: Trainable, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> None:
-    """One optimizer step on gradients drawn per global parameter name (no forward pass: a pipeline needs none
-    to fill the grad buffers, and the buffers' layout is what is tested); the vocabulary padding rows get none,
-    so they stay zero, as ucp's atoms assume."""
-    t.ddp.zero_grad_buffer()
+def build(tp: int, pp: int, ep: int, vpp: int) -> torch.nn.Module | list[torch.nn.Module]:
+    """This rank's model in layout (tp, pp, ep), bf16: one module, or with vpp > 1 its model chunks."""
+    if vpp == 1:
+        return build_model(tp=tp, pp=pp, ep=ep, bf16=True, tied=TIED)
+    assert not TIED, "a tied embedding with virtual stages is not set up here"
+    return [build_model(tp=tp, pp=pp, ep=ep, bf16=True, vpp=vpp, vp_stage=v) for v in range(vpp)]
+
+
+def model_entries(t: Trainable, sharded: bool = False, metadata: dict | None = None) -> dict[str, Any]:
+    """The rank's model state dict(s) as Megatron-LM keys them: "model", or "model0", "model1", ... per chunk."""
+    chunks = chunks_of(t)
+    states = [c.sharded_state_dict(metadata=metadata) if sharded else c.state_dict() for c in chunks]
+    return {"model": states[0]} if not isinstance(t.model, list) else {f"model{v}": s for v, s in enumerate(states)}
+
+
+def load_models(t: Trainable, state: dict[str, Any]) -> None:
+    chunks = chunks_of(t)
+    for v, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model" if not isinstance(t.model, list) else f"model{v}"], strict=True)
+
+
+def next_step(t: Trainable, out: str, rank: int, pp: int, ep: int) -> None:
+    """With UCP_DISTOPT_NEXT: one more step (another draw of gradients), its state to OUT.next.r. Each parameter's
+    torch Adam `step` is first set to its param group's, as the group keeps it: megatron-core's loads without Apex
+    or Transformer Engine leave it otherwise (load_state_dict gives every parameter one and the same tensor, which
+    torch's Adam then increments once per parameter; the dp_reshardable load puts back the fresh optimizer's own
+    step, which the form does not save); TE's FusedAdam, as Megatron-LM runs on GPUs, keeps only the groups'."""
+    if not NEXT:
+        return
+    from megatron.core import parallel_state as ps
+
+    for o in t.optimizer.chained_optimizers:
+        for group in o.optimizer.param_groups:
+            for p in group["params"] if "step" in group else ():  # (a loaded group; the saving job's are as made)
+                o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+    pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    step(t, pp_rank, ep_rank, ps.get_tensor_model_parallel_rank(), pp, ep, draw=1)
+    torch.save(shards(t, pp_rank, ep_rank, pp, ep), f"{out}.next.{rank}")
+
+
+def step(t: Trainable, pp_rank: int, ep_rank: int, tp_rank: int = 0, pp: int = PP, ep: int = EP, draw: int = 0) -> None:
+    """One optimizer step on gradients drawn per global parameter name (and `draw`: another step's) (no forward
+    pass: a pipeline needs none to fill the grad buffers, and the buffers' layout is what is tested); every DP
+    rank gets the same, so DP's average is that gradient whatever the DP; the vocabulary padding rows get none, so
+    they stay zero, as ucp's atoms assume."""
+    for ddp in t.ddps:
+        ddp.zero_grad_buffer()
     t.optimizer.zero_grad()
-    for name, p in t.model.named_parameters():
+    for name, global_, p in named_parameters(t, pp_rank, ep_rank, pp, ep):
         # a tied output layer gets the embedding's gradient, as Megatron's all-reduce of the two makes it
-        seed = sum(
-            map(
-                ord,
-                EMBEDDING if TIED and name == "output_layer.weight" else global_name(name, pp_rank, ep_rank, PP, EP),
-            )
-        )
+        seed = sum(map(ord, EMBEDDING if TIED and name == "output_layer.weight" else global_)) + 104729 * draw
         if getattr(p, "tensor_model_parallel", False):
             seed += 7919 * tp_rank  # (a TP shard's own gradient; replicated parameters get the same on every rank)
         grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
         if name.endswith(("word_embeddings.weight", "output_layer.weight")):
             grad[padding_start(grad, tp_rank) :] = 0
         p.main_grad.copy_(grad)
-    t.ddp.start_grad_sync()
-    t.ddp.finish_grad_sync()
+    for ddp in t.ddps:
+        ddp.start_grad_sync()
+    for ddp in t.ddps:
+        ddp.finish_grad_sync()
     assert not t.optimizer.prepare_grads() and t.optimizer.step_with_ready_grads()
     t.scheduler.step(1)
 
@@ -165,10 +235,11 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
     if TIED or (torch_dist and SHARDING == "dp_zero_gather_scatter"):
         torch.Tensor.cuda = lambda self, *args, **kwargs: self
     tp_rank = ps.get_tensor_model_parallel_rank()
-    model = build_model(tp=TP, pp=PP, ep=EP, bf16=True, tied=TIED)
-    perturb(model)
-    if TP > 1:
-        distinct_tp_shards(model, tp_rank)
+    model = build(TP, PP, EP, VPP)
+    for chunk in model if isinstance(model, list) else [model]:
+        perturb(chunk)
+        if TP > 1:
+            distinct_tp_shards(chunk, tp_rank)
     if TIED:
         _tie(model, pp_rank)
     t = Trainable(model, bf16=True, distributed=True, bucket_size=BUCKET)
@@ -176,6 +247,7 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
     args = megatron_args(ep=EP, bf16=True)
     args.untie_embeddings_and_output_weights = not TIED
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = TP, PP
+    args.virtual_pipeline_model_parallel_size = VPP if VPP > 1 else None
     args.padded_vocab_size = 128 * TP  # (build_model's default padding)
     args.use_distributed_optimizer = True
     args.overlap_grad_reduce = BUCKET is not None
@@ -192,10 +264,10 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
         }
         os.makedirs(iter_dir, exist_ok=True)
         dist.barrier()
-        model_state = model.sharded_state_dict()
+        model_state = model_entries(t, sharded=True)
         state = {
             **common,
-            "model": model_state,
+            **model_state,
             "optimizer": t.optimizer.sharded_state_dict(model_state, metadata=metadata),
             "opt_param_scheduler": t.scheduler.state_dict(),
         }
@@ -205,7 +277,7 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
         os.makedirs(directory, exist_ok=True)
         state = {
             **common,
-            "model": t.model.state_dict(),
+            **model_entries(t),
             "optimizer": t.optimizer.state_dict(),
             "opt_param_scheduler": t.scheduler.state_dict(),
         }
@@ -217,6 +289,7 @@ def save(rank: int, ckpt: str, out: str, torch_dist: bool) -> None:
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(ITERATION))
     torch.save(shards(t, pp_rank, ep_rank, PP, EP), f"{out}.{rank}")
+    next_step(t, out, rank, PP, EP)
 
 
 def _keep_step_on_load() -> None:
@@ -243,20 +316,20 @@ def load(rank: int, ckpt: str, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     _keep_step_on_load()
-    model = build_model(tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP, bf16=True, tied=TIED)
-    t = Trainable(model, bf16=True, distributed=True, bucket_size=BUCKET)
+    t = Trainable(build(LOAD_TP, LOAD_PP, LOAD_EP, LOAD_VPP), bf16=True, distributed=True, bucket_size=BUCKET)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     ep_rank = ps.get_expert_model_parallel_rank()
     name = rank_dirname(tp_rank, pp_rank, ep_rank, LOAD_PP, LOAD_EP)
     directory = os.path.join(ckpt, f"iter_{ITERATION:07d}", name)
     state = torch.load(os.path.join(directory, "model_optim_rng.pt"), weights_only=False)
-    t.model.load_state_dict(state["model"], strict=True)
+    load_models(t, state)
     t.optimizer.load_state_dict(state["optimizer"])
     t.optimizer.load_parameter_state(os.path.join(directory, "distrib_optim.pt"))
     t.scheduler.load_state_dict(state["opt_param_scheduler"])
     result = shards(t, pp_rank, ep_rank, LOAD_PP, LOAD_EP)
     result["__lr__"] = [g["lr"] for g in t.optimizer.param_groups]
     torch.save(result, f"{out}.{rank}")
+    next_step(t, out, rank, LOAD_PP, LOAD_EP)
 
 
 def _fresh_state(t: Trainable) -> None:
@@ -278,31 +351,33 @@ def load_dist(rank: int, ckpt: str, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     _keep_step_on_load()
-    model = build_model(tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP, bf16=True, tied=TIED)
-    t = Trainable(model, bf16=True, distributed=True, bucket_size=BUCKET)
+    t = Trainable(build(LOAD_TP, LOAD_PP, LOAD_EP, LOAD_VPP), bf16=True, distributed=True, bucket_size=BUCKET)
     iter_dir = os.path.join(ckpt, f"iter_{ITERATION:07d}")
     _fresh_state(t)
     metadata = dist_checkpointing.load_content_metadata(iter_dir)
-    model_state = model.sharded_state_dict(metadata=metadata)
+    model_state = model_entries(t, sharded=True, metadata=metadata)
     optimizer_state = t.optimizer.sharded_state_dict(model_state, is_loading=True, metadata=metadata)
-    state = dist_checkpointing.load({"model": model_state, "optimizer": optimizer_state}, iter_dir)
-    model.load_state_dict(state["model"], strict=True)
+    state = dist_checkpointing.load({**model_state, "optimizer": optimizer_state}, iter_dir)
+    load_models(t, state)
     t.optimizer.load_state_dict(state["optimizer"])
+    if "opt_param_scheduler" in state:
+        t.scheduler.load_state_dict(state["opt_param_scheduler"])
     pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     result = shards(t, pp_rank, ep_rank, LOAD_PP, LOAD_EP)
     result["__lr__"] = [g["lr"] for g in t.optimizer.param_groups]
     result["__optimizers__"] = len(t.optimizer.chained_optimizers)
     torch.save(result, f"{out}.{rank}")
+    next_step(t, out, rank, LOAD_PP, LOAD_EP)
 
 
 if __name__ == "__main__":
     mode, ckpt, out = sys.argv[1:4]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if mode in ("save", "save_dist"):
-        setup(rank, world, tp=TP, pp=PP, ep=EP)
+        setup(rank, world, tp=TP, pp=PP, ep=EP, vpp=VPP)
         save(rank, ckpt, out, torch_dist=mode == "save_dist")
     else:
-        setup(rank, world, tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP)
+        setup(rank, world, tp=LOAD_TP, pp=LOAD_PP, ep=LOAD_EP, vpp=LOAD_VPP)
         (load_dist if mode == "load_dist" else load)(rank, ckpt, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -3,10 +3,11 @@ tests/test_qwen_moe.py): a GPT model with the local layer spec, q/k/v biases (Qw
 and with EXPERTS > 0 a mixture of experts in every layer (Qwen3-MoE: q/k norms and experts; Qwen2-MoE: biases,
 experts and a gated shared expert of SHARED_FFN; PRE_SOFTMAX is Megatron's moe_router_pre_softmax), built in TP 2,
 loads the rank files that `ucp convert` wrote strictly (every name and shape as Megatron's own) and writes its
-logits.
+logits. UCP_FAMILY_TP and UCP_FAMILY_KV set another TP degree (the world size) and number of query groups (KV
+heads: fewer than the TP ranks too, tests/test_megatron_kv_heads.py).
 
     python tests/megatron_family_worker.py CKPT OUT BIAS QK_NORM HEAD_DIM [EXPERTS FFN PRE_SOFTMAX SHARED_FFN]
-        as the ranks of a TP 2 world
+        as the ranks of a TP 2 world (or UCP_FAMILY_TP)
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.megatron_worker import setup, write_tp2_logits
 
-V, H, FFN, L, HEADS, KV = 100, 32, 48, 2, 4, 2
+V, H, FFN, L, HEADS = 100, 32, 48, 2, 4
+KV, TP = int(os.environ.get("UCP_FAMILY_KV", "2")), int(os.environ.get("UCP_FAMILY_TP", "2"))
 
 
 def main(
@@ -36,7 +38,7 @@ def main(
     shared_ffn: int = 0,
 ) -> None:
     rank = int(os.environ["RANK"])
-    setup(rank, 2, tp=2)
+    setup(rank, TP, tp=TP)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -71,7 +73,7 @@ def main(
         params_dtype=torch.float32,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=2,
+        tensor_model_parallel_size=TP,
     )
     spec = get_gpt_layer_local_spec(
         num_experts=experts or None, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=qk_norm

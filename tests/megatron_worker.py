@@ -53,7 +53,7 @@ def _import_megatron_unfused() -> None:
     megatron.core.jit.disable_jit_fuser()
 
 
-def setup(rank: int, world: int, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
+def setup(rank: int, world: int, tp: int = 1, ep: int = 1, pp: int = 1, vpp: int = 1) -> None:
     warnings.filterwarnings("ignore")
     _import_megatron_unfused()
     torch.cuda.current_device = lambda: "cpu"
@@ -66,7 +66,10 @@ def setup(rank: int, world: int, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     moe_utils.te_general_gemm = None
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )
 
 
@@ -78,9 +81,12 @@ def build_model(
     pp: int = 1,
     vocab_size: int | None = None,
     tied: bool = False,
+    vpp: int = 1,
+    vp_stage: int | None = None,
 ) -> torch.nn.Module:
     """The test model in this rank's part of layout (tp, pp, ep); vocab_size: its padded vocabulary (default 128 * tp);
-    tied: the output layer shares the embedding's weight."""
+    tied: the output layer shares the embedding's weight; vpp > 1: model chunk `vp_stage` of the rank's stage (the
+    layers of virtual stage vp_stage * pp + its pipeline rank)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -110,6 +116,7 @@ def build_model(
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         pipeline_dtype=dtype,
     )
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, normalization="RMSNorm")
@@ -123,8 +130,9 @@ def build_model(
         rotary_base=10000,
         share_embeddings_and_output_weights=tied,
         parallel_output=parallel_output,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
     )
 
 
@@ -163,23 +171,37 @@ def megatron_args(ep: int = 1, bf16: bool = False) -> argparse.Namespace:
 class Trainable:
     """The model wrapped as Megatron-LM trains it (Float16Module for bf16, then DDP), its optimizer and scheduler."""
 
-    def __init__(self, model: torch.nn.Module, bf16: bool, distributed: bool = False, bucket_size: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module | list[torch.nn.Module],
+        bf16: bool,
+        distributed: bool = False,
+        bucket_size: int | None = None,
+    ):
         """distributed: Megatron's distributed optimizer (state sharded over DP, saved in distrib_optim.pt);
-        bucket_size: with it, DDP overlaps its grad reduction and cuts its buffers into buckets of that size."""
+        bucket_size: with it, DDP overlaps its grad reduction and cuts its buffers into buckets of that size.
+        A list of models: the model chunks of virtual pipeline stages, each wrapped on its own, bucketed only the
+        first (as Megatron-LM's get_model does), under one optimizer."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
         self.model = model
-        wrapped = Float16Module(model.config, model) if bf16 else model
+        chunks = model if isinstance(model, list) else [model]
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=distributed,
             overlap_grad_reduce=bucket_size is not None,
             bucket_size=bucket_size,
         )
-        self.ddp = DistributedDataParallel(model.config, ddp_config, wrapped)
+        self.ddps = [
+            DistributedDataParallel(
+                c.config, ddp_config, Float16Module(c.config, c) if bf16 else c, disable_bucketing=i > 0
+            )
+            for i, c in enumerate(chunks)
+        ]
+        self.ddp = self.ddps[0]
         config = OptimizerConfig(
             optimizer="adam",
             lr=1e-2,
@@ -187,11 +209,11 @@ class Trainable:
             weight_decay=0.1,
             clip_grad=0.0,
             bf16=bf16,
-            params_dtype=model.config.params_dtype,
+            params_dtype=chunks[0].config.params_dtype,
             use_distributed_optimizer=distributed,
         )
         with _cuda_free_optimizer_setup():
-            self.optimizer = get_megatron_optimizer(config, [self.ddp])
+            self.optimizer = get_megatron_optimizer(config, self.ddps)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
@@ -275,8 +297,8 @@ def forward(model: torch.nn.Module, toks: torch.Tensor) -> torch.Tensor:
 
 def write_tp2_logits(cfg, spec, ckpt: str, out: str, rank: int) -> None:
     """The oracle workers' end (megatron_family_worker.py, megatron_deepseek_worker.py): megatron-core's GPT model of
-    `cfg` and `spec` in TP 2 loads this rank's file under CKPT strictly (every name and shape its own) and writes its
-    gathered logits to OUT.rank; then the process exits."""
+    `cfg` and `spec` in TP `cfg.tensor_model_parallel_size` (2 unless told) loads this rank's file under CKPT strictly
+    (every name and shape its own) and writes its gathered logits to OUT.rank; then the process exits."""
     import glob
 
     from megatron.core.models.gpt import GPTModel
@@ -284,7 +306,7 @@ def write_tp2_logits(cfg, spec, ckpt: str, out: str, rank: int) -> None:
     model = GPTModel(
         cfg,
         spec,
-        vocab_size=128 * 2,
+        vocab_size=128 * cfg.tensor_model_parallel_size,
         max_sequence_length=64,
         position_embedding_type="rope",
         rotary_base=10000,

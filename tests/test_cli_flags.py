@@ -39,6 +39,8 @@ APPLIES: dict[str, dict[str, Callable[[Variant], bool]]] = {
         "--vocab-size": lambda v: v["from"] != "universal",  # (read from a Megatron checkpoint's args)
         "--iteration": lambda v: v["from"] != "universal",
         "--target-ep": lambda v: v["to"] == "torch_dist",
+        "--target-layout": lambda v: v["to"] == "torch_dist",
+        "--config": lambda v: v["from"] == "torch_dist",  # (a save without Megatron-LM's args)
         "--step": lambda v: "universal" in (v["from"], v["to"]),
         "--memory-budget": ALWAYS,
         "--workers": ALWAYS,
@@ -59,7 +61,7 @@ APPLIES: dict[str, dict[str, Callable[[Variant], bool]]] = {
     "import": {
         "--step": ALWAYS,
         "--dtype": lambda v: v["from"] in ("hf", "dcp"),
-        "--config": lambda v: v["from"] == "dcp",
+        "--config": lambda v: v["from"] in ("dcp", "megatron-dist"),
         "--memory-budget": ALWAYS,
         "--workers": ALWAYS,
         "--no-progress": ALWAYS,
@@ -111,6 +113,7 @@ VALUES: dict[str, str | None] = {
     "--vocab-size": "512",
     "--iteration": "3",
     "--target-ep": "2",
+    "--target-layout": "tp2",
     "--memory-budget": "1GiB",
     "--workers": "2",
     "--no-progress": None,

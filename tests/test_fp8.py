@@ -5,6 +5,7 @@ quantization_config) imports as fp8 atoms and scale atoms, moves between layouts
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -21,7 +22,7 @@ from ucp.errors import LayoutError, UcpError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.weights import load_into_module, load_weights
 from ucp.layout import parse_layout
-from ucp.reshard import assemble
+from ucp.reshard import assemble, local_plan
 from ucp.sharded_model import extra_state, model_config_of, stored_dtypes
 
 from .helpers import DRAW, assert_same_state, perturb_parameters, step_path
@@ -58,20 +59,28 @@ QUANTISED = re.compile(r".*_proj(_with_mqa)?\.weight")  # the released checkpoin
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
-def quantise(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's fp8 recipe: per block, scale = max |w| / 448 and w / scale rounded to float8_e4m3fn."""
+def quantise(weight: torch.Tensor, block: list[int], ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's fp8 recipe: per block, scale = max |w| / 448 and w / scale rounded to float8_e4m3fn; with ue8m0 the
+    scale rounded up to a power of two and kept as float8_e8m0fnu (transformers' Fp8Quantize with scale_fmt ue8m0)."""
     (rows, cols), (b0, b1) = weight.shape, block
     grid = (-(-rows // b0), -(-cols // b1))
     padded = torch.zeros(grid[0] * b0, grid[1] * b1)
     padded[:rows, :cols] = weight.float()
     scales = padded.reshape(grid[0], b0, grid[1], b1).abs().amax(dim=(1, 3)).clamp(min=1e-8) / FP8_MAX
+    if ue8m0:
+        scales = torch.pow(2.0, torch.ceil(torch.log2(scales)))
     per_element = scales.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
-    return (weight.float() / per_element).to(torch.float8_e4m3fn), scales
+    quantised = (weight.float() / per_element).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantised, scales.to(torch.float8_e8m0fnu) if ue8m0 else scales
 
 
-def fp8_checkpoint(directory: Path, shape: dict, block: list[int], **overrides) -> transformers.DeepseekV3Config:
+def fp8_checkpoint(
+    directory: Path, shape: dict, block: list[int], ue8m0: bool = False, **overrides
+) -> transformers.DeepseekV3Config:
     """A random DeepSeek-V3 saved as the released checkpoints are: bf16, the router's correction bias fp32, the
-    linear weights of attention, dense MLPs and experts fp8 with their weight_scale_inv. Structure drawn at random."""
+    linear weights of attention, dense MLPs and experts fp8 with their weight_scale_inv. Structure drawn at random.
+    ue8m0: the scales powers of two stored as float8_e8m0fnu, quantization_config's scale_fmt "ue8m0" (as
+    transformers quantises and saves DeepSeek-V3.1's)."""
     rng = random.Random()
     drawn = {
         "q_lora_rank": rng.choice([None, 32]),
@@ -88,7 +97,7 @@ def fp8_checkpoint(directory: Path, shape: dict, block: list[int], **overrides) 
     out = {}
     for name, t in tensors.items():
         if QUANTISED.fullmatch(name):
-            out[name], out[name + "_scale_inv"] = quantise(t, block)
+            out[name], out[name + "_scale_inv"] = quantise(t, block, ue8m0)
         else:
             out[name] = t.float() if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
     safetensors_torch.save_file(out, directory / "model.safetensors", metadata={"format": "pt"})
@@ -99,6 +108,7 @@ def fp8_checkpoint(directory: Path, shape: dict, block: list[int], **overrides) 
         "fmt": "e4m3",
         "quant_method": "fp8",
         "weight_block_size": block,
+        **({"scale_fmt": "ue8m0"} if ue8m0 else {}),
     }
     (directory / "config.json").write_text(json.dumps(doc, indent=2))
     return config
@@ -236,6 +246,49 @@ def test_the_weights_loader_gives_fp8_with_local_scales_or_dequantises(tmp_path)
     filled = load_weights(str(tmp_path / "u"), layout, 1, into=into)
     for n, t in loaded[1].params.items():
         assert torch.equal(into[n], t) and filled.params[n].data_ptr() == into[n].data_ptr(), n
+    # as stored into the job's own tensors: each filled in place by the read, none made and copied over. A float8
+    # weight's tensor gets the bytes as stored (read straight into it), a bf16 one the weight dequantised; a weight
+    # without one comes as stored, with its scales
+    reader = ucp.open_checkpoint(str(tmp_path / "u"))
+    fp8_names = [n for n, t in stored[1].params.items() if t.dtype == torch.float8_e4m3fn]
+    as_bf16, as_fp8, left = fp8_names[0], fp8_names[1:-1], fp8_names[-1]
+    into = {n: torch.zeros_like(stored[1].params[n]) for n in as_fp8}
+    into[as_bf16] = torch.zeros_like(loaded[1].params[as_bf16])
+    into |= {
+        n: torch.zeros_like(t)
+        for n, t in stored[1].params.items()
+        if n.endswith("_scale_inv") and n != left + "_scale_inv"
+    }
+    storages = {t.untyped_storage().data_ptr(): n for n, t in into.items()}
+    destinations: dict[str, set[str | None]] = {}
+    read_object = reader.read_object
+
+    def recording(meta, index, dest_for):
+        def dest(box):
+            found = dest_for(box)
+            if found is not None:
+                where = storages.get(found[0].untyped_storage().data_ptr())
+                destinations.setdefault(meta.path, set()).add(where)
+            return found
+
+        read_object(meta, index, dest)
+
+    reader.read_object = recording
+    filled = load_weights(reader, layout, 1, into=into)
+    for n in as_fp8:
+        assert filled.params[n].data_ptr() == into[n].data_ptr(), n
+        assert torch.equal(bits(into[n]), bits(stored[1].params[n])), n
+    assert filled.params[as_bf16].data_ptr() == into[as_bf16].data_ptr()
+    assert torch.equal(into[as_bf16], loaded[1].params[as_bf16])
+    assert filled.params[left].dtype == torch.float8_e4m3fn and torch.equal(
+        bits(filled.params[left]), bits(stored[1].params[left])
+    )
+    assert left + "_scale_inv" in filled.params and as_bf16 + "_scale_inv" in filled.params
+    # every fp8 region read went straight into the job's tensor, and the dequantised one's into a buffer of its own
+    atom_of = {lt.key[1]: lt.pieces[0].atom for lt in local_plan(filled.config, layout, 1, ()) if lt.pieces}
+    for n in as_fp8:
+        assert destinations[f"model/{atom_of[n]}"] == {n}, n
+    assert destinations[f"model/{atom_of[as_bf16]}"] == {None}
     # a transformers model (bf16, no scales) by name
     module = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
     fresh = transformers.DeepseekV3ForCausalLM(module.config).to(torch.bfloat16).eval()
@@ -429,10 +482,11 @@ def test_what_cannot_carry_fp8_says_so(tmp_path, capsys):
     assert "deepseek_v3 only" in line and "config.json" in line
 
 
-def test_dcp_carries_the_fp8_atoms_as_they_are(tmp_path):
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_dcp_carries_the_fp8_atoms_as_they_are(tmp_path, ue8m0):
     from ucp.interop.dcp import export_dcp, import_dcp
 
-    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK)
+    fp8_checkpoint(tmp_path / "hf", SHAPE, BLOCK, ue8m0=ue8m0)
     import_hf(tmp_path / "hf", str(tmp_path / "u1"))
     export_dcp(str(tmp_path / "u1"), tmp_path / "dcp")
     with pytest.raises(UcpError, match="fp8 with block scales"):
@@ -440,5 +494,97 @@ def test_dcp_carries_the_fp8_atoms_as_they_are(tmp_path):
     import_dcp(tmp_path / "dcp", str(tmp_path / "u2"))
     export_hf(str(tmp_path / "u2"), tmp_path / "out")
     source, back = tensors_of(tmp_path / "hf"), tensors_of(tmp_path / "out")
-    assert all(torch.equal(bits(back[n]), bits(source[n])) for n in back)
+    assert all(back[n].dtype == source[n].dtype and torch.equal(bits(back[n]), bits(source[n])) for n in back)
     assert config_of(tmp_path / "out") == config_of(tmp_path / "hf")
+
+
+# DeepSeek-V3.1's power-of-two scales (scale_fmt ue8m0) as float8_e8m0fnu tensors, and transformers' fp8 modules
+
+
+# (as stored, whole blocks of 8 take TP 1 only: kv_a_proj_with_mqa's 24 rows are 3 blocks)
+@pytest.mark.parametrize("layout", DRAW.sample(["tp1pp3ep2dp2", "tp1pp3ep4dp4", "tp1dp2zero1"], 1))
+def test_e8m0_scales_are_carried_bitwise_and_dequantised_as_transformers_does(tmp_path, layout):
+    """A checkpoint whose scales are float8_e8m0fnu: imported as e8m0 scale atoms (tensorstore reads them exactly),
+    moved between layouts and exported bitwise (F8_E8M0 in the safetensors header); dequantised (bf16 export, the
+    weights loader in a layout TP 4 cuts) each block times its power of two as transformers' Fp8Dequantize computes
+    it, and transformers' own load of the checkpoint (CPU: dequantising) gives the bf16 export's parameters."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    fp8_checkpoint(tmp_path / "hf", WHOLE_SHAPE, WHOLE_BLOCK, ue8m0=True)
+    source = tensors_of(tmp_path / "hf")
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    reader = ucp.open_checkpoint(str(tmp_path / "u1"))
+    scale = "model/model.layers.1.self_attn.o_proj.weight_scale_inv"
+    assert reader.atoms[scale].dtype == "float8_e8m0fnu"
+    assert model_config_of(reader).weight_scale_dtype == "float8_e8m0fnu"
+    ts = pytest.importorskip("tensorstore")
+    path = str(step_path(tmp_path / "u1", 0) / scale)
+    array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, open=True).result()
+    assert array.dtype.name == "float8_e8m0fnu"
+    assert array.read().result().tobytes() == bits(source[scale.removeprefix("model/")]).numpy().tobytes()
+    # bitwise through a layout and back
+    reshape(str(tmp_path / "u1"), str(tmp_path / "u2"), layout)
+    reshape(str(tmp_path / "u2"), str(tmp_path / "u3"), "tp1")
+    export_hf(str(tmp_path / "u3"), tmp_path / "out")
+    back = tensors_of(tmp_path / "out")
+    if config_of(tmp_path / "hf")["tie_word_embeddings"]:
+        source.pop("lm_head.weight", None)  # (a tied copy: the embedding is the atom)
+    assert set(back) == set(source)
+    for name, t in source.items():
+        assert back[name].dtype == t.dtype and torch.equal(bits(back[name]), bits(t)), name
+    assert config_of(tmp_path / "out") == config_of(tmp_path / "hf")
+    # dequantised: transformers' Fp8Dequantize of the e8m0 scales
+    export_hf(str(tmp_path / "u1"), tmp_path / "bf16", dtype="bf16")
+    out = tensors_of(tmp_path / "bf16")
+    weights = [n for n in source if QUANTISED.fullmatch(n)]
+    for name in weights:
+        theirs = Fp8Dequantize(None)._dequantize_one(source[name], source[name + "_scale_inv"], torch.bfloat16)
+        assert torch.equal(out[name], theirs), name
+    lay = parse_layout("tp4")
+    loaded = [load_weights(reader, lay, r, dtype="bf16").local for r in range(lay.world_size)]
+    config = dataclasses.replace(model_config_of(reader), weight_block_size=None)
+    full = assemble(loaded, config, lay, ())["model"]
+    assert all(torch.equal(bits(t), bits(out[a])) for a, t in full.items())
+    pytest.importorskip("accelerate", reason="transformers loads fp8 checkpoints only with accelerate")
+    theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).state_dict()
+    ours = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "bf16").state_dict()
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[n], ours[n]) for n in theirs)
+
+
+def transformers_fp8_model(directory: Path) -> torch.nn.Module:
+    """transformers' own load of an fp8 checkpoint into its fp8 modules (FP8Linear; FP8Experts with fused gate/up and
+    fused scales), as stored. Its loader dequantises on a machine without a GPU, for FP8 kernels it would not have
+    here; only the environment check says so, and loading runs no kernel, so the check is skipped for this load."""
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    check = FineGrainedFP8HfQuantizer.validate_environment
+    FineGrainedFP8HfQuantizer.validate_environment = lambda self, *args, **kwargs: None
+    try:
+        return transformers.DeepseekV3ForCausalLM.from_pretrained(directory, device_map="cpu").eval()
+    finally:
+        FineGrainedFP8HfQuantizer.validate_environment = check
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_load_into_module_fills_transformers_fp8_modules_as_its_own_loader(tmp_path, ue8m0):
+    """transformers' fp8 model (FP8Linear weights and scales; FP8Experts' fused gate_up_proj, down_proj and their
+    fused scales; float32 or e8m0 scales as the config's scale_fmt says), its tensors zeroed, filled by
+    load_into_module from ucp's atoms: every tensor bitwise as transformers' own load of the checkpoint."""
+    pytest.importorskip("accelerate", reason="transformers loads fp8 checkpoints only with accelerate")
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    fp8_checkpoint(tmp_path / "hf", WHOLE_SHAPE, WHOLE_BLOCK, ue8m0=ue8m0, first_k_dense_replace=1)
+    import_hf(tmp_path / "hf", str(tmp_path / "u"))
+    reference = transformers_fp8_model(tmp_path / "hf")
+    module = transformers_fp8_model(tmp_path / "hf")
+    assert any(isinstance(m, FP8Experts) for m in module.modules())
+    fused = [n for n in module.state_dict() if n.endswith("experts.gate_up_proj_scale_inv")]
+    assert fused and module.state_dict()[fused[0]].dtype == (torch.float8_e8m0fnu if ue8m0 else torch.float32)
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            t.view(torch.uint8).zero_() if t.element_size() == 1 else t.zero_()
+    load_into_module(str(tmp_path / "u"), module)
+    theirs, ours = reference.state_dict(), module.state_dict()
+    assert set(theirs) == set(ours)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(bits(ours[name]), bits(t)), name

@@ -138,8 +138,9 @@ def test_validate_for_model():
     validate_for_model(parse_layout("tp4pp2ep4dp4"), small_config())
     with pytest.raises(LayoutError, match="tp=3 does not divide num_attention_heads=8"):
         validate_for_model(Layout(tp=3), small_config())
-    with pytest.raises(LayoutError, match="tp=8 does not divide num_key_value_heads=4"):
-        validate_for_model(Layout(tp=8), small_config())
+    validate_for_model(Layout(tp=8), small_config())  # (fewer KV heads than TP ranks: they share query groups)
+    with pytest.raises(LayoutError, match="tp=6 neither divides nor is a multiple of num_key_value_heads=4"):
+        validate_for_model(Layout(tp=6), small_config(num_attention_heads=12, head_dim=8))
     with pytest.raises(LayoutError, match="tp=4 does not divide intermediate_size=50"):
         validate_for_model(Layout(tp=4), small_config(intermediate_size=50))
     with pytest.raises(LayoutError, match="ep=8 does not divide num_local_experts=4"):

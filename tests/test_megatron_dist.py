@@ -16,12 +16,14 @@ import torch
 
 import ucp
 from ucp import cli as ucp_cli
+from ucp.errors import UcpError
 from ucp.families import LlamaConfig, canonical_atoms
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
 from ucp.interop.megatron_dist import dist_name
 from ucp.reshard import shard
 
+from .helpers import assert_same_state
 from .launch import spawn
 from .test_hf import random_full_state, save_in_layout, tiny_config
 
@@ -183,6 +185,57 @@ def test_cli_convert_torch_dist(torch_dist, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_target_layout_arguments_are_checked_before_anything_is_read(torch_dist, tmp_path, capsys):
+    """--target-layout names the job a --to torch_dist is written for (the optimizer in Megatron-LM's default form):
+    refused with another --to, beside --target-ep, malformed or not fitting the model; nothing at DST."""
+    from ucp.errors import LayoutError
+
+    root, _ = torch_dist
+    dst = tmp_path / "out"
+    for kwargs, error, match in (
+        ({"to_layout": "tp2", "target_layout": "tp2"}, UcpError, "--target-layout tp2: .* --to tp2 names its own"),
+        ({"to_layout": "torch_dist", "target_layout": "tp2", "target_ep": 2}, UcpError, "the layout names its EP"),
+        ({"to_layout": "torch_dist", "target_layout": "tp2x"}, LayoutError, "malformed Megatron layout 'tp2x'"),
+        ({"to_layout": "torch_dist", "target_layout": "tp3"}, LayoutError, "tp=3 does not divide"),
+    ):
+        with pytest.raises(error, match=match):
+            convert(str(root), str(dst), from_layout="torch_dist", **kwargs)
+        assert not dst.exists()
+    argv = ["convert", str(root), str(dst), "--from", "torch_dist", "--to", "tp2", "--target-layout", "tp2"]
+    assert ucp_cli.main(argv) == 1
+    assert capsys.readouterr().err.count("\n") == 1 and not dst.exists()
+    # a source without optimizer: the weights, with the target job's args
+    convert(str(root), str(dst), from_layout="torch_dist", to_layout="torch_dist", target_layout="tp2pp2")
+    args = torch.load(dst / ITER / "common.pt", weights_only=False)["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
+
+
+def _rank_files(ckpt: Path) -> dict[str, dict]:
+    return {d.name: load_rank_file(d / RANK_FILE) for d in sorted((ckpt / ITER).iterdir())}
+
+
+def test_an_iteration_directory_given_itself_converts_as_its_save_root_does(torch_dist, tmp_path, capsys):
+    """`ucp convert ROOT/iter_0000003 OUT --from torch_dist` is `ucp convert ROOT OUT ...` (users point at the
+    iteration they mean); the legacy format likewise; an --iteration that is not the directory's is refused."""
+    root, _ = torch_dist
+    convert(str(root), str(tmp_path / "a"), from_layout="torch_dist", to_layout="tp2pp2")
+    argv = ["convert", str(root / ITER), str(tmp_path / "b"), "--from", "torch_dist", "--to", "tp2pp2"]
+    assert ucp_cli.main([*argv, "--no-progress"]) == 0
+    assert "converted 41 atoms from torch_dist to tp2pp2" in capsys.readouterr().out
+    assert_same_state(_rank_files(tmp_path / "b"), _rank_files(tmp_path / "a"))
+    # the legacy format's iteration directory, too
+    convert(str(tmp_path / "a" / ITER), str(tmp_path / "c"), from_layout="tp2pp2", to_layout="tp1")
+    convert(str(tmp_path / "a"), str(tmp_path / "d"), from_layout="tp2pp2", to_layout="tp1")
+    assert_same_state(_rank_files(tmp_path / "c"), _rank_files(tmp_path / "d"))
+    for src, layout in ((root / ITER, "torch_dist"), (tmp_path / "a" / ITER, "tp2pp2")):
+        with pytest.raises(InteropError, match=f"--iteration 5, but {src} is"):
+            convert(str(src), str(tmp_path / "x"), from_layout=layout, to_layout="tp1", iteration=5)
+        assert not (tmp_path / "x").exists()
+    # a directory that is neither
+    with pytest.raises(InteropError, match="no latest_checkpointed_iteration.txt, and not an iter_NNNNNNN directory"):
+        convert(str(tmp_path / "a" / ITER / "mp_rank_00_000"), str(tmp_path / "x"), from_layout="tp1", to_layout="tp2")
+
+
 LAYOUTS = [(2, 2), (2, 1), (1, 2), (1, 1)]
 
 
@@ -238,3 +291,53 @@ def test_megatron_at_tp2_loads_a_torch_dist_whose_vocabulary_is_padded_as_at_tp1
     for rank in range(2):
         own, ours = torch.load(f"{out}.{rank}")
         assert sorted(ours) == sorted(own) and all(torch.equal(own[n], ours[n]) for n in own), rank
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dist_checkpointing_save_without_megatron_lms_args_converts_with_the_models_shape_given(tmp_path, capsys):
+    """megatron-core's dist_checkpointing alone saves no args: ucp says in one line what is missing and how to give
+    the model's shape; given as the model's Hugging Face config.json or as a JSON of the job's Megatron-LM
+    arguments, the conversion gives the atoms of the same model saved by Megatron-LM (with its args)."""
+    import json
+
+    from .megatron_worker import megatron_args
+
+    env = {"PYTHONWARNINGS": "ignore", "UCP_MEGATRON_BARE": "1"}
+    src = tmp_path / "src"
+    spawn(["tests/megatron_dist_worker.py", "save", "2", "1", str(src)], 2, timeout=300, env=env)
+    bare = tmp_path / "src-bare"
+    assert {"common.pt", "metadata.json", ".metadata"} <= {p.name for p in bare.iterdir()}
+    dst = tmp_path / "out"
+    with pytest.raises(InteropError, match="holds no Megatron-LM args .* give it with --config FILE"):
+        convert(str(bare), str(dst), from_layout="torch_dist", to_layout="universal")
+    assert not dst.exists()
+    assert ucp_cli.main(["convert", str(bare), str(dst), "--from", "torch_dist", "--to", "tp2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Hugging Face config.json" in err and not dst.exists()
+    convert(str(src), str(tmp_path / "u"), from_layout="torch_dist", to_layout="universal")
+    want = ucp.load(str(tmp_path / "u"))["model"]
+    cfg = tiny_config()
+    hf = {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        **{k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
+        **{k: getattr(cfg, k) for k in ("num_attention_heads", "num_key_value_heads", "num_local_experts")},
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    args = {k: v for k, v in vars(megatron_args()).items() if not isinstance(v, torch.dtype)}
+    (tmp_path / "args.json").write_text(json.dumps(args))
+    for given in ("config.json", "args.json"):
+        out = tmp_path / f"u-{given}"
+        argv = ["import", str(bare), str(out), "--from", "megatron-dist", "--config", str(tmp_path / given)]
+        assert ucp_cli.main([*argv, "--no-progress"]) == 0, capsys.readouterr().err
+        got = ucp.load(str(out))["model"]
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want), given
+    # a --config beside Megatron-LM's own args, or with another --from, is refused
+    with pytest.raises(InteropError, match="holds Megatron-LM's args, which give the model's shape already"):
+        convert(str(src), str(dst), from_layout="torch_dist", to_layout="tp1", model_config=tmp_path / "config.json")
+    with pytest.raises(UcpError, match="--from tp2 files have their args"):
+        convert(str(src), str(dst), from_layout="tp2", to_layout="tp1", model_config=tmp_path / "config.json")
+    assert not dst.exists()

@@ -15,6 +15,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from .launch import spawn
 from .megatron_worker import V
 from .test_convert import _replace, assert_bitwise_equal
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 SOURCE = "tp1pp2ep2"
 ITER = "iter_0000010"
 # hidden 36, FFN 52: parameter sizes that are not multiples of 64, so megatron-core pads between parameters and the
@@ -138,13 +139,15 @@ def test_a_tied_embedding_across_stages_has_a_bucket_of_its_own(tmp_path):
     converts_and_loads(src, saved, tmp_path, env)
 
 
-def test_tp2pp2_dp2_to_tp4_dp1_loads_in_megatron_and_back_is_bitwise(tmp_path):
+@pytest.mark.parametrize(("heads", "kv"), [(8, 4), (4, 2), (4, 1)])
+def test_tp2pp2_dp2_to_tp4_dp1_loads_in_megatron_and_back_is_bitwise(tmp_path, heads, kv):
     """megatron-core's DistributedOptimizer in tp2pp2 with DP 2 (8 processes; several buckets on the first stage,
-    each TP shard with values of its own; GQA with 8 heads in 4 query groups, so TP 4 fits) -> ucp -> tp4 with
-    DP 1: megatron-core's tp4 job (4 processes) loads the files, and every parameter's master weight and moments,
-    joined from its TP shards, are bitwise the saved ones. Converted back to tp2pp2, every file is bitwise the
-    source's."""
-    env = {**ENV, "UCP_MEGATRON_SHAPE": "40,52,2,4,8,4", "UCP_DISTOPT_SAVE": "2,2,1", "UCP_DISTOPT_LOAD": "4,1,1"}
+    each TP shard with values of its own; GQA with `heads` heads in `kv` query groups: TP 4 divides them, or is a
+    multiple of them and the ranks of a group each hold a run of its fused QKV rows) -> ucp -> tp4 with DP 1:
+    megatron-core's tp4 job (4 processes) loads the files, and every parameter's master weight and moments, joined
+    from its TP shards, are bitwise the saved ones. Converted back to tp2pp2, every file is bitwise the source's."""
+    shape = f"40,52,2,4,{heads},{kv}"
+    env = {**ENV, "UCP_MEGATRON_SHAPE": shape, "UCP_DISTOPT_SAVE": "2,2,1", "UCP_DISTOPT_LOAD": "4,1,1"}
     src, saved = save(tmp_path, env, world=8)
     assert saved["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]["exp_avg"].abs().sum() > 0
     report = convert(str(src), str(tmp_path / "tp4"), from_layout="tp2pp2", to_layout="tp4")
@@ -318,7 +321,8 @@ def test_torch_dist_dp_reshardable_optimizer_converts_to_megatrons_own_files(tmp
     and saves it in the torch_dist format (dp_reshardable) and in the torch format (distrib_optim.pt). ucp converts
     the torch_dist checkpoint to A's torch format: every distrib_optim.pt and model is bitwise megatron-core's own.
     To tp1, it gives the same files as the torch-format source (which megatron-core loads: the tests above); back to
-    torch_dist, megatron-core in ep2 loads the same state from it."""
+    torch_dist, megatron-core in ep2 loads the same state from it. The torch-format source written by ucp into
+    torch_dist in that form for A (`target_layout`) is megatron-core's own dp_reshardable save."""
     pytest.importorskip("megatron.core")
     env = {**ENV, "UCP_DISTOPT_SAVE": saved_in}
     layout = DP_RESHARDABLE_LAYOUTS[saved_in]
@@ -354,6 +358,15 @@ def test_torch_dist_dp_reshardable_optimizer_converts_to_megatrons_own_files(tmp
     via_files, via_dist = assemble(tmp_path / "l1", 2), assemble(tmp_path / "l2", 2)
     assert set(via_files) == set(via_dist) and len(via_files) > 20
     assert_same_states(via_dist, via_files)
+    # the torch-format source written by ucp in that form for layout A: megatron-core's own dp_reshardable save
+    convert(
+        str(tmp_path / "torch"),
+        str(tmp_path / "ours"),
+        from_layout=layout,
+        to_layout="torch_dist",
+        target_layout=layout,
+    )
+    assert_megatrons_own_buckets(tmp_path / "ours", tmp_path / "dist", layout)
     damaged_dp_reshardable_is_refused(tmp_path / "dist", tmp_path)
 
 
@@ -442,6 +455,18 @@ def test_torch_dist_param_groups_ucp_does_not_know_are_refused(distopt, tmp_path
     assert not dst.exists()
 
 
+def load_dist(ckpt: Path, out: Path, layout: str, processes: int, env: dict[str, str]) -> dict[str, dict]:
+    """A megatron-core job of `layout` ("TP,PP,EP[,VPP]") on `processes` loads the torch_dist checkpoint CKPT as
+    Megatron-LM does (megatron_distopt_worker load_dist); each parameter's whole state, as it holds it."""
+    spawn(
+        ["tests/megatron_distopt_worker.py", "load_dist", str(ckpt), str(out)],
+        processes,
+        300,
+        {**env, "UCP_DISTOPT_LOAD": layout},
+    )
+    return assemble(out, processes)
+
+
 # a job that loads a torch_dist checkpoint ucp wrote: its (TP, PP, EP) and process count
 TORCH_DIST_LOADS = {"1,1,2": 2, "1,2,1": 2, "1,2,2": 4, "1,1,1": 2, "2,1,1": 2, "2,2,1": 4}
 
@@ -457,14 +482,7 @@ def test_the_distributed_optimizer_written_into_torch_dist_loads_in_megatron(dis
     dist = tmp_path / "dist"
     report = convert(str(src), str(dist), from_layout=SOURCE, to_layout="torch_dist", target_ep=ep)
     assert report.dropped == ()
-    processes = TORCH_DIST_LOADS[load_in]
-    spawn(
-        ["tests/megatron_distopt_worker.py", "load_dist", str(dist), str(tmp_path / "loaded")],
-        processes,
-        300,
-        {**ENV, "UCP_DISTOPT_LOAD": load_in},
-    )
-    loaded = assemble(tmp_path / "loaded", processes)
+    loaded = load_dist(dist, tmp_path / "loaded", load_in, TORCH_DIST_LOADS[load_in], ENV)
     assert set(loaded) == set(saved)
     assert_same_states(loaded, saved)
     info = torch.load(f"{tmp_path / 'loaded'}.0", weights_only=True)
@@ -479,3 +497,157 @@ def test_the_distributed_optimizer_written_into_torch_dist_loads_in_megatron(dis
     convert(str(tmp_path / "u"), str(tmp_path / "via_u"), from_layout="universal", to_layout="torch_dist", target_ep=ep)
     data = f"{ITER}/__0_0.distcp"
     assert (tmp_path / "via_u" / data).read_bytes() == (dist / data).read_bytes()
+
+
+# Megatron-LM's default torch_dist form (dp_reshardable) written by ucp for a loading job's layout
+
+
+def bucket_tensors(iter_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every dp_reshardable bucket tensor of a torch_dist iteration (read whole with torch's DCP reader) and every
+    optimizer object (param groups, bucket sizes), by key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    from ucp.interop.dcp import read_metadata
+    from ucp.interop.megatron_dist import DistTensors
+
+    metadata = read_metadata(iter_dir)
+    entries = metadata.state_dict_metadata
+    tensors = {
+        k: torch.empty(e.size, dtype=e.properties.dtype)
+        for k, e in entries.items()
+        if isinstance(e, TensorStorageMetadata) and ".bucket_idx_" in k
+    }
+    dcp.load(tensors, checkpoint_id=str(iter_dir), no_dist=True)
+    reader = DistTensors(iter_dir, metadata)
+    objects = {k: reader.obj(k) for k, e in entries.items() if isinstance(e, BytesStorageMetadata) and "optimizer" in k}
+    return tensors, objects
+
+
+def parameter_spans(config: Any, layout: Any, bucket_size: int | None) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """Where parameters lie in each dp_reshardable bucket of a job of `layout`: (the grad buffer's key prefix
+    `[chained_I.]optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<G>`, bucket) -> [start, end) of each."""
+    from ucp.interop.megatron_distrib_optim import grad_buffers
+
+    spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        optimizers = grad_buffers(config, layout, rank, bucket_size)
+        for i, buffers in enumerate(optimizers):
+            idx = c.tp + layout.tp * ((c.ep + layout.ep * c.pp) if i == 1 else c.pp)
+            chained = f"chained_{i}." if len(optimizers) > 1 else ""
+            for g, buffer in enumerate(buffers):
+                for slot in buffer.slots:
+                    at = (f"{chained}optimizer.distributed.dp_group_idx_{idx}.gbuf_idx_{g}", slot.bucket)
+                    spans.setdefault(at, []).append((slot.bucket_offset, slot.bucket_offset + slot.param.numel))
+    return spans
+
+
+def assert_megatrons_own_buckets(ours: Path, megatrons: Path, layout: str) -> None:
+    """ucp's dp_reshardable torch_dist for `layout` holds megatron-core's own save in that layout: the same keys,
+    objects (param groups, bucket sizes) and common.pt entries, and every parameter's values in every bucket
+    bitwise (between parameters megatron-core saves the uninitialised memory of its alignment padding, ucp zeros)."""
+    from ucp.interop.megatron import bucket_size_of, parse_megatron_layout
+    from ucp.interop.megatron_dist import COMMON, open_torch_dist
+
+    ours_t, ours_o = bucket_tensors(ours / ITER)
+    theirs_t, theirs_o = bucket_tensors(megatrons / ITER)
+    assert sorted(ours_t) == sorted(theirs_t) and len(ours_t) > 10
+    assert ours_o == theirs_o
+    common = [torch.load(d / ITER / COMMON, weights_only=False) for d in (ours, megatrons)]
+    assert common[0]["optimizer"] == common[1]["optimizer"]
+    assert common[0]["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    source = open_torch_dist(megatrons)
+    spans = parameter_spans(source.config, parse_megatron_layout(layout), bucket_size_of(source.args))
+    for key, theirs in theirs_t.items():
+        m = re.fullmatch(r"(.+\.gbuf_idx_\d+)\.dtype_.+\.bucket_idx_(\d+)\.\w+", key)
+        assert m is not None, key
+        held = torch.zeros(theirs.numel(), dtype=torch.bool)
+        for lo, hi in spans[(m[1], int(m[2]))]:
+            held[lo:hi] = True
+        assert torch.equal(ours_t[key][held], theirs[held]), key
+        assert not ours_t[key][~held].any(), key
+
+
+# (TP, PP, EP[, VPP]) a job saves in with 4 processes -> processes of the job in that layout that resumes; one KV head
+# in 4 query heads, below TP 2 (the ranks of the query group share it)
+RESUMED = {"2,1,1": 2, "1,2,1,2": 2, "2,1,2": 4, "1,2,2": 4}
+RESUME_ENV = {**ENV, "UCP_MEGATRON_SHAPE": "36,52,4,4,4,1", "UCP_DISTOPT_NEXT": "1"}
+
+
+def _processes(layout: str) -> int:
+    tp, pp, ep = (int(x) for x in layout.split(",")[:3])
+    return tp * pp * ep  # (the fewest a job of that layout runs on: DP = EP)
+
+
+@pytest.mark.parametrize("layout", DRAW.sample(sorted(RESUMED), 2))
+def test_torch_dist_in_megatron_lms_default_form_resumes_with_the_saving_jobs_next_step(tmp_path, layout):
+    """A job of megatron-core's distributed optimizer in layout A (DP 2) takes a step, saves torch-format files,
+    then takes the next step. ucp converts the files, through its own format, to torch_dist with the optimizer in
+    Megatron-LM's default form for A (`--target-layout`); a job in A with another DP (the form is DP-reshardable)
+    loads it as Megatron-LM does and holds every parameter's master weight and moments bitwise as saved, and its
+    next step on the same gradients gives bitwise the saving job's next state."""
+    env = {**RESUME_ENV, "UCP_DISTOPT_SAVE": layout}
+    tp, pp, ep, *vpp = (int(x) for x in layout.split(","))
+    name = f"tp{tp}pp{pp}" + (f"vpp{vpp[0]}" if vpp else "") + (f"ep{ep}" if ep > 1 else "")
+    src, saved = save(tmp_path, env)
+    following = assemble(tmp_path / "saved.next", 4)
+    convert(str(src), str(tmp_path / "u"), from_layout=name, to_layout="universal")
+    report = convert(
+        str(tmp_path / "u"), str(tmp_path / "dist"), from_layout="universal", to_layout="torch_dist", target_layout=name
+    )
+    assert report.dropped == ()
+    # straight from the files: the same data file
+    convert(str(src), str(tmp_path / "direct"), from_layout=name, to_layout="torch_dist", target_layout=name)
+    data = f"{ITER}/__0_0.distcp"
+    assert (tmp_path / "direct" / data).read_bytes() == (tmp_path / "dist" / data).read_bytes()
+    processes = RESUMED[layout]
+    loaded = load_dist(tmp_path / "dist", tmp_path / "loaded", layout, processes, env)
+    resumed = assemble(tmp_path / "loaded.next", processes)
+    assert set(loaded) == set(saved) == set(resumed) and len(saved) > 20
+    assert_same_states(loaded, saved)
+    assert_same_states(resumed, following)
+    assert any(not torch.equal(following[n]["param"], saved[n]["param"]) for n in saved)  # (a step was taken)
+
+
+def test_virtual_pipeline_stages_distributed_optimizer_against_megatron_core(tmp_path):
+    """megatron-core's distributed optimizer with virtual pipeline stages (tp1pp2vpp2, 4 layers, DP 2: each rank two
+    model chunks, a grad buffer each, only the first bucketed) saves torch-format files and, for the same step,
+    torch_dist in the dp_reshardable form. ucp reads both: to tp1, the two give the same files, which a DP 2
+    megatron-core job loads with every parameter's state as saved; back to tp1pp2vpp2, every file is bitwise the
+    source's; written for tp1pp2vpp2 in the dp_reshardable form, it is megatron-core's own save."""
+    env = {**ENV, "UCP_MEGATRON_SHAPE": "36,52,4,4,4,2", "UCP_DISTOPT_SAVE": "1,2,1,2"}
+    layout = "tp1pp2vpp2"
+    src, saved = save(tmp_path, env)
+    worker = "tests/megatron_distopt_worker.py"
+    spawn(
+        [worker, "save_dist", str(tmp_path / "dist"), str(tmp_path / "s2")],
+        4,
+        300,
+        {**env, "UCP_DISTOPT_SHARDING": "dp_reshardable"},
+    )
+    assert_same_states(assemble(tmp_path / "s2", 4), saved)  # (the same step)
+    convert(str(src), str(tmp_path / "tp1"), from_layout=layout, to_layout="tp1")
+    convert(str(tmp_path / "dist"), str(tmp_path / "tp1_dist"), from_layout="torch_dist", to_layout="tp1")
+    assert_bitwise_equal(files_of(tmp_path / "tp1_dist"), files_of(tmp_path / "tp1"), "tp1 from torch_dist")
+    spawn([worker, "load", str(tmp_path / "tp1"), str(tmp_path / "loaded")], 2, 300, env)
+    loaded = assemble(tmp_path / "loaded", 2)
+    assert set(loaded) == set(saved) and len(loaded) > 40
+    assert_same_states(loaded, saved)
+    convert(str(tmp_path / "tp1"), str(tmp_path / "back"), from_layout="tp1", to_layout=layout)
+    assert_bitwise_equal(files_of(tmp_path / "back"), files_of(src), f"tp1 -> {layout}")
+    convert(str(src), str(tmp_path / "ours"), from_layout=layout, to_layout="torch_dist", target_layout=layout)
+    assert_megatrons_own_buckets(tmp_path / "ours", tmp_path / "dist", layout)
+
+
+@pytest.mark.parametrize("load_in", DRAW.sample(["2,1,1", "2,2,1", "1,1,2", "2,1,2"], 1))
+def test_the_default_form_written_for_another_layout_loads_in_megatron(distopt, tmp_path, load_in):
+    """The tp1pp2ep2 source's distributed optimizer written into torch_dist in Megatron-LM's default form for another
+    layout B: megatron-core in B loads it, every parameter's master weight and moments bitwise as saved."""
+    src, saved = distopt
+    tp, pp, ep = (int(x) for x in load_in.split(","))
+    target = f"tp{tp}pp{pp}" + (f"ep{ep}" if ep > 1 else "")
+    convert(str(src), str(tmp_path / "dist"), from_layout=SOURCE, to_layout="torch_dist", target_layout=target)
+    loaded = load_dist(tmp_path / "dist", tmp_path / "loaded", load_in, _processes(load_in), ENV)
+    assert set(loaded) == set(saved)
+    assert_same_states(loaded, saved)

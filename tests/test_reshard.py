@@ -94,6 +94,30 @@ def test_fused_qkv_gqa_tp2():
     assert torch.equal(local, torch.cat([q[0:4], k[0:2], v[0:2], q[4:8], k[2:4], v[2:4]]))
 
 
+@pytest.mark.parametrize("kv, tp", [(1, 2), (1, 4), (2, 4)])
+def test_fused_qkv_with_fewer_kv_heads_than_tp_ranks_is_megatron_cores_row_split(kv, tp):
+    """megatron-core (attention.py, num_query_groups < tp) keeps linear_qkv a ColumnParallelLinear over the global
+    fused tensor [q heads of group 0; k0; v0; q heads of group 1; ...]: rank t holds its t-th run of rows, which may
+    end inside a group or a head (checked against megatron-core itself in tests/test_megatron_kv_heads.py)."""
+    cfg = config(num_key_value_heads=kv, head_dim=3 if tp == 2 else 2)
+    full = full_state(cfg, arange=True)
+    m = full["model"]
+    q, k, v = (m[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    hd, qh = cfg.head_dim, 4 // kv
+    fused = torch.cat(
+        [
+            torch.cat([q[g * qh * hd : (g + 1) * qh * hd], k[g * hd : (g + 1) * hd], v[g * hd : (g + 1) * hd]])
+            for g in range(kv)
+        ]
+    )
+    layout = Layout(tp=tp)
+    for t in range(tp):
+        local = shard(full, cfg, layout, t)["model"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+        assert torch.equal(local, fused.chunk(tp)[t]), t
+    _, back = round_trip(cfg, layout, full)
+    assert tree_equal(back, full)
+
+
 def test_gate_up_and_row_parallel_tp2():
     cfg = config()
     full = full_state(cfg, arange=True)
@@ -376,9 +400,12 @@ def test_plan_of_one_rank_at_scale():
 
 @st.composite
 def model_and_layout(draw):
-    tp = draw(st.sampled_from([1, 2]))
-    kv = tp * draw(st.integers(1, 2))
-    heads = kv * draw(st.integers(1, 2))
+    tp = draw(st.sampled_from([1, 2, 4]))
+    # KV heads a multiple of TP, or fewer than TP ranks (a divisor of it: ranks share a query group)
+    kv = draw(st.sampled_from([tp, 2 * tp] + [d for d in (1, 2) if d < tp]))
+    heads = max(kv, tp) * draw(st.integers(1, 2))
+    # the fused QKV's rows, kv * (heads/kv + 2) * head_dim, split evenly over TP
+    head_dim = draw(st.integers(1, 3).filter(lambda hd: (2 * kv * hd) % tp == 0))
     ep = draw(st.sampled_from([1, 2]))
     experts = ep * draw(st.integers(1, 2))
     dp = ep * draw(st.integers(1, 2))
@@ -397,7 +424,7 @@ def model_and_layout(draw):
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        head_dim=draw(st.integers(1, 3)),
+        head_dim=head_dim,
         num_local_experts=experts,
         tie_word_embeddings=draw(st.booleans()),
         make_vocab_size_divisible_by=draw(st.sampled_from([1, 2, 4])),

@@ -81,6 +81,9 @@ def test_fused_qkv_and_gate_up_follow_local_state_md():
     v = torch.arange(300, 302.0).view(kv_heads * head_dim, hidden)
     assert shard_qkv(q, k, v, heads, kv_heads, 0, 1).flatten().tolist() == [100, 101, 200, 300, 102, 103, 201, 301]
     assert shard_qkv(q, k, v, heads, kv_heads, 1, 2).flatten().tolist() == [102, 103, 201, 301]
+    # fewer KV heads than TP ranks: each rank a run of the rows of the global fused tensor, as megatron-core holds it
+    assert shard_qkv(q, k, v, heads, kv_heads, 1, 4).flatten().tolist() == [200, 300]
+    assert shard_qkv(q, k[:1], v[:1], heads, 1, 1, 2).flatten().tolist() == [103, 200, 300]
     w1, w3 = torch.arange(4.0).view(4, 1), torch.arange(10, 14.0).view(4, 1)
     assert shard_gate_up(w1, w3, 1, 2).flatten().tolist() == [2, 3, 12, 13]
     assert padded_vocab_size(500, 128, 1) == 512 and padded_vocab_size(500, 128, 4) == 512
@@ -184,6 +187,14 @@ def test_layouts_train_like_tp1pp1(run, layout):
     _assert_close(run(layout), reference)
 
 
+@pytest.mark.parametrize("layout", ["tp2pp1", "tp4pp1"])
+def test_fewer_kv_heads_than_tp_ranks_train_like_tp1pp1(run, layout):
+    """One KV head (4 query heads) over TP 2 and 4: the ranks of the one query group each hold a run of its fused QKV
+    rows, gather the group's output and attend with their own query heads (megatron-core's layout)."""
+    one_kv_head = ("--set", "model.num_kv_heads=1")
+    _assert_close(run(layout, *one_kv_head), run("tp1pp1", *one_kv_head))
+
+
 @pytest.mark.slow
 def test_tied_embeddings_over_an_uneven_pipeline_train_like_tp1pp1(run):
     # (Experts split over both TP and EP are checked, with ZeRO-1, by the state-assembly test below.)
@@ -239,6 +250,12 @@ def test_initial_local_params_equal_ucp_shard_of_the_initial_atoms(layout, tied,
     _ucp()
     cfg = load_config(TINY, [f"model.tie_word_embeddings={str(tied).lower()}"]).model
     assert_initial_params_equal_ucp_shard(cfg, layout, stage_layers)
+
+
+@pytest.mark.parametrize(("layout", "kv_heads"), [("tp2pp1", 1), ("tp4pp1", 1), ("tp4pp1", 2)])
+def test_with_fewer_kv_heads_than_tp_ranks_local_params_equal_ucp_shard(layout, kv_heads):
+    cfg = load_config(TINY, [f"model.num_kv_heads={kv_heads}"]).model
+    assert_initial_params_equal_ucp_shard(cfg, layout, None)
 
 
 def assert_initial_params_equal_ucp_shard(cfg: ModelConfig, layout: str, stage_layers: list[int] | None) -> None:

@@ -17,9 +17,11 @@ from torch import nn
 
 from .config import ModelConfig
 from .parallel.expert import ExpertRouting
+from .parallel.mesh import group_rank
 from .parallel.tensor import (
     column_parallel,
     copy_to_tp,
+    gather_from_tp,
     padded_vocab_size,
     reduce_from_tp,
     row_parallel,
@@ -72,31 +74,50 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with fused, TP-split QKV (each TP rank holds kv_heads/T whole query groups)."""
+    """Grouped-query attention with fused, TP-split QKV, laid out as megatron-core lays it out (docs/LOCAL_STATE.md):
+    with TP dividing the KV heads each rank holds kv_heads/T whole query groups; with fewer KV heads than TP ranks
+    (T a multiple of them) the T/kv_heads ranks of a group each hold a run of its rows, gather the group's QKV
+    output and keep their heads/T query heads of it (megatron-core's attention.py, num_query_groups < tp)."""
 
     def __init__(self, cfg: ModelConfig, tp: int, tp_group):
         super().__init__()
-        if cfg.num_kv_heads % tp:
-            raise ValueError(f"num_kv_heads={cfg.num_kv_heads} must be divisible by tp={tp}")
+        kv, heads = cfg.num_kv_heads, cfg.num_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"tp={tp} must divide num_kv_heads={kv} or be a multiple of it")
+        if heads % tp:
+            raise ValueError(f"num_heads={heads} must be divisible by tp={tp}")
         self.head_dim = cfg.kv_channels
-        self.groups = cfg.num_kv_heads // tp
-        self.heads_per_group = cfg.num_heads // cfg.num_kv_heads
+        self.heads_per_group = heads // kv
         self.tp_group = tp_group
-        local_heads = self.groups * self.heads_per_group
-        self.linear_qkv = Weight((local_heads + 2 * self.groups) * self.head_dim, cfg.hidden_size)
-        self.linear_proj = Weight(cfg.hidden_size, local_heads * self.head_dim)
+        self.shared = kv < tp  # ranks share a query group
+        self.groups = 1 if self.shared else kv // tp  # query groups in this rank's QKV output (after the gather)
+        self.local_heads = heads // tp
+        if self.shared:
+            tp_rank = group_rank(tp_group)
+            self.group_of_rank = tp_rank // (tp // kv)  # its group among the gathered ones
+            self.first_head = (tp_rank % (tp // kv)) * self.local_heads  # its query heads in that group
+            self.gathered_groups = kv
+        rows = kv * (self.heads_per_group + 2) * self.head_dim
+        if rows % tp:
+            raise ValueError(f"tp={tp} must divide the {rows} rows of the fused QKV")
+        self.linear_qkv = Weight(rows // tp, cfg.hidden_size)
+        self.linear_proj = Weight(cfg.hidden_size, self.local_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = column_parallel(x, self.linear_qkv.weight, self.tp_group)
-        qkv = qkv.view(b, s, self.groups, self.heads_per_group + 2, self.head_dim)
+        if self.shared:
+            qkv = gather_from_tp(qkv, self.tp_group).view(b, s, self.gathered_groups, -1)[:, :, self.group_of_rank]
+        qkv = qkv.reshape(b, s, self.groups, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, -2].transpose(1, 2)
         v = qkv[:, :, :, -1].transpose(1, 2)
+        if self.shared:  # this rank's query heads of the group, all of which attend to its one KV head
+            q = q[:, self.first_head : self.first_head + self.local_heads]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k = k.repeat_interleave(self.heads_per_group, dim=1)
-        v = v.repeat_interleave(self.heads_per_group, dim=1)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim)
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         scores = scores.masked_fill(causal, float("-inf"))

@@ -1,9 +1,9 @@
 """Data types: torch <-> Zarr v3 names, and the extension data types (`bfloat16`, the float8s) for zarr-python.
 
-Zarr v3 names the core types (bool, int8..int64, uint8, float16/32/64). bfloat16, float8_e4m3fn and float8_e5m2
-are the extension data types of those names, which tensorstore reads natively; for zarr-python see
+Zarr v3 names the core types (bool, int8..int64, uint8, float16/32/64). bfloat16, float8_e4m3fn, float8_e5m2 and
+float8_e8m0fnu are the extension data types of those names, which tensorstore reads natively; for zarr-python see
 `ucp.zarr_bfloat16`. The float8s hold block-quantised weights (DeepSeek-V3's), whose scales are atoms of their own
-(`ucp.quantization`).
+(`ucp.quantization`): float32, or float8_e8m0fnu (a power of two per byte, as DeepSeek-V3.1's `scale_fmt: ue8m0`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ _BY_NAME: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
 }
 _BY_TORCH: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
 
@@ -87,6 +88,6 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def register_bfloat16_with_zarr() -> None:
-    """Teach zarr-python the extension data types `bfloat16`, `float8_e4m3fn` and `float8_e5m2` (kept out of
-    `import ucp`: zarr is slow to import)."""
+    """Teach zarr-python the extension data types `bfloat16`, `float8_e4m3fn`, `float8_e5m2` and `float8_e8m0fnu`
+    (kept out of `import ucp`: zarr is slow to import)."""
     from . import zarr_bfloat16  # noqa: F401  (registers on import)

@@ -138,7 +138,8 @@ def _model_line(model: dict[str, Any] | None) -> list[str]:
     if isinstance(block, list):  # (block-quantised linear weights: ucp.quantization)
         quant = hf.get("quantization_config") if isinstance(hf.get("quantization_config"), dict) else {}
         lines.append(
-            f"quantised   fp8 {quant.get('fmt', 'e4m3')} linear weights (float8_e4m3fn), one float32 scale per "
+            f"quantised   fp8 {quant.get('fmt', 'e4m3')} linear weights (float8_e4m3fn), one "
+            f"{c.get('weight_scale_dtype', 'float32')} scale per "
             f"{'x'.join(map(str, block))} block (weight_scale_inv); activations {quant.get('activation_scheme', 'dynamic')}"
         )
     return lines

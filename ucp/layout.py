@@ -182,7 +182,8 @@ def chunk_layer_counts(layout: Layout, num_layers: int, stage_layers: list[int] 
 def validate_for_model(layout: Layout, model_config: Any) -> None:
     """Raise LayoutError when ``layout`` cannot hold the model.
 
-    Uses the attributes every family config has: num_attention_heads, num_key_value_heads, intermediate_size (or
+    Uses the attributes every family config has: num_attention_heads, num_key_value_heads (TP divides them or is a
+    multiple of them, as megatron-core requires), intermediate_size (or
     moe_intermediate_size, the experts' FFN size, where the family has one), num_hidden_layers, and optionally
     num_local_experts (0/absent: dense) and stage_layers.
     """
@@ -190,11 +191,15 @@ def validate_for_model(layout: Layout, model_config: Any) -> None:
     ffn = ("moe_intermediate_size", cfg.moe_intermediate_size) if hasattr(cfg, "moe_intermediate_size") else None
     for what, value in (
         ("num_attention_heads", cfg.num_attention_heads),
-        ("num_key_value_heads", cfg.num_key_value_heads),
         ffn or ("intermediate_size", cfg.intermediate_size),
     ):
         if value % layout.tp:
             raise LayoutError(f"layout {layout}: tp={layout.tp} does not divide {what}={value}")
+    kv = cfg.num_key_value_heads  # (fewer KV heads than TP ranks: ranks share a query group, as in megatron-core)
+    if kv % layout.tp and layout.tp % kv:
+        raise LayoutError(
+            f"layout {layout}: tp={layout.tp} neither divides nor is a multiple of num_key_value_heads={kv}"
+        )
     experts = getattr(cfg, "num_local_experts", 0) or 0
     if experts and experts % layout.ep:
         raise LayoutError(f"layout {layout}: ep={layout.ep} does not divide num_local_experts={experts}")

@@ -10,9 +10,10 @@ Kinds:
 - ``split``: TP splits ``split_dim`` evenly (0 = column-parallel, 1 = row-parallel).
 - ``vocab``: vocab-parallel (split dim 0) after padding the rows to a multiple of ``pad_to_multiple_of * T``;
   ``unpadded`` is the atom's row count. Padding rows are zero on load and dropped on save.
-- ``fused_qkv``: one of ``part`` q/k/v of Megatron's fused QKV with GQA: the kv-head query groups are split
-  over TP; inside a local tensor, group by group: the group's ``num_heads/num_kv_heads`` query heads, its key
-  head, its value head (``head_dim`` rows each).
+- ``fused_qkv``: one of ``part`` q/k/v of Megatron's fused QKV with GQA: the global fused tensor is, group by
+  group, the group's ``num_heads/num_kv_heads`` query heads, its key head, its value head (``head_dim`` rows each),
+  and TP rank t holds the t-th of T equal runs of its rows: whole query groups where T divides ``num_kv_heads``,
+  a share of one group where T is a multiple of it (as megatron-core lays it out).
 - ``fused_gate_up``: ``part`` gate or up of a SwiGLU fc1; the local tensor is [gate rows of rank t; up rows of t].
 
 ``block`` (a block-quantised weight, ``ucp.quantization``): the TP split of ``replicated``, ``split`` and
@@ -164,22 +165,39 @@ def tp_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int)
         return TpShard(
             (2 * s,) + rest, ((_rows(k * s, (k + 1) * s, rest), _rows(tp_rank * s, (tp_rank + 1) * s, rest)),)
         )
-    # fused_qkv
+    return _qkv_shard(spec, shape, tp, tp_rank)
+
+
+def _qkv_shard(spec: PartitionSpec, shape: tuple[int, ...], tp: int, tp_rank: int) -> TpShard:
+    """One part of Megatron-Core's fused QKV. Its global tensor is the query groups one after another, each [its
+    query heads; its key head; its value head], and TP rank t holds the t-th of T equal runs of its rows (a
+    ColumnParallelLinear). With T dividing the query groups a run is whole groups; with fewer groups than ranks
+    (megatron-core allows T a multiple of them) T/groups ranks share a group, each a run of its rows that may end
+    inside a head (the ranks gather the group's output before splitting heads: megatron-core's attention.py)."""
     heads, kv, hd = _given(spec.num_heads), _given(spec.num_kv_heads), _given(spec.head_dim)
-    if kv % tp:
-        raise LayoutError(f"tp={tp} does not divide num_kv_heads={kv} (fused QKV splits whole query groups)")
+    if kv % tp and tp % kv:
+        raise LayoutError(
+            f"tp={tp} neither divides nor is a multiple of num_kv_heads={kv} (Megatron-Core's fused QKV needs one)"
+        )
     qh = heads // kv  # query heads per group
     rows = (heads if spec.part == "q" else kv) * hd
     if shape[0] != rows:
         raise UcpError(f"fused_qkv part {spec.part} needs {rows} rows (heads*head_dim), the atom has shape {shape}")
     group_rows = (qh + 2) * hd
-    groups = kv // tp
+    if (kv * group_rows) % tp:
+        raise LayoutError(
+            f"tp={tp} does not divide the {kv * group_rows} rows of the fused QKV ({kv} query groups of {qh} query "
+            f"heads, a key and a value head of {hd} rows)"
+        )
+    local = kv * group_rows // tp
+    lo, hi = tp_rank * local, (tp_rank + 1) * local  # this rank's rows of the global fused tensor
+    # where the part sits in a group's rows, and how many rows of it a group has
+    at, size = {"q": (0, qh * hd), "k": (qh * hd, hd), "v": ((qh + 1) * hd, hd)}[str(spec.part)]
+    rest = tuple(shape[1:])
     pieces: list[tuple[Box, Box]] = []
-    for j in range(groups):
-        g, base = tp_rank * groups + j, j * group_rows
-        if spec.part == "q":
-            pieces.append((_rows(base, base + qh * hd, rest), _rows(g * qh * hd, (g + 1) * qh * hd, rest)))
-        else:
-            at = base + (qh if spec.part == "k" else qh + 1) * hd
-            pieces.append((_rows(at, at + hd, rest), _rows(g * hd, (g + 1) * hd, rest)))
-    return TpShard((groups * group_rows,) + rest, tuple(pieces))
+    for g in range(lo // group_rows, -(-hi // group_rows)):
+        start = g * group_rows + at  # the part's first row of group g in the global fused tensor
+        a, b = max(start, lo), min(start + size, hi)
+        if a < b:
+            pieces.append((_rows(a - lo, b - lo, rest), _rows(g * size + a - start, g * size + b - start, rest)))
+    return TpShard((local,) + rest, tuple(pieces))

@@ -1,5 +1,6 @@
 """Block-quantised weights, as DeepSeek-V3's Hugging Face checkpoints store them: a float8 weight atom W of shape
-[rows, cols] and a float32 scale atom S of shape [ceil(rows / b0), ceil(cols / b1)] for the block size [b0, b1];
+[rows, cols] and a scale atom S of shape [ceil(rows / b0), ceil(cols / b1)] for the block size [b0, b1] (float32, or
+float8_e8m0fnu: a power of two per byte, as DeepSeek-V3.1's `scale_fmt: ue8m0` has transformers hold them);
 the weight's value is W[i, j] * S[i // b0, j // b1] (the last block of a dimension may be partial). The scale atom
 is named as Hugging Face names it, the weight's name with `_scale_inv` appended (`....weight_scale_inv`: it is the
 inverse of the scale the quantiser divided by). docs/FORMAT.md section 2.1 specifies it.
@@ -21,7 +22,8 @@ SCALE_SUFFIX = "_scale_inv"
 
 # What a quantised weight's atom may be stored as (HF's `fmt` "e4m3"): the one DeepSeek-V3's checkpoints use.
 WEIGHT_DTYPE = torch.float8_e4m3fn
-SCALE_DTYPE = torch.float32
+SCALE_DTYPE = torch.float32  # the scales' dtype unless the model's config says another of SCALE_DTYPES
+SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
 # The dtypes a weight keeps quantised in (loaded into any other, it is dequantised).
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -51,7 +53,8 @@ def dequantize(
 ) -> torch.Tensor:
     """`weight` [..., rows, cols] times the scale of its block, computed in float32 and rounded once to `dtype`:
     DeepSeek's reference `weight_dequant` (its inference kernel: fp8 and scale in fp32, the product stored in the
-    default dtype) and transformers' `Fp8Dequantize` compute the same. Only the scales are expanded, over rows;
+    default dtype) and transformers' `Fp8Dequantize` compute the same (float8_e8m0fnu scales, too, are taken to
+    float32 first, exactly: each is a power of two). Only the scales are expanded, over rows;
     columns broadcast through a view, so memory holds one float32 copy of the weight.
 
     `weight` may be a region of the atom: `start` is its first [row, col] in the atom and `scales` those of the blocks

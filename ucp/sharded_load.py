@@ -19,7 +19,7 @@ from .errors import FormatError, StateError
 from .families import canonical_atoms
 from .format import AtomMeta
 from .landing import open_landing
-from .quantization import FLOAT8, dequantize, scale_box, scale_shape
+from .quantization import FLOAT8, SCALE_DTYPES, dequantize, scale_box, scale_shape
 from .reshard import LocalTensor, local_plan, local_tensor, piece_view, put_local
 from .sharded_model import ShardedModel, atom_path, check_atom, states_held
 from .workpool import ObjectCall
@@ -56,11 +56,12 @@ def load_sharded(
     another shape is refused; of another dtype, cast. A load that fails may have filled part of them. What lands on
     a GPU is read and verified in page-locked host memory and copied asynchronously (`ucp.landing`).
 
-    A block-quantised weight atom (docs/FORMAT.md section 2.1) of a model whose config has no such scales (its
-    `weight_block_size` None: the model dequantised) is dequantised: each piece is read as stored with the scales of
-    the blocks it falls in, two ranks sharing a block where a split does not fall on block edges, and its float32
-    product rounded once into the local tensor (`dtype`, or its `into` tensor's; float32 when neither says), the
-    same bits as `ucp.quantization.dequantize` gives those elements of the whole atom."""
+    A block-quantised weight atom (docs/FORMAT.md section 2.1) is dequantised where the model has no such scales (its
+    config's `weight_block_size` None: the model dequantised), or where it has and the weight's local tensor is
+    asked for in a dtype other than float8 (its `into` tensor's, else `dtype`): each piece is read as stored with the
+    scales of the blocks it falls in, two ranks sharing a block where a split does not fall on block edges, and its
+    float32 product rounded once into the local tensor (that dtype; float32 when none says), in place in an `into`
+    tensor, the same bits as `ucp.quantization.dequantize` gives those elements of the whole atom."""
     device = load_device(device)
     model = states_held(model, reader.atoms)
     plan = local_plan(model.config, model.layout, rank, model.optim_states)
@@ -84,10 +85,12 @@ def load_sharded(
             meta = reader.atoms[path]
             check_atom(meta, shapes[p.atom][0])
             metas.append(meta)
-        scaled = [dequantised(reader.atoms, meta, shapes) for meta in metas]
+        given = _given(into, lt)
+        scaled = [
+            dequantised(reader.atoms, meta, shapes, given.dtype if given is not None else dtype) for meta in metas
+        ]
         stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
         covered = sum(p.numel for p in lt.pieces) == math.prod(lt.shape)
-        given = _given(into, lt)
         if given is None:
             made.append(lt)
         if any(scaled):  # dequantised straight into the dtype asked for (float32 if none)
@@ -189,25 +192,29 @@ def piece_reads(
 Scales = tuple[AtomMeta, tuple[int, int]]  # a block-quantised weight's scale atom and block
 
 
-def dequantised(atoms: Mapping[str, AtomMeta], meta: AtomMeta, shapes: Mapping[str, Any]) -> Scales | None:
-    """The scale atom and block of a block-quantised weight atom (docs/FORMAT.md section 2.1) that the model being
-    loaded holds dequantised (its config has no such scales: `shapes`, its canonical atoms); None for any other."""
+def dequantised(
+    atoms: Mapping[str, AtomMeta], meta: AtomMeta, shapes: Mapping[str, Any], wanted: torch.dtype | None = None
+) -> Scales | None:
+    """The scale atom and block of a block-quantised weight atom (docs/FORMAT.md section 2.1) that the load
+    dequantises: the model being loaded holds it dequantised (its config has no such scales: `shapes`, its canonical
+    atoms), or holds its scales but the weight is `wanted` in a dtype that is not float8; None for any other."""
     quantised = meta.attributes.get("quantization")
     if not isinstance(quantised, dict) or "scales" not in quantised:
         return None
     path = quantised["scales"]
-    if path.removeprefix("model/") in shapes:
+    if path.removeprefix("model/") in shapes and (wanted is None or wanted in FLOAT8):
         return None  # (held as stored, beside its scales)
     block = quantised.get("block")
     scales = atoms.get(path)
     if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
         raise FormatError(f"atom {meta.path!r}: quantization block {block!r} is not two positive integers")
     expected = scale_shape(meta.shape, block)
-    if scales is None or scales.dtype != "float32" or scales.shape != expected:
+    scale_dtypes = [dtypes.zarr_name(d) for d in SCALE_DTYPES]
+    if scales is None or scales.dtype not in scale_dtypes or scales.shape != expected:
         found = "absent" if scales is None else f"{scales.dtype} {list(scales.shape)}"
         raise FormatError(
-            f"atom {meta.path!r} is block-quantised ({block}), but its scale atom {path!r} is {found}, not float32 "
-            f"{list(expected)}"
+            f"atom {meta.path!r} is block-quantised ({block}), but its scale atom {path!r} is {found}, not "
+            f"{' or '.join(scale_dtypes)} {list(expected)}"
         )
     return scales, (block[0], block[1])
 

@@ -90,11 +90,12 @@ def _tp_periods(spec: PartitionSpec, shape: tuple[int, ...], tp: int) -> list[in
 
 def quantised_dtypes(config: Any) -> dict[str, str]:
     """The dtypes that block-quantised weights and their scales have whatever a caller says (the format's: float8
-    weights, float32 scales), by atom name; empty for a model whose weights are not quantised."""
+    weights; float32 scales, or the dtype the config's `weight_scale_dtype` says), by atom name; empty for a model
+    whose weights are not quantised."""
     scales = block_scales(config)
     return {
         **dict.fromkeys(scales, dtypes.zarr_name(WEIGHT_DTYPE)),
-        **dict.fromkeys(scales.values(), dtypes.zarr_name(SCALE_DTYPE)),
+        **dict.fromkeys(scales.values(), getattr(config, "weight_scale_dtype", dtypes.zarr_name(SCALE_DTYPE))),
     }
 
 

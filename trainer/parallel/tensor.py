@@ -48,6 +48,28 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward; backward, each rank's own slice of the gradient summed over the group
+    (megatron-core's all_gather_last_dim_from_tensor_parallel_region, whose backward is a reduce-scatter: here an
+    all-reduce and a slice, which gloo has)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(group_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = _all_reduce(grad.clone(), ctx.group)
+        return full.chunk(group_size(ctx.group), dim=-1)[group_rank(ctx.group)].contiguous(), None
+
+
+def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _GatherFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
 
@@ -144,14 +166,15 @@ def shard_vocab(full: torch.Tensor, padded_vocab: int, rank: int, size: int) -> 
 def shard_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, rank: int, size: int
 ) -> torch.Tensor:
-    """Megatron's fused QKV: this rank's query groups, each [its query heads; its key head; its value head]."""
+    """Megatron's fused QKV: this rank's run of the rows of the query groups, each [its query heads; its key head; its
+    value head]: whole groups when TP divides the KV heads, a share of one group when there are fewer KV heads."""
     head_dim = k.shape[0] // kv_heads
     per_group = heads // kv_heads
     qg = q.reshape(kv_heads, per_group * head_dim, -1)
     kg = k.reshape(kv_heads, head_dim, -1)
     vg = v.reshape(kv_heads, head_dim, -1)
     fused = torch.cat([qg, kg, vg], dim=1)  # [kv_heads, (per_group + 2) * head_dim, hidden]
-    return split_dim(fused, 0, rank, size).reshape(-1, q.shape[-1])
+    return split_dim(fused.reshape(-1, q.shape[-1]), 0, rank, size)
 
 
 def shard_gate_up(w1: torch.Tensor, w3: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ucp.dtypes import zarr_name
 from ucp.errors import UcpError
 from ucp.families import llama, qwen_moe
 from ucp.families.table import (
@@ -33,6 +34,9 @@ from ucp.families.table import (
     replicated,
     row_split,
 )
+from ucp.quantization import SCALE_DTYPES
+
+SCALE_DTYPE_NAMES = tuple(zarr_name(d) for d in SCALE_DTYPES)
 
 
 @dataclass
@@ -60,6 +64,8 @@ class DeepseekV3Config(FamilyConfig):
     # [rows, cols]: the linear weights are float8 with float32 scales per block of this size (the released
     # checkpoints' fp8, HF's quantization_config.weight_block_size; ucp.quantization); None: not quantised
     weight_block_size: list[int] | None = None
+    # the scales' dtype: "float32", or "float8_e8m0fnu" (powers of two, as transformers holds DeepSeek-V3.1's)
+    weight_scale_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not self.num_key_value_heads:
@@ -72,11 +78,16 @@ class DeepseekV3Config(FamilyConfig):
             ):
                 raise UcpError(f"weight_block_size={block!r}: expected two positive integers [rows, cols]")
             self.weight_block_size = list(block)
+        if self.weight_scale_dtype not in SCALE_DTYPE_NAMES:
+            raise UcpError(f"weight_scale_dtype={self.weight_scale_dtype!r}: expected one of {SCALE_DTYPE_NAMES}")
 
     def to_json(self) -> dict[str, Any]:
         doc = super().to_json()
-        if doc["weight_block_size"] is None:  # (so that readers that predate fp8 weights read the others' configs)
+        # (so that readers that predate fp8 weights, or e8m0 scales, read the others' configs)
+        if doc["weight_block_size"] is None:
             del doc["weight_block_size"]
+        if doc["weight_scale_dtype"] == "float32":
+            del doc["weight_scale_dtype"]
         return doc
 
     @property

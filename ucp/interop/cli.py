@@ -112,6 +112,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         iteration=args.iteration,
         vocab_size=args.vocab_size,
         target_ep=args.target_ep,
+        target_layout=args.target_layout,
+        model_config=args.config,
         **_streaming_kwargs(args),
     )
     print(
@@ -183,6 +185,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             from_layout="torch_dist",
             to_layout="universal",
             step=args.step,
+            model_config=args.config,
             **_streaming_kwargs(args),
         )
         print(f"imported {converted.atoms} atoms ({converted.bytes_written / 2**20:.1f} MiB) into {args.url}")
@@ -219,7 +222,11 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "convert", help="reshard a Megatron-LM checkpoint (torch or torch_dist format), or convert it to/from ucp"
     )
-    p.add_argument("src", help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt), or a ucp URL")
+    p.add_argument(
+        "src",
+        help="Megatron checkpoint directory (holds latest_checkpointed_iteration.txt) or one of its iter_NNNNNNN "
+        "directories, or a ucp URL",
+    )
     p.add_argument("dst", help="output directory, or a ucp URL with --to universal")
     p.add_argument(
         "--from",
@@ -249,7 +256,22 @@ def register(subparsers: Any) -> None:
         help="with --to torch_dist: the expert-parallel size of the job that will load it, whose distributed "
         "optimizer entry differs with EP > 1 (a dense and an expert optimizer) (default: as the source was saved)",
     )
+    p.add_argument(
+        "--target-layout",
+        default=None,
+        metavar="LAYOUT",
+        help="with --to torch_dist: the layout (tp{T}[pp{P}][vpp{V}][ep{E}]) of the job that will load it; its "
+        "distributed optimizer is then written in Megatron-LM's default form (dp_reshardable) for that layout, "
+        "which loads with any DP (default: a form any layout loads, fully_reshardable)",
+    )
     p.add_argument("--iteration", type=_number, default=None, help="Megatron iteration to read (default: the latest)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="with --from torch_dist saved without Megatron-LM's args: the model's shape, as its Hugging Face "
+        "config.json or a JSON object of the job's Megatron-LM arguments",
+    )
     p.add_argument(
         "--step", type=_number, default=None, help="ucp step to write or read (default: the iteration / latest)"
     )
@@ -270,6 +292,13 @@ def register(subparsers: Any) -> None:
                 "keeps its iteration)",
             ),
             Applies("--target-ep", "target_ep", lambda args: args.to == TORCH_DIST, "with --to torch_dist"),
+            Applies("--target-layout", "target_layout", lambda args: args.to == TORCH_DIST, "with --to torch_dist"),
+            Applies(
+                "--config",
+                "config",
+                lambda args: args.from_ == TORCH_DIST,
+                "with --from torch_dist (a save without Megatron-LM's args)",
+            ),
             storage_option_applies(
                 lambda args: args.src if args.from_ == UNIVERSAL else None,
                 lambda args: args.dst if args.to == UNIVERSAL else None,
@@ -328,7 +357,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--config",
         default=None,
-        help="with --from dcp: the model's Hugging Face config.json (default: SRC/config.json)",
+        help="with --from dcp: the model's Hugging Face config.json (default: SRC/config.json); with --from "
+        "megatron-dist saved without Megatron-LM's args: its Hugging Face config.json or a JSON object of the job's "
+        "Megatron-LM arguments",
     )
     _streaming(p)
     _common(p)
@@ -342,7 +373,12 @@ def register(subparsers: Any) -> None:
                 lambda args: args.from_ != MEGATRON_DIST,
                 "with --from hf or dcp (a Megatron torch_dist checkpoint is imported as stored)",
             ),
-            Applies("--config", "config", lambda args: args.from_ == "dcp", "with --from dcp"),
+            Applies(
+                "--config",
+                "config",
+                lambda args: args.from_ in ("dcp", MEGATRON_DIST),
+                "with --from dcp or megatron-dist",
+            ),
             storage_option_applies(lambda args: args.url),
         ),
     )

@@ -349,6 +349,7 @@ def import_dcp(
     quantised = QuantisedDtypes(cfg)
     for atom, stored_dtype in stored.items():
         quantised.check(atom, stored_dtype, str(root))
+    cfg = quantised.config(cfg)
     refuse_cast_of_quantised(cfg, dtype, str(root))
     dtype_of = kept_param_dtypes(stored, parse_dtype(dtype))
     dtype_of.update({s: _first_dtype(metadata, targets, s) for s in states})

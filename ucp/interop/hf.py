@@ -61,7 +61,7 @@ from ucp.interop.streaming import (
     save_atoms,
 )
 from ucp.layout import Layout
-from ucp.quantization import SCALE_DTYPE, WEIGHT_DTYPE, dequantize
+from ucp.quantization import SCALE_DTYPES, WEIGHT_DTYPE, dequantize
 from ucp.sharded_model import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
 from ucp.workpool import pack
 
@@ -371,6 +371,7 @@ _SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
 }
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
@@ -637,9 +638,10 @@ def _stored_atoms(src: HfSource) -> Iterator[tuple[str, StoredAtom]]:
                     yield name, whole
 
 
-def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
-    """Where every canonical atom of the model lies, in file order, checked against the config (names and
-    shapes) from the files' headers, before any tensor is read."""
+def locate_hf_atoms(src: HfSource) -> tuple[Any, dict[str, StoredAtom]]:
+    """(the model's config, where every canonical atom lies, in file order), checked against `src.config` (names
+    and shapes) from the files' headers, before any tensor is read; a block-quantised model's config says the dtype
+    its scales have."""
     expected = {n: shape for n, (shape, _) in canonical_atoms(src.config).items()}
     dtypes = QuantisedDtypes(src.config)
     located: dict[str, StoredAtom] = {}
@@ -676,7 +678,7 @@ def locate_hf_atoms(src: HfSource) -> dict[str, StoredAtom]:
             f"{src.root} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
             f"({len(missing)} of {len(expected)} missing)"
         )
-    return located
+    return dtypes.config(src.config), located
 
 
 def _scales_note(config: Any, name: str) -> str:
@@ -688,24 +690,41 @@ def _scales_note(config: Any, name: str) -> str:
 
 
 class QuantisedDtypes:
-    """Checks that a block-quantised model's weights are float8_e4m3fn and its scales float32, and that no other
-    tensor is float8 (an fp8 tensor without scales has no value ucp could give it)."""
+    """Checks that a block-quantised model's weights are float8_e4m3fn and its scales float32 or float8_e8m0fnu, all
+    of one dtype (what the checkpoint's config then says: `config`), and that no other tensor is float8 (an fp8
+    tensor without scales has no value ucp could give it)."""
 
     def __init__(self, config: Any):
         self.weights = block_scales(config)
         self.scales = frozenset(self.weights.values())
+        self.scale_dtypes: dict[torch.dtype, str] = {}  # the scales' dtypes found, with a tensor of each
 
     def check(self, name: str, dtype: torch.dtype, where: str) -> None:
         """`where`: the file that holds the tensor."""
-        want = WEIGHT_DTYPE if name in self.weights else SCALE_DTYPE if name in self.scales else None
-        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        if (want is None or dtype == want) and (want is not None or not fp8):
+        want = (WEIGHT_DTYPE,) if name in self.weights else SCALE_DTYPES if name in self.scales else None
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+        if (want is None or dtype in want) and (want is not None or not fp8):
+            if name in self.scales:
+                self.scale_dtypes.setdefault(dtype, f"{where}: {name}")
             return
         what = "a block-quantised weight" if name in self.weights else "scales" if want is not None else "not quantised"
         raise InteropError(
             f"{where}: tensor {name} has dtype {dtype}, but the model's config makes it {what}"
-            + (f" ({want})" if want is not None else " (it has no weight_scale_inv)")
+            + (f" ({' or '.join(map(str, want))})" if want is not None else " (it has no weight_scale_inv)")
         )
+
+    def config(self, config: Any) -> Any:
+        """`config` with its scales' dtype as the tensors checked have it (one for all)."""
+        if len(self.scale_dtypes) > 1:
+            raise InteropError(
+                f"block scales of several dtypes ({'; '.join(f'{t} {d}' for d, t in self.scale_dtypes.items())}): "
+                "ucp holds all of a model's scales in one dtype"
+            )
+        if not self.scale_dtypes:
+            return config
+        from ucp import dtypes
+
+        return dataclasses.replace(config, weight_scale_dtype=dtypes.zarr_name(next(iter(self.scale_dtypes))))
 
 
 def refuse_cast_of_quantised(config: Any, dtype: str | torch.dtype | None, where: str) -> None:
@@ -747,8 +766,8 @@ def import_hf(
     Names and shapes are checked before anything is written; the tensors then stream through in groups that
     fit `memory_budget`. A failed write leaves no committed step."""
     src = open_hf(src_dir)
-    located = locate_hf_atoms(src)
-    refuse_cast_of_quantised(src.config, dtype, str(src.root))
+    config, located = locate_hf_atoms(src)
+    refuse_cast_of_quantised(config, dtype, str(src.root))
     dtype_of = kept_param_dtypes({n: s.dtype for n, s in located.items()}, parse_dtype(dtype))
     groups = pack({n: s.nbytes for n, s in located.items()}, group_limit(memory_budget))
     loads = [functools.partial(read_stored_atoms, src.root, {n: located[n] for n in g}) for g in groups]
@@ -757,7 +776,7 @@ def import_hf(
         url,
         loads,
         step=step,
-        model=ShardedModel(src.config, Layout(), optim_states=()),
+        model=ShardedModel(config, Layout(), optim_states=()),
         dtype_of=dtype_of,
         extra=extra,
         storage_options=storage_options,

@@ -550,10 +550,14 @@ def distributed_buffers(args: Any) -> DistributedBuffers:
 
 
 def mark_distributed(args: Any, buffers: DistributedBuffers) -> None:
-    """Say in a target's args how its distrib_optim.pt files were laid out (what `bucket_size_of` reads back)."""
+    """Say in a target's args how its distributed optimizer's buffers were laid out (what `bucket_size_of` and
+    `distributed_buffers` read back: bucketing, and the dtypes, which args made from a ucp checkpoint lack)."""
     args.use_distributed_optimizer = True
     args.overlap_grad_reduce = buffers.bucket_size is not None
     args.ddp_bucket_size = buffers.bucket_size
+    param, grad = buffers.dtypes
+    args.bf16, args.fp16 = param == "bfloat16", param == "float16"
+    args.accumulate_allreduce_grads_in_fp32 = grad == "float32"
 
 
 def _real_enum(e: ForeignEnum) -> Any:
@@ -617,11 +621,24 @@ class MegatronSource:
         return self.readers[rank].read(local_tensor(tree, key))
 
 
+_ITERATION_DIR = re.compile(r"iter_(\d+)")
+
+
 def iteration_dir(root: Path, iteration: int | None) -> tuple[int, Path]:
+    """(the iteration, its directory) of a Megatron-LM save root (the tracker names the latest, `iteration` another),
+    or of an iteration directory given itself (`iter_NNNNNNN`, `release`), as users point at one."""
+    named = _ITERATION_DIR.fullmatch(root.name)
+    if (named or root.name == "release") and root.is_dir() and not (root / TRACKER).is_file():
+        it = int(named[1]) if named else 0
+        if iteration is not None and iteration != it:
+            raise InteropError(f"--iteration {iteration}, but {root} is the directory of iteration {it}")
+        return it, root
     if iteration is None:
         tracker = root / TRACKER
         if not tracker.is_file():
-            raise InteropError(f"{root} is not a Megatron checkpoint directory (no {TRACKER})")
+            raise InteropError(
+                f"{root} is not a Megatron checkpoint directory (no {TRACKER}, and not an iter_NNNNNNN directory)"
+            )
         text = tracker.read_text().strip()
         if text == "release":
             return 0, root / "release"
@@ -839,12 +856,14 @@ class _TargetFiles:
     rng: dict[str, Any] | None = None  # rank directory -> rng_state: only when the layout is the source's own
     format: str = "torch"  # or "torch_dist" (megatron_dist.TORCH_DIST: layout tp1pp1)
     expert_parallel: bool = False  # torch_dist: the optimizer entry is for a job with EP > 1 (megatron_dist)
+    # torch_dist: the layout whose grad buffers the optimizer is written in (dp_reshardable); None: fully_reshardable
+    optimizer_layout: Layout | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and self.optimizer.distributed is not None:
             mark_distributed(self.args, self.optimizer.distributed)
             if self.format == TORCH_DIST:
-                self.args.dist_ckpt_optim_fully_reshardable = True
+                self.args.dist_ckpt_optim_fully_reshardable = self.optimizer_layout is None
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -1081,31 +1100,71 @@ def convert(
     progress: bool = False,
     vocab_size: int | None = None,
     target_ep: int | None = None,
+    model_config: str | Path | None = None,
+    target_layout: str | None = None,
 ) -> ConvertReport:
     """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
     or from (`from_layout="universal"`) a ucp checkpoint; "torch_dist" on either side is Megatron's
     dist_checkpointing format (ucp.interop.megatron_dist), which needs no layout. Carried: model weights, the
-    optimizer's state (into torch_dist: a distributed optimizer's, made for a loading job of expert parallelism
-    `target_ep`, by default the source's), opt_param_scheduler and the iteration; rng_state only into the source's
-    own layout. What is not carried is listed in `dropped`."""
-    if from_layout == to_layout and from_layout in (UNIVERSAL, TORCH_DIST):
+    optimizer's state (into torch_dist: a distributed optimizer's, in Megatron-LM's default form for the job of
+    `target_layout`, or else in the form any layout loads, made for a job of expert parallelism `target_ep`, by
+    default the source's: `DistJob`), opt_param_scheduler and the iteration; rng_state only into the source's own
+    layout. What is not carried is listed in `dropped`. `model_config`: with `from_layout="torch_dist"`, the
+    model's shape of a checkpoint saved without Megatron-LM's args (megatron_dist.model_shape)."""
+    job = DistJob.of(to_layout, target_ep, target_layout)
+    # (torch_dist into torch_dist for a job: its optimizer in another form or entry)
+    if from_layout == to_layout and from_layout in (UNIVERSAL, TORCH_DIST) and job == DistJob():
         raise UcpError(f"--from {from_layout} --to {to_layout}: nothing to convert (it loads in any layout as it is)")
-    if target_ep is not None and (to_layout != TORCH_DIST or target_ep < 1):
+    if model_config is not None and from_layout != TORCH_DIST:
         raise UcpError(
-            f"--target-ep {target_ep}: it says which job loads a --to torch_dist checkpoint (an EP of 1 or more); "
-            f"--to {to_layout} " + ("names its own layout" if to_layout != TORCH_DIST else "needs a positive EP")
+            f"--config {model_config}: it gives the model's shape of a torch_dist checkpoint saved without "
+            f"Megatron-LM's args; --from {from_layout} "
+            + ("has its own config" if from_layout == UNIVERSAL else "files have their args")
         )
     if from_layout == UNIVERSAL:
-        return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress, target_ep)
+        return _from_universal(src, dst, to_layout, step, storage_options, memory_budget, workers, progress, job)
     if from_layout == TORCH_DIST:
-        source = open_torch_dist(src, iteration=iteration, vocab_size=vocab_size)
+        source = open_torch_dist(src, iteration=iteration, vocab_size=vocab_size, model_config=model_config)
     else:
         source = open_megatron(src, from_layout, iteration=iteration, vocab_size=vocab_size)
     if to_layout == UNIVERSAL:
         return _to_universal(
             source, dst, source.iteration if step is None else step, storage_options, memory_budget, workers, progress
         )
-    return _reshard(source, dst, to_layout, memory_budget, workers, progress, target_ep)
+    return _reshard(source, dst, to_layout, memory_budget, workers, progress, job)
+
+
+@dataclass(frozen=True)
+class DistJob:
+    """The job a --to torch_dist checkpoint's distributed optimizer is written for. With `layout`: Megatron-LM's
+    default form (`dp_reshardable`: each model-parallel rank's grad buffer buckets, which that job loads in its
+    TP, PP, VPP and EP with any DP, and Megatron-LM's loader refuses in another TP or PP); without: the form every
+    layout loads (`fully_reshardable`), its entry made for a job of expert parallelism `ep` (None: the source's),
+    since megatron-core chains a dense and an expert optimizer only with EP > 1."""
+
+    layout: Layout | None = None
+    ep: int | None = None
+
+    @classmethod
+    def of(cls, to_layout: str, target_ep: int | None, target_layout: str | None) -> DistJob:
+        """From convert's arguments, checked: they name a job only for --to torch_dist, and one way."""
+        for flag, value in (("--target-ep", target_ep), ("--target-layout", target_layout)):
+            if value is not None and to_layout != TORCH_DIST:
+                raise UcpError(
+                    f"{flag} {value}: it says which job loads a --to torch_dist checkpoint; --to {to_layout} names "
+                    "its own layout"
+                )
+        if target_ep is not None and target_layout is not None:
+            raise UcpError(f"--target-ep {target_ep} and --target-layout {target_layout}: the layout names its EP")
+        if target_ep is not None and target_ep < 1:
+            raise UcpError(f"--target-ep {target_ep}: an expert-parallel size is 1 or more")
+        return cls(parse_megatron_layout(target_layout) if target_layout is not None else None, target_ep)
+
+    def expert_parallel(self, meta: OptimizerMeta) -> bool:
+        """Whether the job chains a dense and an expert optimizer (EP > 1)."""
+        if self.layout is not None:
+            return self.layout.ep > 1
+        return self.ep > 1 if self.ep is not None else any(key[2] for key in meta.groups)
 
 
 def _target_layout(to_layout: str) -> tuple[Layout, str]:
@@ -1116,15 +1175,20 @@ def _target_layout(to_layout: str) -> tuple[Layout, str]:
     return parse_megatron_layout(to_layout), "torch"
 
 
-def _target_optimizer(meta: OptimizerMeta | None, fmt: str, target_ep: int | None) -> tuple[OptimizerMeta | None, bool]:
+def _target_optimizer(meta: OptimizerMeta | None, fmt: str, job: DistJob) -> tuple[OptimizerMeta | None, bool]:
     """(the optimizer a target of format `fmt` gets, whether its torch_dist entry is for a job with EP > 1).
     torch_dist holds a distributed optimizer's state only (another kind of optimizer keeps its own form there,
-    which ucp does not write); its entry is for a job like the source (expert param groups of their own: EP > 1)
-    unless `target_ep` says otherwise."""
+    which ucp does not write); its entry is for the job `job` names, by default one like the source (expert param
+    groups of their own: EP > 1)."""
     if meta is None or (fmt == TORCH_DIST and meta.distributed is None):
         return None, False
-    expert_parallel = target_ep > 1 if target_ep is not None else any(key[2] for key in meta.groups)
-    return meta, expert_parallel
+    return meta, job.expert_parallel(meta)
+
+
+def _dist_args(config: Any, layout: Layout, job: DistJob, **kwargs: Any) -> argparse.Namespace:
+    """A target's args: its layout's, or for a torch_dist written for one job's layout (`job.layout`, the
+    dp_reshardable form) that job's, which Megatron-LM's loader compares with its own TP and PP."""
+    return args_for(config, job.layout if job.layout is not None else layout, **kwargs)
 
 
 def _reshard(
@@ -1134,22 +1198,32 @@ def _reshard(
     memory_budget: int,
     workers: int,
     progress: bool,
-    target_ep: int | None = None,
+    job: DistJob = DistJob(),
 ) -> ConvertReport:
     """Megatron -> Megatron: each target tensor (parameter or optimizer state) filled from the source regions."""
     layout, fmt = _target_layout(to_layout)
-    local_plan(source.config, layout, 0, ())  # the layout fits the model, before anything is written
+    for fits in (layout, job.layout or layout):  # the layouts fit the model, before anything is written
+        local_plan(source.config, fits, 0, ())
     index = _PieceIndex.of(source)
     dtypes_ = _source_dtypes(source)
     # RNG states are per rank: a file of the same layout is the same rank, any other has no source to take them from
     has_rng = all("rng_state" in f for f in source.files.values())
     same = megatron_name(layout) == megatron_name(source.layout) and fmt == "torch"
     rng = {name: source.files[r]["rng_state"] for name, r in rank_files(layout).items()} if has_rng and same else None
-    args = args_for(source.config, layout, base=source.args)
+    args = _dist_args(source.config, layout, job, base=source.args)
     args.ckpt_format = fmt
-    optimizer, expert_parallel = _target_optimizer(source.optimizer, fmt, target_ep)
+    optimizer, expert_parallel = _target_optimizer(source.optimizer, fmt, job)
     target = _TargetFiles(
-        source.config, layout, args, source.iteration, optimizer, source.scheduler, rng, fmt, expert_parallel
+        source.config,
+        layout,
+        args,
+        source.iteration,
+        optimizer,
+        source.scheduler,
+        rng,
+        fmt,
+        expert_parallel,
+        job.layout,
     )
     files, written = _write_megatron(
         dst,
@@ -1176,7 +1250,7 @@ def _from_universal(
     memory_budget: int,
     workers: int,
     progress: bool,
-    target_ep: int | None = None,
+    job: DistJob = DistJob(),
 ) -> ConvertReport:
     """ucp -> Megatron: each target rank's local state read straight from the atoms. The optimizer entry is
     written when the checkpoint came from Megatron with one (its `megatron_optimizer` says how to build it);
@@ -1201,7 +1275,8 @@ def _from_universal(
             "then convert URL"
         )
     layout, fmt = _target_layout(to_layout)
-    local_plan(config, layout, 0, ())  # the layout fits the model, before anything is written
+    for fits in (layout, job.layout or layout):  # the layouts fit the model, before anything is written
+        local_plan(config, fits, 0, ())
     extra = _extra(reader)
     hf = extra.get("hf_config")
     if isinstance(config, DeepseekV3Config) and isinstance(hf, dict) and hf.get("rope_interleave") is False:
@@ -1210,9 +1285,9 @@ def _from_universal(
             "(HF's default, rope_interleave=True): Megatron would compute another model"
         )
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
-    args = args_for(config, layout, hf=hf if isinstance(hf, dict) else None)
+    args = _dist_args(config, layout, job, hf=hf if isinstance(hf, dict) else None)
     args.ckpt_format = fmt
-    optimizer, expert_parallel = _target_optimizer(meta, fmt, target_ep)
+    optimizer, expert_parallel = _target_optimizer(meta, fmt, job)
     target = _TargetFiles(
         config,
         layout,
@@ -1222,6 +1297,7 @@ def _from_universal(
         extra.get("opt_param_scheduler"),
         format=fmt,
         expert_parallel=expert_parallel,
+        optimizer_layout=job.layout,
     )
     atom_meta = _atom_metas(reader, config, layout, target.states)
     of_state = {state: dtypes.torch_dtype(meta.dtype) for (_, state), meta in reversed(atom_meta.items())}

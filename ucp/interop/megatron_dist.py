@@ -29,6 +29,7 @@ optimizer takes the `fully_reshardable` form (`write_torch_dist`, `common_optimi
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -273,16 +274,31 @@ def _check_backend(iter_dir: Path) -> None:
         raise InteropError(f"{path}: sharded backend {backend!r}; ucp reads Megatron's torch_dist format only")
 
 
-def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size: int | None = None) -> Any:
+def open_torch_dist(
+    src: str | Path,
+    *,
+    iteration: int | None = None,
+    vocab_size: int | None = None,
+    model_config: str | Path | None = None,
+) -> Any:
     """A Megatron torch_dist checkpoint, opened as a MegatronSource in layout tp1pp1 (see the module docstring).
-    The layout it was saved in is not needed: its args name it, and the metadata's global shapes are checked
-    against the model the args describe."""
+    `src`: a Megatron-LM save root (its tracker names the latest iteration, `iteration` another) or one
+    dist_checkpointing directory itself (`iter_NNNNNNN`, or any directory with metadata.json). The layout it was
+    saved in is not needed: its args name it, and the metadata's global shapes are checked against the model the
+    args describe. A directory saved without Megatron-LM's args (megatron-core's dist_checkpointing alone) needs the
+    model's shape from `model_config` (`model_shape`)."""
     from ucp.interop import megatron as m
 
     root = Path(src)
     if (root / "zarr.json").is_file():
         raise SourceMismatchError(f"{root} is a ucp checkpoint, not a Megatron one: use --from universal")
-    it, iter_dir = m.iteration_dir(root, iteration)
+    if is_torch_dist(root) and not (root / m.TRACKER).is_file():  # (the iteration's directory itself)
+        named = re.fullmatch(r"iter_(\d+)", root.name)
+        it, iter_dir = int(named[1]) if named else -1, root
+        if iteration is not None and iteration != it:
+            raise InteropError(f"--iteration {iteration}, but {root} is a torch_dist checkpoint of its own")
+    else:
+        it, iter_dir = m.iteration_dir(root, iteration)
     if not iter_dir.is_dir():
         raise InteropError(f"{iter_dir} does not exist (iteration {it} of {root})")
     if not is_torch_dist(iter_dir):
@@ -292,10 +308,12 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
     _check_backend(iter_dir)
     metadata = read_metadata(iter_dir)
     common = read_common(iter_dir)
-    args = common.get("args")
-    if args is None:
-        raise InteropError(f"{iter_dir / COMMON} holds no args: ucp needs them for the model's shape")
-    config, hf = m.config_from_args(args, str(iter_dir / COMMON), vocab_size)
+    if it < 0:  # (a directory of another name: the iteration its common state says, else 0)
+        saved = common.get("iteration")
+        it = saved if isinstance(saved, int) else 0
+        common.setdefault("iteration", it)
+    args, config, hf = model_shape(common.get("args"), iter_dir / COMMON, model_config, vocab_size)
+    common["args"] = args
     tensors = DistTensors(iter_dir, metadata)
     entries = metadata.state_dict_metadata
     chunk: dict[str, torch.Tensor] = {}
@@ -334,6 +352,47 @@ def open_torch_dist(src: str | Path, *, iteration: int | None = None, vocab_size
     if optimizer is not None:
         source.optimizer, source.optim_state[0] = optimizer[1], optimizer[0]
     return source
+
+
+def model_shape(
+    args: Any, common: Path, model_config: str | Path | None, vocab_size: int | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """(Megatron args, family config, HF fields) of a torch_dist checkpoint: from the args Megatron-LM saves in
+    common.pt or, for one saved without them (megatron-core's dist_checkpointing alone), from `model_config`: a
+    Hugging Face config.json of the model, or a JSON object of the job's Megatron-LM arguments (`num_layers`,
+    `hidden_size`, ...: what `megatron.config_from_args` reads)."""
+    from ucp.interop import megatron as m
+    from ucp.interop.hf import ucp_config_from_hf
+
+    if model_config is None:
+        if args is None:
+            raise InteropError(
+                f"{common} holds no Megatron-LM args (a dist_checkpointing save outside Megatron-LM), so the model's "
+                "shape is unknown: give it with --config FILE, the model's Hugging Face config.json or a JSON object "
+                "of the job's Megatron-LM arguments (num_layers, hidden_size, num_attention_heads, ...)"
+            )
+        config, hf = m.config_from_args(args, str(common), vocab_size)
+        return args, config, hf
+    if args is not None:
+        raise InteropError(
+            f"--config {model_config}: {common} holds Megatron-LM's args, which give the model's shape already"
+        )
+    path = Path(model_config)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InteropError(f"--config {path}: not a readable JSON file ({e})") from None
+    if isinstance(doc, dict) and ("model_type" in doc or "architectures" in doc):
+        config, hf = ucp_config_from_hf(doc, str(path))
+        return m.args_for(config, Layout(), hf=hf), config, hf
+    if isinstance(doc, dict) and {"num_layers", "hidden_size"} <= set(doc):
+        args = argparse.Namespace(**doc)
+        config, hf = m.config_from_args(args, str(path), vocab_size)
+        return args, config, hf
+    raise InteropError(
+        f"--config {path}: neither a Hugging Face config.json (model_type) nor Megatron-LM arguments (num_layers, "
+        "hidden_size)"
+    )
 
 
 _OPTIMIZER = re.compile(r"(chained_\d+\.)?optimizer\.")
@@ -651,6 +710,60 @@ def common_optimizer_entry(meta: OptimizerMeta, config: Any, expert_parallel: bo
     return entries[0] if len(entries) == 1 else dict(enumerate(entries))
 
 
+def _write_buckets(data: _DataFile, target: Any, produce: Callable[[int, LocalTensor], torch.Tensor]) -> int:
+    """The distributed optimizer in Megatron-LM's default form (dp_reshardable) for the job of layout
+    `target.optimizer_layout`, as megatron-core's `sharded_param_state_dp_reshardable` saves it: for each optimizer
+    (dense; expert under EP) of each of the job's model-parallel ranks (`dp_group_idx`: TP x PP ranks, the
+    expert optimizer's TP x EP x PP), each grad buffer bucket's master weights and moments as flat fp32 tensors
+    `[chained_I.]optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<G>.dtype_<(param, grad)>.bucket_idx_<B>.<state>` of
+    the bucket's size without its end padding (a chunk per parameter, zeros between them: memory holds one
+    parameter's state at a time), and as objects the rank's param groups (`.optimizer`), grad scaler, and bucket
+    sizes (`per_bucket_numel_unpadded`, which megatron-core checks on load; `per_bucket_numel`, with the end
+    padding a DP that divides 128 gives). The layout comes from megatron_distrib_optim.grad_buffers, as the
+    reader's. Returns the bytes of tensors written."""
+    from ucp.interop.megatron_distrib_optim import BUCKET_ALIGNMENT, grad_buffers, optimizer_entry
+
+    layout, meta, config = target.optimizer_layout, target.optimizer, target.config
+    assert layout is not None and meta is not None and meta.distributed is not None
+    pair = tuple(getattr(torch, d) for d in meta.distributed.dtypes)
+    written = 0
+    for rank in (layout.rank(t, e, p) for p in range(layout.pp) for e in range(layout.ep) for t in range(layout.tp)):
+        c = layout.coords(rank)
+        plan = {lt.key[2:]: lt for lt in local_plan(config, layout, rank, meta.states) if lt.state is not None}
+        buffers_of = grad_buffers(config, layout, rank, meta.distributed.bucket_size)
+        groups_of = param_groups(config, layout, rank)
+        for i, (buffers, groups) in enumerate(zip(buffers_of, groups_of, strict=True)):
+            expert = i == 1
+            if not expert and c.ep != 0:
+                continue  # (the dense optimizer's DP group spans the EP ranks: one copy per TP and PP rank)
+            idx = c.tp + layout.tp * ((c.ep + layout.ep * c.pp) if expert else c.pp)
+            base = (f"chained_{i}." if len(buffers_of) > 1 else "") + f"optimizer.distributed.dp_group_idx_{idx}"
+            entry = optimizer_entry(meta, groups)
+            for key, value in entry.items():
+                data.obj(f"{base}.{key}/shard_0_1", [value])
+            sizes = [{pair: list(b.bucket_numels)} for b in buffers]
+            padded = [{pair: [-(-n // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT for n in b.bucket_numels]} for b in buffers]
+            data.obj(f"{base}.per_bucket_numel/shard_0_1", [padded])
+            data.obj(f"{base}.per_bucket_numel_unpadded/shard_0_1", [sizes])
+            for g, buffer in enumerate(buffers):
+                for b, numel in enumerate(buffer.bucket_numels):
+                    prefix = f"{base}.gbuf_idx_{g}.dtype_{pair}.bucket_idx_{b}"
+                    slots = sorted((s for s in buffer.slots if s.bucket == b), key=lambda s: s.bucket_offset)
+                    for stored, state in STATE_OF.items():
+                        at = 0
+                        for slot in slots:
+                            if slot.bucket_offset > at:  # (the alignment padding before a parameter)
+                                data.tensor(f"{prefix}.{stored}", (numel,), (at,), torch.zeros(slot.bucket_offset - at))
+                            p = slot.param
+                            value = produce(rank, plan[(p.chunk_key, p.name, state)]).reshape(-1).float()
+                            data.tensor(f"{prefix}.{stored}", (numel,), (slot.bucket_offset,), value)
+                            written += value.numel() * value.element_size()
+                            at = slot.bucket_offset + p.numel
+                        if at < numel:
+                            data.tensor(f"{prefix}.{stored}", (numel,), (at,), torch.zeros(numel - at))
+    return written
+
+
 def write_torch_dist(
     dst: str | Path,
     target: Any,  # megatron._TargetFiles of layout tp1pp1
@@ -670,7 +783,8 @@ def write_torch_dist(
     from ucp.interop.megatron import CHECKPOINT_VERSION, EXTRA_STATE_OWNERS, TRACKER
     from ucp.interop.staging import staged_dir
 
-    plan = local_plan(target.config, Layout(), 0, target.states)
+    buckets = target.optimizer is not None and target.optimizer_layout is not None  # (the dp_reshardable form)
+    plan = local_plan(target.config, Layout(), 0, () if buckets else target.states)
     stored_as = {state: stored for stored, state in STATE_OF.items()}  # ucp state -> fully_reshardable key
     written = 0
     with staged_dir(dst) as tmp:
@@ -710,6 +824,8 @@ def write_torch_dist(
                     )
                 del t
                 bar.update(1)
+            if buckets:
+                written += _write_buckets(data, target, produce)
             f.flush()
             os.fsync(f.fileno())
         metadata = Metadata(data.state_dict_metadata, storage_data=data.storage_data, storage_meta=StorageMeta())
@@ -723,7 +839,13 @@ def write_torch_dist(
             common["opt_param_scheduler"] = target.scheduler
         # how the sharded state dict was made, which Megatron-LM's loader reads back to make its own the same way
         content: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-        if target.optimizer is not None:
+        if buckets:
+            # (per optimizer only its form: the param groups are objects of each model-parallel rank)
+            kind = {"param_state_sharding_type": DP_RESHARDABLE}
+            count = len(param_groups(target.config, target.optimizer_layout, 0))
+            common["optimizer"] = kind if count == 1 else {i: dict(kind) for i in range(count)}
+            content |= {"distrib_optim_sharding_type": DP_RESHARDABLE}
+        elif target.optimizer is not None:
             common["optimizer"] = common_optimizer_entry(target.optimizer, target.config, target.expert_parallel)
             content |= {
                 "distrib_optim_sharding_type": FULLY_RESHARDABLE,

@@ -78,8 +78,8 @@ def load_weights(
     fp8 regions and the scales of the blocks they fall in, and filled with their float32 products rounded once
     (`ucp.quantization.dequantize`: the same bits as dequantising the whole atom), the scales left out and `config`
     saying no quantisation. Otherwise each comes as stored (float8, with its `..._scale_inv` scales beside it), and
-    a TP split must then fall on block edges (`LayoutError`); an `into` tensor of a float8 weight gets it as stored,
-    of another dtype dequantised (made, then copied: not in place)."""
+    a TP split must then fall on block edges (`LayoutError`); an `into` tensor of a float8 weight is filled as
+    stored, one of another dtype dequantised, both in place."""
     reader = url if isinstance(url, CheckpointReader) else open_checkpoint(url, step, storage_options=storage_options)
     config = model_config_of(reader)
     target = _as_layout(layout)
@@ -121,30 +121,36 @@ def _load_quantised(
     given: dict[str, Any] | None,
     device: torch.device | str | None,
 ) -> LoadedWeights:
-    """`load_weights` of a model with block-quantised weights, some of them asked for as stored: read as stored (a
-    rank's scales are those of its blocks, `ucp.partition`), then each weight dequantised with its local scales where
-    `cast` or its `into` tensor asks for another dtype than float8."""
-    stored, report = load_sharded(reader, model, rank, device=device)
+    """`load_weights` of a model with block-quantised weights, some of them asked for as stored. `into` tensors are
+    filled in place by the load (`load_sharded`: a float8 one as stored, one of another dtype dequantised with the
+    scales of its blocks); the weights without one come as stored (a rank's scales are those of its blocks,
+    `ucp.partition`), then, where `cast` asks for another dtype than float8, dequantised with their local scales,
+    which are then left out."""
+    stored, report = load_sharded(reader, model, rank, into=given, device=device)
     block = block_size(model.config)
     assert block is not None  # (the model has scales)
     given = given or {}
+
+    def wanted(chunk: str, name: str) -> torch.dtype | None:
+        into = given.get(chunk, {}).get(name)
+        return into.dtype if into is not None else cast
+
     local: dict[str, Any] = {}
     for chunk, tensors in stored.items():
         for name, tensor in tensors.items():
-            into = given.get(chunk, {}).get(name)
-            if name.endswith(SCALE_SUFFIX) and into is None and cast is not None:
+            if given.get(chunk, {}).get(name) is not None:
+                local.setdefault(chunk, {})[name] = tensor  # (the caller's own tensor, filled)
+                continue
+            weight = name.removesuffix(SCALE_SUFFIX)
+            if weight != name and wanted(chunk, weight) not in (None, *FLOAT8):
                 continue  # (its weight is dequantised: nothing needs it)
-            dtype = into.dtype if into is not None else cast or tensor.dtype
+            dtype = cast or tensor.dtype
             scales = tensors.get(scale_name(name))
-            value = dequantize(tensor, scales, block, dtype) if scales is not None and dtype != tensor.dtype else tensor
-            if into is not None:
-                if tuple(into.shape) != tuple(value.shape):
-                    raise StateError(
-                        f"cannot load into {chunk}/{name}: it has shape {list(into.shape)}, the layout's local tensor "
-                        f"{list(value.shape)}"
-                    )
-                value = into.copy_(value)
-            local.setdefault(chunk, {})[name] = value.to(dtype)
+            if scales is not None and dtype != tensor.dtype:
+                tensor = dequantize(tensor, scales, block, dtype)
+            elif weight == name:  # (scales stay float32)
+                tensor = tensor.to(dtype)
+            local.setdefault(chunk, {})[name] = tensor
     config = dataclasses.replace(model.config, weight_block_size=None) if cast is not None else model.config
     return LoadedWeights(local, report, config, model.layout)
 
@@ -169,8 +175,9 @@ def _local_params(into: Mapping[str, torch.Tensor] | torch.nn.Module | None) -> 
 # --------------------------------------------------------------------------------- plain nn.Module by name
 
 # transformers >= 5 keeps a layer's experts fused: gate_up_proj [E, 2*ffn, hidden] = per expert [w1; w3],
-# down_proj [E, hidden, ffn] = per expert w2; the router is mlp.gate.
-_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+# down_proj [E, hidden, ffn] = per expert w2; the router is mlp.gate. Its fp8 experts (FP8Experts) hold beside each
+# the block scales, fused alike: gate_up_proj_scale_inv = per expert [w1's; w3's], down_proj_scale_inv = w2's.
+_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?")
 _HF_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
 
 Composer = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
@@ -186,20 +193,21 @@ class Source:
 
 def hf_source(name: str, config: Any) -> Source | None:
     """The atoms behind a Hugging Face module tensor: the tensor of the same name (every family's atoms take HF's
-    names), or for a MoE family's experts either the per-expert or transformers' fused-expert naming; None for tensors no atom
-    backs (e.g. rotary buffers)."""
+    names), or for a MoE family's experts either the per-expert or transformers' fused-expert naming (with an fp8
+    model's fused scales, FP8Experts'); None for tensors no atom backs (e.g. rotary buffers)."""
     moe = expert_names_of(config)
     if moe is not None and (m := _HF_ROUTER.fullmatch(name)):
         atom = moe.router_atom(m[1])
         return Source((atom,), lambda a: a[atom])
     if moe is not None and (m := _HF_FUSED.fullmatch(name)):
         experts = range(config.num_local_experts)
+        scaled = scale_name if m[3] else str  # (the weights' block scales, fused as the weights are)
         if m[2] == "gate_up_proj":
-            names = moe.gate_up_atoms(m[1], config.num_local_experts)
+            names = tuple(map(scaled, moe.gate_up_atoms(m[1], config.num_local_experts)))
             return Source(
                 names, lambda a: torch.stack([torch.cat([a[names[2 * x]], a[names[2 * x + 1]]]) for x in experts])
             )
-        names = moe.down_atoms(m[1], config.num_local_experts)
+        names = tuple(map(scaled, moe.down_atoms(m[1], config.num_local_experts)))
         return Source(names, lambda a: torch.stack([a[n] for n in names]))
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return Source(("model.embed_tokens.weight",), lambda a: a["model.embed_tokens.weight"])
