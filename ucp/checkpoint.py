@@ -22,15 +22,18 @@ from .chunking import ChunkingPolicy, choose_chunks
 from .errors import FormatError, IntegrityError, StateError
 from .format import (
     MAX_DOCUMENT_BYTES,
+    PACKS_GROUP,
     ZARR_JSON,
     AtomMeta,
     ObjectSum,
+    PackedChunk,
     StepManifest,
     chunk_indices,
     is_attempt_dirname,
     loads,
     parse_step_dirname,
 )
+from .packs import pack_object_key
 from .pipeline import ChunkJob, SavePipeline, SavePlan
 from .session import SaveSession
 from .storage import Storage, open_storage
@@ -87,9 +90,10 @@ def plan_atoms(
 def _describe(
     path: str, shape: tuple[int, ...], dtype: torch.dtype, policy: ChunkingPolicy, extra: Mapping[str, Any]
 ) -> AtomMeta:
-    chunk_shape, inner = choose_chunks(shape, dtype.itemsize, policy)
+    packed = policy.packs(math.prod(shape) * dtype.itemsize)
+    chunk_shape, inner = choose_chunks(shape, dtype.itemsize, policy, packed=packed)
     attrs = {"role": default_role(path), **dict(extra)}
-    return checked(AtomMeta(path, shape, dtypes.zarr_name(dtype), chunk_shape, inner, attrs))
+    return checked(AtomMeta(path, shape, dtypes.zarr_name(dtype), chunk_shape, inner, attrs, packed=packed))
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -134,8 +138,17 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def group_paths(metas: Iterable[AtomMeta]) -> list[str]:
-    """Every intermediate group (dict level) that holds an atom, parents first."""
-    paths = [m.path for m in metas]
+    """The groups a Zarr reader walks to reach every Zarr array of a step, parents first: every intermediate group
+    (dict level) above an atom that is an array of its own, and the packs' group if any atom is packed. A level
+    that holds only packed atoms is no Zarr node (its atoms are found through the manifest)."""
+    paths, packed = [], False
+    for m in metas:
+        if m.packed:
+            packed = True
+        else:
+            paths.append(m.path)
+    if packed:
+        paths.append(f"{PACKS_GROUP}/pack")  # (a pack's name is one level below the group)
     groups = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
     return sorted(groups, key=lambda g: (g.count("/"), g))
 
@@ -164,7 +177,8 @@ def plan_save(
         writer=f"ucp {__version__}",
     )
     jobs = chunk_jobs(metas, tensors)
-    return SavePlan(SaveSession.begin(storage, step), metas, group_paths(metas), jobs, manifest)
+    session = SaveSession.begin(storage, step)
+    return SavePlan(session, metas, group_paths(metas), jobs, manifest, pack_bytes=options.chunking.pack_bytes)
 
 
 def check_step(step: object) -> int:
@@ -250,6 +264,7 @@ class CheckpointReader:
         if missing:
             raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
         self.io_threads = io_threads or storage.default_io_threads
+        self._pack_atoms: dict[str, list[str]] | None = None
 
     @property
     def atoms(self) -> dict[str, AtomMeta]:
@@ -259,7 +274,10 @@ class CheckpointReader:
         return f"{self.prefix}/{meta.path}/{name}"
 
     def check_atom_metadata(self, meta: AtomMeta) -> None:
-        """The atom's zarr.json must exist and agree with the committed manifest (what other Zarr readers see)."""
+        """The atom's zarr.json must exist and agree with the committed manifest (what other Zarr readers see). A
+        packed atom has none; each pack's is checked as a pack's (`ucp.inspection`)."""
+        if meta.packed:
+            return
         try:
             raw = self.storage.read(self._atom_key(meta, ZARR_JSON), 0, MAX_DOCUMENT_BYTES + 1)
         except FileNotFoundError:
@@ -277,12 +295,40 @@ class CheckpointReader:
         objects = self.manifest.objects
         return None if objects is None else objects[meta.path][meta.object_number(index)]
 
+    def packed_chunk(self, meta: AtomMeta, index: tuple[int, ...]) -> PackedChunk:
+        """Where chunk `index` of a packed atom lies (format 3)."""
+        return self.manifest.packed[meta.path][meta.object_number(index)]
+
+    def pack_holds(self, name: str) -> str:
+        """What pack `name` holds, for an error: its atoms (the first ones by name) and how many."""
+        if self._pack_atoms is None:
+            held: dict[str, set[str]] = {}
+            for path, chunks in self.manifest.packed.items():
+                for c in chunks:
+                    held.setdefault(c.pack, set()).add(path)
+            self._pack_atoms = {pack: sorted(paths) for pack, paths in held.items()}
+        atoms = self._pack_atoms.get(name, [])
+        more = f" and {len(atoms) - 8} more" if len(atoms) > 8 else ""
+        return f"pack {name} of step {self.step} holds the atoms {', '.join(map(repr, atoms[:8]))}{more}"
+
     def read_object(self, meta: AtomMeta, index: tuple[int, ...], dest_for: codec.DestFn) -> None:
-        """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object."""
+        """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object (of a
+        packed atom: its chunk's byte range of a pack)."""
         where = f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
+        if meta.packed:
+            sink = codec.packed_sink(meta, index, dest_for)
+            if sink is not None:
+                self._read_packed([(self.packed_chunk(meta, index), sink, where)])
+            return
         codec.read_object(
             self.storage, self.object_key(meta, index), meta, index, dest_for, where, self.recorded(meta, index)
         )
+
+    def _read_packed(self, chunks: list[tuple[PackedChunk, codec.ChunkSink, str]]) -> None:
+        """Read packed chunks of one pack in one request, each verified."""
+        name = chunks[0][0].pack
+        key = pack_object_key(self.prefix, name)
+        codec.read_packed(self.storage, key, chunks, functools.partial(self.pack_holds, name))
 
     def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
         """Read, verify and decode one stored object into `out` (the full atom's tensor)."""
@@ -300,7 +346,25 @@ class CheckpointReader:
                 functools.partial(self.read_chunk_into, m, i, out[m.path]), m.object_bytes, self.object_key(m, i)
             )
             for m in metas
+            if not m.packed
             for i in chunk_indices(m.grid)
+        ]
+        # packed atoms: one read per pack, straight into the atoms' tensors (the alignment gaps into scratch)
+        by_pack: dict[str, list[tuple[PackedChunk, codec.ChunkSink, str]]] = {}
+        for m in metas:
+            if m.packed:
+                for index in chunk_indices(m.grid):
+                    chunk = self.packed_chunk(m, index)
+                    sink = codec.packed_sink(m, index, codec.full_region(out[m.path]))
+                    where = f"atom {m.path!r} chunk {m.chunk_key(index)} (step {self.step})"
+                    by_pack.setdefault(chunk.pack, []).append((chunk, sink, where))  # type: ignore[arg-type]
+        tasks += [
+            ObjectCall(
+                functools.partial(self._read_packed, chunks),
+                self.manifest.packs[name][0],
+                pack_object_key(self.prefix, name),
+            )
+            for name, chunks in by_pack.items()
         ]
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
             run_sized(pool, tasks, self.storage.serial_small_objects(writing=False), self.storage.prefetching)
@@ -313,7 +377,8 @@ class CheckpointReader:
         return sum(m.nbytes for m in self.atoms.values())
 
     def chunk_count(self) -> int:
-        return sum(math.prod(m.grid) for m in self.atoms.values())
+        """Objects that hold the atoms' data: the chunk objects of unpacked atoms, and the packs."""
+        return sum(math.prod(m.grid) for m in self.atoms.values() if not m.packed) + len(self.manifest.packs)
 
 
 def allocate(meta: AtomMeta, *, zero: bool = False) -> torch.Tensor:

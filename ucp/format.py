@@ -22,19 +22,21 @@ from typing import Any
 from . import dtypes
 from .errors import FormatError, UnsupportedVersionError
 
-FORMAT_VERSION = "2.0"
-FORMAT_MAJOR = 2
+FORMAT_VERSION = "3.0"
+FORMAT_MAJOR = 3
 ZARR_JSON = "zarr.json"
 COMMIT_MARKER = "ucp-commit.json"
 ATTEMPT_RECORD = "ucp-attempt.json"  # an attempt's owner (who saves it, until when), written first
+PACKS_GROUP = "ucp-packs"  # format 3: the group of an attempt's packs (ucp.packs)
 CRC_BYTES = 4  # the crc32c codec appends a 4-byte little-endian checksum
 INDEX_ENTRY_BYTES = 16  # sharding index: (offset, nbytes) as two little-endian uint64
 EMPTY_INDEX_ENTRY = 2**64 - 1
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _ATTEMPT_DIR = re.compile(r"^attempt-[0-9a-f]{32}$")
+_PACK_NAME = re.compile(rf"^{PACKS_GROUP}/p[0-9]{{1,9}}-[0-9]{{1,9}}$")
 # Names a state key may not take: they would collide with Zarr's or ucp's own files.
-RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD})
+RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD, PACKS_GROUP})
 
 # Bounds on what metadata may declare (docs/FORMAT.md section 8). Writers stay inside them; readers refuse more.
 MAX_NDIM = 32
@@ -62,6 +64,11 @@ def parse_step_dirname(name: str) -> int | None:
 
 def is_attempt_dirname(name: object) -> bool:
     return isinstance(name, str) and _ATTEMPT_DIR.match(name) is not None
+
+
+def is_pack_name(name: object) -> bool:
+    """A pack's name below its attempt: `ucp-packs/p<writer>-<number>` (section 4.1)."""
+    return isinstance(name, str) and _PACK_NAME.match(name) is not None
 
 
 def check_format_version(version: object, where: str) -> None:
@@ -142,6 +149,8 @@ class AtomMeta:
     attributes: dict[str, Any] = field(default_factory=dict, compare=False)
     # Format 2 shards carry a table of their inner chunks' checksums after the index (section 4); 1.0 shards do not.
     crc_table: bool = field(default=True, compare=False)
+    # Format 3: the atom's chunks are byte ranges of packs (ucp.packs), not objects of its own; it has no zarr.json.
+    packed: bool = field(default=False, compare=False)
 
     # Derived once per atom (the fields are frozen): a save or load of many small atoms asks for these per object.
     @functools.cached_property
@@ -194,7 +203,7 @@ class AtomMeta:
         dtype, attributes = doc.get("dtype"), doc.get("attributes", {})
         if not isinstance(dtype, str) or not isinstance(attributes, dict):
             raise FormatError(f"{where}: dtype must be a string and attributes an object")
-        meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table)
+        meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table, "packed" in doc)
         meta.validate()
         return meta
 
@@ -221,6 +230,8 @@ class AtomMeta:
             raise FormatError(
                 f"{where}: {math.prod(self.grid)} chunk objects, more than the format's {MAX_OBJECTS_PER_ATOM}"
             )
+        if self.packed and self.inner_chunk_shape is not None:
+            raise FormatError(f"{where}: a packed atom has no inner chunks (it lists inner_chunk_shape)")
         if self.inner_chunk_shape is not None:
             inner = self.inner_chunk_shape
             if len(inner) != len(self.shape) or any(i < 1 or c % i for c, i in zip(self.chunk_shape, inner)):
@@ -336,10 +347,26 @@ def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
 ObjectSum = tuple[int, int]  # a stored object's (size in bytes, CRC-32C), as the writer recorded it (section 4)
 
 
+@dataclass(frozen=True)
+class PackedChunk:
+    """Where a packed atom's chunk lies (section 4.1): bytes [offset, offset + nbytes) of the pack's data, whose
+    CRC-32C is `crc`."""
+
+    pack: str
+    offset: int
+    nbytes: int
+    crc: int
+
+    def to_json(self) -> list:
+        return [self.pack, self.offset, self.nbytes, self.crc]
+
+
 @dataclass
 class StepManifest:
     """The ucp attributes of a step's root group. `objects` gives, per atom, every chunk object's size and
-    checksum in C order over its grid (format 2; None for a 1.0 step, which did not record them)."""
+    checksum in C order over its grid (format 2; None for a 1.0 step, which did not record them). In format 3,
+    a packed atom's chunks are in `packed` instead (C order too), and `packs` gives each pack object's size and
+    checksum."""
 
     step: int
     tree: dict[str, Any]
@@ -349,12 +376,16 @@ class StepManifest:
     writer: str = ""
     format_version: str = FORMAT_VERSION
     objects: dict[str, list[ObjectSum]] | None = None
+    packed: dict[str, list[PackedChunk]] = field(default_factory=dict)
+    packs: dict[str, ObjectSum] = field(default_factory=dict)
 
     def to_group_json(self) -> dict[str, Any]:
         atoms = {}
         for path, atom in self.atoms.items():
             atoms[path] = atom.to_manifest()
-            if self.objects is not None:
+            if atom.packed:
+                atoms[path]["packed"] = [c.to_json() for c in self.packed[path]]
+            elif self.objects is not None:
                 atoms[path]["objects"] = [list(o) for o in self.objects[path]]
         ucp_attrs = {
             "format_version": self.format_version,
@@ -365,6 +396,8 @@ class StepManifest:
             "tree": self.tree,
             "atoms": atoms,
         }
+        if self.packs:
+            ucp_attrs["packs"] = {name: list(s) for name, s in self.packs.items()}
         return {"zarr_format": 3, "node_type": "group", "attributes": {"ucp": ucp_attrs}}
 
     @classmethod
@@ -383,9 +416,15 @@ class StepManifest:
             if attrs.get(name) is not None and not isinstance(attrs[name], str):
                 raise FormatError(f"{where}: {name} must be a string")
         atoms = {p: AtomMeta.from_manifest(p, a, crc_table=major >= 2) for p, a in atoms_doc.items()}
+        if major < 3 and any(m.packed for m in atoms.values()):
+            raise FormatError(f"{where}: format {version} has no packed atoms")
         objects = (
-            {p: _object_sums(atoms[p], a.get("objects"), where) for p, a in atoms_doc.items()} if major >= 2 else None
+            {p: _object_sums(atoms[p], a.get("objects"), where) for p, a in atoms_doc.items() if not atoms[p].packed}
+            if major >= 2
+            else None
         )
+        packs = _pack_sums(attrs.get("packs", {}), where)
+        packed = _packed_chunks(atoms, {p: a["packed"] for p, a in atoms_doc.items() if atoms[p].packed}, packs, where)
         return cls(
             step=json_int(attrs.get("step"), where, "step"),
             tree=tree,
@@ -395,6 +434,8 @@ class StepManifest:
             writer=attrs.get("writer") or "",
             format_version=version,  # type: ignore[arg-type]
             objects=objects,
+            packed=packed,
+            packs=packs,
         )
 
 
@@ -415,6 +456,68 @@ def _object_sums(meta: AtomMeta, doc: object, where: str) -> list[ObjectSum]:
             )
         sums.append((nbytes, json_int(entry[1], where, "an object's crc32c", 0, 2**32 - 1)))
     return sums
+
+
+def _pack_sums(doc: object, where: str) -> dict[str, ObjectSum]:
+    """The manifest's `packs`: {name: [nbytes, crc32c]} of each pack's one chunk object (data, then CRC-32C)."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: packs must be an object of [nbytes, crc32c] pairs")
+    sums = {}
+    for name, entry in doc.items():
+        if not is_pack_name(name) or not isinstance(entry, list) or len(entry) != 2:
+            raise FormatError(f"{where}: pack entry {name!r:.100} is not a pack name with [nbytes, crc32c]")
+        nbytes = json_int(entry[0], where, f"pack {name}'s nbytes", CRC_BYTES + 1, MAX_OBJECT_BYTES + CRC_BYTES)
+        sums[name] = (nbytes, json_int(entry[1], where, f"pack {name}'s crc32c", 0, 2**32 - 1))
+    return sums
+
+
+def _packed_chunks(
+    atoms: dict[str, AtomMeta], docs: dict[str, Any], packs: dict[str, ObjectSum], where: str
+) -> dict[str, list[PackedChunk]]:
+    """Each packed atom's chunks, checked: one per chunk of its grid, each in a listed pack, inside its data, on an
+    element boundary, of the chunk's size, and no two overlapping, so that no read goes outside a pack."""
+    out: dict[str, list[PackedChunk]] = {}
+    spans: list[tuple[str, int, int, str]] = []
+    for path, doc in docs.items():
+        meta = atoms[path]
+        count = math.prod(meta.grid)
+        if not isinstance(doc, list) or len(doc) != count:
+            raise FormatError(f"{where}: packed atom {path!r:.200} must list {count} [pack, offset, nbytes, crc32c]")
+        chunks = []
+        for index, entry in zip(chunk_indices(meta.grid), doc):
+            if not isinstance(entry, list) or len(entry) != 4 or entry[0] not in packs:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} has an entry {entry!r:.100} that is not "
+                    "[a listed pack, offset, nbytes, crc32c]"
+                )
+            name = entry[0]
+            data_bytes = packs[name][0] - CRC_BYTES
+            offset = json_int(entry[1], where, f"atom {path!r:.200}'s offset in {name}", 0, data_bytes)
+            nbytes = json_int(entry[2], where, f"atom {path!r:.200}'s nbytes in {name}", 0, data_bytes)
+            crc = json_int(entry[3], where, f"atom {path!r:.200}'s crc32c", 0, 2**32 - 1)
+            expected = math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
+            if nbytes != expected:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} records {nbytes} bytes in {name} for a chunk of {expected}"
+                )
+            if offset % meta.itemsize:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} starts at offset {offset} of {name}, not on an element "
+                    f"boundary of {meta.dtype} ({meta.itemsize} bytes)"
+                )
+            if offset + nbytes > data_bytes:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} lies at [{offset}, {offset + nbytes}) of {name}, outside its "
+                    f"{data_bytes} bytes of data"
+                )
+            chunks.append(PackedChunk(name, offset, nbytes, crc))
+            spans.append((name, offset, offset + nbytes, path))
+        out[path] = chunks
+    spans.sort()
+    for (name, _, end, path), (other, start, _, other_path) in zip(spans, spans[1:]):
+        if name == other and start < end:
+            raise FormatError(f"{where}: packed atoms {path!r:.200} and {other_path!r:.200} overlap in {name}")
+    return out
 
 
 def group_json() -> dict[str, Any]:

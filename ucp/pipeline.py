@@ -39,9 +39,11 @@ from typing import Literal, Protocol
 import torch
 
 from . import codec
+from .chunking import ChunkingPolicy
 from .commit import CommitRecord
 from .errors import UcpError
 from .format import ZARR_JSON, AtomMeta, StepManifest, dumps, group_json
+from .packs import Pack, lay_out
 from .session import SaveSession
 from .staging import Arena, Slot, StagingPool, close_arena, host_arena, shared_arena
 from .storage import Storage
@@ -73,11 +75,28 @@ class ChunkJob:
         return self.meta.object_key(prefix, self.index)
 
 
+@dataclass(frozen=True)
+class PackJob:
+    """One pack object to write (`ucp.packs`): its layout, and a callable giving each member chunk's values."""
+
+    pack: Pack
+    sources: tuple[Callable[[], torch.Tensor], ...]
+    index: tuple[int, ...] = (0,)
+
+    @property
+    def meta(self) -> AtomMeta:
+        return self.pack.meta
+
+    def key(self, prefix: str) -> str:
+        return self.pack.key(prefix)
+
+
 @dataclass
 class SavePlan:
     """What this process writes in a save attempt (`session`): array metadata, group metadata, chunk objects.
     Once every write is done and durable, the pipeline ends the attempt (`session.finish`: the commit, with the
-    coordinator's `manifest`), unless `commit` is False: then the caller writes more plans and finishes it."""
+    coordinator's `manifest`), unless `commit` is False: then the caller writes more plans and finishes it.
+    The chunks of packed atoms go into packs of up to `pack_bytes` (`jobs`)."""
 
     session: SaveSession
     metadata: list[AtomMeta]
@@ -85,6 +104,8 @@ class SavePlan:
     chunks: list[ChunkJob]
     manifest: StepManifest | None = None
     commit: bool = True
+    pack_bytes: int = ChunkingPolicy().pack_bytes
+    _jobs: list[ChunkJob | PackJob] | None = field(default=None, init=False, repr=False)
 
     @property
     def storage(self) -> Storage:
@@ -94,10 +115,22 @@ class SavePlan:
     def step(self) -> int:
         return self.session.step
 
+    def jobs(self) -> list[ChunkJob | PackJob]:
+        """Every object this process writes: the chunk objects of unpacked atoms, then the packs that hold the
+        packed atoms' chunks (laid out, and named in the session, once)."""
+        if self._jobs is None:
+            plain: list[ChunkJob | PackJob] = [j for j in self.chunks if not j.meta.packed]
+            packed = [j for j in self.chunks if j.meta.packed]
+            packs = lay_out([(j.meta, j.index) for j in packed], self.pack_bytes, self.session.new_pack_name)
+            members = iter(packed)
+            self._jobs = plain + [PackJob(p, tuple(next(members).source for _ in p.members)) for p in packs]
+        return self._jobs
+
     def documents(self) -> list[tuple[str, Callable[[], dict]]]:
-        """The zarr.json of every atom and group this process writes."""
+        """The zarr.json of every unpacked atom, pack and group this process writes."""
         prefix = self.session.prefix
-        docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in self.metadata]
+        docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in self.metadata if not m.packed]
+        docs += [(f"{prefix}/{j.pack.name}/{ZARR_JSON}", j.meta.zarr_json) for j in self.jobs() if isinstance(j, PackJob)]
         return docs + [(f"{prefix}/{g}/{ZARR_JSON}", group_json) for g in self.groups]
 
 
@@ -106,7 +139,7 @@ class _Staged:
     """A chunk to write: its values in a staging slot (with the CUDA event that marks the copy done), or, in
     sync mode, no slot: the values are taken from the job's source when written."""
 
-    job: ChunkJob
+    job: ChunkJob | PackJob
     values: torch.Tensor | None = None
     slot: Slot | None = None
     ready: torch.cuda.Event | None = None
@@ -215,9 +248,15 @@ class _ThreadWrites:
 
     def _write(self, staged: _Staged) -> None:
         staged.wait_ready()
-        values = staged.values if staged.values is not None else staged.job.source()
         job = staged.job
         key = job.key(self.plan.session.prefix)
+        if isinstance(job, PackJob):
+            members = staged.values if staged.values is not None else [source() for source in job.sources]
+            encoded = codec.encode_pack(job.pack.spans, job.pack.data_bytes, members)
+            self.plan.storage.write(key, encoded.parts)
+            self.plan.session.record_pack(job.pack, *encoded.sum, list(encoded.members))
+            return
+        values = staged.values if staged.values is not None else job.source()
         encoded = codec.encode(job.meta, job.index, values)
         self.plan.storage.write(key, encoded.parts)
         self.plan.session.record(key, *encoded.sum)
@@ -237,6 +276,7 @@ class _ProcessWrites:
         storage = plan.storage.for_writer_process()
         assert storage is not None, "only storages that a writer process can write go to one"
         self.sid = process.open_storage(storage)
+        self.packs: dict[str, Pack] = {}  # the packs sent to the child, by key
 
     def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
         return [self._counted(self.process.write_documents(self.sid, documents))]
@@ -266,14 +306,18 @@ class _ProcessWrites:
         staged.wait_ready()  # the child cannot wait on a CUDA event
         assert staged.slot is not None and staged.values is not None
         job = staged.job
+        key = job.key(self.plan.session.prefix)
+        if isinstance(job, PackJob):
+            self.packs[key] = job.pack
         return ChunkRef(
-            job.key(self.plan.session.prefix),
+            key,
             job.meta,
             job.index,
             staged.slot.arena.id,
             staged.slot.offset,
             staged.values.dtype,
             tuple(staged.values.shape),
+            job.pack.spans if isinstance(job, PackJob) else None,
         )
 
     def _counted(self, future: cf.Future) -> cf.Future:
@@ -281,9 +325,11 @@ class _ProcessWrites:
 
         def count(f: cf.Future) -> None:
             if f.exception() is None:
-                for key, nbytes, crc in f.result():
+                for key, nbytes, crc, members in f.result():
                     self.plan.storage.stats.record_write(key, nbytes)
-                    if crc is not None:
+                    if key in self.packs:
+                        self.plan.session.record_pack(self.packs[key], nbytes, crc, members)
+                    elif crc is not None:
                         self.plan.session.record(key, nbytes, crc)
 
         future.add_done_callback(count)
@@ -371,7 +417,7 @@ class SavePipeline:
         handle._session = plan.session
         if mode == "sync":
             handle.snapshot_done.set()
-            handle._record = self._write_rest(plan, writes, [], [_Staged(j) for j in plan.chunks])
+            handle._record = self._write_rest(plan, writes, [], [_Staged(j) for j in plan.jobs()])
         elif mode == "async":
             try:
                 futures, staged = self._snapshot(plan, writes, handle, overlap=False)
@@ -507,8 +553,11 @@ class SavePipeline:
 
         devices: set[torch.device] = set()
         try:
-            for job in plan.chunks:
-                staged = self._stage(job, before_waiting=hand_over)
+            for job in plan.jobs():
+                if isinstance(job, PackJob):
+                    staged = self._stage_pack(job, before_waiting=hand_over)
+                else:
+                    staged = self._stage(job, before_waiting=hand_over)
                 batch.append(staged)
                 batch_bytes += staged.nbytes
                 if staged.ready is not None and staged.job_device is not None:
@@ -549,6 +598,43 @@ class SavePipeline:
                 event = torch.cuda.Event()
                 event.record()
             return _Staged(job, staged, slot, event, values.device)
+        except BaseException:
+            self.staging.release(slot)
+            raise
+
+    def _stage_pack(self, job: PackJob, before_waiting: Callable[[], None]) -> _Staged:
+        """Copy a pack's members into one staging slot at their offsets (the gaps zeroed), as `_stage` copies a
+        chunk: the pack is then one contiguous buffer for the writer."""
+        nbytes = job.pack.data_bytes
+        slot = self.staging.acquire(nbytes, wait=False)
+        if slot is None:
+            before_waiting()
+            slot = self.staging.acquire(nbytes)
+            assert slot is not None  # (waiting acquires always give one)
+        try:
+            staged = slot.memory[:nbytes]
+            device = None
+            pos = 0
+            for member, source in zip(job.pack.members, job.sources):
+                values = source()
+                if member.offset > pos:
+                    staged[pos : member.offset].zero_()
+                region = staged[member.offset : member.offset + member.nbytes].view(values.dtype).view(values.shape)
+                if values.is_cuda and self._side_stream is not None:
+                    if device is None:
+                        device = values.device
+                        self._side_stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(self._side_stream):
+                        region.copy_(values, non_blocking=True)
+                else:
+                    region.copy_(values)
+                pos = member.offset + member.nbytes
+            if device is None:
+                return _Staged(job, staged, slot)
+            with torch.cuda.stream(self._side_stream):
+                event = torch.cuda.Event()
+                event.record()
+            return _Staged(job, staged, slot, event, device)
         except BaseException:
             self.staging.release(slot)
             raise

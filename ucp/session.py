@@ -29,7 +29,8 @@ from typing import Self
 from . import attempt, commit
 from .comm import Comm, LocalComm
 from .errors import StepExistsError, StorageError, UcpError
-from .format import FORMAT_VERSION, ZARR_JSON, AtomMeta, ObjectSum, StepManifest, chunk_indices, dumps
+from .format import FORMAT_VERSION, ZARR_JSON, AtomMeta, ObjectSum, PackedChunk, StepManifest, chunk_indices, dumps
+from .packs import Pack, pack_name, pack_object_key
 from .storage import Storage
 
 log = logging.getLogger("ucp")
@@ -68,6 +69,8 @@ class SaveSession:
         self.after_commit: list[Callable[[commit.CommitRecord | None], None]] = []
         self._lease = lease
         self._objects: dict[str, ObjectSum] = {}
+        self._packed: dict[str, list] = {}  # a packed chunk's key (as if it were an object) -> PackedChunk.to_json()
+        self._packs = 0
         self._lock = threading.Lock()
         self._ended = False
         self._cancelled = False
@@ -115,6 +118,20 @@ class SaveSession:
         with self._lock:
             self._objects[key] = (nbytes, crc)
 
+    def new_pack_name(self) -> str:
+        """A name for a pack this process writes in this attempt (no other process or pack takes it)."""
+        with self._lock:
+            self._packs += 1
+            return pack_name(self.comm.rank, self._packs - 1)
+
+    def record_pack(self, pack: Pack, nbytes: int, crc: int, member_crcs: list[int]) -> None:
+        """A pack this process wrote (its object's size and checksum) and the checksum of each chunk it holds."""
+        key = pack.key(self.prefix)
+        with self._lock:
+            self._objects[key] = (nbytes, crc)
+            for m, member_crc in zip(pack.members, member_crcs, strict=True):
+                self._packed[m.meta.object_key(self.prefix, m.index)] = [pack.name, m.offset, m.nbytes, member_crc]
+
     @property
     def objects(self) -> dict[str, ObjectSum]:
         """The chunk objects this process wrote in this attempt, with their sizes and checksums."""
@@ -147,7 +164,7 @@ class SaveSession:
         self, manifest: StepManifest | None, error: BaseException | None
     ) -> tuple[dict, commit.CommitRecord | None, BaseException | None]:
         """Gather, commit or abort, and share the outcome ({} when committed)."""
-        mine = {"failure": _describe(error)} if error is not None else {"objects": self._objects}
+        mine = {"failure": _describe(error)} if error is not None else {"objects": self._objects, "packed": self._packed}
         gathered = [mine] if self.comm.world_size == 1 else self._gather(mine)
         outcome: dict = {}
         record = failure = None
@@ -160,12 +177,14 @@ class SaveSession:
                         failure = error if rank == 0 else None
                         raise _failed(g["failure"], self, rank if self.comm.world_size > 1 else None)
                 objects: dict[str, ObjectSum] = {}
+                packed: dict[str, list] = {}
                 for g in gathered:
                     objects.update({k: (v[0], v[1]) for k, v in g["objects"].items()})
+                    packed.update(g["packed"])
                 assert manifest is not None, "the coordinator commits the manifest"
                 if self._cancelled:
                     raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
-                record = self._commit(manifest, objects)
+                record = self._commit(manifest, objects, packed)
             except BaseException as e:  # noqa: BLE001 -- raised on every rank below, after the attempt is removed
                 self._abort()
                 failure = failure or e
@@ -202,8 +221,14 @@ class SaveSession:
         gathered = self.comm.gather_bytes(json.dumps(mine).encode())
         return None if gathered is None else [json.loads(g) for g in gathered]
 
-    def _commit(self, manifest: StepManifest, objects: dict[str, ObjectSum]) -> commit.CommitRecord:
-        manifest.objects = {path: self._object_sums(meta, objects) for path, meta in manifest.atoms.items()}
+    def _commit(
+        self, manifest: StepManifest, objects: dict[str, ObjectSum], packed: dict[str, list]
+    ) -> commit.CommitRecord:
+        atoms = manifest.atoms.items()
+        manifest.objects = {path: self._object_sums(meta, objects) for path, meta in atoms if not meta.packed}
+        manifest.packed = {path: self._packed_chunks(meta, packed) for path, meta in atoms if meta.packed}
+        names = sorted({c.pack for chunks in manifest.packed.values() for c in chunks})
+        manifest.packs = {name: objects[pack_object_key(self.prefix, name)] for name in names}
         manifest_bytes = dumps(manifest.to_group_json())
         self.storage.write(f"{self.prefix}/{ZARR_JSON}", [manifest_bytes])
         self.storage.flush()
@@ -227,6 +252,15 @@ class SaveSession:
                 raise UcpError(f"step {self.step}: no process wrote {key}; the save is incomplete")
             sums.append(objects[key])
         return sums
+
+    def _packed_chunks(self, meta: AtomMeta, packed: dict[str, list]) -> list[PackedChunk]:
+        chunks = []
+        for index in chunk_indices(meta.grid):
+            key = meta.object_key(self.prefix, index)
+            if key not in packed:
+                raise UcpError(f"step {self.step}: no process packed {key}; the save is incomplete")
+            chunks.append(PackedChunk(*packed[key]))
+        return chunks
 
     def _abort(self) -> None:
         try:
