@@ -33,7 +33,8 @@ CONFIG = MixtralConfig(
     num_local_experts=2,
     make_vocab_size_divisible_by=8,
 )
-OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=16384, inner_bytes=2048), fsync=False)
+# Small atoms (norms, routers, their states: under 1 KiB) packed, the rest in small shards that partial reads cut.
+OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=16384, inner_bytes=2048, pack_below=1024), fsync=False)
 # Fewer, larger objects where each request costs milliseconds (the S3 server).
 LARGE_OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=65536, inner_bytes=8192), fsync=False)
 

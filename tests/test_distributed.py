@@ -34,9 +34,12 @@ def check_world(results: list[dict], reader: CheckpointReader) -> None:
     assert max(writes.values()) == 1, [k for k, n in writes.items() if n > 1][:5]
     for meta in reader.atoms.values():
         for index in chunk_indices(meta.grid):
-            assert writes[f"{reader.prefix}/{meta.path}/{meta.chunk_key(index)}"] == 1, meta.path
+            assert writes[reader.object_key(meta, index)] == 1, meta.path  # (a packed atom's: its pack)
     writers = Counter(i for i, r in enumerate(results) for key in r["writes"] if "/c." in key)
     assert len(writers) == 4, f"every rank writes a share, got {writers}"
+    packers = {name.rsplit("-", 1)[0] for name in reader.manifest.packs}  # ucp-packs/p<rank>-<n>: each packs its own
+    assert reader.manifest.packed and any(not m.packed for m in reader.atoms.values())
+    assert len(packers) == 4, f"every rank packs what it writes, got {sorted(reader.manifest.packs)}"
     for layout in LOAD_LAYOUTS.split(","):
         for rank, r in enumerate(results):
             load = r["loads"][layout]

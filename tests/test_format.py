@@ -19,7 +19,9 @@ from ucp.inspection import verify
 
 from .helpers import assert_same_state, reseal_object, step_path
 
-SMALL_CHUNKS = ucp.SaveOptions(chunking=ChunkingPolicy(object_bytes=64 * 1024, inner_bytes=8 * 1024), fsync=False)
+SMALL_CHUNKS = ucp.SaveOptions(
+    chunking=ChunkingPolicy(object_bytes=64 * 1024, inner_bytes=8 * 1024, pack_below=0), fsync=False
+)  # (chunks of atoms that are Zarr arrays of their own: packs have tests of their own, test_packs.py)
 
 
 def every_dtype_state() -> dict:

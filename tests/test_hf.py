@@ -51,14 +51,14 @@ def random_full_state(cfg: MixtralConfig, states: tuple[str, ...] = DEFAULT_STAT
 
 
 def save_in_layout(
-    full: dict, cfg: MixtralConfig, layout: str, url: str, *, step: int = 1, storage_options=None
+    full: dict, cfg: MixtralConfig, layout: str, url: str, *, step: int = 1, storage_options=None, options=None
 ) -> None:
     """A checkpoint as a training job in `layout` would write it: every rank's local state, one distributed save."""
     lay = parse_layout(layout)
     states = tuple(next(iter(full["optimizer"]["state"].values()))) if "optimizer" in full else ()
     local = [shard(full, cfg, lay, r, states) for r in range(lay.world_size)]
     VirtualWorld(lay.world_size).save(
-        local, url, step=step, model=ShardedModel(cfg, lay, states), storage_options=storage_options
+        local, url, step=step, model=ShardedModel(cfg, lay, states), storage_options=storage_options, options=options
     )
 
 

@@ -71,9 +71,13 @@ def test_a_damaged_hot_copy_is_replaced_by_a_good_one_and_reported(tmp_path):
     a, b = tmp_path / "node-a", tmp_path / "node-b"
     run("save", url, "tp1pp1dp2", [a, b], tmp_path, steps="1", durable_every=5)  # hot only: no durable copy
     assert ucp.CheckpointManager(url).steps() == []
-    chunk = max(run_dir(a).glob(f"{step_dirname(1)}/attempt-*/model/*embed_tokens*/c.*"))
+    hot = ucp.open_checkpoint(str(run_dir(a)))  # the embedding's object (its pack, where it is packed)
+    meta = hot.atoms[next(p for p in hot.atoms if p.startswith("model/") and "embed_tokens" in p)]
+    index = (0,) * len(meta.shape)
+    chunk = run_dir(a) / hot.object_key(meta, index)
     data = bytearray(chunk.read_bytes())
-    data[len(data) // 2] ^= 0x40
+    where = hot.packed_chunk(meta, index) if meta.packed else None
+    data[where.offset + where.nbytes // 2 if where else len(data) // 2] ^= 0x40
     chunk.write_bytes(bytes(data))
     results = run("restore", url, "tp1pp1dp2", [a, b], tmp_path)
     for r in results:

@@ -287,11 +287,17 @@ class CheckpointReader:
         meta.check_zarr_json(loads(raw, f"atom {meta.path!r} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
 
     def object_key(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
-        """The storage key of chunk object `index` of `meta` in this step."""
+        """The storage key of the object that holds chunk `index` of `meta` in this step (of a packed atom: its
+        pack's)."""
+        if meta.packed:
+            return pack_object_key(self.prefix, self.packed_chunk(meta, index).pack)
         return meta.object_key(self.prefix, index)
 
     def recorded(self, meta: AtomMeta, index: tuple[int, ...]) -> ObjectSum | None:
-        """The size and checksum the commit recorded for chunk object `index` of `meta` (None in format 1.0)."""
+        """The size and checksum the commit recorded for the object that holds chunk `index` of `meta` (of a packed
+        atom: its pack's; None in format 1.0)."""
+        if meta.packed:
+            return self.manifest.packs[self.packed_chunk(meta, index).pack]
         objects = self.manifest.objects
         return None if objects is None else objects[meta.path][meta.object_number(index)]
 

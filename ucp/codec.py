@@ -290,8 +290,8 @@ class ChunkSink:
         """Verify a packed chunk (its bytes only: the checksum is in the manifest), then deliver it."""
         if crc32c.crc32c(self.data) != recorded:
             raise IntegrityError(
-                f"{where}: its bytes are not the ones the commit recorded (crc32c): the pack is damaged, "
-                "truncated, swapped or stale"
+                f"{where}: checksum mismatch (crc32c), its bytes are not the ones the commit recorded: the pack "
+                "is damaged, truncated, swapped or stale"
             )
         self._deliver()
 

@@ -237,13 +237,14 @@ def _check_root(reader: CheckpointReader) -> None:
 
 def check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...]) -> None:
     """Read and check one object (into memory of its own size: verify never holds a whole atom), and (format 2)
-    that its size is the one its commit recorded."""
+    that its size is the one its commit recorded. A packed atom's chunk is read from its pack and checked against
+    its own checksum, and the pack's size against the pack's record."""
     box = meta.chunk_box(index)
     values = torch.empty(box_shape(box), dtype=dtypes.torch_dtype(meta.dtype))
     reader.read_object(meta, index, lambda part: (values[to_slices(relative(part, box))], tuple(0 for _ in part)))
     recorded = reader.recorded(meta, index)
     if recorded is not None:
-        key = f"{reader.prefix}/{meta.path}/{meta.chunk_key(index)}"
+        key = reader.object_key(meta, index)
         if recorded[0] == 0 or len(reader.storage.read(key, recorded[0] - 1, recorded[0] + 1)) != 1:
             raise IntegrityError(
                 f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {reader.step}): the object "

@@ -140,6 +140,7 @@ class CheckpointManager:
         return self.hot.storage if self.hot is not None else self.storage
 
     def _submit(self, plan: SavePlan, mode: Mode | None) -> SaveHandle:
+        self.pipeline.fit_packs(plan)  # (before the hot tier learns the packs' documents)
         if self.hot is None:
             plan.session.after_commit.append(self._after_commit)
         else:

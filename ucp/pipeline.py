@@ -401,9 +401,16 @@ class SavePipeline:
         handle, self._inflight = self._inflight, None
         return handle.result() if handle is not None else None
 
+    def fit_packs(self, plan: SavePlan) -> None:
+        """Make the plan's packs small enough for bounded staging memory (a quarter of it, so that packs are copied
+        while others are written), before they are laid out."""
+        if self.staging.capacity is not None and plan._jobs is None:
+            plan.pack_bytes = max(1, min(plan.pack_bytes, self.staging.capacity // 4))
+
     def submit(self, plan: SavePlan, mode: Mode = "sync") -> SaveHandle:
         if mode not in MODES:
             raise UcpError(f"save mode must be one of {MODES}, got {mode!r}")
+        self.fit_packs(plan)
         try:
             self.wait()
         except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt

@@ -129,8 +129,19 @@ class SaveSession:
         key = pack.key(self.prefix)
         with self._lock:
             self._objects[key] = (nbytes, crc)
-            for m, member_crc in zip(pack.members, member_crcs, strict=True):
-                self._packed[m.meta.object_key(self.prefix, m.index)] = [pack.name, m.offset, m.nbytes, member_crc]
+        for m, member_crc in zip(pack.members, member_crcs, strict=True):
+            self.record_packed(m.meta.object_key(self.prefix, m.index), [pack.name, m.offset, m.nbytes, member_crc])
+
+    def record_packed(self, key: str, chunk: list) -> None:
+        """Where a packed chunk lies (`PackedChunk.to_json()`), by the key it would have as an object of its own."""
+        with self._lock:
+            self._packed[key] = chunk
+
+    @property
+    def packed(self) -> dict[str, list]:
+        """The packed chunks this process wrote in this attempt (`record_packed`)."""
+        with self._lock:
+            return dict(self._packed)
 
     @property
     def objects(self) -> dict[str, ObjectSum]:
