@@ -492,23 +492,23 @@ def _packed_chunks(
                 )
             name = entry[0]
             data_bytes = packs[name][0] - CRC_BYTES
-            offset = json_int(entry[1], where, f"atom {path!r:.200}'s offset in {name}", 0, data_bytes)
-            nbytes = json_int(entry[2], where, f"atom {path!r:.200}'s nbytes in {name}", 0, data_bytes)
+            offset = json_int(entry[1], where, f"atom {path!r:.200}'s offset in {name}", 0, MAX_OBJECT_BYTES)
+            nbytes = json_int(entry[2], where, f"atom {path!r:.200}'s nbytes in {name}", 0, MAX_OBJECT_BYTES)
             crc = json_int(entry[3], where, f"atom {path!r:.200}'s crc32c", 0, 2**32 - 1)
             expected = math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
             if nbytes != expected:
                 raise FormatError(
                     f"{where}: packed atom {path!r:.200} records {nbytes} bytes in {name} for a chunk of {expected}"
                 )
-            if offset % meta.itemsize:
-                raise FormatError(
-                    f"{where}: packed atom {path!r:.200} starts at offset {offset} of {name}, not on an element "
-                    f"boundary of {meta.dtype} ({meta.itemsize} bytes)"
-                )
             if offset + nbytes > data_bytes:
                 raise FormatError(
                     f"{where}: packed atom {path!r:.200} lies at [{offset}, {offset + nbytes}) of {name}, outside its "
                     f"{data_bytes} bytes of data"
+                )
+            if offset % meta.itemsize:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} starts at offset {offset} of {name}, not on an element "
+                    f"boundary of {meta.dtype} ({meta.itemsize} bytes)"
                 )
             chunks.append(PackedChunk(name, offset, nbytes, crc))
             spans.append((name, offset, offset + nbytes, path))
