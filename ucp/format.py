@@ -495,7 +495,7 @@ def _packed_chunks(
             offset = json_int(entry[1], where, f"atom {path!r:.200}'s offset in {name}", 0, MAX_OBJECT_BYTES)
             nbytes = json_int(entry[2], where, f"atom {path!r:.200}'s nbytes in {name}", 0, MAX_OBJECT_BYTES)
             crc = json_int(entry[3], where, f"atom {path!r:.200}'s crc32c", 0, 2**32 - 1)
-            expected = math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
+            expected = meta.nbytes if meta.single_chunk else math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
             if nbytes != expected:
                 raise FormatError(
                     f"{where}: packed atom {path!r:.200} records {nbytes} bytes in {name} for a chunk of {expected}"

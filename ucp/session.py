@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -69,7 +70,8 @@ class SaveSession:
         self.after_commit: list[Callable[[commit.CommitRecord | None], None]] = []
         self._lease = lease
         self._objects: dict[str, ObjectSum] = {}
-        self._packed: dict[str, list] = {}  # a packed chunk's key (as if it were an object) -> PackedChunk.to_json()
+        # packed chunks: atom path -> [[chunk number (C order over its grid), *PackedChunk.to_json()], ...]
+        self._packed: dict[str, list[list]] = {}
         self._packs = 0
         self._lock = threading.Lock()
         self._ended = False
@@ -129,19 +131,21 @@ class SaveSession:
         key = pack.key(self.prefix)
         with self._lock:
             self._objects[key] = (nbytes, crc)
-        for m, member_crc in zip(pack.members, member_crcs, strict=True):
-            self.record_packed(m.meta.object_key(self.prefix, m.index), [pack.name, m.offset, m.nbytes, member_crc])
+            for m, member_crc in zip(pack.members, member_crcs, strict=True):
+                number = m.meta.object_number(m.index)
+                self._packed.setdefault(m.meta.path, []).append([number, pack.name, m.offset, m.nbytes, member_crc])
 
-    def record_packed(self, key: str, chunk: list) -> None:
-        """Where a packed chunk lies (`PackedChunk.to_json()`), by the key it would have as an object of its own."""
+    def record_packed(self, path: str, chunks: list[list]) -> None:
+        """Where packed chunks of atom `path` lie: [chunk number, *PackedChunk.to_json()] each (as `packed` gives)."""
         with self._lock:
-            self._packed[key] = chunk
+            self._packed.setdefault(path, []).extend(chunks)
 
     @property
-    def packed(self) -> dict[str, list]:
-        """The packed chunks this process wrote in this attempt (`record_packed`)."""
+    def packed(self) -> dict[str, list[list]]:
+        """The packed chunks this process wrote in this attempt, by atom path: [chunk number, pack, offset, nbytes,
+        crc32c] each."""
         with self._lock:
-            return dict(self._packed)
+            return {path: list(chunks) for path, chunks in self._packed.items()}
 
     @property
     def objects(self) -> dict[str, ObjectSum]:
@@ -188,10 +192,11 @@ class SaveSession:
                         failure = error if rank == 0 else None
                         raise _failed(g["failure"], self, rank if self.comm.world_size > 1 else None)
                 objects: dict[str, ObjectSum] = {}
-                packed: dict[str, list] = {}
+                packed: dict[str, list[list]] = {}
                 for g in gathered:
                     objects.update({k: (v[0], v[1]) for k, v in g["objects"].items()})
-                    packed.update(g["packed"])
+                    for path, chunks in g["packed"].items():  # (a TP-split atom's chunks come from several ranks)
+                        packed.setdefault(path, []).extend(chunks)
                 assert manifest is not None, "the coordinator commits the manifest"
                 if self._cancelled:
                     raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
@@ -233,7 +238,7 @@ class SaveSession:
         return None if gathered is None else [json.loads(g) for g in gathered]
 
     def _commit(
-        self, manifest: StepManifest, objects: dict[str, ObjectSum], packed: dict[str, list]
+        self, manifest: StepManifest, objects: dict[str, ObjectSum], packed: dict[str, list[list]]
     ) -> commit.CommitRecord:
         atoms = manifest.atoms.items()
         manifest.objects = {path: self._object_sums(meta, objects) for path, meta in atoms if not meta.packed}
@@ -264,14 +269,12 @@ class SaveSession:
             sums.append(objects[key])
         return sums
 
-    def _packed_chunks(self, meta: AtomMeta, packed: dict[str, list]) -> list[PackedChunk]:
-        chunks = []
-        for index in chunk_indices(meta.grid):
-            key = meta.object_key(self.prefix, index)
-            if key not in packed:
-                raise UcpError(f"step {self.step}: no process packed {key}; the save is incomplete")
-            chunks.append(PackedChunk(*packed[key]))
-        return chunks
+    def _packed_chunks(self, meta: AtomMeta, packed: dict[str, list[list]]) -> list[PackedChunk]:
+        """The atom's packed chunks in C order over its grid: every one recorded exactly once."""
+        recorded = sorted(packed.get(meta.path, []))
+        if [c[0] for c in recorded] != list(range(math.prod(meta.grid))):
+            raise UcpError(f"step {self.step}: the packed chunks of atom {meta.path!r} were not all written once")
+        return [PackedChunk(*c[1:]) for c in recorded]
 
     def _abort(self) -> None:
         try:

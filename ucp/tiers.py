@@ -332,8 +332,8 @@ class HotTier:
                 if key in objects:
                     target.record(moved[key], *objects[key])
 
-            for key, chunk in session.packed.items():  # the packs keep their names, so their chunks their places
-                target.record_packed(f"{target.prefix}{key[len(session.prefix) :]}", chunk)
+            for path, chunks in session.packed.items():  # the packs keep their names, so their chunks their places
+                target.record_packed(path, chunks)
 
             with cf.ThreadPoolExecutor(options.io_threads or durable.default_io_threads) as pool:
                 list(pool.map(copy, moved))
