@@ -260,7 +260,8 @@ class CheckpointReader:
                 f"{self.record.atoms} atoms of {self.record.nbytes} bytes"
             )
         tree.check_root(self.manifest.tree)
-        missing = set(tree.tree_atoms(self.manifest.tree)) - set(self.manifest.atoms)
+        self.tree_atoms = tree.tree_atoms(self.manifest.tree)  # (checked once: every atom the tree names, in order)
+        missing = set(self.tree_atoms) - set(self.manifest.atoms)
         if missing:
             raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
         self.io_threads = io_threads or storage.default_io_threads
@@ -320,21 +321,30 @@ class CheckpointReader:
     def read_object(self, meta: AtomMeta, index: tuple[int, ...], dest_for: codec.DestFn) -> None:
         """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object (of a
         packed atom: its chunk's byte range of a pack)."""
-        where = f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
         if meta.packed:
             sink = codec.packed_sink(meta, index, dest_for)
             if sink is not None:
-                self._read_packed([(self.packed_chunk(meta, index), sink, where)])
+                self._read_packed([(self.packed_chunk(meta, index), sink, meta, index)])
             return
         codec.read_object(
-            self.storage, self.object_key(meta, index), meta, index, dest_for, where, self.recorded(meta, index)
+            self.storage,
+            self.object_key(meta, index),
+            meta,
+            index,
+            dest_for,
+            self._where(meta, index),
+            self.recorded(meta, index),
         )
 
-    def _read_packed(self, chunks: list[tuple[PackedChunk, codec.ChunkSink, str]]) -> None:
+    def _where(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
+        """What to call a chunk in an error."""
+        return f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
+
+    def _read_packed(self, chunks: list[codec.PackedRead]) -> None:
         """Read packed chunks of one pack in one request, each verified."""
         name = chunks[0][0].pack
         key = pack_object_key(self.prefix, name)
-        codec.read_packed(self.storage, key, chunks, functools.partial(self.pack_holds, name))
+        codec.read_packed(self.storage, key, chunks, self._where, functools.partial(self.pack_holds, name))
 
     def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
         """Read, verify and decode one stored object into `out` (the full atom's tensor)."""
@@ -356,14 +366,18 @@ class CheckpointReader:
             for i in chunk_indices(m.grid)
         ]
         # packed atoms: one read per pack, straight into the atoms' tensors (the alignment gaps into scratch)
-        by_pack: dict[str, list[tuple[PackedChunk, codec.ChunkSink, str]]] = {}
+        by_pack: dict[str, list[codec.PackedRead]] = {}
         for m in metas:
-            if m.packed:
-                for index in chunk_indices(m.grid):
-                    chunk = self.packed_chunk(m, index)
-                    sink = codec.packed_sink(m, index, codec.full_region(out[m.path]))
-                    where = f"atom {m.path!r} chunk {m.chunk_key(index)} (step {self.step})"
-                    by_pack.setdefault(chunk.pack, []).append((chunk, sink, where))  # type: ignore[arg-type]
+            if not m.packed:
+                continue
+            if m.single_chunk:  # (most: the chunk is the atom)
+                (chunk,) = self.manifest.packed[m.path]
+                by_pack.setdefault(chunk.pack, []).append((chunk, codec.ChunkSink.whole(out[m.path]), m, ()))
+                continue
+            for index in chunk_indices(m.grid):
+                chunk = self.packed_chunk(m, index)
+                sink = codec.packed_sink(m, index, codec.full_region(out[m.path]))
+                by_pack.setdefault(chunk.pack, []).append((chunk, sink, m, index))  # type: ignore[arg-type]
         tasks += [
             ObjectCall(
                 functools.partial(self._read_packed, chunks),
@@ -377,7 +391,7 @@ class CheckpointReader:
         return out
 
     def load_state(self) -> dict[str, Any]:
-        return tree.unflatten(self.manifest.tree, self.read_atoms(tree.tree_atoms(self.manifest.tree)))
+        return tree.unflatten(self.manifest.tree, self.read_atoms(self.tree_atoms))
 
     def total_bytes(self) -> int:
         return sum(m.nbytes for m in self.atoms.values())

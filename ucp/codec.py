@@ -278,13 +278,24 @@ class ChunkSink:
         self.tail = memoryview(bytearray(padding))  # the edge chunk's padding rows: read, checked, dropped
         self.crc = bytearray(CRC_BYTES)
 
+    @classmethod
+    def whole(cls, dest: torch.Tensor) -> ChunkSink:
+        """A sink for an unpadded chunk that is all of the contiguous `dest` (a packed atom read whole): its
+        bytes go straight there."""
+        sink = cls.__new__(cls)
+        sink.dest, sink.offset, sink.scratch = dest, (), None
+        sink.data = dtypes.as_bytes(dest)
+        sink.tail = memoryview(b"")
+        sink.crc = bytearray(CRC_BYTES)
+        return sink
+
     def buffers(self) -> list[memoryview]:
         return [self.data, self.tail, memoryview(self.crc)]
 
     def finish(self, where: str, recorded: bytes | None) -> None:
         """Verify the chunk (and that its checksum is the one recorded for its place), then deliver it."""
         _verify([self.data, self.tail], self.crc, where, recorded)
-        self._deliver()
+        self.deliver()
 
     def finish_packed(self, where: str, recorded: int) -> None:
         """Verify a packed chunk (its bytes only: the checksum is in the manifest), then deliver it."""
@@ -293,9 +304,10 @@ class ChunkSink:
                 f"{where}: checksum mismatch (crc32c), its bytes are not the ones the commit recorded: the pack "
                 "is damaged, truncated, swapped or stale"
             )
-        self._deliver()
+        self.deliver()
 
-    def _deliver(self) -> None:
+    def deliver(self) -> None:
+        """Copy what was read into scratch memory to the destination (nothing to do when read in place)."""
         if self.scratch is not None:
             self.dest.copy_(self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))])
 
@@ -311,18 +323,25 @@ def packed_sink(meta: AtomMeta, index: tuple[int, ...], dest_for: DestFn) -> Chu
     return None if wanted is None else ChunkSink(wanted[0], box_shape(box), wanted[1], padded=False)
 
 
+PackedRead = tuple[PackedChunk, ChunkSink, AtomMeta, tuple[int, ...]]  # a packed chunk, its sink, its atom and index
+
+
 def read_packed(
-    storage: Storage, key: str, chunks: Sequence[tuple[PackedChunk, ChunkSink, str]], holds: Callable[[], str]
+    storage: Storage,
+    key: str,
+    chunks: Sequence[PackedRead],
+    where: Callable[[AtomMeta, tuple[int, ...]], str],
+    holds: Callable[[], str],
 ) -> None:
-    """Read packed chunks of one pack (the object at `key`), each (its place, its sink, what to call it in an
-    error), in one scatter read from the first to the last, and verify each against its recorded checksum. A
-    pack that is missing, shorter than its chunks or whose bytes differ fails with an IntegrityError that names
-    the chunk and, from `holds()`, the atoms the pack holds."""
+    """Read packed chunks of one pack (the object at `key`) in one scatter read from the first to the last, and
+    verify each against its recorded checksum. A pack that is missing, shorter than its chunks or whose bytes
+    differ fails with an IntegrityError that names the chunk (`where(atom, index)`) and, from `holds()`, the atoms
+    the pack holds."""
     chunks = sorted(chunks, key=lambda c: c[0].offset)
-    start, end = chunks[0][0].offset, max(c.offset + c.nbytes for c, _, _ in chunks)
+    start, end = chunks[0][0].offset, max(c[0].offset + c[0].nbytes for c in chunks)
     buffers: list[memoryview] = []
     pos = start
-    for chunk, sink, _ in chunks:
+    for chunk, sink, _, _ in chunks:
         if chunk.offset > pos:
             buffers.append(memoryview(bytearray(chunk.offset - pos)))  # alignment gaps and chunks not wanted
         buffers.append(sink.data)
@@ -331,13 +350,15 @@ def read_packed(
         got = storage.read_into(key, start, buffers)
         if got < end - start:
             raise IntegrityError(
-                f"{chunks[-1][2]}: pack {chunks[0][0].pack} is truncated ({start + got} bytes of data, its chunks "
-                f"need {end})"
+                f"{where(*chunks[-1][2:])}: pack {chunks[0][0].pack} is truncated ({start + got} bytes of data, its "
+                f"chunks need {end})"
             )
-        for chunk, sink, where in chunks:
-            sink.finish_packed(where, chunk.crc)
+        for chunk, sink, meta, index in chunks:
+            if crc32c.crc32c(sink.data) != chunk.crc:
+                sink.finish_packed(where(meta, index), chunk.crc)  # (raises, naming it)
+            sink.deliver()
     except FileNotFoundError:
-        raise IntegrityError(f"{chunks[0][2]}: pack {chunks[0][0].pack} is missing; {holds()}") from None
+        raise IntegrityError(f"{where(*chunks[0][2:])}: pack {chunks[0][0].pack} is missing; {holds()}") from None
     except IntegrityError as e:
         raise IntegrityError(f"{e}; {holds()}") from None
 

@@ -176,6 +176,8 @@ class AtomMeta:
     @functools.cached_property
     def single_chunk(self) -> bool:
         """One chunk object holds the whole array (its grid is all ones)."""
+        if self.chunk_shape == self.shape:  # (most atoms: said without working out the grid)
+            return all(self.shape)
         return all(n == 1 for n in self.grid)
 
     @functools.cached_property
@@ -214,6 +216,14 @@ class AtomMeta:
             dtypes.torch_dtype(self.dtype)
         except Exception as e:  # noqa: BLE001 -- whatever the dtype table says, it is a format problem here
             raise FormatError(f"{where}: {e}") from None
+        if (
+            self.inner_chunk_shape is None
+            and self.chunk_shape == self.shape
+            and len(self.shape) <= MAX_NDIM
+            and min(self.shape, default=1) >= 1
+            and self.nbytes <= MAX_OBJECT_BYTES
+        ):
+            return  # one chunk, the whole atom, within every bound (most atoms of a state of many small ones)
         if len(self.shape) > MAX_NDIM or len(self.chunk_shape) != len(self.shape) or any(s < 0 for s in self.shape):
             raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} does not fit shape {list(self.shape)}")
         if any(c < 1 for c in self.chunk_shape):
@@ -480,22 +490,24 @@ def _packed_chunks(
     spans: list[tuple[str, int, int, str]] = []
     for path, doc in docs.items():
         meta = atoms[path]
-        count = math.prod(meta.grid)
+        single = meta.single_chunk  # (most packed atoms: one chunk, the whole atom)
+        count = 1 if single else math.prod(meta.grid)
         if not isinstance(doc, list) or len(doc) != count:
             raise FormatError(f"{where}: packed atom {path!r:.200} must list {count} [pack, offset, nbytes, crc32c]")
         chunks = []
-        for index, entry in zip(chunk_indices(meta.grid), doc):
-            if not isinstance(entry, list) or len(entry) != 4 or entry[0] not in packs:
+        for index, entry in zip([()] if single else chunk_indices(meta.grid), doc):
+            if type(entry) is not list or len(entry) != 4 or entry[0] not in packs:
                 raise FormatError(
                     f"{where}: packed atom {path!r:.200} has an entry {entry!r:.100} that is not "
                     "[a listed pack, offset, nbytes, crc32c]"
                 )
-            name = entry[0]
+            name, offset, nbytes, crc = entry
             data_bytes = packs[name][0] - CRC_BYTES
-            offset = json_int(entry[1], where, f"atom {path!r:.200}'s offset in {name}", 0, MAX_OBJECT_BYTES)
-            nbytes = json_int(entry[2], where, f"atom {path!r:.200}'s nbytes in {name}", 0, MAX_OBJECT_BYTES)
-            crc = json_int(entry[3], where, f"atom {path!r:.200}'s crc32c", 0, 2**32 - 1)
-            expected = meta.nbytes if meta.single_chunk else math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
+            if not (_small_int(offset) and _small_int(nbytes) and type(crc) is int and 0 <= crc < 2**32):
+                json_int(offset, where, f"atom {path!r:.200}'s offset in {name}", 0, MAX_OBJECT_BYTES)
+                json_int(nbytes, where, f"atom {path!r:.200}'s nbytes in {name}", 0, MAX_OBJECT_BYTES)
+                json_int(crc, where, f"atom {path!r:.200}'s crc32c", 0, 2**32 - 1)
+            expected = meta.nbytes if single else math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
             if nbytes != expected:
                 raise FormatError(
                     f"{where}: packed atom {path!r:.200} records {nbytes} bytes in {name} for a chunk of {expected}"
@@ -518,6 +530,11 @@ def _packed_chunks(
         if name == other and start < end:
             raise FormatError(f"{where}: packed atoms {path!r:.200} and {other_path!r:.200} overlap in {name}")
     return out
+
+
+def _small_int(value: object) -> bool:
+    """A JSON integer within an object's bounds (the common case of json_int, without its error message)."""
+    return type(value) is int and 0 <= value <= MAX_OBJECT_BYTES  # noqa: E721 -- bool is not an int here
 
 
 def group_json() -> dict[str, Any]:

@@ -38,6 +38,8 @@ def pack_object_key(prefix: str, name: str) -> str:
 
 def chunk_nbytes(meta: AtomMeta, index: tuple[int, ...]) -> int:
     """Bytes of a packed chunk: its region of the atom, clipped at the edge (no padding)."""
+    if meta.single_chunk:
+        return meta.nbytes
     return math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
 
 
