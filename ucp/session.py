@@ -192,11 +192,12 @@ class SaveSession:
                         failure = error if rank == 0 else None
                         raise _failed(g["failure"], self, rank if self.comm.world_size > 1 else None)
                 objects: dict[str, ObjectSum] = {}
-                packed: dict[str, list[list]] = {}
+                packed: dict[str, list[list]] = gathered[0]["packed"] if len(gathered) == 1 else {}
                 for g in gathered:
                     objects.update({k: (v[0], v[1]) for k, v in g["objects"].items()})
-                    for path, chunks in g["packed"].items():  # (a TP-split atom's chunks come from several ranks)
-                        packed.setdefault(path, []).extend(chunks)
+                    if len(gathered) > 1:
+                        for path, chunks in g["packed"].items():  # (a TP-split atom's chunks come from several ranks)
+                            packed.setdefault(path, []).extend(chunks)
                 assert manifest is not None, "the coordinator commits the manifest"
                 if self._cancelled:
                     raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
@@ -271,7 +272,10 @@ class SaveSession:
 
     def _packed_chunks(self, meta: AtomMeta, packed: dict[str, list[list]]) -> list[PackedChunk]:
         """The atom's packed chunks in C order over its grid: every one recorded exactly once."""
-        recorded = sorted(packed.get(meta.path, []))
+        recorded = packed.get(meta.path, [])
+        if len(recorded) == 1 and recorded[0][0] == 0 and meta.single_chunk:  # (most: one chunk, the atom)
+            return [PackedChunk(*recorded[0][1:])]
+        recorded = sorted(recorded)
         if [c[0] for c in recorded] != list(range(math.prod(meta.grid))):
             raise UcpError(f"step {self.step}: the packed chunks of atom {meta.path!r} were not all written once")
         return [PackedChunk(*c[1:]) for c in recorded]
