@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "verify",
-        help="re-read every object, check every checksum, each object's size and checksum against its "
-        "commit's record, and every atom's, group's and the root's zarr.json (exit 1 if anything is damaged)",
+        help="re-read every object (each pack whole, with every packed atom's checksum), check every checksum, each "
+        "object's size and checksum against its commit's record, and every atom's, pack's, group's and the root's "
+        "zarr.json (exit 1 if anything is damaged)",
     )
     _add_location(p)
     p.set_defaults(func=cmd_verify)
