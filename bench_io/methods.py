@@ -352,6 +352,18 @@ class Ucp(Method):
         return flatten(ucp.load(url, step=0, storage_options=options))
 
 
+@register
+class UcpUnpacked(Ucp):
+    """ucp with packing off: every atom a Zarr array of its own (the objects format 2 had), to set beside `ucp`."""
+
+    name = "ucp-unpacked"
+    description = "ucp.save / ucp.load with ChunkingPolicy(pack_below=0): no packs, a directory and zarr.json per atom"
+
+    def __init__(self, io_threads: int = DEFAULT_IO_THREADS):
+        super().__init__(io_threads)
+        self.options = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=0), fsync=True, io_threads=io_threads)
+
+
 def timed_copy(state: SyntheticState) -> tuple[float, dict[str, torch.Tensor]]:
     """Seconds to copy_ every tensor of `state` into preallocated, pre-faulted tensors (the floor for an async
     save's blocking time), and the copies."""

@@ -65,7 +65,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"DAMAGED  {problem}")
     status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
-    print(f"step {report.step}: {report.atoms} atoms, {report.chunks} chunk objects checked: {status}")
+    print(f"step {report.step}: {report.atoms} atoms, {report.chunks} data objects (chunks, packs) checked: {status}")
     return 0 if report.ok else 1
 
 

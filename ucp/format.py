@@ -35,6 +35,8 @@ EMPTY_INDEX_ENTRY = 2**64 - 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _ATTEMPT_DIR = re.compile(r"^attempt-[0-9a-f]{32}$")
 _PACK_NAME = re.compile(rf"^{PACKS_GROUP}/p[0-9]{{1,9}}-[0-9]{{1,9}}$")
+# An atom path whose components are all plain names: none empty, ".", ".." or with a backslash or NUL.
+_PLAIN_PATH = re.compile(r"(?!\.\.?(?:/|$))[^/\\\x00]+(?:/(?!\.\.?(?:/|$))[^/\\\x00]+)*\Z")
 # Names a state key may not take: they would collide with Zarr's or ucp's own files.
 RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD, PACKS_GROUP})
 
@@ -127,6 +129,8 @@ def json_int(value: object, where: str, what: str, low: int = 0, high: int = 1 <
 def json_ints(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > MAX_NDIM:
         raise FormatError(f"{where}: {what} must be a list of at most {MAX_NDIM} integers, got {value!r:.80}")
+    if all(type(v) is int and low <= v <= high for v in value):  # (the common case, without a call per value)
+        return tuple(value)
     return tuple(json_int(v, where, what, low, high) for v in value)
 
 
@@ -201,6 +205,22 @@ class AtomMeta:
 
     @classmethod
     def from_manifest(cls, path: str, doc: Any, crc_table: bool = True) -> AtomMeta:
+        if type(doc) is dict and "inner_chunk_shape" not in doc:
+            # Most atoms are one chunk, the whole atom, of a known dtype: checked at once (a state of many small
+            # atoms has 20,000 of them); anything else takes the full checks below, which name the problem.
+            shape, dtype, attributes = doc.get("shape"), doc.get("dtype"), doc.get("attributes", {})
+            if (
+                type(shape) is list
+                and shape == doc.get("chunk_shape")
+                and len(shape) <= MAX_NDIM
+                and all(type(s) is int and 1 <= s <= MAX_ATOM_BYTES for s in shape)
+                and dtype in dtypes.SUPPORTED_DTYPES
+                and type(attributes) is dict
+                and _plain_path(path)
+            ):
+                meta = cls(path, tuple(shape), dtype, tuple(shape), None, attributes, crc_table, "packed" in doc)
+                if meta.nbytes <= MAX_OBJECT_BYTES:
+                    return meta
         where = f"manifest entry of atom {path!r:.200}"
         if not isinstance(doc, dict):
             raise FormatError(f"{where} is not a JSON object")
@@ -339,6 +359,8 @@ def check_atom_path(path: object, where: str) -> str:
         raise FormatError(
             f"{where}: atom path {path!r:.100} is empty, not a string or longer than {MAX_ATOM_PATH_BYTES} bytes"
         )
+    if _plain_path(path):
+        return path  # (the common case, checked at once)
     for name in path.split("/"):
         if (
             name in ("", ".", "..")
@@ -348,6 +370,12 @@ def check_atom_path(path: object, where: str) -> str:
         ):
             raise FormatError(f"{where}: atom path {path!r:.100} has a component that is not a plain name")
     return path
+
+
+def _plain_path(path: object) -> bool:
+    """An atom path that is plainly fine: ASCII, every component a plain name and, the whole being no longer than a
+    key may be, every component short enough."""
+    return type(path) is str and 0 < len(path) <= MAX_KEY_BYTES and path.isascii() and bool(_PLAIN_PATH.match(path))
 
 
 def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
