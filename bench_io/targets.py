@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from trainer.launch import free_port
 from ucp.storage import file_system_type
@@ -207,7 +207,7 @@ class S3Requests:
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
 
-    def __enter__(self) -> S3Requests:
+    def __enter__(self) -> Self:
         from aiobotocore.client import AioBaseClient
 
         self._real = real = AioBaseClient._make_api_call

@@ -9,6 +9,7 @@ of docs/FORMAT.md.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -117,7 +118,9 @@ def _check_packed(reader: CheckpointReader) -> None:
     for name, chunks in _by_pack(reader).items():
         data_bytes = reader.manifest.packs[name][0] - CRC_BYTES
         spans = sorted((c.offset, c.offset + c.nbytes) for _, c in chunks)
-        assert all(a < b <= data_bytes for a, b in spans) and all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
+        assert all(a < b <= data_bytes for a, b in spans) and all(
+            b <= c for (_, b), (c, _) in itertools.pairwise(spans)
+        )
 
 
 def _by_pack(reader: CheckpointReader) -> dict:
@@ -230,10 +233,16 @@ def test_a_pack_read_by_regions_of_a_packed_atom(tmp_path):
 def test_a_small_state_takes_few_objects(tmp_path):
     """20,000 small atoms were three entries each (a directory, a zarr.json, a chunk): now a few packs."""
     g = torch.Generator().manual_seed(0)
-    state = {"model": {f"layer{j}": {f"t{i}": torch.randn(64, generator=g) for i in range(50 * j, 50 * j + 50)} for j in range(40)}}
+    state = {
+        "model": {
+            f"layer{j}": {f"t{i}": torch.randn(64, generator=g) for i in range(50 * j, 50 * j + 50)} for j in range(40)
+        }
+    }
     ucp.save(state, str(tmp_path), options=ucp.SaveOptions(fsync=False))
     files = [p for p in _attempt(tmp_path).rglob("*") if p.is_file()]
-    assert len(files) <= 8, sorted(str(f) for f in files)  # manifest, owner record, packs group, a pack and its zarr.json
+    assert len(files) <= 8, sorted(
+        str(f) for f in files
+    )  # manifest, owner record, packs group, a pack and its zarr.json
     assert_same_state(state, ucp.load(str(tmp_path)))
 
 
@@ -329,7 +338,8 @@ def _fuzz_cases(doc: dict, rng: random.Random) -> list[tuple[str, dict]]:
     """Manifests whose packed entries lie: outside their pack, overlapping, misaligned, of the wrong size, in an
     unknown pack, mistyped; and packs of impossible sizes."""
     ucp_doc = doc["attributes"]["ucp"]
-    packed = [(p, a) for p, a in ucp_doc["atoms"].items() if "packed" in a and a["packed"]]
+    packed = [(p, a) for p, a in ucp_doc["atoms"].items() if a.get("packed")]
+
     def fits_one_more(a: dict) -> bool:
         pack, offset, nbytes, _ = a["packed"][0]
         return offset + 1 + nbytes <= ucp_doc["packs"][pack][0] - CRC_BYTES
@@ -364,7 +374,7 @@ def _fuzz_cases(doc: dict, rng: random.Random) -> list[tuple[str, dict]]:
     overlaps = []
     for name in ucp_doc["packs"]:
         members = sorted((a["packed"][0][1], p) for p, a in packed if a["packed"][0][0] == name)
-        for (o0, p0), (_, p1) in zip(members, members[1:]):
+        for (o0, p0), (_, p1) in itertools.pairwise(members):
             size1 = ucp.dtypes.itemsize(ucp_doc["atoms"][p1]["dtype"])
             moved = -(-o0 // size1) * size1
             if moved < o0 + ucp_doc["atoms"][p0]["packed"][0][2]:
@@ -426,7 +436,11 @@ def _decode(raw: np.ndarray, atom: dict) -> np.ndarray:
     names = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
     import ml_dtypes
 
-    dtype = getattr(ml_dtypes, names[atom["dtype"]]) if atom["dtype"] in names else np.dtype(atom["dtype"]).newbyteorder("<")
+    dtype = (
+        getattr(ml_dtypes, names[atom["dtype"]])
+        if atom["dtype"] in names
+        else np.dtype(atom["dtype"]).newbyteorder("<")
+    )
     return raw.view(dtype).reshape(atom["shape"])
 
 

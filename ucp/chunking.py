@@ -26,8 +26,10 @@ class ChunkingPolicy:
             value = getattr(self, name)
             low = 0 if name == "pack_below" else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"ChunkingPolicy.{name} must be a {'non-negative' if low == 0 else 'positive'} "
-                                 f"number of bytes, got {value!r}")
+                raise ValueError(
+                    f"ChunkingPolicy.{name} must be a {'non-negative' if low == 0 else 'positive'} "
+                    f"number of bytes, got {value!r}"
+                )
 
     def packs(self, nbytes: int) -> bool:
         """Whether an atom of `nbytes` bytes is packed."""

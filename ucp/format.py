@@ -13,6 +13,7 @@ document gets a FormatError, never an allocation, an overflow or a Python error.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
@@ -561,7 +562,7 @@ def _packed_chunks(
             spans.append((name, offset, offset + nbytes, path))
         out[path] = chunks
     spans.sort()
-    for (name, _, end, path), (other, start, _, other_path) in zip(spans, spans[1:]):
+    for (name, _, end, path), (other, start, _, other_path) in itertools.pairwise(spans):
         if name == other and start < end:
             raise FormatError(f"{where}: packed atoms {path!r:.200} and {other_path!r:.200} overlap in {name}")
     return out
@@ -569,7 +570,7 @@ def _packed_chunks(
 
 def _small_int(value: object) -> bool:
     """A JSON integer within an object's bounds (the common case of json_int, without its error message)."""
-    return type(value) is int and 0 <= value <= MAX_OBJECT_BYTES  # noqa: E721 -- bool is not an int here
+    return type(value) is int and 0 <= value <= MAX_OBJECT_BYTES  # (type, not isinstance: a bool is no integer)
 
 
 def group_json() -> dict[str, Any]:

@@ -43,7 +43,8 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
         for c in chunks:
             held[c.pack] = held.get(c.pack, 0) + 1
     packs = [
-        {"name": name, "bytes": s[0] - CRC_BYTES, "chunks": held.get(name, 0)} for name, s in reader.manifest.packs.items()
+        {"name": name, "bytes": s[0] - CRC_BYTES, "chunks": held.get(name, 0)}
+        for name, s in reader.manifest.packs.items()
     ]
     return {
         "url": reader.storage.url,
@@ -185,7 +186,9 @@ def format_table(info: dict[str, Any]) -> str:
             "x".join(map(str, a["shape"])) or "scalar",
             a["dtype"],
             _human(a["bytes"]),
-            f"{a['chunks']} in {' '.join(p.removeprefix('ucp-packs/') for p in a['packs'])}" if "packs" in a else str(a["chunks"]),
+            f"{a['chunks']} in {' '.join(p.removeprefix('ucp-packs/') for p in a['packs'])}"
+            if "packs" in a
+            else str(a["chunks"]),
         )
         for a in info["atoms"]
     ]
@@ -197,11 +200,8 @@ def format_table(info: dict[str, Any]) -> str:
     if info["packs"]:
         lines += ["", f"{'pack':<20}  {'bytes':>10}  chunks", f"{'-' * 20}  {'-' * 10}  ------"]
         lines += [f"{p['name']:<20}  {_human(p['bytes']):>10}  {p['chunks']:>6}" for p in info["packs"]]
-    lines += [
-        "",
-        f"total       {t['atoms']} atoms, {_human(t['bytes'])} ({t['bytes']} bytes), {t['chunks']} chunks; "
-        f"{t['packed_atoms']} atoms packed in {t['packs']} packs; {t['objects']} data objects",
-    ]
+    total = f"total       {t['atoms']} atoms, {_human(t['bytes'])} ({t['bytes']} bytes), {t['chunks']} chunks; "
+    lines += ["", total + f"{t['packed_atoms']} atoms packed in {t['packs']} packs; {t['objects']} data objects"]
     return "\n".join(lines)
 
 
@@ -273,7 +273,9 @@ def check_pack(reader: CheckpointReader, name: str) -> None:
         )
     body, stored = data[:-CRC_BYTES], int.from_bytes(data[-CRC_BYTES:], "little")
     if crc32c.crc32c(body) != stored:
-        raise IntegrityError(f"{where}: checksum mismatch (crc32c), the stored bytes are damaged; {reader.pack_holds(name)}")
+        raise IntegrityError(
+            f"{where}: checksum mismatch (crc32c), the stored bytes are damaged; {reader.pack_holds(name)}"
+        )
     if stored != crc:
         raise IntegrityError(
             f"{where} is not the pack the commit recorded (its checksum differs): it was swapped, copied from another "
@@ -282,7 +284,9 @@ def check_pack(reader: CheckpointReader, name: str) -> None:
     for path, chunks in reader.manifest.packed.items():
         for index, c in zip(chunk_indices(reader.atoms[path].grid), chunks):
             if c.pack == name and crc32c.crc32c(body[c.offset : c.offset + c.nbytes]) != c.crc:
-                raise IntegrityError(f"atom {path!r} chunk {reader.atoms[path].chunk_key(index)} in {where}: checksum mismatch")
+                raise IntegrityError(
+                    f"atom {path!r} chunk {reader.atoms[path].chunk_key(index)} in {where}: checksum mismatch"
+                )
 
 
 def verify(reader: CheckpointReader) -> VerifyReport:

@@ -130,7 +130,9 @@ class SavePlan:
         """The zarr.json of every unpacked atom, pack and group this process writes."""
         prefix = self.session.prefix
         docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in self.metadata if not m.packed]
-        docs += [(f"{prefix}/{j.pack.name}/{ZARR_JSON}", j.meta.zarr_json) for j in self.jobs() if isinstance(j, PackJob)]
+        docs += [
+            (f"{prefix}/{j.pack.name}/{ZARR_JSON}", j.meta.zarr_json) for j in self.jobs() if isinstance(j, PackJob)
+        ]
         return docs + [(f"{prefix}/{g}/{ZARR_JSON}", group_json) for g in self.groups]
 
 

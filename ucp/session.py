@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Self
+from typing import Any, Self
 
 from . import attempt, commit
 from .comm import Comm, LocalComm
@@ -179,7 +179,9 @@ class SaveSession:
         self, manifest: StepManifest | None, error: BaseException | None
     ) -> tuple[dict, commit.CommitRecord | None, BaseException | None]:
         """Gather, commit or abort, and share the outcome ({} when committed)."""
-        mine = {"failure": _describe(error)} if error is not None else {"objects": self._objects, "packed": self._packed}
+        mine: dict[str, Any] = (
+            {"failure": _describe(error)} if error is not None else {"objects": self._objects, "packed": self._packed}
+        )
         gathered = [mine] if self.comm.world_size == 1 else self._gather(mine)
         outcome: dict = {}
         record = failure = None
