@@ -444,14 +444,17 @@ def _decode(raw: np.ndarray, atom: dict) -> np.ndarray:
     return raw.view(dtype).reshape(atom["shape"])
 
 
+def _packed_atoms(state: dict, manifest: dict):
+    """(tensor, its manifest entry, its one packed chunk) of every packed atom of the recipe's state."""
+    packed = [(name, t, manifest["atoms"][name]) for name, t in state.items() if "packed" in manifest["atoms"][name]]
+    assert len(packed) == len(state) - 1  # (all but "big")
+    return [(name, t, atom, *atom["packed"][0]) for name, t, atom in packed]
+
+
 def test_zarr_python_reads_packed_atoms_by_the_documented_recipe(tmp_path):
     zarr = pytest.importorskip("zarr")
     state, attempt, manifest = _recipe_case(tmp_path)
-    for name, t in state.items():
-        atom = manifest["atoms"][name]
-        if "packed" not in atom:
-            continue
-        pack, offset, nbytes, crc = atom["packed"][0]
+    for name, t, atom, pack, offset, nbytes, crc in _packed_atoms(state, manifest):
         raw = np.asarray(zarr.open_array(str(attempt / pack), mode="r")[offset : offset + nbytes])
         assert crc32c.crc32c(raw.tobytes()) == crc
         assert _same(_decode(raw, atom), t), name
@@ -461,11 +464,7 @@ def test_zarr_python_reads_packed_atoms_by_the_documented_recipe(tmp_path):
 def test_tensorstore_reads_packed_atoms_by_the_documented_recipe(tmp_path):
     ts = pytest.importorskip("tensorstore")
     state, attempt, manifest = _recipe_case(tmp_path)
-    for name, t in state.items():
-        atom = manifest["atoms"][name]
-        if "packed" not in atom:
-            continue
-        pack, offset, nbytes, _ = atom["packed"][0]
+    for name, t, atom, pack, offset, nbytes, _ in _packed_atoms(state, manifest):
         array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(attempt / pack)}}).result()
         raw = array[offset : offset + nbytes].read().result()
         assert _same(_decode(raw, atom), t), name

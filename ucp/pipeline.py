@@ -586,16 +586,21 @@ class SavePipeline:
             handle.snapshot_done.set()
         return futures, batch
 
-    def _stage(self, job: ChunkJob, before_waiting: Callable[[], None]) -> _Staged:
-        """Copy the job's values into a staging slot; if the pool is full, hand queued chunks to the writers
-        (`before_waiting`) so that they can free memory, then wait."""
-        values = job.source()
-        nbytes = values.numel() * values.element_size()
+    def _acquire(self, nbytes: int, before_waiting: Callable[[], None]) -> Slot:
+        """A staging slot of `nbytes`; if the pool is full, `before_waiting` first (it hands queued chunks to the
+        writers, which free memory), then wait for one."""
         slot = self.staging.acquire(nbytes, wait=False)
         if slot is None:
             before_waiting()
             slot = self.staging.acquire(nbytes)
             assert slot is not None  # (waiting acquires always give one)
+        return slot
+
+    def _stage(self, job: ChunkJob, before_waiting: Callable[[], None]) -> _Staged:
+        """Copy the job's values into a staging slot; if the pool is full, hand queued chunks to the writers
+        (`before_waiting`) so that they can free memory, then wait."""
+        values = job.source()
+        slot = self._acquire(values.numel() * values.element_size(), before_waiting)
         try:
             staged = slot.memory.view(values.dtype).view(values.shape)
             if not (values.is_cuda and self._side_stream is not None):
@@ -615,11 +620,7 @@ class SavePipeline:
         """Copy a pack's members into one staging slot at their offsets (the gaps zeroed), as `_stage` copies a
         chunk: the pack is then one contiguous buffer for the writer."""
         nbytes = job.pack.data_bytes
-        slot = self.staging.acquire(nbytes, wait=False)
-        if slot is None:
-            before_waiting()
-            slot = self.staging.acquire(nbytes)
-            assert slot is not None  # (waiting acquires always give one)
+        slot = self._acquire(nbytes, before_waiting)
         try:
             staged = slot.memory[:nbytes]
             device = None
