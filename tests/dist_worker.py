@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ucp.checkpoint import CheckpointReader, SaveOptions
+from ucp.manager import CheckpointManager
 from ucp.chunking import ChunkingPolicy
 from ucp.distributed import ShardedModel, TorchComm, extra_state, load_sharded, save_sharded
 from ucp.families import MixtralConfig, canonical_atoms
@@ -60,18 +61,30 @@ def main(url: str, save_layout: str, load_layouts: str, out_dir: str) -> None:
     storage_options = json.loads(os.environ.get("UCP_TEST_STORAGE_OPTIONS", "null"))
     full = full_state()
     layout = parse_layout(save_layout, dist.get_world_size())
-    storage = open_storage(url, storage_options, fsync=False)
-    storage.stats.write_log = []
-    save_sharded(
-        shard(full, CONFIG, layout, rank, STATES),
-        url,
-        step=7,
-        model=ShardedModel(CONFIG, layout, STATES),
-        comm=TorchComm(),
-        extra={"iteration": 7, "data": {"consumed": 123}},
-        storage=storage,
-        options=LARGE_OPTIONS if url.startswith("s3://") else OPTIONS,
-    )
+    options = LARGE_OPTIONS if url.startswith("s3://") else OPTIONS
+    mode = os.environ.get("UCP_TEST_SAVE_MODE", "sync")
+    local_state = shard(full, CONFIG, layout, rank, STATES)
+    extra = {"iteration": 7, "data": {"consumed": 123}}
+    if mode == "sync":
+        storage = open_storage(url, storage_options, fsync=False)
+        storage.stats.write_log = []
+        save_sharded(
+            local_state,
+            url,
+            step=7,
+            model=ShardedModel(CONFIG, layout, STATES),
+            comm=TorchComm(),
+            extra=extra,
+            storage=storage,
+            options=options,
+        )
+    else:  # an async or lazy save through the manager: its writer process encodes and writes (packs included)
+        manager = CheckpointManager(url, storage_options=storage_options, options=options, mode=mode, comm=TorchComm())
+        storage = manager.storage
+        storage.stats.write_log = []
+        manager.save_sharded(7, local_state, ShardedModel(CONFIG, layout, STATES), extra=extra)
+        manager.wait()
+        manager.close()
     result = {"writes": storage.stats.write_log, "loads": {}}
     for name in load_layouts.split(","):
         target = parse_layout(name, dist.get_world_size())

@@ -24,6 +24,8 @@ LOAD_LAYOUTS = "tp4pp1,tp1pp4,tp1pp1dp4zero1,tp1pp2ep2dp2"
 
 
 def run_world(url: str, out_dir, env: dict | None = None) -> list[dict]:
+    """Save in tp2pp2 with four processes (`env`: UCP_TEST_SAVE_MODE async or lazy saves through a manager), then
+    load in each of LOAD_LAYOUTS."""
     spawn(["-m", "tests.dist_worker", url, "tp2pp2", LOAD_LAYOUTS, str(out_dir)], world=4, env=env)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -59,6 +61,15 @@ def test_save_tp2pp2_with_four_processes_and_load_in_other_layouts(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     check_world(run_world(url, out), CheckpointReader(open_storage(url), "latest"))
+
+
+@pytest.mark.parametrize("mode", ["async", "lazy"])
+def test_an_async_save_with_four_processes_packs_what_each_rank_writes_and_loads_in_other_layouts(tmp_path, mode):
+    url = str(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    results = run_world(url, out, env={"UCP_TEST_SAVE_MODE": mode})
+    check_world(results, CheckpointReader(open_storage(url), "latest"))
 
 
 @pytest.mark.slow
