@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from ucp.checkpoint import CheckpointReader, SaveOptions
-from ucp.manager import CheckpointManager
 from ucp.chunking import ChunkingPolicy
 from ucp.distributed import ShardedModel, TorchComm, extra_state, load_sharded, save_sharded
 from ucp.families import MixtralConfig, canonical_atoms
 from ucp.layout import parse_layout
+from ucp.manager import CheckpointManager
 from ucp.reshard import shard
 from ucp.storage import open_storage
 
