@@ -478,3 +478,22 @@ def test_inspect_shows_the_packs(tmp_path):
     assert sum(p["chunks"] for p in info["packs"]) == sum(len(c) for c in reader.manifest.packed.values())
     text = format_table(info)
     assert f"{PACKS_GROUP}/p0-0" in text and "atoms packed in" in text
+
+
+def test_a_read_of_some_packed_atoms_skips_long_runs_of_others(tmp_path):
+    """Wanted chunks of a pack come in one request, short gaps read over; a gap longer than GAP_READ_BYTES (the
+    optimizer state packed beside weights) splits the read, so its bytes are not read."""
+    from ucp.codec import GAP_READ_BYTES
+
+    big = torch.arange(GAP_READ_BYTES // 4 + 1024, dtype=torch.float32)  # just over the gap, packed (< pack_below)
+    state = {"a": torch.ones(10), "b": big, "c": torch.full((10,), 2.0), "d": torch.zeros(3)}
+    ucp.save(state, str(tmp_path), options=ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=8 << 20)))
+    reader = ucp.open_checkpoint(str(tmp_path))
+    assert len({c[0].pack for c in reader.manifest.packed.values()}) == 1
+    before = reader.storage.stats.bytes_read
+    got = reader.read_atoms(["a", "c", "d"])
+    assert reader.storage.stats.bytes_read - before == 40 + 40 + 12 + 0  # (c and d back to back: one run)
+    assert torch.equal(got["c"], state["c"]) and torch.equal(got["a"], state["a"]) and torch.equal(got["d"], state["d"])
+    before = reader.storage.stats.bytes_read
+    assert torch.equal(reader.read_atoms(["a", "b"])["b"], big)
+    assert reader.storage.stats.bytes_read - before == 40 + big.numel() * 4

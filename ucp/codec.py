@@ -297,15 +297,6 @@ class ChunkSink:
         _verify([self.data, self.tail], self.crc, where, recorded)
         self.deliver()
 
-    def finish_packed(self, where: str, recorded: int) -> None:
-        """Verify a packed chunk (its bytes only: the checksum is in the manifest), then deliver it."""
-        if crc32c.crc32c(self.data) != recorded:
-            raise IntegrityError(
-                f"{where}: checksum mismatch (crc32c), its bytes are not the ones the commit recorded: the pack "
-                "is damaged, truncated, swapped or stale"
-            )
-        self.deliver()
-
     def deliver(self) -> None:
         """Copy what was read into scratch memory to the destination (nothing to do when read in place)."""
         if self.scratch is not None:
@@ -326,6 +317,12 @@ def packed_sink(meta: AtomMeta, index: tuple[int, ...], dest_for: DestFn) -> Chu
 PackedRead = tuple[PackedChunk, ChunkSink, AtomMeta, tuple[int, ...]]  # a packed chunk, its sink, its atom and index
 
 
+# Wanted packed chunks of one pack are read in one request, unwanted bytes between them into scratch, unless such a
+# gap is longer than this: then the read is split there (a weights-only load skips the optimizer state packed
+# beside the weights).
+GAP_READ_BYTES = 1 << 20
+
+
 def read_packed(
     storage: Storage,
     key: str,
@@ -333,34 +330,52 @@ def read_packed(
     where: Callable[[AtomMeta, tuple[int, ...]], str],
     holds: Callable[[], str],
 ) -> None:
-    """Read packed chunks of one pack (the object at `key`) in one scatter read from the first to the last, and
-    verify each against its recorded checksum. A pack that is missing, shorter than its chunks or whose bytes
+    """Read packed chunks of one pack (the object at `key`) in scatter reads, one per run of them (GAP_READ_BYTES),
+    and verify each against its recorded checksum. A pack that is missing, shorter than its chunks or whose bytes
     differ fails with an IntegrityError that names the chunk (`where(atom, index)`) and, from `holds()`, the atoms
     the pack holds."""
     chunks = sorted(chunks, key=lambda c: c[0].offset)
-    start, end = chunks[0][0].offset, max(c[0].offset + c[0].nbytes for c in chunks)
-    buffers: list[memoryview] = []
-    pos = start
-    for chunk, sink, _, _ in chunks:
-        if chunk.offset > pos:
-            buffers.append(memoryview(bytearray(chunk.offset - pos)))  # alignment gaps and chunks not wanted
-        buffers.append(sink.data)
-        pos = chunk.offset + chunk.nbytes
+    runs: list[list[PackedRead]] = []
+    for c in chunks:
+        last = runs[-1][-1][0] if runs else None
+        if last is not None and c[0].offset - (last.offset + last.nbytes) <= GAP_READ_BYTES:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
     try:
-        got = storage.read_into(key, start, buffers)
-        if got < end - start:
-            raise IntegrityError(
-                f"{where(*chunks[-1][2:])}: pack {chunks[0][0].pack} is truncated ({start + got} bytes of data, its "
-                f"chunks need {end})"
-            )
+        for run in runs:
+            _read_run(storage, key, run, where)
         for chunk, sink, meta, index in chunks:
             if crc32c.crc32c(sink.data) != chunk.crc:
-                sink.finish_packed(where(meta, index), chunk.crc)  # (raises, naming it)
+                raise IntegrityError(
+                    f"{where(meta, index)}: checksum mismatch (crc32c), its bytes are not the ones the commit "
+                    "recorded: the pack is damaged, truncated, swapped or stale"
+                )
             sink.deliver()
     except FileNotFoundError:
         raise IntegrityError(f"{where(*chunks[0][2:])}: pack {chunks[0][0].pack} is missing; {holds()}") from None
     except IntegrityError as e:
         raise IntegrityError(f"{e}; {holds()}") from None
+
+
+def _read_run(
+    storage: Storage, key: str, run: list[PackedRead], where: Callable[[AtomMeta, tuple[int, ...]], str]
+) -> None:
+    """One scatter read from the first chunk of `run` to the end of its last, the gaps into scratch."""
+    start, end = run[0][0].offset, run[-1][0].offset + run[-1][0].nbytes
+    buffers: list[memoryview] = []
+    pos = start
+    for chunk, sink, _, _ in run:
+        if chunk.offset > pos:
+            buffers.append(memoryview(bytearray(chunk.offset - pos)))  # alignment gaps and chunks not wanted
+        buffers.append(sink.data)
+        pos = chunk.offset + chunk.nbytes
+    got = storage.read_into(key, start, buffers)
+    if got < end - start:
+        raise IntegrityError(
+            f"{where(*run[-1][2:])}: pack {run[0][0].pack} is truncated ({start + got} bytes of data, its chunks "
+            f"need {end})"
+        )
 
 
 def full_region(out: torch.Tensor) -> DestFn:
