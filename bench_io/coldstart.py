@@ -181,9 +181,20 @@ def safetensors_s3(fs, prefix: str, into: Params | None = None) -> Callable[[], 
 
 
 def chunk_objects(ucp_root: Path) -> list[Path]:
-    """The files a weights-only load of every parameter reads: the chunk objects below the model's group (not the
-    `zarr.json` documents, which ucp's loads do not read: the manifest plans them)."""
-    return sorted(p for p in ucp_root.glob("step_*/attempt-*/model/**/*") if p.is_file() and p.name != "zarr.json")
+    """The files a weights-only load of every parameter reads: the chunk objects of the model's atoms, and the packs
+    that hold its packed ones (not the `zarr.json` documents, which ucp's loads do not read: the manifest plans
+    them)."""
+    import ucp
+    from ucp.format import chunk_indices
+
+    reader = ucp.open_checkpoint(str(ucp_root))
+    keys = {
+        reader.object_key(meta, index)
+        for meta in reader.atoms.values()
+        if meta.path.startswith("model/")
+        for index in chunk_indices(meta.grid)
+    }
+    return sorted(ucp_root / key for key in keys)
 
 
 def raw_read(files: list[Path], threads: int) -> Callable[[], int]:

@@ -188,14 +188,15 @@ class RawCrc(Raw):
 
 @register
 class RawObjects(Raw):
-    """Raw, checksummed, writing the objects ucp's format holds: per tensor a directory with a small Zarr array
-    document and one chunk file (the tensor, then its CRC-32C), a group document per dict level, every file and
-    directory fsynced (on S3 the same objects, put at once). What ucp adds over this is its own work; the rest of
-    its gap to raw is the format's object count."""
+    """Raw, checksummed, writing the objects ucp's unpacked layout holds (every atom a Zarr array: format 2, and
+    `ucp-unpacked`): per tensor a directory with a small Zarr array document and one chunk file (the tensor, then its
+    CRC-32C), a group document per dict level, every file and directory fsynced (on S3 the same objects, put at
+    once). What ucp adds over this is its own work; the rest of its gap to raw is that layout's object count."""
 
     name = "raw-objects"
     description = (
-        "raw-crc laid out as ucp's objects: per tensor a directory, a zarr.json and a chunk; per level a zarr.json"
+        "raw-crc laid out as ucp-unpacked's objects: per tensor a directory, a zarr.json and a chunk; per level a"
+        " zarr.json"
     )
     DOC = b'{"zarr_format":3,"node_type":"group","attributes":{}}'
 
@@ -366,6 +367,18 @@ class Ucp(Method):
 
         url, options = self._url(directory)
         return flatten(ucp.load(url, step=0, storage_options=options))
+
+
+@register
+class UcpUnpacked(Ucp):
+    """ucp with packing off: every atom a Zarr array of its own (the objects format 2 had), to set beside `ucp`."""
+
+    name = "ucp-unpacked"
+    description = "ucp.save / ucp.load with ChunkingPolicy(pack_below=0): no packs, a directory and zarr.json per atom"
+
+    def __init__(self, io_threads: int | None = None):
+        super().__init__(io_threads)
+        self.options = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=0), fsync=True, io_threads=io_threads)
 
 
 def timed_copy(state: SyntheticState) -> tuple[float, dict[str, torch.Tensor]]:

@@ -19,6 +19,15 @@ def _cache(s: Summary) -> str:
     return f"{s.cache} ({s.resident_after_drop:.0%} cached)"
 
 
+def _objects(s: Summary) -> str:
+    """Objects a save left (files, and directories, on a local target; keys and the requests it took on S3)."""
+    if s.files is None:
+        return "-"
+    if s.save_requests is not None:
+        return f"{s.files:.0f} ({s.save_requests:.0f} req)"
+    return f"{s.files:.0f}+{_f(s.dirs, '.0f')}d"
+
+
 def table(summaries: list[Summary]) -> str:
     """One row per (state, method, target): median GB/s, ratio to raw, how the read was made cold. For the async
     saves: the median blocking time, the median plain copy of the same bytes (timed just before each save) and
@@ -37,6 +46,7 @@ def table(summaries: list[Summary]) -> str:
         "blk/dcp-as",
         "read cache",
         "+RSS save/load MiB",
+        "objects",
         "n",
     )
     rows = [header]
@@ -56,11 +66,12 @@ def table(summaries: list[Summary]) -> str:
                 _f(s.blocking_vs_dcp_async, ".2f"),
                 _cache(s),
                 f"{_f(s.save_peak_rss_mib, '.0f')}/{_f(s.load_peak_rss_mib, '.0f')}",
+                _objects(s),
                 str(s.repeats),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    numeric = {3, 4, 5, 6, 7, 8, 9, 10, 12, 13}
+    numeric = {3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14}
     lines = []
     for k, row in enumerate(rows):
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]

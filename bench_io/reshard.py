@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ChunkingPolicy.inner_bytes, the unit of a partial read (default: ucp's, 1 MiB); at tiny sizes a"
         " smaller one keeps amplification down, as chunks must be small against a rank's share",
     )
+    p.add_argument(
+        "--pack-below",
+        type=parse_size,
+        help="ChunkingPolicy.pack_below: atoms under it are packed and read whole (default: ucp's, 1 MiB); at tiny"
+        " sizes a smaller one keeps amplification down, as for --inner-bytes (0 packs nothing)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-verify", action="store_true", help="skip the check of every rank's state")
     p.add_argument("--json", help="write the per-rank figures to this file")
@@ -208,7 +214,9 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
 
         policy = ChunkingPolicy()
         policy = ChunkingPolicy(
-            object_bytes=args.object_bytes or policy.object_bytes, inner_bytes=args.inner_bytes or policy.inner_bytes
+            object_bytes=args.object_bytes or policy.object_bytes,
+            inner_bytes=args.inner_bytes or policy.inner_bytes,
+            pack_below=policy.pack_below if args.pack_below is None else args.pack_below,
         )
         options = ucp.SaveOptions(chunking=policy, fsync=True, io_threads=args.io_threads)
         t0 = time.perf_counter()

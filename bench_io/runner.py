@@ -8,6 +8,7 @@ verify against the saved state (untimed) -> delete. Throughput is tensor payload
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import threading
@@ -21,7 +22,7 @@ from ucp.storage import FsspecStorage, LocalStorage
 
 from .methods import METHODS, Method, plain_copy_s
 from .state import SyntheticState
-from .targets import Probe, Target, is_remote, iter_files
+from .targets import Probe, S3Requests, Target, is_remote, iter_files
 
 
 @dataclass
@@ -35,7 +36,10 @@ class Measurement:
     save_s: float | None = None
     load_s: float | None = None
     stored_bytes: int | None = None
-    files: int | None = None
+    files: int | None = None  # objects the save left (files on a local target, keys on S3)
+    dirs: int | None = None  # directories the save left (local targets)
+    save_requests: int | None = None  # S3: API calls this process made during the save (not a writer process's)
+    save_request_kinds: dict[str, int] | None = None  # ... by operation
     blocking_s: float | None = None  # async saves (and the plain copy): how long the caller was held
     copy_s: float | None = None  # async saves: a plain copy of the same bytes, timed just before the save
     procs: int = 1  # ranks saving/loading at once (--procs): times are the max over ranks
@@ -78,6 +82,9 @@ class Summary:
     cache: str = ""
     resident_after_drop: float | None = None
     stored_bytes: int | None = None
+    files: int | None = None  # objects per save (median)
+    dirs: int | None = None
+    save_requests: int | None = None  # S3 requests per save (median)
     save_peak_rss_mib: float | None = None
     load_peak_rss_mib: float | None = None
     errors: list[str] = field(default_factory=list)
@@ -127,10 +134,12 @@ def measure(method: Method, state: SyntheticState, target: Target, repeat: int, 
         if method.paired_copy:
             plain_copy_s(state)  # warm (allocator, page faults): the first copy of a state is slower than the rest
             m.copy_s = plain_copy_s(state)
-        with PeakRSS() as rss:
+        with PeakRSS() as rss, S3Requests() if is_remote(directory) else contextlib.nullcontext() as requests:
             t0 = time.perf_counter()
             extra = method.save(state, directory) or {}
             m.save_s = extra.get("time_s", time.perf_counter() - t0)
+        if requests is not None:
+            m.save_requests, m.save_request_kinds = requests.total, dict(requests.calls)
         m.blocking_s = extra.get("blocking_s")
         m.save_peak_rss_mib = rss.extra_mib
         record_stored(m, method, target, directory, cache_mode)
@@ -259,6 +268,9 @@ def summarize(results: list[Measurement]) -> list[Summary]:
                 cache="+".join(caches),
                 resident_after_drop=_median([m.resident_after_drop for m in good]),
                 stored_bytes=_median([m.stored_bytes for m in good]),  # type: ignore[arg-type]
+                files=_median([m.files for m in good]),  # type: ignore[arg-type]
+                dirs=_median([m.dirs for m in good]),  # type: ignore[arg-type]
+                save_requests=_median([m.save_requests for m in good]),  # type: ignore[arg-type]
                 save_peak_rss_mib=_median([m.save_peak_rss_mib for m in good]),
                 load_peak_rss_mib=_median([m.load_peak_rss_mib for m in good]),
                 errors=[m.error for m in ms if m.error],
@@ -303,5 +315,6 @@ def record_stored(m: Measurement, method: Method, target: Target, directory: Any
         sizes = [d["size"] for d in directory.fs.find(directory.path, detail=True).values()]
     else:
         sizes = [p.stat().st_size for p in iter_files(directory)]
+        m.dirs = sum(len(dirs) for _, dirs, _ in os.walk(directory))
     m.stored_bytes, m.files = sum(sizes), len(sizes)
     m.cache, m.resident_after_drop = target.make_cold(directory, cache_mode)

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from trainer.launch import free_port
 from ucp.errors import BucketNotFoundError, StorageError, UcpError
@@ -258,6 +258,37 @@ class RemoteDir:
     @property
     def fs(self) -> Any:
         return s3_filesystem(self.storage_options)
+
+
+class S3Requests:
+    """Counts the S3 API calls this process makes while it is entered, by operation (PutObject, GetObject, ...):
+    every s3fs client of the process is an aiobotocore client, whose one entry point for a call is wrapped. Calls
+    made by another process (an async save's writer process) are not counted."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def __enter__(self) -> Self:
+        from aiobotocore.client import AioBaseClient
+
+        self._real = real = AioBaseClient._make_api_call
+        calls = self.calls
+
+        async def counted(client: Any, operation: str, params: Any) -> Any:
+            calls[operation] = calls.get(operation, 0) + 1
+            return await real(client, operation, params)
+
+        AioBaseClient._make_api_call = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from aiobotocore.client import AioBaseClient
+
+        AioBaseClient._make_api_call = self._real  # type: ignore[method-assign]
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
 
 
 def s3_filesystem(storage_options: dict[str, Any]) -> Any:

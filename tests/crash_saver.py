@@ -31,7 +31,9 @@ def freeze() -> None:
 
 
 def main(root: str, stage: str) -> None:
-    options = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=4096), io_threads=1)
+    # (packs of 16 KiB: each atom one pack, so that the save writes a dozen data objects, like chunks before packs)
+    policy = ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=4096, pack_bytes=16384)
+    options = ucp.SaveOptions(chunking=policy, io_threads=1)
     manager = ucp.CheckpointManager(root, options=options)
     manager.save(1, state(1))
 

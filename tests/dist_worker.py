@@ -19,6 +19,7 @@ from ucp.chunking import ChunkingPolicy
 from ucp.distributed import ShardedModel, TorchComm, extra_state, load_sharded, save_sharded
 from ucp.families import MixtralConfig, canonical_atoms
 from ucp.layout import parse_layout
+from ucp.manager import CheckpointManager
 from ucp.reshard import shard
 from ucp.storage import open_storage
 
@@ -33,7 +34,8 @@ CONFIG = MixtralConfig(
     num_local_experts=2,
     make_vocab_size_divisible_by=8,
 )
-OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=16384, inner_bytes=2048), fsync=False)
+# Small atoms (norms, routers, their states: under 1 KiB) packed, the rest in small shards that partial reads cut.
+OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=16384, inner_bytes=2048, pack_below=1024), fsync=False)
 # Fewer, larger objects where each request costs milliseconds (the S3 server).
 LARGE_OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=65536, inner_bytes=8192), fsync=False)
 
@@ -59,18 +61,30 @@ def main(url: str, save_layout: str, load_layouts: str, out_dir: str) -> None:
     storage_options = json.loads(os.environ.get("UCP_TEST_STORAGE_OPTIONS", "null"))
     full = full_state()
     layout = parse_layout(save_layout, dist.get_world_size())
-    storage = open_storage(url, storage_options, fsync=False)
-    storage.stats.write_log = []
-    save_sharded(
-        shard(full, CONFIG, layout, rank, STATES),
-        url,
-        step=7,
-        model=ShardedModel(CONFIG, layout, STATES),
-        comm=TorchComm(),
-        extra={"iteration": 7, "data": {"consumed": 123}},
-        storage=storage,
-        options=LARGE_OPTIONS if url.startswith("s3://") else OPTIONS,
-    )
+    options = LARGE_OPTIONS if url.startswith("s3://") else OPTIONS
+    mode = os.environ.get("UCP_TEST_SAVE_MODE", "sync")
+    local_state = shard(full, CONFIG, layout, rank, STATES)
+    extra = {"iteration": 7, "data": {"consumed": 123}}
+    if mode == "sync":
+        storage = open_storage(url, storage_options, fsync=False)
+        storage.stats.write_log = []
+        save_sharded(
+            local_state,
+            url,
+            step=7,
+            model=ShardedModel(CONFIG, layout, STATES),
+            comm=TorchComm(),
+            extra=extra,
+            storage=storage,
+            options=options,
+        )
+    else:  # an async or lazy save through the manager: its writer process encodes and writes (packs included)
+        manager = CheckpointManager(url, storage_options=storage_options, options=options, mode=mode, comm=TorchComm())
+        storage = manager.storage
+        storage.stats.write_log = []
+        manager.save_sharded(7, local_state, ShardedModel(CONFIG, layout, STATES), extra=extra)
+        manager.wait()
+        manager.close()
     result = {"writes": storage.stats.write_log, "loads": {}}
     for name in load_layouts.split(","):
         target = parse_layout(name, dist.get_world_size())

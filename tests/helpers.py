@@ -52,6 +52,20 @@ def step_path(root: Any, step: int | str = "latest") -> Path:
     return Path(root) / ucp.open_checkpoint(str(root), step).prefix
 
 
+def damage_atom(root: Any, atom: str, step: int | str = "latest") -> None:
+    """Flip a bit in the stored bytes of an atom's first chunk: in its chunk object, or in the pack that holds it."""
+    import ucp
+
+    reader = ucp.open_checkpoint(str(root), step)
+    meta = reader.atoms[atom]
+    index = (0,) * len(meta.shape)
+    path = Path(root) / reader.object_key(meta, index)
+    data = bytearray(path.read_bytes())
+    where = reader.packed_chunk(meta, index) if meta.packed else None
+    data[where.offset + where.nbytes // 2 if where else len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
 def reseal_manifest(root: Any, doc: dict, step: int | str = "latest") -> None:
     """Write `doc` as a committed step's manifest and record its size and checksum in the commit marker, as a
     writer (or an operator who edits both) would: what is left for a reader to catch is what the manifest says."""

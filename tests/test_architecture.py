@@ -9,7 +9,7 @@ from pathlib import Path
 UCP = Path(__file__).resolve().parents[1] / "ucp"
 LAYERS = {
     0: {"errors", "boxes", "chunking", "workpool", "heap", "dtypes", "zarr_bfloat16", "devices"},
-    1: {"format", "tree"},
+    1: {"format", "packs", "tree"},
     2: {"storage"},
     3: {"codec", "commit", "attempt", "comm", "session"},
     4: {"staging", "landing", "writer_process", "pipeline", "checkpoint", "inspection"},

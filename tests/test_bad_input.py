@@ -19,7 +19,9 @@ from ucp.storage import open_storage
 
 from .helpers import assert_same_state, reseal_manifest, step_path
 
-OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=16 * 1024, inner_bytes=4 * 1024), fsync=False)
+OPTIONS = ucp.SaveOptions(
+    chunking=ucp.ChunkingPolicy(object_bytes=16 * 1024, inner_bytes=4 * 1024, pack_below=0), fsync=False
+)
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -146,17 +148,17 @@ def test_newer_major_format_version(ckpt):
     root, _ = ckpt
     storage = open_storage(str(root))
     doc = json.loads((step_dir(root) / "zarr.json").read_text())
-    doc["attributes"]["ucp"]["format_version"] = "3.0"
+    doc["attributes"]["ucp"]["format_version"] = "4.0"
     reseal_manifest(root, doc, 3)
-    with pytest.raises(ucp.UnsupportedVersionError, match="format 3.0.*reads major version 2"):
+    with pytest.raises(ucp.UnsupportedVersionError, match="format 4.0.*reads major version 3"):
         ucp.load(str(root))
     marker = json.loads((root / step_dirname(3) / COMMIT_MARKER).read_text())
-    marker.update(format_version="3.0")
+    marker.update(format_version="4.0")
     storage.delete(f"{step_dirname(3)}/{COMMIT_MARKER}")
     storage.write(f"{step_dirname(3)}/{COMMIT_MARKER}", [dumps(marker)])
-    with pytest.raises(ucp.UnsupportedVersionError, match="format 3.0.*reads major version 2"):
+    with pytest.raises(ucp.UnsupportedVersionError, match="format 4.0.*reads major version 3"):
         ucp.load(str(root), step=3)
-    assert_cli_error(run_cli("inspect", str(root), "--step", "3"), "3.0")
+    assert_cli_error(run_cli("inspect", str(root), "--step", "3"), "4.0")
 
 
 @pytest.mark.parametrize("key", ["../escape", "/abs", "a/b", "..", ".", "", "__reserved", "zarr.json", "back\\slash"])

@@ -124,13 +124,14 @@ def test_raw_crc_baseline_checks_what_it_reads(tmp_path: Path) -> None:
 
 
 def test_raw_objects_lays_out_ucps_objects_and_checks_what_it_reads(tmp_path: Path) -> None:
-    """raw-objects, the floor for ucp's object count: the same directories, documents and chunks as a ucp save of
-    the state, and a damaged chunk is noticed."""
+    """raw-objects, the floor for the unpacked layout's object count: the same directories, documents and chunks as a
+    ucp save of the state without packs, and a damaged chunk is noticed."""
     import ucp
 
     s = state.make_state("t", state.transformer_specs(256 << 10), seed=2)
     methods.METHODS["raw-objects"](io_threads=2).save(s, tmp_path / "raw")
-    ucp.save(s.tree, str(tmp_path / "ucp"), step=0)
+    unpacked = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=0))
+    ucp.save(s.tree, str(tmp_path / "ucp"), step=0, options=unpacked)
     step = next(p for p in (tmp_path / "ucp" / "step_00000000").iterdir() if p.is_dir())
 
     def layout(root: Path) -> set[str]:

@@ -79,6 +79,7 @@ def test_gil_compares_the_writer_threads_and_the_writer_process(tmp_path: Path) 
 def test_reshard_tiny_amplification(tmp_path: Path) -> None:
     out = tmp_path / "rs.json"
     args = ["reshard", "--size", "2MiB", "--target", "tmpfs", "--inner-bytes", "2KiB", "--object-bytes", "16KiB"]
+    args += ["--pack-below", "1KiB"]  # (packed atoms are read whole: only the norms, here)
     proc = _run([*args, "--json", str(out)])
     assert "amplif." in proc.stdout
     doc = json.loads(out.read_text())
@@ -119,30 +120,31 @@ def test_reshard_config_fits_and_divides(size: int) -> None:
     assert config.num_local_experts % 2 == 0
 
 
-def test_coldstart_floor_reads_every_chunk_object_of_the_model_and_nothing_else(tmp_path: Path) -> None:
-    """The cold start's raw-read floor of ucp reads the files a weights-only load reads: each chunk object below
-    the model's group once (no zarr.json, no optimizer state), every byte of it."""
+def test_coldstart_floor_reads_every_chunk_object_of_the_model_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
+    """The cold start's raw-read floor of ucp reads the files a load of the model's atoms reads: each object that
+    holds one (its chunks; the packs that hold packed ones) once (no zarr.json, no object of optimizer state alone),
+    every byte of it."""
     import random
 
     import torch
 
     import ucp
     from bench_io.coldstart import chunk_objects, raw_read
-    from ucp.format import chunk_indices
+    from ucp.storage import LocalStorage
 
     rng = random.Random()
     url = tmp_path / "ckpt"
     model = {f"w{i}": torch.randn(rng.randint(1, 300), rng.randint(1, 40)) for i in range(rng.randint(2, 9))}
-    ucp.save({"model": model, "optimizer": {"m": torch.randn(50)}}, str(url), step=0)
+    model["big"] = torch.randn(600, 600)  # (not packed: 1.4 MB)
+    optimizer = {"m": torch.randn(50), "big": torch.randn(300, 1000)}  # (the small one packed with the model's)
+    ucp.save({"model": model, "optimizer": optimizer}, str(url), step=0)
     files = chunk_objects(url)
     reader = ucp.open_checkpoint(str(url))
-    wanted = {
-        reader.object_key(meta, index)
-        for meta in reader.atoms.values()
-        if meta.path.startswith("model/")
-        for index in chunk_indices(meta.grid)
-    }
-    assert sorted(str(f.relative_to(url)) for f in files) == sorted(wanted)
+    read: set[str] = set()
+    real = LocalStorage.read_into
+    monkeypatch.setattr(LocalStorage, "read_into", lambda self, key, *a: read.add(key) or real(self, key, *a))
+    reader.read_atoms([p for p in reader.atoms if p.startswith("model/")])
+    assert sorted(str(f.relative_to(url)) for f in files) == sorted(read)
     for threads in (1, rng.randint(2, 8)):
         assert raw_read(files, threads)() == sum(f.stat().st_size for f in files)
 

@@ -24,6 +24,8 @@ LOAD_LAYOUTS = "tp4pp1,tp1pp4,tp1pp1dp4zero1,tp1pp2ep2dp2"
 
 
 def run_world(url: str, out_dir, env: dict | None = None) -> list[dict]:
+    """Save in tp2pp2 with four processes (`env`: UCP_TEST_SAVE_MODE async or lazy saves through a manager), then
+    load in each of LOAD_LAYOUTS."""
     spawn(["-m", "tests.dist_worker", url, "tp2pp2", LOAD_LAYOUTS, str(out_dir)], world=4, env=env)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -34,9 +36,12 @@ def check_world(results: list[dict], reader: CheckpointReader) -> None:
     assert max(writes.values()) == 1, [k for k, n in writes.items() if n > 1][:5]
     for meta in reader.atoms.values():
         for index in chunk_indices(meta.grid):
-            assert writes[f"{reader.prefix}/{meta.path}/{meta.chunk_key(index)}"] == 1, meta.path
+            assert writes[reader.object_key(meta, index)] == 1, meta.path  # (a packed atom's: its pack)
     writers = Counter(i for i, r in enumerate(results) for key in r["writes"] if "/c." in key)
     assert len(writers) == 4, f"every rank writes a share, got {writers}"
+    packers = {name.rsplit("-", 1)[0] for name in reader.manifest.packs}  # ucp-packs/p<rank>-<n>: each packs its own
+    assert reader.manifest.packed and any(not m.packed for m in reader.atoms.values())
+    assert len(packers) == 4, f"every rank packs what it writes, got {sorted(reader.manifest.packs)}"
     for layout in LOAD_LAYOUTS.split(","):
         for rank, r in enumerate(results):
             load = r["loads"][layout]
@@ -56,6 +61,15 @@ def test_save_tp2pp2_with_four_processes_and_load_in_other_layouts(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     check_world(run_world(url, out), CheckpointReader(open_storage(url), "latest"))
+
+
+@pytest.mark.parametrize("mode", ["async", "lazy"])
+def test_an_async_save_with_four_processes_packs_what_each_rank_writes_and_loads_in_other_layouts(tmp_path, mode):
+    url = str(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    results = run_world(url, out, env={"UCP_TEST_SAVE_MODE": mode})
+    check_world(results, CheckpointReader(open_storage(url), "latest"))
 
 
 @pytest.mark.slow

@@ -19,7 +19,9 @@ from ucp.inspection import verify
 
 from .helpers import assert_same_state, reseal_object, step_path
 
-SMALL_CHUNKS = ucp.SaveOptions(chunking=ChunkingPolicy(object_bytes=64 * 1024, inner_bytes=8 * 1024), fsync=False)
+SMALL_CHUNKS = ucp.SaveOptions(
+    chunking=ChunkingPolicy(object_bytes=64 * 1024, inner_bytes=8 * 1024, pack_below=0), fsync=False
+)  # (chunks of atoms that are Zarr arrays of their own: packs have tests of their own, test_packs.py)
 
 
 def every_dtype_state() -> dict:
@@ -193,9 +195,9 @@ def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_pa
     # at least one shard inside the array along every dimension, the last perhaps cut by the array's edge
     counts = [rng.randint(1, 3) for _ in chunk]
     shape = tuple(c * k - (rng.randrange(c) if k > 1 and rng.random() < 0.5 else 0) for c, k in zip(chunk, counts))
-    monkeypatch.setattr("ucp.checkpoint.choose_chunks", lambda *_: (chunk, inner))
+    monkeypatch.setattr("ucp.checkpoint.choose_chunks", lambda *_, **__: (chunk, inner))
     t = (torch.rand(shape) > 0.5) if dtype == torch.bool else (torch.rand(shape) * 100).to(dtype)
-    options = ucp.SaveOptions(fsync=False)
+    options = ucp.SaveOptions(fsync=False, chunking=ChunkingPolicy(pack_below=0))  # (shards, not a pack)
     ucp.save({"w": t}, str(tmp_path), options=options, atom_attributes={"w": {"case": seed}})  # (not the cached plan)
     reader = ucp.open_checkpoint(str(tmp_path))
     meta = reader.atoms["w"]

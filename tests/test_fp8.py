@@ -300,7 +300,10 @@ def test_the_weights_loader_gives_fp8_with_local_scales_or_dequantises(tmp_path)
 # of 24 or 12, the dense MLP's 48 rows and 48 columns (down_proj), the experts' 24 (or shared 48) rows, o_proj's 32
 # columns at TP 4: rows and columns whose part ends mid-block, so two ranks share those blocks' scales.
 MISALIGNED = {**SHAPE, "kv_lora_rank": 40, "intermediate_size": 48, "moe_intermediate_size": 24}
-SMALL_CHUNKS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=4096, inner_bytes=256), fsync=False)
+UNPACKED = ucp.ChunkingPolicy(pack_below=0)
+SMALL_CHUNKS = ucp.SaveOptions(
+    chunking=ucp.ChunkingPolicy(object_bytes=4096, inner_bytes=256, pack_below=0), fsync=False
+)  # (unpacked: a packed atom is read whole)
 
 
 @pytest.mark.parametrize(
@@ -370,6 +373,12 @@ def test_atoms_say_their_scales_and_other_zarr_readers_read_them(tmp_path):
     assert w.attributes["partition"]["block"] == BLOCK
     source = tensors_of(tmp_path / "hf")["model.layers.1.self_attn.o_proj.weight"]
     ts = pytest.importorskip("tensorstore")
+    if w.packed:  # (a small weight: its bytes in a pack, read by docs/FORMAT.md 4.1's recipe)
+        pack, offset, nbytes, _ = reader.manifest.packed[weight][0].to_json()
+        path = str(step_path(tmp_path / "u", 0) / pack)
+        array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, open=True).result()
+        assert array[offset : offset + nbytes].read().result().tobytes() == bits(source).numpy().tobytes()
+        return
     path = str(step_path(tmp_path / "u", 0) / weight)
     array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, open=True).result()
     assert array.dtype.name == "float8_e4m3fn"
@@ -518,7 +527,9 @@ def test_e8m0_scales_are_carried_bitwise_and_dequantised_as_transformers_does(tm
     assert reader.atoms[scale].dtype == "float8_e8m0fnu"
     assert model_config_of(reader).weight_scale_dtype == "float8_e8m0fnu"
     ts = pytest.importorskip("tensorstore")
-    path = str(step_path(tmp_path / "u1", 0) / scale)
+    # (a scale atom is small, so packed; saved unpacked, it is a Zarr array of its own that tensorstore opens)
+    reshape(str(tmp_path / "u1"), str(tmp_path / "unpacked"), "tp1", ucp.SaveOptions(chunking=UNPACKED))
+    path = str(step_path(tmp_path / "unpacked", 0) / scale)
     array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, open=True).result()
     assert array.dtype.name == "float8_e8m0fnu"
     assert array.read().result().tobytes() == bits(source[scale.removeprefix("model/")]).numpy().tobytes()

@@ -25,7 +25,7 @@ from ucp.storage import LocalStorage
 
 from .helpers import reseal_manifest, step_path
 
-OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=2048), fsync=False)
+OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=2048, pack_below=0), fsync=False)
 
 
 def make(root: Path) -> dict:

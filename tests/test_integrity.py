@@ -19,8 +19,8 @@ from ucp.reshard import shard
 from .dist_worker import CONFIG, STATES, full_state
 from .helpers import step_path
 
-PLAIN = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=4096, inner_bytes=4096), fsync=False)
-SHARDED = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=1024), fsync=False)
+PLAIN = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=4096, inner_bytes=4096, pack_below=0), fsync=False)
+SHARDED = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=1024, pack_below=0), fsync=False)
 
 
 def state(seed: int) -> dict:

@@ -17,6 +17,7 @@ from ucp.errors import ObjectMissingError, StepRemovedError
 from ucp.storage import open_storage
 
 OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=2048), fsync=False)
+UNPACKED = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=2048, pack_below=0), fsync=False)
 
 
 def state(seed: int) -> dict:
@@ -24,8 +25,9 @@ def state(seed: int) -> dict:
     return {"model": {f"w{i}": torch.randn(32, 64, generator=g) for i in range(6)}, "seed": seed}
 
 
-def test_a_step_deleted_after_it_was_opened_is_removed_not_damaged(tmp_path):
-    ucp.save(state(1), str(tmp_path), step=1, options=OPTIONS)
+@pytest.mark.parametrize("options", [OPTIONS, UNPACKED], ids=["packed", "unpacked"])
+def test_a_step_deleted_after_it_was_opened_is_removed_not_damaged(tmp_path, options):
+    ucp.save(state(1), str(tmp_path), step=1, options=options)
     reader = ucp.open_checkpoint(str(tmp_path))
     commit.delete_step(open_storage(str(tmp_path)), 1)
     with pytest.raises(StepRemovedError, match="step 1 .* was removed while it was being read"):
@@ -33,13 +35,12 @@ def test_a_step_deleted_after_it_was_opened_is_removed_not_damaged(tmp_path):
     assert issubclass(StepRemovedError, ucp.CheckpointNotFoundError)
 
 
-def test_a_missing_object_of_a_step_still_committed_is_damage(tmp_path):
-    ucp.save(state(1), str(tmp_path), step=1, options=OPTIONS)
+@pytest.mark.parametrize("options", [OPTIONS, UNPACKED], ids=["packed", "unpacked"])
+def test_a_missing_object_of_a_step_still_committed_is_damage(tmp_path, options):
+    ucp.save(state(1), str(tmp_path), step=1, options=options)
     reader = ucp.open_checkpoint(str(tmp_path))
-    chunk = next(
-        p for p in (tmp_path / reader.prefix / "model" / "w3").rglob("*") if p.is_file() and p.name != "zarr.json"
-    )
-    os.remove(chunk)
+    stored = tmp_path / reader.prefix / ("ucp-packs" if reader.manifest.packed else "model/w3")
+    os.remove(next(p for p in sorted(stored.rglob("*")) if p.is_file() and p.name != "zarr.json"))
     with pytest.raises(ObjectMissingError) as failure:
         reader.load_state()
     assert isinstance(failure.value, ucp.IntegrityError) and not isinstance(failure.value, StepRemovedError)

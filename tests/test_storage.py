@@ -279,7 +279,8 @@ def test_loads_tell_the_storage_the_small_objects_they_read_one_after_another(tm
     state = {"small": {f"t{i}": torch.randn(rng.randint(1, 2000)) for i in range(rng.randint(20, 60))}}
     state["big"] = torch.randn(SMALL_OBJECT_BYTES // 2)  # 2x the lane's limit: read on the pool
     url = str(tmp_path / "plain")
-    ucp.save(state, url, step=0)
+    unpacked = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=0))  # (objects of their own: packs are few)
+    ucp.save(state, url, step=0, options=unpacked)
     plain = ucp.load(url)
     monkeypatch.setattr(LocalStorage, "prefetching", recording)
     again = ucp.load(url)
@@ -290,7 +291,9 @@ def test_loads_tell_the_storage_the_small_objects_they_read_one_after_another(tm
 
     cfg = tiny_config(num_hidden_layers=2)
     sharded = str(tmp_path / "sharded")
-    save_in_layout(random_full_state(cfg), cfg, rng.choice(["tp2pp2", "tp1pp2dp2zero1"]), sharded, step=1)
+    save_in_layout(
+        random_full_state(cfg), cfg, rng.choice(["tp2pp2", "tp1pp2dp2zero1"]), sharded, step=1, options=unpacked
+    )
     layout, rank = rng.choice([("tp2", 1), ("tp1", 0), ("tp2pp2", 2)])
     told.clear()
     got = load_weights(sharded, layout, rank).params

@@ -1,5 +1,6 @@
-"""Format 1.0 checkpoints (kept as fixtures, written by the 1.0 writer) still load bitwise, verify, inspect and load
-sharded in any layout; a format 2 save into a 1.0 root sits beside them."""
+"""Format 1.0 and 2.0 checkpoints (kept as fixtures, written by the 1.0 and 2.0 writers:
+scripts/make_v1_fixture.py) still load bitwise, verify, inspect and load sharded in any layout; a format 3 save
+into a 1.0 root sits beside them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import ucp
@@ -21,6 +23,7 @@ from ucp.reshard import assemble
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v1"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+V2 = Path(__file__).parent / "fixtures" / "v2"  # the same states, written by the 2.0 writer
 
 
 def digest(t: torch.Tensor) -> str:
@@ -71,19 +74,40 @@ def test_a_damaged_v1_chunk_is_still_caught(tmp_path):
     assert not verify(ucp.open_checkpoint(str(root))).ok
 
 
-def test_a_v2_save_into_a_v1_root_sits_beside_the_v1_steps(tmp_path):
+def test_a_v3_save_into_a_v1_root_sits_beside_the_v1_steps(tmp_path):
     root = copy(tmp_path, "single")
     manager = ucp.CheckpointManager(str(root))  # starts with a gc: the committed 1.0 steps are not leftovers
     assert manager.steps() == [4, 5]
     manager.save(6, {"w": torch.arange(5.0)})
     assert manager.steps() == [4, 5, 6]
-    assert ucp.open_checkpoint(str(root)).manifest.format_version == "2.0"
+    assert ucp.open_checkpoint(str(root)).manifest.format_version == "3.0"
     assert torch.equal(ucp.load(str(root))["w"], torch.arange(5.0))
     assert ucp.load(str(root), step=5)["model"]["w"].shape == (48, 40)
 
 
-def test_a_v1_distributed_checkpoint_loads_in_other_layouts(tmp_path):
-    root = copy(tmp_path, "sharded")
+def test_a_v2_single_process_checkpoint_loads_bitwise_and_verifies(tmp_path):
+    shutil.copytree(V2 / "single", tmp_path / "single")
+    root = tmp_path / "single"
+    for step in (4, 5):
+        reader = ucp.open_checkpoint(str(root), step)
+        assert reader.manifest.format_version == "2.0" and reader.record.attempt is not None
+        assert not reader.manifest.packs and not any(m.packed for m in reader.atoms.values())
+        state = reader.load_state()
+        for name, (dtype, shape, sha) in EXPECTED["single"].items():
+            t = state["model"][name]
+            assert (str(t.dtype), list(t.shape), digest(t)) == (dtype, shape, sha), name
+        assert verify(reader).ok
+    manager = ucp.CheckpointManager(str(root))  # a format 3 step beside them, its small atoms packed
+    manager.save(6, {"w": torch.arange(5.0)})
+    assert ucp.open_checkpoint(str(root)).manifest.packs
+    assert torch.equal(ucp.load(str(root))["w"], torch.arange(5.0))
+    assert digest(ucp.load(str(root), step=5)["model"]["w"]) == EXPECTED["single"]["w"][2]
+
+
+@pytest.mark.parametrize("fixtures", [FIXTURES, V2], ids=["v1", "v2"])
+def test_a_v1_or_v2_distributed_checkpoint_loads_in_other_layouts(tmp_path, fixtures):
+    shutil.copytree(fixtures / "sharded", tmp_path / "sharded")
+    root = tmp_path / "sharded"
     config = MixtralConfig.from_json(EXPECTED["config"])
     reader = ucp.open_checkpoint(str(root))
     assert reader.manifest.layout == "tp2pp1"

@@ -24,9 +24,11 @@ from .devices import load_device, on_host
 from .errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
 from .format import (
     MAX_DOCUMENT_BYTES,
+    PACKS_GROUP,
     ZARR_JSON,
     AtomMeta,
     ObjectSum,
+    PackedChunk,
     StepManifest,
     check_step,
     chunk_indices,
@@ -35,6 +37,7 @@ from .format import (
     parse_step_dirname,
 )
 from .landing import Landing, open_landing
+from .packs import pack_object_key
 from .pipeline import ChunkJob, SavePipeline, SavePlan, one_shot_staging
 from .session import SaveSession
 from .storage import Storage, open_storage
@@ -91,9 +94,10 @@ def plan_atoms(
 def _describe(
     path: str, shape: tuple[int, ...], dtype: torch.dtype, policy: ChunkingPolicy, extra: Mapping[str, Any]
 ) -> AtomMeta:
-    chunk_shape, inner = choose_chunks(shape, dtype.itemsize, policy)
+    packed = policy.packs(math.prod(shape) * dtype.itemsize)
+    chunk_shape, inner = choose_chunks(shape, dtype.itemsize, policy, packed=packed)
     attrs = {"role": default_role(path), **dict(extra)}
-    return checked(AtomMeta(path, shape, dtypes.zarr_name(dtype), chunk_shape, inner, attrs))
+    return checked(AtomMeta(path, shape, dtypes.zarr_name(dtype), chunk_shape, inner, attrs, packed=packed))
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -138,8 +142,17 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def group_paths(metas: Iterable[AtomMeta]) -> list[str]:
-    """Every intermediate group (dict level) that holds an atom, parents first."""
-    paths = [m.path for m in metas]
+    """The groups a Zarr reader walks to reach every Zarr array of a step, parents first: every intermediate group
+    (dict level) above an atom that is an array of its own, and the packs' group if any atom is packed. A level
+    that holds only packed atoms is no Zarr node (its atoms are found through the manifest)."""
+    paths, packed = [], False
+    for m in metas:
+        if m.packed:
+            packed = True
+        else:
+            paths.append(m.path)
+    if packed:
+        paths.append(f"{PACKS_GROUP}/pack")  # (a pack's name is one level below the group)
     groups = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
     return sorted(groups, key=lambda g: (g.count("/"), g))
 
@@ -169,7 +182,8 @@ def plan_save(
         writer=f"ucp {__version__}",
     )
     jobs = chunk_jobs(metas, tensors)
-    return SavePlan(SaveSession.begin(storage, step), metas, group_paths(metas), jobs, manifest)
+    session = SaveSession.begin(storage, step)
+    return SavePlan(session, metas, group_paths(metas), jobs, manifest, pack_bytes=options.chunking.pack_bytes)
 
 
 def save(
@@ -247,10 +261,12 @@ class CheckpointReader:
                 f"{self.record.atoms} atoms of {self.record.nbytes} bytes"
             )
         tree.check_root(self.manifest.tree)
-        missing = set(tree.tree_atoms(self.manifest.tree)) - set(self.manifest.atoms)
+        self.tree_atoms = tree.tree_atoms(self.manifest.tree)  # (checked once: every atom the tree names, in order)
+        missing = set(self.tree_atoms) - set(self.manifest.atoms)
         if missing:
             raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
         self.io_threads = io_threads or storage.default_io_threads
+        self._pack_atoms: dict[str, list[str]] | None = None
 
     @property
     def atoms(self) -> dict[str, AtomMeta]:
@@ -260,7 +276,10 @@ class CheckpointReader:
         return f"{self.prefix}/{meta.path}/{name}"
 
     def check_atom_metadata(self, meta: AtomMeta) -> None:
-        """The atom's zarr.json must exist and agree with the committed manifest (what other Zarr readers see)."""
+        """The atom's zarr.json must exist and agree with the committed manifest (what other Zarr readers see). A
+        packed atom has none; each pack's is checked as a pack's (`ucp.inspection`)."""
+        if meta.packed:
+            return
         try:
             raw = self.storage.read(self._atom_key(meta, ZARR_JSON), 0, MAX_DOCUMENT_BYTES + 1)
         except FileNotFoundError:
@@ -270,20 +289,61 @@ class CheckpointReader:
         meta.check_zarr_json(loads(raw, f"atom {meta.path!r} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
 
     def object_key(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
-        """The storage key of chunk object `index` of `meta` in this step."""
+        """The storage key of the object that holds chunk `index` of `meta` in this step (of a packed atom: its
+        pack's)."""
+        if meta.packed:
+            return pack_object_key(self.prefix, self.packed_chunk(meta, index).pack)
         return meta.object_key(self.prefix, index)
 
     def recorded(self, meta: AtomMeta, index: tuple[int, ...]) -> ObjectSum | None:
-        """The size and checksum the commit recorded for chunk object `index` of `meta` (None in format 1.0)."""
+        """The size and checksum the commit recorded for the object that holds chunk `index` of `meta` (of a packed
+        atom: its pack's; None in format 1.0)."""
+        if meta.packed:
+            return self.manifest.packs[self.packed_chunk(meta, index).pack]
         objects = self.manifest.objects
         return None if objects is None else objects[meta.path][meta.object_number(index)]
 
+    def read_key(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
+        """The storage key that a read of chunk `index` of `meta` reads from: its object, or its pack."""
+        return (
+            pack_object_key(self.prefix, self.packed_chunk(meta, index).pack)
+            if meta.packed
+            else self.object_key(meta, index)
+        )
+
+    def packed_chunk(self, meta: AtomMeta, index: tuple[int, ...]) -> PackedChunk:
+        """Where chunk `index` of a packed atom lies (format 3)."""
+        return self.manifest.packed[meta.path][meta.object_number(index)]
+
+    def pack_holds(self, name: str) -> str:
+        """What pack `name` holds, for an error: its atoms (the first ones by name) and how many."""
+        if self._pack_atoms is None:
+            held: dict[str, set[str]] = {}
+            for path, chunks in self.manifest.packed.items():
+                for c in chunks:
+                    held.setdefault(c.pack, set()).add(path)
+            self._pack_atoms = {pack: sorted(paths) for pack, paths in held.items()}
+        atoms = self._pack_atoms.get(name, [])
+        more = f" and {len(atoms) - 8} more" if len(atoms) > 8 else ""
+        return f"pack {name} of step {self.step} holds the atoms {', '.join(map(repr, atoms[:8]))}{more}"
+
     def read_object(self, meta: AtomMeta, index: tuple[int, ...], dest_for: codec.DestFn) -> None:
-        """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object."""
-        where = f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
+        """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object (of a
+        packed atom: its chunk's byte range of a pack)."""
+        if meta.packed:
+            sink = codec.packed_sink(meta, index, dest_for)
+            if sink is not None:
+                self._read_packed([(self.packed_chunk(meta, index), sink, meta, index)])
+            return
         try:
             codec.read_object(
-                self.storage, self.object_key(meta, index), meta, index, dest_for, where, self.recorded(meta, index)
+                self.storage,
+                self.object_key(meta, index),
+                meta,
+                index,
+                dest_for,
+                self._where(meta, index),
+                self.recorded(meta, index),
             )
         except ObjectMissingError as e:
             raise self._removed_or(e) from None
@@ -304,6 +364,19 @@ class CheckpointReader:
         elif not self.storage.exists(commit.marker_key(self.step)):
             return StepRemovedError(f"step {self.step} at {self.storage.url} was removed while it was being read")
         return missing
+
+    def _where(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
+        """What to call a chunk in an error."""
+        return f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
+
+    def _read_packed(self, chunks: list[codec.PackedRead]) -> None:
+        """Read packed chunks of one pack in one request, each verified."""
+        name = chunks[0][0].pack
+        key = pack_object_key(self.prefix, name)
+        try:
+            codec.read_packed(self.storage, key, chunks, self._where, functools.partial(self.pack_holds, name))
+        except ObjectMissingError as e:
+            raise self._removed_or(e) from None
 
     def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
         """Read, verify and decode one stored object into `out` (the full atom's tensor, in host memory)."""
@@ -334,7 +407,7 @@ class CheckpointReader:
             ObjectCall(
                 functools.partial(self.read_region, meta, i, box, view, landing),
                 meta.object_bytes,
-                self.object_key(meta, i),
+                self.read_key(meta, i),
             )
             for i in chunks_touching(meta, box)
         ]
@@ -356,30 +429,55 @@ class CheckpointReader:
         place = load_device(device)
         out = {m.path: allocate(m, device=place) for m in metas}
         with open_landing(out.values(), metas) as landing:
-            self.run_reads(
-                [
-                    ObjectCall(
-                        functools.partial(self.read_chunk_into, m, i, out[m.path])
-                        if landing is None  # (whole chunks straight into host memory: the least work per object)
-                        else functools.partial(self.read_region, m, i, full_box(m.shape), out[m.path], landing),
-                        m.object_bytes,
-                        self.object_key(m, i),
-                    )
-                    for m in metas
-                    for i in chunk_indices(m.grid)
-                ]
-            )
+            tasks = [
+                ObjectCall(
+                    functools.partial(self.read_chunk_into, m, i, out[m.path])
+                    if landing is None  # (whole chunks straight into host memory: the least work per object)
+                    else functools.partial(self.read_region, m, i, full_box(m.shape), out[m.path], landing),
+                    m.object_bytes,
+                    self.read_key(m, i),
+                )
+                for m in metas
+                if not m.packed or landing is not None  # (on a device, each packed chunk lands as any chunk does)
+                for i in chunk_indices(m.grid)
+            ]
+            if landing is None:
+                tasks += self._pack_reads([m for m in metas if m.packed], out)
+            self.run_reads(tasks)
         return out
+
+    def _pack_reads(self, metas: list[AtomMeta], out: dict[str, torch.Tensor]) -> list[ObjectCall]:
+        """Packed atoms read whole into host memory: one read per pack, straight into the atoms' tensors (the
+        alignment gaps into scratch)."""
+        by_pack: dict[str, list[codec.PackedRead]] = {}
+        for m in metas:
+            if m.single_chunk:  # (most: the chunk is the atom)
+                (chunk,) = self.manifest.packed[m.path]
+                by_pack.setdefault(chunk.pack, []).append((chunk, codec.ChunkSink.whole(out[m.path]), m, ()))
+                continue
+            for index in chunk_indices(m.grid):
+                chunk = self.packed_chunk(m, index)
+                sink = codec.packed_sink(m, index, codec.full_region(out[m.path]))
+                by_pack.setdefault(chunk.pack, []).append((chunk, sink, m, index))  # type: ignore[arg-type]
+        return [
+            ObjectCall(
+                functools.partial(self._read_packed, chunks),
+                self.manifest.packs[name][0],
+                pack_object_key(self.prefix, name),
+            )
+            for name, chunks in by_pack.items()
+        ]
 
     def load_state(self, *, device: torch.device | str | None = None) -> dict[str, Any]:
         """The step's state as it was saved; its tensors on `device` (default: host memory)."""
-        return tree.unflatten(self.manifest.tree, self.read_atoms(tree.tree_atoms(self.manifest.tree), device=device))
+        return tree.unflatten(self.manifest.tree, self.read_atoms(self.tree_atoms, device=device))
 
     def total_bytes(self) -> int:
         return sum(m.nbytes for m in self.atoms.values())
 
     def chunk_count(self) -> int:
-        return sum(math.prod(m.grid) for m in self.atoms.values())
+        """Objects that hold the atoms' data: the chunk objects of unpacked atoms, and the packs."""
+        return sum(math.prod(m.grid) for m in self.atoms.values() if not m.packed) + len(self.manifest.packs)
 
 
 def chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:

@@ -12,16 +12,28 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class ChunkingPolicy:
     """Target sizes: `object_bytes` per stored object (one write each), `inner_bytes` per inner chunk
-    (the unit a partial read fetches and a checksum covers)."""
+    (the unit a partial read fetches and a checksum covers). Atoms of fewer than `pack_below` bytes are packed
+    (their chunks written back to back into shared pack objects of up to `pack_bytes`, `ucp.packs`): per-object
+    costs, not bytes, decide the speed of small objects. `pack_below=0` packs nothing."""
 
     object_bytes: int = 64 * MiB
     inner_bytes: int = 1 * MiB
+    pack_below: int = 1 * MiB
+    pack_bytes: int = 32 * MiB
 
     def __post_init__(self) -> None:
-        for name in ("object_bytes", "inner_bytes"):
+        for name in ("object_bytes", "inner_bytes", "pack_below", "pack_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ChunkingPolicy.{name} must be a positive number of bytes, got {value!r}")
+            low = 0 if name == "pack_below" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"ChunkingPolicy.{name} must be a {'non-negative' if low == 0 else 'positive'} "
+                    f"number of bytes, got {value!r}"
+                )
+
+    def packs(self, nbytes: int) -> bool:
+        """Whether an atom of `nbytes` bytes is packed."""
+        return nbytes < self.pack_below
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
@@ -89,15 +101,19 @@ def choose_chunks(
     policy: ChunkingPolicy,
     periods: Sequence[int | None] | None = None,
     split_dim: int | None = None,
+    packed: bool = False,
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """(chunk_shape, inner_chunk_shape or None) for an array of `shape`.
 
     `periods` keeps chunk boundaries on writer boundaries (distributed saves); `split_dim` is the dimension
     that parallel layouts cut, cut first here too so that other layouts read few bytes they do not need.
+    A `packed` atom has plain chunks only, as large as the writers' boundaries allow (one, without periods).
     """
     order = None
     if split_dim is not None:
         order = [d for d in reversed(range(len(shape))) if d != split_dim] + [split_dim]
+    if packed:
+        return fit_block(shape, itemsize, policy.object_bytes, periods, order), None
     inner = fit_block(shape, itemsize, policy.inner_bytes, _finer(periods, split_dim), order)
     grid = tuple(-(-max(s, 1) // i) for s, i in zip(shape, inner))
     grid_periods = [p // i if p else None for p, i in zip(periods, inner)] if periods else None

@@ -118,7 +118,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"DAMAGED  {problem}")
     status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
-    print(f"step {report.step}: {report.atoms} atoms, {report.chunks} chunk objects checked: {status}")
+    print(f"step {report.step}: {report.atoms} atoms, {report.chunks} data objects (chunks, packs) checked: {status}")
     return 0 if report.ok else 1
 
 
@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "verify",
-        help="re-read every object, check every checksum, each object's size and checksum against its "
-        "commit's record, and every atom's, group's and the root's zarr.json (exit 1 if anything is damaged)",
+        help="re-read every object (each pack whole, with every packed atom's checksum), check every checksum, each "
+        "object's size and checksum against its commit's record, and every atom's, pack's, group's and the root's "
+        "zarr.json (exit 1 if anything is damaged)",
     )
     _add_location(p)
     p.set_defaults(func=cmd_verify, **_LOCATION_RULES)

@@ -25,9 +25,9 @@ import crc32c
 import torch
 
 from . import dtypes
-from .boxes import Box, intersect, relative, to_slices
+from .boxes import Box, box_shape, intersect, relative, to_slices
 from .errors import IntegrityError, ObjectMissingError
-from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, ObjectSum, chunk_indices
+from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, ObjectSum, PackedChunk, chunk_indices
 from .storage import Storage, scatter_into
 
 
@@ -127,10 +127,12 @@ def _inner_chunk_parts(
 
 @dataclass(frozen=True)
 class Encoded:
-    """One object ready to write: its parts (back to back) and its checksum for the manifest."""
+    """One object ready to write: its parts (back to back) and its checksum for the manifest; for a pack, also the
+    CRC-32C of each chunk it holds, in member order."""
 
     parts: list[memoryview | bytes]
     sum: ObjectSum
+    members: tuple[int, ...] = ()
 
 
 def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> Encoded:
@@ -158,6 +160,36 @@ def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> Encod
     head = [index, _crc(index), b"".join(table)]
     head_sum = struct.unpack("<I", _crc(*head))[0]
     return Encoded([*head, *parts], (offset, head_sum))
+
+
+def encode_pack(
+    spans: Sequence[tuple[int, int]], data_bytes: int, values: torch.Tensor | Sequence[torch.Tensor]
+) -> Encoded:
+    """The object of a pack (a plain chunk of bytes: the data, then its CRC-32C) whose members lie at `spans`
+    ((offset, nbytes) each, ascending), from its staged bytes (one uint8 tensor of `data_bytes`, the alignment
+    gaps zero) or from each member's values (its chunk's region of the atom) in member order, written where they
+    lie, the gaps between them from shared zeros. `members` are the members' CRC-32Cs."""
+    crcs = []
+    if isinstance(values, torch.Tensor):
+        data = dtypes.as_bytes(values)
+        for offset, nbytes in spans:
+            crcs.append(crc32c.crc32c(data[offset : offset + nbytes]))
+        parts: list[memoryview | bytes] = [data, _crc(data)]
+    else:
+        parts, running, pos = [], 0, 0
+        for (offset, nbytes), value in zip(spans, values, strict=True):
+            if offset > pos:
+                gap = _zeros(offset - pos)
+                parts.append(gap)
+                running = crc32c.crc32c(gap, running)
+            data = dtypes.as_bytes(value.contiguous())
+            assert data.nbytes == nbytes, "a packed chunk's values are its region of the atom"
+            crcs.append(crc32c.crc32c(data))
+            running = crc32c.crc32c(data, running)
+            parts.append(data)
+            pos = offset + nbytes
+        parts.append(_crc_bytes(running))
+    return Encoded(parts, (data_bytes + CRC_BYTES, struct.unpack("<I", parts[-1])[0]), tuple(crcs))
 
 
 # ------------------------------------------------------------------------------------------ decoding
@@ -233,10 +265,12 @@ class ChunkSink:
     padding rows) and contiguous, otherwise into scratch memory from which the wanted part is copied once the
     checksum is verified."""
 
-    def __init__(self, dest: torch.Tensor, chunk_shape: tuple[int, ...], offset: tuple[int, ...]):
+    def __init__(self, dest: torch.Tensor, chunk_shape: tuple[int, ...], offset: tuple[int, ...], padded: bool = True):
+        """`padded`: the stored chunk is padded to `chunk_shape` at the array's edge (a packed chunk is not)."""
         self.dest = dest
         self.offset = offset
-        direct = not any(offset) and (tuple(dest.shape) == chunk_shape or _tail_padded(dest, chunk_shape))
+        whole = tuple(dest.shape) == chunk_shape
+        direct = not any(offset) and (whole or (padded and _tail_padded(dest, chunk_shape)))
         direct = direct and dest.is_contiguous()
         self.scratch = None if direct else torch.empty(chunk_shape, dtype=dest.dtype)
         self.data = dtypes.as_bytes(dest if self.scratch is None else self.scratch)
@@ -244,17 +278,104 @@ class ChunkSink:
         self.tail = memoryview(bytearray(padding))  # the edge chunk's padding rows: read, checked, dropped
         self.crc = bytearray(CRC_BYTES)
 
+    @classmethod
+    def whole(cls, dest: torch.Tensor) -> ChunkSink:
+        """A sink for an unpadded chunk that is all of the contiguous `dest` (a packed atom read whole): its
+        bytes go straight there."""
+        sink = cls.__new__(cls)
+        sink.dest, sink.offset, sink.scratch = dest, (), None
+        sink.data = dtypes.as_bytes(dest)
+        sink.tail = memoryview(b"")
+        sink.crc = bytearray(CRC_BYTES)
+        return sink
+
     def buffers(self) -> list[memoryview]:
         return [self.data, self.tail, memoryview(self.crc)]
 
     def finish(self, where: str, recorded: bytes | None) -> None:
         """Verify the chunk (and that its checksum is the one recorded for its place), then deliver it."""
         _verify([self.data, self.tail], self.crc, where, recorded)
+        self.deliver()
+
+    def deliver(self) -> None:
+        """Copy what was read into scratch memory to the destination (nothing to do when read in place)."""
         if self.scratch is not None:
             self.dest.copy_(self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))])
 
 
 DestFn = Callable[[Box], "tuple[torch.Tensor, tuple[int, ...]] | None"]
+
+
+def packed_sink(meta: AtomMeta, index: tuple[int, ...], dest_for: DestFn) -> ChunkSink | None:
+    """Where a packed chunk that `dest_for` wants is read to (None if it is not wanted): the chunk is its region
+    of the atom, unpadded."""
+    box = meta.chunk_box(index)
+    wanted = dest_for(box)
+    return None if wanted is None else ChunkSink(wanted[0], box_shape(box), wanted[1], padded=False)
+
+
+PackedRead = tuple[PackedChunk, ChunkSink, AtomMeta, tuple[int, ...]]  # a packed chunk, its sink, its atom and index
+
+
+# Wanted packed chunks of one pack are read in one request, unwanted bytes between them into scratch, unless such a
+# gap is longer than this: then the read is split there (a weights-only load skips the optimizer state packed
+# beside the weights).
+GAP_READ_BYTES = 1 << 20
+
+
+def read_packed(
+    storage: Storage,
+    key: str,
+    chunks: Sequence[PackedRead],
+    where: Callable[[AtomMeta, tuple[int, ...]], str],
+    holds: Callable[[], str],
+) -> None:
+    """Read packed chunks of one pack (the object at `key`) in scatter reads, one per run of them (GAP_READ_BYTES),
+    and verify each against its recorded checksum. A pack that is missing, shorter than its chunks or whose bytes
+    differ fails with an IntegrityError that names the chunk (`where(atom, index)`) and, from `holds()`, the atoms
+    the pack holds."""
+    chunks = sorted(chunks, key=lambda c: c[0].offset)
+    runs: list[list[PackedRead]] = []
+    for c in chunks:
+        last = runs[-1][-1][0] if runs else None
+        if last is not None and c[0].offset - (last.offset + last.nbytes) <= GAP_READ_BYTES:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    try:
+        for run in runs:
+            _read_run(storage, key, run, where)
+        for chunk, sink, meta, index in chunks:
+            if crc32c.crc32c(sink.data) != chunk.crc:
+                raise IntegrityError(
+                    f"{where(meta, index)}: checksum mismatch (crc32c), its bytes are not the ones the commit "
+                    "recorded: the pack is damaged, truncated, swapped or stale"
+                )
+            sink.deliver()
+    except FileNotFoundError:
+        raise ObjectMissingError(f"{where(*chunks[0][2:])}: pack {chunks[0][0].pack} is missing; {holds()}") from None
+    except IntegrityError as e:
+        raise IntegrityError(f"{e}; {holds()}") from None
+
+
+def _read_run(
+    storage: Storage, key: str, run: list[PackedRead], where: Callable[[AtomMeta, tuple[int, ...]], str]
+) -> None:
+    """One scatter read from the first chunk of `run` to the end of its last, the gaps into scratch."""
+    start, end = run[0][0].offset, run[-1][0].offset + run[-1][0].nbytes
+    buffers: list[memoryview] = []
+    pos = start
+    for chunk, sink, _, _ in run:
+        if chunk.offset > pos:
+            buffers.append(memoryview(bytearray(chunk.offset - pos)))  # alignment gaps and chunks not wanted
+        buffers.append(sink.data)
+        pos = chunk.offset + chunk.nbytes
+    got = storage.read_into(key, start, buffers)
+    if got < end - start:
+        raise IntegrityError(
+            f"{where(*run[-1][2:])}: pack {run[0][0].pack} is truncated ({start + got} bytes of data, its chunks "
+            f"need {end})"
+        )
 
 
 def full_region(out: torch.Tensor) -> DestFn:

@@ -13,6 +13,7 @@ document gets a FormatError, never an allocation, an overflow or a Python error.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
@@ -22,19 +23,23 @@ from typing import Any
 from . import dtypes
 from .errors import FormatError, StateError, UnsupportedVersionError
 
-FORMAT_VERSION = "2.0"
-FORMAT_MAJOR = 2
+FORMAT_VERSION = "3.0"
+FORMAT_MAJOR = 3
 ZARR_JSON = "zarr.json"
 COMMIT_MARKER = "ucp-commit.json"
 ATTEMPT_RECORD = "ucp-attempt.json"  # an attempt's owner (who saves it, until when), written first
+PACKS_GROUP = "ucp-packs"  # format 3: the group of an attempt's packs (ucp.packs)
 CRC_BYTES = 4  # the crc32c codec appends a 4-byte little-endian checksum
 INDEX_ENTRY_BYTES = 16  # sharding index: (offset, nbytes) as two little-endian uint64
 EMPTY_INDEX_ENTRY = 2**64 - 1
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _ATTEMPT_DIR = re.compile(r"^attempt-[0-9a-f]{32}$")
+_PACK_NAME = re.compile(rf"^{PACKS_GROUP}/p[0-9]{{1,9}}-[0-9]{{1,9}}$")
+# An atom path whose components are all plain names: none empty, ".", ".." or with a backslash or NUL.
+_PLAIN_PATH = re.compile(r"(?!\.\.?(?:/|$))[^/\\\x00]+(?:/(?!\.\.?(?:/|$))[^/\\\x00]+)*\Z")
 # Names a state key may not take: they would collide with Zarr's or ucp's own files.
-RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD})
+RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD, PACKS_GROUP})
 
 # Bounds on what metadata may declare (docs/FORMAT.md section 8). Writers stay inside them; readers refuse more.
 MAX_NDIM = 32
@@ -69,6 +74,11 @@ def parse_step_dirname(name: str) -> int | None:
 
 def is_attempt_dirname(name: object) -> bool:
     return isinstance(name, str) and _ATTEMPT_DIR.match(name) is not None
+
+
+def is_pack_name(name: object) -> bool:
+    """A pack's name below its attempt: `ucp-packs/p<writer>-<number>` (section 4.1)."""
+    return isinstance(name, str) and _PACK_NAME.match(name) is not None
 
 
 def check_format_version(version: object, where: str) -> None:
@@ -127,6 +137,8 @@ def json_int(value: object, where: str, what: str, low: int = 0, high: int = 1 <
 def json_ints(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > MAX_NDIM:
         raise FormatError(f"{where}: {what} must be a list of at most {MAX_NDIM} integers, got {value!r:.80}")
+    if all(type(v) is int and low <= v <= high for v in value):  # (the common case, without a call per value)
+        return tuple(value)
     return tuple(json_int(v, where, what, low, high) for v in value)
 
 
@@ -149,6 +161,8 @@ class AtomMeta:
     attributes: dict[str, Any] = field(default_factory=dict, compare=False)
     # Format 2 shards carry a table of their inner chunks' checksums after the index (section 4); 1.0 shards do not.
     crc_table: bool = field(default=True, compare=False)
+    # Format 3: the atom's chunks are byte ranges of packs (ucp.packs), not objects of its own; it has no zarr.json.
+    packed: bool = field(default=False, compare=False)
 
     # Derived once per atom (the fields are frozen): a save or load of many small atoms asks for these per object.
     @functools.cached_property
@@ -174,6 +188,8 @@ class AtomMeta:
     @functools.cached_property
     def single_chunk(self) -> bool:
         """One chunk object holds the whole array (its grid is all ones)."""
+        if self.chunk_shape == self.shape:  # (most atoms: said without working out the grid)
+            return all(self.shape)
         return all(n == 1 for n in self.grid)
 
     @functools.cached_property
@@ -182,6 +198,13 @@ class AtomMeta:
         return tuple((i, tuple(slice(a, b) for a, b in self.chunk_box(i))) for i in chunk_indices(self.grid))
 
     def to_manifest(self) -> dict[str, Any]:
+        """The atom's entry in the manifest (a new dict: the caller adds its objects)."""
+        return dict(self._manifest_doc)
+
+    @functools.cached_property
+    def _manifest_doc(self) -> dict[str, Any]:
+        # made once per atom: a job saves the same (cached) atoms every time, 20,000 of them for a state of many
+        # small ones (ucp.checkpoint._described)
         doc: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype, "chunk_shape": list(self.chunk_shape)}
         if self.inner_chunk_shape is not None:
             doc["inner_chunk_shape"] = list(self.inner_chunk_shape)
@@ -190,6 +213,22 @@ class AtomMeta:
 
     @classmethod
     def from_manifest(cls, path: str, doc: Any, crc_table: bool = True) -> AtomMeta:
+        if type(doc) is dict and "inner_chunk_shape" not in doc:
+            # Most atoms are one chunk, the whole atom, of a known dtype: checked at once (a state of many small
+            # atoms has 20,000 of them); anything else takes the full checks below, which name the problem.
+            shape, dtype, attributes = doc.get("shape"), doc.get("dtype"), doc.get("attributes", {})
+            if (
+                type(shape) is list
+                and shape == doc.get("chunk_shape")
+                and len(shape) <= MAX_NDIM
+                and all(type(s) is int and 1 <= s <= MAX_ATOM_BYTES for s in shape)
+                and dtype in dtypes.SUPPORTED_DTYPES
+                and type(attributes) is dict
+                and _plain_path(path)
+            ):
+                meta = cls(path, tuple(shape), dtype, tuple(shape), None, attributes, crc_table, "packed" in doc)
+                if meta.nbytes <= MAX_OBJECT_BYTES:
+                    return meta
         where = f"manifest entry of atom {path!r:.200}"
         if not isinstance(doc, dict):
             raise FormatError(f"{where} is not a JSON object")
@@ -201,7 +240,7 @@ class AtomMeta:
         dtype, attributes = doc.get("dtype"), doc.get("attributes", {})
         if not isinstance(dtype, str) or not isinstance(attributes, dict):
             raise FormatError(f"{where}: dtype must be a string and attributes an object")
-        meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table)
+        meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table, "packed" in doc)
         meta.validate()
         return meta
 
@@ -212,6 +251,14 @@ class AtomMeta:
             dtypes.torch_dtype(self.dtype)
         except Exception as e:  # noqa: BLE001 -- whatever the dtype table says, it is a format problem here
             raise FormatError(f"{where}: {e}") from None
+        if (
+            self.inner_chunk_shape is None
+            and self.chunk_shape == self.shape
+            and len(self.shape) <= MAX_NDIM
+            and min(self.shape, default=1) >= 1
+            and self.nbytes <= MAX_OBJECT_BYTES
+        ):
+            return  # one chunk, the whole atom, within every bound (most atoms of a state of many small ones)
         if len(self.shape) > MAX_NDIM or len(self.chunk_shape) != len(self.shape) or any(s < 0 for s in self.shape):
             raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} does not fit shape {list(self.shape)}")
         if any(c < 1 for c in self.chunk_shape):
@@ -228,6 +275,8 @@ class AtomMeta:
             raise FormatError(
                 f"{where}: {math.prod(self.grid)} chunk objects, more than the format's {MAX_OBJECTS_PER_ATOM}"
             )
+        if self.packed and self.inner_chunk_shape is not None:
+            raise FormatError(f"{where}: a packed atom has no inner chunks (it lists inner_chunk_shape)")
         if self.inner_chunk_shape is not None:
             inner = self.inner_chunk_shape
             if len(inner) != len(self.shape) or any(i < 1 or c % i for c, i in zip(self.chunk_shape, inner)):
@@ -318,6 +367,8 @@ def check_atom_path(path: object, where: str) -> str:
         raise FormatError(
             f"{where}: atom path {path!r:.100} is empty, not a string or longer than {MAX_ATOM_PATH_BYTES} bytes"
         )
+    if _plain_path(path):
+        return path  # (the common case, checked at once)
     for name in path.split("/"):
         if (
             name in ("", ".", "..")
@@ -327,6 +378,12 @@ def check_atom_path(path: object, where: str) -> str:
         ):
             raise FormatError(f"{where}: atom path {path!r:.100} has a component that is not a plain name")
     return path
+
+
+def _plain_path(path: object) -> bool:
+    """An atom path that is plainly fine: ASCII, every component a plain name and, the whole being no longer than a
+    key may be, every component short enough."""
+    return type(path) is str and 0 < len(path) <= MAX_KEY_BYTES and path.isascii() and bool(_PLAIN_PATH.match(path))
 
 
 def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -343,10 +400,26 @@ def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
 ObjectSum = tuple[int, int]  # a stored object's (size in bytes, CRC-32C), as the writer recorded it (section 4)
 
 
+@dataclass(frozen=True)
+class PackedChunk:
+    """Where a packed atom's chunk lies (section 4.1): bytes [offset, offset + nbytes) of the pack's data, whose
+    CRC-32C is `crc`."""
+
+    pack: str
+    offset: int
+    nbytes: int
+    crc: int
+
+    def to_json(self) -> list:
+        return [self.pack, self.offset, self.nbytes, self.crc]
+
+
 @dataclass
 class StepManifest:
     """The ucp attributes of a step's root group. `objects` gives, per atom, every chunk object's size and
-    checksum in C order over its grid (format 2; None for a 1.0 step, which did not record them)."""
+    checksum in C order over its grid (format 2; None for a 1.0 step, which did not record them). In format 3,
+    a packed atom's chunks are in `packed` instead (C order too), and `packs` gives each pack object's size and
+    checksum."""
 
     step: int
     tree: dict[str, Any]
@@ -356,12 +429,16 @@ class StepManifest:
     writer: str = ""
     format_version: str = FORMAT_VERSION
     objects: dict[str, list[ObjectSum]] | None = None
+    packed: dict[str, list[PackedChunk]] = field(default_factory=dict)
+    packs: dict[str, ObjectSum] = field(default_factory=dict)
 
     def to_group_json(self) -> dict[str, Any]:
         atoms = {}
         for path, atom in self.atoms.items():
             atoms[path] = atom.to_manifest()
-            if self.objects is not None:
+            if atom.packed:
+                atoms[path]["packed"] = [c.to_json() for c in self.packed[path]]
+            elif self.objects is not None:
                 atoms[path]["objects"] = [list(o) for o in self.objects[path]]
         ucp_attrs = {
             "format_version": self.format_version,
@@ -372,6 +449,8 @@ class StepManifest:
             "tree": self.tree,
             "atoms": atoms,
         }
+        if self.packs:
+            ucp_attrs["packs"] = {name: list(s) for name, s in self.packs.items()}
         return {"zarr_format": 3, "node_type": "group", "attributes": {"ucp": ucp_attrs}}
 
     @classmethod
@@ -390,9 +469,15 @@ class StepManifest:
             if attrs.get(name) is not None and not isinstance(attrs[name], str):
                 raise FormatError(f"{where}: {name} must be a string")
         atoms = {p: AtomMeta.from_manifest(p, a, crc_table=major >= 2) for p, a in atoms_doc.items()}
+        if major < 3 and any(m.packed for m in atoms.values()):
+            raise FormatError(f"{where}: format {version} has no packed atoms")
         objects = (
-            {p: _object_sums(atoms[p], a.get("objects"), where) for p, a in atoms_doc.items()} if major >= 2 else None
+            {p: _object_sums(atoms[p], a.get("objects"), where) for p, a in atoms_doc.items() if not atoms[p].packed}
+            if major >= 2
+            else None
         )
+        packs = _pack_sums(attrs.get("packs", {}), where)
+        packed = _packed_chunks(atoms, {p: a["packed"] for p, a in atoms_doc.items() if atoms[p].packed}, packs, where)
         return cls(
             step=json_int(attrs.get("step"), where, "step"),
             tree=tree,
@@ -402,6 +487,8 @@ class StepManifest:
             writer=attrs.get("writer") or "",
             format_version=version,  # type: ignore[arg-type]
             objects=objects,
+            packed=packed,
+            packs=packs,
         )
 
 
@@ -422,6 +509,75 @@ def _object_sums(meta: AtomMeta, doc: object, where: str) -> list[ObjectSum]:
             )
         sums.append((nbytes, json_int(entry[1], where, "an object's crc32c", 0, 2**32 - 1)))
     return sums
+
+
+def _pack_sums(doc: object, where: str) -> dict[str, ObjectSum]:
+    """The manifest's `packs`: {name: [nbytes, crc32c]} of each pack's one chunk object (data, then CRC-32C)."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: packs must be an object of [nbytes, crc32c] pairs")
+    sums = {}
+    for name, entry in doc.items():
+        if not is_pack_name(name) or not isinstance(entry, list) or len(entry) != 2:
+            raise FormatError(f"{where}: pack entry {name!r:.100} is not a pack name with [nbytes, crc32c]")
+        nbytes = json_int(entry[0], where, f"pack {name}'s nbytes", CRC_BYTES + 1, MAX_OBJECT_BYTES + CRC_BYTES)
+        sums[name] = (nbytes, json_int(entry[1], where, f"pack {name}'s crc32c", 0, 2**32 - 1))
+    return sums
+
+
+def _packed_chunks(
+    atoms: dict[str, AtomMeta], docs: dict[str, Any], packs: dict[str, ObjectSum], where: str
+) -> dict[str, list[PackedChunk]]:
+    """Each packed atom's chunks, checked: one per chunk of its grid, each in a listed pack, inside its data, on an
+    element boundary, of the chunk's size, and no two overlapping, so that no read goes outside a pack."""
+    out: dict[str, list[PackedChunk]] = {}
+    spans: list[tuple[str, int, int, str]] = []
+    for path, doc in docs.items():
+        meta = atoms[path]
+        single = meta.single_chunk  # (most packed atoms: one chunk, the whole atom)
+        count = 1 if single else math.prod(meta.grid)
+        if not isinstance(doc, list) or len(doc) != count:
+            raise FormatError(f"{where}: packed atom {path!r:.200} must list {count} [pack, offset, nbytes, crc32c]")
+        chunks = []
+        for index, entry in zip([()] if single else chunk_indices(meta.grid), doc):
+            if type(entry) is not list or len(entry) != 4 or entry[0] not in packs:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} has an entry {entry!r:.100} that is not "
+                    "[a listed pack, offset, nbytes, crc32c]"
+                )
+            name, offset, nbytes, crc = entry
+            data_bytes = packs[name][0] - CRC_BYTES
+            if not (_small_int(offset) and _small_int(nbytes) and type(crc) is int and 0 <= crc < 2**32):
+                json_int(offset, where, f"atom {path!r:.200}'s offset in {name}", 0, MAX_OBJECT_BYTES)
+                json_int(nbytes, where, f"atom {path!r:.200}'s nbytes in {name}", 0, MAX_OBJECT_BYTES)
+                json_int(crc, where, f"atom {path!r:.200}'s crc32c", 0, 2**32 - 1)
+            expected = meta.nbytes if single else math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
+            if nbytes != expected:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} records {nbytes} bytes in {name} for a chunk of {expected}"
+                )
+            if offset + nbytes > data_bytes:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} lies at [{offset}, {offset + nbytes}) of {name}, outside its "
+                    f"{data_bytes} bytes of data"
+                )
+            if offset % meta.itemsize:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} starts at offset {offset} of {name}, not on an element "
+                    f"boundary of {meta.dtype} ({meta.itemsize} bytes)"
+                )
+            chunks.append(PackedChunk(name, offset, nbytes, crc))
+            spans.append((name, offset, offset + nbytes, path))
+        out[path] = chunks
+    spans.sort()
+    for (name, _, end, path), (other, start, _, other_path) in itertools.pairwise(spans):
+        if name == other and start < end:
+            raise FormatError(f"{where}: packed atoms {path!r:.200} and {other_path!r:.200} overlap in {name}")
+    return out
+
+
+def _small_int(value: object) -> bool:
+    """A JSON integer within an object's bounds (the common case of json_int, without its error message)."""
+    return type(value) is int and 0 <= value <= MAX_OBJECT_BYTES  # (type, not isinstance: a bool is no integer)
 
 
 def group_json() -> dict[str, Any]:

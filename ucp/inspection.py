@@ -10,17 +10,21 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
 import torch
 
 from . import dtypes
 from .boxes import box_shape, relative, to_slices
 from .checkpoint import CheckpointReader, group_paths
 from .errors import FormatError, IntegrityError, ObjectMissingError, StorageError
-from .format import MAX_DOCUMENT_BYTES, ZARR_JSON, AtomMeta, chunk_indices, group_json, loads
+from .format import CRC_BYTES, MAX_DOCUMENT_BYTES, ZARR_JSON, AtomMeta, chunk_indices, group_json, loads
+from .packs import pack_meta, pack_object_key
 
 
 def describe(reader: CheckpointReader) -> dict[str, Any]:
-    """Step, format version, layout and every atom (name, role, shape, dtype, bytes, chunks), with totals."""
+    """Step, format version, layout and every atom (name, role, shape, dtype, bytes, chunks and, for a packed atom,
+    the packs that hold it), the packs (name, bytes, atoms), with totals."""
+    packed = reader.manifest.packed
     atoms = [
         {
             "name": m.path,
@@ -30,8 +34,17 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
             "bytes": m.nbytes,
             "chunks": math.prod(m.grid),
             "inner_chunks": math.prod(m.grid) * math.prod(m.inner_grid),
+            **({"packs": sorted({c.pack for c in packed[m.path]})} if m.packed else {}),
         }
         for m in reader.atoms.values()
+    ]
+    held: dict[str, int] = {}
+    for chunks in packed.values():
+        for c in chunks:
+            held[c.pack] = held.get(c.pack, 0) + 1
+    packs = [
+        {"name": name, "bytes": s[0] - CRC_BYTES, "chunks": held.get(name, 0)}
+        for name, s in reader.manifest.packs.items()
     ]
     return {
         "url": reader.storage.url,
@@ -43,10 +56,14 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
         "committed_at": reader.record.committed_at,
         "writer": reader.manifest.writer,
         "atoms": atoms,
+        "packs": packs,
         "totals": {
             "atoms": len(atoms),
             "bytes": sum(a["bytes"] for a in atoms),
             "chunks": sum(a["chunks"] for a in atoms),
+            "packed_atoms": len(packed),
+            "packs": len(packs),
+            "objects": reader.chunk_count(),
         },
     }
 
@@ -170,7 +187,9 @@ def format_table(info: dict[str, Any]) -> str:
             "x".join(map(str, a["shape"])) or "scalar",
             a["dtype"],
             _human(a["bytes"]),
-            str(a["chunks"]),
+            f"{a['chunks']} in {' '.join(p.removeprefix('ucp-packs/') for p in a['packs'])}"
+            if "packs" in a
+            else str(a["chunks"]),
         )
         for a in info["atoms"]
     ]
@@ -179,10 +198,11 @@ def format_table(info: dict[str, Any]) -> str:
     lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     t = info["totals"]
-    lines += [
-        "",
-        f"total       {t['atoms']} atoms, {_human(t['bytes'])} ({t['bytes']} bytes), {t['chunks']} chunk objects",
-    ]
+    if info["packs"]:
+        lines += ["", f"{'pack':<20}  {'bytes':>10}  chunks", f"{'-' * 20}  {'-' * 10}  ------"]
+        lines += [f"{p['name']:<20}  {_human(p['bytes']):>10}  {p['chunks']:>6}" for p in info["packs"]]
+    total = f"total       {t['atoms']} atoms, {_human(t['bytes'])} ({t['bytes']} bytes), {t['chunks']} chunks; "
+    lines += ["", total + f"{t['packed_atoms']} atoms packed in {t['packs']} packs; {t['objects']} data objects"]
     return "\n".join(lines)
 
 
@@ -218,18 +238,56 @@ def _check_root(reader: CheckpointReader) -> None:
 
 def check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...]) -> None:
     """Read and check one object (into memory of its own size: verify never holds a whole atom), and (format 2)
-    that its size is the one its commit recorded."""
+    that its size is the one its commit recorded. A packed atom's chunk is read from its pack and checked against
+    its own checksum, and the pack's size against the pack's record."""
     box = meta.chunk_box(index)
     values = torch.empty(box_shape(box), dtype=dtypes.torch_dtype(meta.dtype))
     reader.read_object(meta, index, lambda part: (values[to_slices(relative(part, box))], tuple(0 for _ in part)))
     recorded = reader.recorded(meta, index)
     if recorded is not None:
-        key = f"{reader.prefix}/{meta.path}/{meta.chunk_key(index)}"
+        key = reader.object_key(meta, index)
         if recorded[0] == 0 or len(reader.storage.read(key, recorded[0] - 1, recorded[0] + 1)) != 1:
             raise IntegrityError(
                 f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {reader.step}): the object "
                 f"is not {recorded[0]} bytes long, the size its commit recorded"
             )
+
+
+def check_pack(reader: CheckpointReader, name: str) -> None:
+    """Read one pack whole and check it: its zarr.json, its size and checksum against what the commit recorded, and
+    every packed chunk it holds against its own recorded checksum. A failure names the atoms the pack holds."""
+    nbytes, crc = reader.manifest.packs[name]
+    meta = pack_meta(name, nbytes - CRC_BYTES)
+    where = f"pack {name} (step {reader.step})"
+    try:
+        doc = reader.storage.read(f"{reader.prefix}/{name}/{ZARR_JSON}", 0, MAX_DOCUMENT_BYTES + 1)
+    except FileNotFoundError:
+        raise IntegrityError(f"{where}: its {ZARR_JSON} is missing") from None
+    meta.check_zarr_json(loads(doc, f"{where} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
+    try:
+        data = reader.storage.read(pack_object_key(reader.prefix, name))
+    except FileNotFoundError:
+        raise IntegrityError(f"{where} is missing; {reader.pack_holds(name)}") from None
+    if len(data) != nbytes:
+        raise IntegrityError(
+            f"{where} is {len(data)} bytes, not the {nbytes} its commit recorded; {reader.pack_holds(name)}"
+        )
+    body, stored = data[:-CRC_BYTES], int.from_bytes(data[-CRC_BYTES:], "little")
+    if crc32c.crc32c(body) != stored:
+        raise IntegrityError(
+            f"{where}: checksum mismatch (crc32c), the stored bytes are damaged; {reader.pack_holds(name)}"
+        )
+    if stored != crc:
+        raise IntegrityError(
+            f"{where} is not the pack the commit recorded (its checksum differs): it was swapped, copied from another "
+            f"step or left by another save; {reader.pack_holds(name)}"
+        )
+    for path, chunks in reader.manifest.packed.items():
+        for index, c in zip(chunk_indices(reader.atoms[path].grid), chunks):
+            if c.pack == name and crc32c.crc32c(body[c.offset : c.offset + c.nbytes]) != c.crc:
+                raise IntegrityError(
+                    f"atom {path!r} chunk {reader.atoms[path].chunk_key(index)} in {where}: checksum mismatch"
+                )
 
 
 def verify(reader: CheckpointReader) -> VerifyReport:
@@ -244,8 +302,10 @@ def verify(reader: CheckpointReader) -> VerifyReport:
         for g in group_paths(reader.atoms.values())
     ]
     for meta in reader.atoms.values():
-        tasks.append(functools.partial(reader.check_atom_metadata, meta))
-        tasks += [functools.partial(check_object, reader, meta, i) for i in chunk_indices(meta.grid)]
+        if not meta.packed:
+            tasks.append(functools.partial(reader.check_atom_metadata, meta))
+            tasks += [functools.partial(check_object, reader, meta, i) for i in chunk_indices(meta.grid)]
+    tasks += [functools.partial(check_pack, reader, name) for name in reader.manifest.packs]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         with cf.ThreadPoolExecutor(reader.io_threads) as pool:
@@ -254,5 +314,4 @@ def verify(reader: CheckpointReader) -> VerifyReport:
                     future.result()
                 except (IntegrityError, FormatError, StorageError) as e:
                     problems.append(str(e))
-    chunks = sum(math.prod(m.grid) for m in reader.atoms.values())
-    return VerifyReport(reader.step, len(reader.atoms), chunks, problems)
+    return VerifyReport(reader.step, len(reader.atoms), reader.chunk_count(), problems)

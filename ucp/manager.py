@@ -182,6 +182,7 @@ class CheckpointManager:
         return self._last.after_commit_errors if self._last is not None else []
 
     def _submit(self, plan: SavePlan, mode: Mode | None) -> SaveHandle:
+        self.pipeline.fit_packs(plan)  # (before the hot tier learns the packs' documents)
         if self.hot is None:
             plan.session.after_commit.append(self._after_commit)
         else:

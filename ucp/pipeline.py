@@ -40,10 +40,12 @@ from typing import Literal, Protocol
 import torch
 
 from . import codec
+from .chunking import ChunkingPolicy
 from .commit import CommitRecord
 from .devices import Copies, SideStreams, cuda_in_use, on_host
 from .errors import UcpError
 from .format import ZARR_JSON, AtomMeta, StepManifest, dumps, group_json
+from .packs import Pack, lay_out
 from .session import SaveSession
 from .staging import Arena, Slot, StagingPool, close_arena, host_arena, shared_arena
 from .storage import Storage
@@ -84,11 +86,28 @@ class ChunkJob:
         return self.meta.object_key(prefix, self.index)
 
 
+@dataclass(frozen=True)
+class PackJob:
+    """One pack object to write (`ucp.packs`): its layout, and a callable giving each member chunk's values."""
+
+    pack: Pack
+    sources: tuple[Callable[[], torch.Tensor], ...]
+    index: tuple[int, ...] = (0,)
+
+    @property
+    def meta(self) -> AtomMeta:
+        return self.pack.meta
+
+    def key(self, prefix: str) -> str:
+        return self.pack.key(prefix)
+
+
 @dataclass
 class SavePlan:
     """What this process writes in a save attempt (`session`): array metadata, group metadata, chunk objects.
     Once every write is done and durable, the pipeline ends the attempt (`session.finish`: the commit, with the
-    coordinator's `manifest`), unless `commit` is False: then the caller writes more plans and finishes it."""
+    coordinator's `manifest`), unless `commit` is False: then the caller writes more plans and finishes it.
+    The chunks of packed atoms go into packs of up to `pack_bytes` (`jobs`)."""
 
     session: SaveSession
     metadata: list[AtomMeta]
@@ -96,6 +115,8 @@ class SavePlan:
     chunks: list[ChunkJob]
     manifest: StepManifest | None = None
     commit: bool = True
+    pack_bytes: int = ChunkingPolicy().pack_bytes
+    _jobs: list[ChunkJob | PackJob] | None = field(default=None, init=False, repr=False)
 
     @property
     def storage(self) -> Storage:
@@ -105,10 +126,24 @@ class SavePlan:
     def step(self) -> int:
         return self.session.step
 
+    def jobs(self) -> list[ChunkJob | PackJob]:
+        """Every object this process writes: the chunk objects of unpacked atoms, then the packs that hold the
+        packed atoms' chunks (laid out, and named in the session, once)."""
+        if self._jobs is None:
+            plain: list[ChunkJob | PackJob] = [j for j in self.chunks if not j.meta.packed]
+            packed = [j for j in self.chunks if j.meta.packed]
+            packs = lay_out([(j.meta, j.index) for j in packed], self.pack_bytes, self.session.new_pack_name)
+            members = iter(packed)
+            self._jobs = plain + [PackJob(p, tuple(next(members).source for _ in p.members)) for p in packs]
+        return self._jobs
+
     def documents(self) -> list[tuple[str, Callable[[], dict]]]:
-        """The zarr.json of every atom and group this process writes."""
+        """The zarr.json of every unpacked atom, pack and group this process writes."""
         prefix = self.session.prefix
-        docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in self.metadata]
+        docs = [(f"{prefix}/{m.path}/{ZARR_JSON}", m.zarr_json) for m in self.metadata if not m.packed]
+        docs += [
+            (f"{prefix}/{j.pack.name}/{ZARR_JSON}", j.meta.zarr_json) for j in self.jobs() if isinstance(j, PackJob)
+        ]
         return docs + [(f"{prefix}/{g}/{ZARR_JSON}", group_json) for g in self.groups]
 
 
@@ -117,7 +152,7 @@ class _Staged:
     """A chunk to write: its values in a staging slot (with the CUDA event that marks the copy done), or, in
     sync mode, no slot: the values are the live tensor's (or taken from the job's source when written)."""
 
-    job: ChunkJob
+    job: ChunkJob | PackJob
     values: torch.Tensor | None = None
     slot: Slot | None = None
     ready: torch.cuda.Event | None = None
@@ -231,9 +266,15 @@ class _ThreadWrites:
 
     def _write(self, staged: _Staged) -> None:
         staged.wait_ready()
-        values = staged.values if staged.values is not None else staged.job.source()
         job = staged.job
         key = job.key(self.plan.session.prefix)
+        if isinstance(job, PackJob):
+            members = staged.values if staged.values is not None else [source() for source in job.sources]
+            encoded = codec.encode_pack(job.pack.spans, job.pack.data_bytes, members)
+            self.plan.storage.write(key, encoded.parts)
+            self.plan.session.record_pack(job.pack, *encoded.sum, list(encoded.members))
+            return
+        values = staged.values if staged.values is not None else job.source()
         encoded = codec.encode(job.meta, job.index, values)
         self.plan.storage.write(key, encoded.parts)
         self.plan.session.record(key, *encoded.sum)
@@ -253,6 +294,7 @@ class _ProcessWrites:
         storage = plan.storage.for_writer_process()
         assert storage is not None, "only storages that a writer process can write go to one"
         self.sid = process.open_storage(storage)
+        self.packs: dict[str, Pack] = {}  # the packs sent to the child, by key
 
     def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
         return [self._counted(self.process.write_documents(self.sid, documents))]
@@ -282,14 +324,18 @@ class _ProcessWrites:
         staged.wait_ready()  # the child cannot wait on a CUDA event
         assert staged.slot is not None and staged.values is not None
         job = staged.job
+        key = job.key(self.plan.session.prefix)
+        if isinstance(job, PackJob):
+            self.packs[key] = job.pack
         return ChunkRef(
-            job.key(self.plan.session.prefix),
+            key,
             job.meta,
             job.index,
             staged.slot.arena.id,
             staged.slot.offset,
             staged.values.dtype,
             tuple(staged.values.shape),
+            job.pack.spans if isinstance(job, PackJob) else None,
         )
 
     def _counted(self, future: cf.Future) -> cf.Future:
@@ -297,9 +343,11 @@ class _ProcessWrites:
 
         def count(f: cf.Future) -> None:
             if f.exception() is None:
-                for key, nbytes, crc in f.result():
+                for key, nbytes, crc, members in f.result():
                     self.plan.storage.stats.record_write(key, nbytes)
-                    if crc is not None:
+                    if key in self.packs:
+                        self.plan.session.record_pack(self.packs[key], nbytes, crc, members)
+                    elif crc is not None:
                         self.plan.session.record(key, nbytes, crc)
 
         future.add_done_callback(count)
@@ -377,9 +425,16 @@ class SavePipeline:
         handle, self._inflight = self._inflight, None
         return handle.result() if handle is not None else None
 
+    def fit_packs(self, plan: SavePlan) -> None:
+        """Make the plan's packs small enough for bounded staging memory (a quarter of it, so that packs are copied
+        while others are written), before they are laid out."""
+        if self.staging.capacity is not None and plan._jobs is None:
+            plan.pack_bytes = max(1, min(plan.pack_bytes, self.staging.capacity // 4))
+
     def submit(self, plan: SavePlan, mode: Mode = "sync") -> SaveHandle:
         if mode not in MODES:
             raise UcpError(f"save mode must be one of {MODES}, got {mode!r}")
+        self.fit_packs(plan)
         try:
             self.wait()
         except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
@@ -535,8 +590,11 @@ class SavePipeline:
         copy_host = handle.mode != "sync"
         try:
             with copies.sourcing():
-                for job in plan.chunks:
-                    staged = self._stage(job, hand_over, copies, copy_host)
+                for job in plan.jobs():
+                    if isinstance(job, PackJob):
+                        staged = self._stage_pack(job, hand_over, copies, copy_host)
+                    else:
+                        staged = self._stage(job, hand_over, copies, copy_host)
                     batch.append(staged)
                     batch_bytes += staged.nbytes
                     if overlap and (batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_CALLS):
@@ -553,6 +611,16 @@ class SavePipeline:
             handle.snapshot_done.set()
         return futures, batch
 
+    def _acquire(self, nbytes: int, before_waiting: Callable[[], None]) -> Slot:
+        """A staging slot of `nbytes`; if the pool is full, `before_waiting` first (it hands queued chunks to the
+        writers, which free memory), then wait for one."""
+        slot = self.staging.acquire(nbytes, wait=False)
+        if slot is None:
+            before_waiting()
+            slot = self.staging.acquire(nbytes)
+            assert slot is not None  # (waiting acquires always give one)
+        return slot
+
     def _stage(self, job: ChunkJob, before_waiting: Callable[[], None], copies: Copies, copy_host: bool) -> _Staged:
         """Copy the job's values into a staging slot (unless `copy_host` is False and they are in host memory: a sync
         save writes them from there); if the pool is full, hand queued chunks to the writers (`before_waiting`) so
@@ -560,16 +628,40 @@ class SavePipeline:
         values = job.source()
         if not copy_host and on_host(values):
             return _Staged(job, values)
-        nbytes = values.numel() * values.element_size()
-        slot = self.staging.acquire(nbytes, wait=False)
-        if slot is None:
-            before_waiting()
-            slot = self.staging.acquire(nbytes)
-            assert slot is not None  # (waiting acquires always give one)
+        slot = self._acquire(values.numel() * values.element_size(), before_waiting)
         try:
             # (the plan holds the source tensors until its writes end, after their copies: no record_stream needed)
             staged = slot.memory.view(values.dtype).view(values.shape)
             return _Staged(job, staged, slot, copies.to_host(staged, values))
+        except BaseException:
+            self.staging.release(slot)
+            raise
+
+    def _stage_pack(self, job: PackJob, before_waiting: Callable[[], None], copies: Copies, copy_host: bool) -> _Staged:
+        """Copy a pack's members into one staging slot at their offsets (the gaps zeroed), as `_stage` copies a
+        chunk: the pack is then one contiguous buffer for the writer. (A sync save of members all in host memory
+        stages nothing: the writer takes them from their sources.)"""
+        members = [source() for source in job.sources]
+        if not copy_host and all(on_host(v) for v in members):
+            return _Staged(job)
+        nbytes = job.pack.data_bytes
+        slot = self._acquire(nbytes, before_waiting)
+        try:
+            staged = slot.memory[:nbytes]
+            done: dict[torch.device, torch.cuda.Event] = {}  # the last copy queued from each device
+            pos = 0
+            for member, values in zip(job.pack.members, members):
+                if member.offset > pos:
+                    staged[pos : member.offset].zero_()
+                region = staged[member.offset : member.offset + member.nbytes].view(values.dtype).view(values.shape)
+                event = copies.to_host(region, values)
+                if event is not None:
+                    done[values.device] = event
+                pos = member.offset + member.nbytes
+            events = list(done.values())
+            for event in events[:-1]:  # (members from several devices: rare; the writer waits for one event)
+                event.synchronize()
+            return _Staged(job, staged, slot, events[-1] if events else None)
         except BaseException:
             self.staging.release(slot)
             raise

@@ -21,15 +21,27 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
-from typing import NoReturn, Self
+from typing import Any, NoReturn, Self
 
 from . import attempt, commit
 from .comm import Comm, LocalComm
 from .errors import StepExistsError, StorageError, UcpError, error_kind
-from .format import FORMAT_VERSION, ZARR_JSON, AtomMeta, ObjectSum, StepManifest, check_step, chunk_indices, dumps
+from .format import (
+    FORMAT_VERSION,
+    ZARR_JSON,
+    AtomMeta,
+    ObjectSum,
+    PackedChunk,
+    StepManifest,
+    check_step,
+    chunk_indices,
+    dumps,
+)
+from .packs import Pack, pack_name, pack_object_key
 from .storage import CLOCK_KEY, Storage
 
 log = logging.getLogger("ucp")
@@ -72,6 +84,9 @@ class SaveSession:
         self.after_commit_errors: list[Exception] = []
         self._lease = lease
         self._objects: dict[str, ObjectSum] = {}
+        # packed chunks: atom path -> [[chunk number (C order over its grid), *PackedChunk.to_json()], ...]
+        self._packed: dict[str, list[list]] = {}
+        self._packs = 0
         self._lock = threading.Lock()
         self._ended = False
         self._cancelled = False
@@ -119,6 +134,33 @@ class SaveSession:
         with self._lock:
             self._objects[key] = (nbytes, crc)
 
+    def new_pack_name(self) -> str:
+        """A name for a pack this process writes in this attempt (no other process or pack takes it)."""
+        with self._lock:
+            self._packs += 1
+            return pack_name(self.comm.rank, self._packs - 1)
+
+    def record_pack(self, pack: Pack, nbytes: int, crc: int, member_crcs: list[int]) -> None:
+        """A pack this process wrote (its object's size and checksum) and the checksum of each chunk it holds."""
+        key = pack.key(self.prefix)
+        with self._lock:
+            self._objects[key] = (nbytes, crc)
+            for m, member_crc in zip(pack.members, member_crcs, strict=True):
+                number = m.meta.object_number(m.index)
+                self._packed.setdefault(m.meta.path, []).append([number, pack.name, m.offset, m.nbytes, member_crc])
+
+    def record_packed(self, path: str, chunks: list[list]) -> None:
+        """Where packed chunks of atom `path` lie: [chunk number, *PackedChunk.to_json()] each (as `packed` gives)."""
+        with self._lock:
+            self._packed.setdefault(path, []).extend(chunks)
+
+    @property
+    def packed(self) -> dict[str, list[list]]:
+        """The packed chunks this process wrote in this attempt, by atom path: [chunk number, pack, offset, nbytes,
+        crc32c] each."""
+        with self._lock:
+            return {path: list(chunks) for path, chunks in self._packed.items()}
+
     @property
     def objects(self) -> dict[str, ObjectSum]:
         """The chunk objects this process wrote in this attempt, with their sizes and checksums."""
@@ -160,7 +202,9 @@ class SaveSession:
         self, manifest: StepManifest | None, error: BaseException | None
     ) -> tuple[dict, commit.CommitRecord | None, BaseException | None]:
         """Gather, commit or abort, and share the outcome ({} when committed)."""
-        mine = {"failure": _describe(error)} if error is not None else {"objects": self._objects}
+        mine: dict[str, Any] = (
+            {"failure": _describe(error)} if error is not None else {"objects": self._objects, "packed": self._packed}
+        )
         gathered = [mine] if self.comm.world_size == 1 else self._gather(mine)
         outcome: dict = {}
         record = failure = None
@@ -173,13 +217,17 @@ class SaveSession:
                     failure = error if 0 in failed else None
                     raise _failed(failed, self)
                 objects: dict[str, ObjectSum] = {}
+                packed: dict[str, list[list]] = gathered[0]["packed"] if len(gathered) == 1 else {}
                 for g in gathered:
                     objects.update({k: (v[0], v[1]) for k, v in g["objects"].items()})
+                    if len(gathered) > 1:
+                        for path, chunks in g["packed"].items():  # (a TP-split atom's chunks come from several ranks)
+                            packed.setdefault(path, []).extend(chunks)
                 assert manifest is not None, "the coordinator commits the manifest"
                 if self._cancelled:
                     raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
                 self._check_lease()
-                record = self._commit(manifest, objects)
+                record = self._commit(manifest, objects, packed)
             except BaseException as e:  # noqa: BLE001 -- raised on every rank below, after the attempt is removed
                 self._abort()
                 failure = failure or e
@@ -227,8 +275,14 @@ class SaveSession:
         gathered = self.comm.gather_bytes(json.dumps(mine).encode())
         return None if gathered is None else [json.loads(g) for g in gathered]
 
-    def _commit(self, manifest: StepManifest, objects: dict[str, ObjectSum]) -> commit.CommitRecord:
-        manifest.objects = {path: self._object_sums(meta, objects) for path, meta in manifest.atoms.items()}
+    def _commit(
+        self, manifest: StepManifest, objects: dict[str, ObjectSum], packed: dict[str, list[list]]
+    ) -> commit.CommitRecord:
+        atoms = manifest.atoms.items()
+        manifest.objects = {path: self._object_sums(meta, objects) for path, meta in atoms if not meta.packed}
+        manifest.packed = {path: self._packed_chunks(meta, packed) for path, meta in atoms if meta.packed}
+        names = sorted({c.pack for chunks in manifest.packed.values() for c in chunks})
+        manifest.packs = {name: objects[pack_object_key(self.prefix, name)] for name in names}
         manifest_bytes = dumps(manifest.to_group_json())
         self.storage.write(f"{self.prefix}/{ZARR_JSON}", [manifest_bytes])
         self.storage.flush()
@@ -252,6 +306,16 @@ class SaveSession:
                 raise UcpError(f"step {self.step}: no process wrote {key}; the save is incomplete")
             sums.append(objects[key])
         return sums
+
+    def _packed_chunks(self, meta: AtomMeta, packed: dict[str, list[list]]) -> list[PackedChunk]:
+        """The atom's packed chunks in C order over its grid: every one recorded exactly once."""
+        recorded = packed.get(meta.path, [])
+        if len(recorded) == 1 and recorded[0][0] == 0 and meta.single_chunk:  # (most: one chunk, the atom)
+            return [PackedChunk(*recorded[0][1:])]
+        recorded = sorted(recorded)
+        if [c[0] for c in recorded] != list(range(math.prod(meta.grid))):
+            raise UcpError(f"step {self.step}: the packed chunks of atom {meta.path!r} were not all written once")
+        return [PackedChunk(*c[1:]) for c in recorded]
 
     def _abort(self) -> None:
         """Remove the attempt, unless a commit marker names it: a commit whose answer was lost may have landed, and

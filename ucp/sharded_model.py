@@ -124,14 +124,16 @@ def _atom_metas_cached(
         split = next((d for d, p in enumerate(periods) if p), None)
         for state in (None, *(() if name in buffers else optim_states)):
             dtype = dtype_of[name] if state is None and name in dtype_of else dtype_of[state]
-            chunk, inner = choose_chunks(shape, dtypes.itemsize(dtype), policy, periods, split)
+            packed = policy.packs(math.prod(shape) * dtypes.itemsize(dtype))
+            chunk, inner = choose_chunks(shape, dtypes.itemsize(dtype), policy, periods, split, packed)
             attrs: dict[str, Any] = {"role": "param" if state is None else "optimizer_state"}
             if state is not None:
                 attrs.update(state=state, param=name)
             attrs.update(partition=spec.to_json(), family=family)
             if state is None and name in quantisation:
                 attrs["quantization"] = quantisation[name]
-            metas[(name, state)] = checked(AtomMeta(atom_path(name, state), shape, dtype, chunk, inner, attrs))
+            meta = AtomMeta(atom_path(name, state), shape, dtype, chunk, inner, attrs, packed=packed)
+            metas[(name, state)] = checked(meta)
     return metas
 
 

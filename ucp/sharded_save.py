@@ -148,7 +148,7 @@ class RankSaver:
             index = tuple(a // c for (a, _), c in zip(box, meta.chunk_shape))
             chunks.append(ChunkJob(meta, index, functools.partial(self._chunk_values, (atom, state), box, fragments)))
         metadata = list(self.metas.values())[self.rank :: self.model.layout.world_size]
-        return SavePlan(session, metadata, [], chunks, manifest, commit)
+        return SavePlan(session, metadata, [], chunks, manifest, commit, self.options.chunking.pack_bytes)
 
 
 def extra_atoms(

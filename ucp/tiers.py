@@ -332,6 +332,9 @@ class HotTier:
                 if key in objects:
                     target.record(moved[key], *objects[key])
 
+            for path, chunks in session.packed.items():  # the packs keep their names, so their chunks their places
+                target.record_packed(path, chunks)
+
             with cf.ThreadPoolExecutor(options.io_threads or durable.default_io_threads) as pool:
                 list(pool.map(copy, moved))
             durable.flush()
@@ -392,7 +395,9 @@ class HotTier:
             self.comm, sends, receives, lambda _peer, items: fetched.update((k, bytes(v)) for k, v in items.items())
         )
         my_node = self.nodes.node_of[self.rank]
-        usable = {_key(reader, objects[i]) for i in range(len(objects)) if held[my_node][i]}
+        # an object is usable here if every chunk it holds is intact here (a pack holds many)
+        keys = [_key(reader, o) for o in objects]
+        usable = set(keys) - {k for k, ok in zip(keys, held[my_node]) if not ok}
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
         source = TierSource(self.storage, usable, fetched, durable_reader)
         tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes))
@@ -528,8 +533,8 @@ def _extra_objects(reader: CheckpointReader) -> set[tuple[str, tuple[int, ...]]]
 
 
 def _key(reader: CheckpointReader, obj: tuple[str, tuple[int, ...]]) -> str:
-    meta = reader.atoms[obj[0]]
-    return meta.object_key(reader.prefix, obj[1])
+    """The key of the object that holds a chunk (of a packed atom: its pack, which holds other chunks too)."""
+    return reader.object_key(reader.atoms[obj[0]], obj[1])
 
 
 def _bits(flags: list[bool]) -> str:

@@ -64,13 +64,15 @@ class ChunkRef:
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    pack: tuple[tuple[int, int], ...] | None = None  # a pack's member spans (offset, nbytes): ucp.packs
 
     @property
     def nbytes(self) -> int:
         return self.meta.itemsize * math.prod(self.shape)
 
 
-Written = list[tuple[str, int, "int | None"]]  # (key, bytes, checksum of a chunk object) of each object a request wrote
+# (key, bytes, checksum of a chunk object, checksums of a pack's members) of each object a request wrote
+Written = list[tuple[str, int, "int | None", list[int]]]
 _WATCH_S = 0.1  # how often the child checks that its parent lives
 
 
@@ -303,10 +305,13 @@ class _Server:
 
     def _write_chunk(self, storage: Storage, ref: ChunkRef, written: Written) -> None:
         values = self.arenas[ref.arena].memory[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).view(ref.shape)
-        encoded = codec.encode(ref.meta, ref.index, values)
+        if ref.pack is not None:
+            encoded = codec.encode_pack(ref.pack, ref.nbytes, values)
+        else:
+            encoded = codec.encode(ref.meta, ref.index, values)
         _check_parent()
         storage.write(ref.key, encoded.parts)
-        written.append((ref.key, *encoded.sum))
+        written.append((ref.key, *encoded.sum, list(encoded.members)))
 
     def _reply_when_done(self, req: int, futures: list[cf.Future], written: Written) -> None:
         remaining = len(futures)
@@ -339,7 +344,7 @@ class _Server:
 def _write_document(storage: Storage, key: str, data: bytes, written: Written) -> None:
     _check_parent()
     storage.write(key, [data])
-    written.append((key, len(data), None))
+    written.append((key, len(data), None, []))
 
 
 _parent_pid = 0
