@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from .helpers import load_factor
 from .launch import SEED_VARIABLE, free_port
 
 
@@ -55,7 +56,7 @@ def pytest_runtest_protocol(item, nextitem):
     base = item.get_closest_marker("timeout")
     given = item.config.getoption("timeout", None) or item.config.getini("timeout")  # (--timeout, else pyproject's)
     seconds = base.args[0] if base is not None and base.args else given
-    factor = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    factor = load_factor()
     if seconds and factor > 1:
         item.add_marker(pytest.mark.timeout(float(seconds) * factor), append=False)  # (the closest mark wins)
     yield

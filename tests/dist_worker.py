@@ -37,7 +37,9 @@ CONFIG = MixtralConfig(
 # Small atoms (norms, routers, their states: under 1 KiB) packed, the rest in small shards that partial reads cut.
 OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=16384, inner_bytes=2048, pack_below=1024), fsync=False)
 # Fewer, larger objects where each request costs milliseconds (the S3 server).
-LARGE_OPTIONS = SaveOptions(chunking=ChunkingPolicy(object_bytes=65536, inner_bytes=8192), fsync=False)
+LARGE_OPTIONS = SaveOptions(
+    chunking=ChunkingPolicy(object_bytes=65536, inner_bytes=8192, pack_below=8192), fsync=False
+)  # (the norms packed, the rest not: both kinds on S3)
 
 
 def full_state(seed: int = 0) -> dict:

@@ -213,3 +213,10 @@ def assert_same_logits(stage: torch.nn.Module, hf: torch.nn.Module, vocab_size: 
     error = (logits - expected).abs().max() / expected.abs().max()
     assert error <= 1e-5, f"relative error {error:.3g}"
     return aux
+
+
+def load_factor() -> float:
+    """How overloaded the machine is now: the 1-minute load average over the cores, at least 1. A bound on how soon
+    something must happen (a watchdog's reaction, a peer noticing a death) is for a machine whose cores a test has
+    to itself; at a load of 6 on 2 cores every process runs a third of the time."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))

@@ -51,8 +51,9 @@ def main(url: str, writer: int, trials: int, sync_dir: str, how: str = "save") -
                 manager.save(trial, state(writer, trial)).result()
                 after = [f"{type(e).__name__}: {e}" for e in manager.after_commit_errors]
             outcome = "committed"
-        except ucp.StepExistsError:
-            outcome = "exists"
+        except ucp.StepExistsError as e:  # (this trial's step, not an earlier trial's failure raised again)
+            step = 5 if manager is None else trial
+            outcome = "exists" if f"step {step} " in str(e) else f"StepExistsError of another step: {e}"
         except Exception as e:  # noqa: BLE001 -- reported to the test, which fails on it
             outcome = f"{type(e).__name__}: {e}"
         print(json.dumps({"trial": trial, "outcome": outcome, "after_commit": after}), flush=True)

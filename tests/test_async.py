@@ -144,6 +144,22 @@ def test_a_failed_background_write_is_never_silent(tmp_path, mode):
     manager.close()
 
 
+@pytest.mark.parametrize("mode", ["async", "lazy"])
+def test_a_failure_the_caller_was_handed_fails_nothing_after_it(tmp_path, mode):
+    """A save's error raised by `handle.result()` is the caller's now: the next save and `close` do not raise it
+    again (they did: the next save failed with the previous one's error, and `close` raised it once more)."""
+    manager = manager_with(FailingStorage(str(tmp_path), fsync=False), mode=mode)
+    handle = manager.save(1, make_state())
+    with pytest.raises(ucp.StorageError, match="step 1 was not saved"):
+        handle.result()
+    with pytest.raises(ucp.StorageError, match="step 1 was not saved"):
+        handle.result()  # (the handle itself keeps saying so)
+    manager.storage = LocalStorage(str(tmp_path), fsync=False)
+    manager.save(2, make_state(2)).result()
+    manager.close()
+    assert manager.steps() == [2]
+
+
 WRITERS = ["threads", "process"] if PROCESS_WRITER_SUPPORTED else ["threads"]
 needs_process_writer = pytest.mark.skipif(not PROCESS_WRITER_SUPPORTED, reason="the writer process needs Linux memfd")
 

@@ -26,7 +26,7 @@ import pytest
 import ucp
 from ucp.inspection import verify
 
-from .helpers import assert_same_state
+from .helpers import assert_same_state, load_factor
 from .orphan_saver import OPTIONS, state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,8 @@ def test_a_killed_trainers_writer_never_reaches_the_new_jobs_step(tmp_path):
         lived = death.wait()
         if stopped and not gone(writer_pid):
             os.kill(writer_pid, signal.SIGCONT)
-        assert lived < 1.0, f"trial {trial}: the writer outlived its parent by {lived:.2f} s"
+        bound = load_factor()  # (1 s on cores of its own; its watchdog looks every 0.1 s)
+        assert lived < bound, f"trial {trial}: the writer outlived its parent by {lived:.2f} s (bound {bound:.1f} s)"
         printed = proc.stderr.read()  # (to its end: the writer, which shares it, is gone)
         assert "Traceback" not in printed, f"trial {trial}: the orphaned writer printed\n{printed[-2000:]}"
         time.sleep(0.05)  # (had it lived, its late writes would land now)

@@ -197,7 +197,8 @@ class CheckpointManager:
             self.gc()
 
     def wait(self) -> CommitRecord | None:
-        """Wait for the save in flight (if any) to commit; raises its error."""
+        """Wait for the save in flight (if any) to commit; raises its error (unless `handle.result()` raised it
+        already)."""
         return self.pipeline.wait()
 
     def close(self) -> None:

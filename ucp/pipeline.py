@@ -192,6 +192,7 @@ class SaveHandle:
     snapshot_done: threading.Event = field(default_factory=threading.Event)
     _future: cf.Future | None = None
     _record: CommitRecord | None = None
+    _error: BaseException | None = None  # the save's failure, once `result` has raised it
     _session: SaveSession | None = None  # (abandon cancels it)
 
     def wait_snapshot(self) -> None:
@@ -210,11 +211,27 @@ class SaveHandle:
         return [] if self._session is None else list(self._session.after_commit_errors)
 
     def result(self, timeout: float | None = None) -> CommitRecord | None:
-        """Wait for the commit (None on processes that do not commit); raise the save's error if it failed."""
+        """Wait for the commit (None on processes that do not commit); raise the save's error if it failed (again
+        at each call: once raised here, the next save and `wait` no longer raise it)."""
         if self._future is not None:
-            self._record = self._future.result(timeout)
-            self._future = None
+            try:
+                self._record = self._future.result(timeout)
+            except cf.TimeoutError:
+                raise
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                if self._future.done():
+                    self._future = None
+        if self._error is not None:
+            raise self._error
         return self._record
+
+    @property
+    def reported(self) -> bool:
+        """Whether the caller has been handed the save's outcome (`result` returned or raised)."""
+        return self._future is None
 
 
 # ------------------------------------------------------------------------------- who encodes and writes
@@ -421,9 +438,12 @@ class SavePipeline:
             process.close()
 
     def wait(self) -> CommitRecord | None:
-        """Wait for the save in flight, if any; raises its error."""
+        """Wait for the save in flight, if any; raises its error, unless the caller had it from `handle.result()`
+        already (a failure the caller has seen fails nothing after it)."""
         handle, self._inflight = self._inflight, None
-        return handle.result() if handle is not None else None
+        if handle is None or handle.reported:
+            return None
+        return handle.result()
 
     def fit_packs(self, plan: SavePlan) -> None:
         """Make the plan's packs small enough for bounded staging memory (a quarter of it, so that packs are copied
