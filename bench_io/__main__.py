@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         return gpu.main(argv[1:])
     args = build_parser().parse_args(argv)
     refuse_inapplicable(args, RULES, _targets)
-    from ucp.checkpoint import DEFAULT_IO_THREADS
+    from ucp.storage import DEFAULT_IO_THREADS
 
     from . import report, runner
     from .state import large_specs, make_state, small_specs, transformer_state

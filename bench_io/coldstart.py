@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         for method, fn in methods(url, lambda into: safetensors_local(hf, into), st_params, None):
             rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
         objects, st_files = chunk_objects(Path(url)), sorted(hf.glob("*.safetensors"))
-        threads = open_storage(url).default_io_threads
+        threads = open_storage(url).capabilities.io_threads
         for method, fn in (
             (f"raw read, ucp's {len(objects)} files", raw_read(objects, threads)),
             (f"raw read, safetensors' {len(st_files)}", raw_read(st_files, 1)),

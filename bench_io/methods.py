@@ -60,7 +60,7 @@ class Method(ABC):
 
     def __init__(self, io_threads: int | None = None):
         if io_threads is None:
-            from ucp.checkpoint import DEFAULT_IO_THREADS
+            from ucp.storage import DEFAULT_IO_THREADS
 
             io_threads = DEFAULT_IO_THREADS
         self.io_threads = io_threads

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Self
 
 from ucp import heap
-from ucp.storage import FsspecStorage, LocalStorage
+from ucp.storage import FSSPEC_IO_THREADS, LocalStorage
 
 from .methods import METHODS, Method, plain_copy_s
 from .state import SyntheticState
@@ -193,8 +193,8 @@ class Plan:
         if self.io_threads:
             return self.io_threads
         if is_remote(target.root):
-            return FsspecStorage.default_io_threads
-        return LocalStorage(str(target.root)).default_io_threads
+            return FSSPEC_IO_THREADS
+        return LocalStorage(str(target.root)).capabilities.io_threads
 
     def count(self) -> int:
         return self.repeats * sum(len(self.cells(methods, state.name)) for state, methods in self.runs)

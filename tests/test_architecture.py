@@ -88,3 +88,25 @@ def test_the_library_imports_nothing_of_the_trainer_the_benchmarks_or_the_data_l
             ]
     # the one exception: `ucp bench` hands its arguments to bench_io's main (a command, not the library)
     assert all(o.startswith("ucp/cli.py:") and o.endswith(" bench_io.__main__") for o in outside), outside
+
+
+# The storage package's own order: the interfaces know no implementation; S3's specifics and the classification of
+# errors come before the stores that use them; `urls` picks a store, and the package re-exports them all.
+STORAGE_ORDER = ["base", "s3", "errors", "local", "fsspec", "urls", "__init__"]
+
+
+def test_the_storage_package_imports_only_what_comes_before_each_module():
+    modules = {p.stem for p in (UCP / "storage").glob("*.py")}
+    assert modules == set(STORAGE_ORDER), f"storage modules missing from STORAGE_ORDER: {modules ^ set(STORAGE_ORDER)}"
+    later = []
+    for name in STORAGE_ORDER:
+        path = UCP / "storage" / f"{name}.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                targets = [node.module] if node.module else [a.name for a in node.names]
+                later += [
+                    f"ucp/storage/{name}.py:{node.lineno} imports {t}"
+                    for t in targets
+                    if STORAGE_ORDER.index(t.split(".")[0]) >= STORAGE_ORDER.index(name)
+                ]
+    assert not later, "\n".join(later)

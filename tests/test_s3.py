@@ -77,3 +77,12 @@ def test_every_object_is_put_with_its_crc32c_and_read_without_a_second_check(s3_
     storage = open_storage(url, options)
     assert storage.fs.config_kwargs["response_checksum_validation"] == "when_required"
     assert torch.equal(ucp.load(url, storage_options=options)["b"], torch.arange(5))
+
+
+def test_an_s3_store_declares_whole_object_reads_exclusive_creates_and_a_writer_process(s3_bucket):
+    from ucp.storage import FSSPEC_IO_THREADS, Capabilities, open_storage
+
+    bucket, options = s3_bucket
+    assert open_storage(f"s3://{bucket}/caps", options).capabilities == Capabilities(
+        io_threads=FSSPEC_IO_THREADS, whole_object_reads=True, exclusive_creates=True, writer_process=True
+    )

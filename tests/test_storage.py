@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import ucp.storage
+import ucp.storage.local
 from ucp.errors import StorageError
 from ucp.storage import (
+    DEFAULT_IO_THREADS,
     MEMORY_FILE_SYSTEMS,
     PREFETCH_AHEAD,
     PREFETCH_GIVE_UP_CACHED,
     PREFETCH_MIN_KEYS,
     LocalStorage,
-    Storage,
     file_system_type,
 )
 
@@ -36,13 +36,13 @@ def test_file_system_type_of_a_path_not_yet_made_is_its_parents(tmp_path):
 def test_memory_backed_root_takes_fewer_threads_than_a_disk():
     # in memory a write is a CPU's copy: more threads than two per core only contend for the GIL and the cores
     shm = LocalStorage(f"/dev/shm/ucp-test-{os.getpid()}/root")
-    assert shm.default_io_threads == min(Storage.default_io_threads, 2 * (os.cpu_count() or 1))
+    assert shm.capabilities.io_threads == min(DEFAULT_IO_THREADS, 2 * (os.cpu_count() or 1))
 
 
 def test_disk_root_keeps_the_default(tmp_path):
     if file_system_type(str(tmp_path)) in MEMORY_FILE_SYSTEMS:
         pytest.skip("tmp_path is in memory here")
-    assert LocalStorage(str(tmp_path)).default_io_threads == Storage.default_io_threads
+    assert LocalStorage(str(tmp_path)).capabilities.io_threads == DEFAULT_IO_THREADS
 
 
 def test_flush_syncs_every_directory_that_gained_an_entry_and_skips_removed_ones(tmp_path, monkeypatch):
@@ -113,7 +113,7 @@ def _advised(monkeypatch, cached: bool = False) -> list[str]:
         real(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", spy)
-    monkeypatch.setattr(ucp.storage, "_in_page_cache", lambda fd: cached)
+    monkeypatch.setattr(ucp.storage.local, "_in_page_cache", lambda fd: cached)
     return asked
 
 
@@ -197,7 +197,7 @@ def test_prefetching_looks_at_few_objects_where_they_are_in_the_page_cache_and_r
         looked.append(os.readlink(f"/proc/self/fd/{fd}"))
         return int(looked[-1].split("/a")[-1].split("/")[0]) < warm
 
-    monkeypatch.setattr(ucp.storage, "_in_page_cache", in_cache)
+    monkeypatch.setattr(ucp.storage.local, "_in_page_cache", in_cache)
     with storage.prefetching(keys) as advance:
         for _ in keys:
             advance()
@@ -238,11 +238,11 @@ def test_in_page_cache_tells_a_file_just_read_from_one_dropped_from_memory(tmp_p
     fd = os.open(path, os.O_RDONLY)
     try:
         os.pread(fd, 1 << 16, 0)
-        if not ucp.storage._in_page_cache(fd):
+        if not ucp.storage.local._in_page_cache(fd):
             pytest.skip("this file system cannot tell (RWF_NOWAIT fails even for a file just read)")
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert not ucp.storage._in_page_cache(fd)
+        assert not ucp.storage.local._in_page_cache(fd)
     finally:
         os.close(fd)
 
@@ -354,3 +354,114 @@ def test_an_unknown_or_uninstalled_protocol_is_a_storage_error():
     if importlib.util.find_spec("gcsfs") is None:
         with pytest.raises(StorageError, match=r"gcs://bucket/x: no storage for gcs://"):
             open_storage("gcs://bucket/x")
+
+
+# -- what each store declares it can do (Capabilities), and stores that can only be read
+
+
+def test_a_local_store_declares_what_its_file_system_and_fsync_allow(tmp_path):
+    from dataclasses import FrozenInstanceError
+
+    from ucp.storage import Capabilities
+
+    disk = LocalStorage(str(tmp_path / "root"))
+    if disk.in_memory:
+        pytest.skip("tmp_path is in memory here")
+    want = Capabilities(
+        io_threads=DEFAULT_IO_THREADS,
+        whole_object_reads=False,
+        serial_small_reads=True,  # (CPU only once `prefetching` has asked for them)
+        serial_small_writes=False,  # (each waits for its fsync: many in flight hide it)
+        exclusive_creates=True,
+        writer_process=True,
+    )
+    assert disk.capabilities == want
+    assert LocalStorage(str(tmp_path / "root"), fsync=False).capabilities == Capabilities(
+        **{**vars(want), "serial_small_writes": True}
+    )
+    with pytest.raises(FrozenInstanceError):
+        disk.capabilities.io_threads = 1  # type: ignore[misc]
+
+    class Injecting(LocalStorage):  # (behaviour that a copy in the writer process would lack)
+        pass
+
+    assert Injecting(str(tmp_path / "root")).capabilities == Capabilities(**{**vars(want), "writer_process": False})
+
+
+@pytest.mark.skipif(file_system_type("/dev/shm") not in MEMORY_FILE_SYSTEMS, reason="no tmpfs at /dev/shm")
+def test_a_local_store_in_memory_declares_few_threads_and_serial_small_writes():
+    from ucp.storage import Capabilities
+
+    shm = LocalStorage(f"/dev/shm/ucp-test-{os.getpid()}/root")
+    assert shm.capabilities == Capabilities(
+        io_threads=min(DEFAULT_IO_THREADS, 2 * (os.cpu_count() or 1)),
+        serial_small_reads=True,
+        serial_small_writes=True,
+        exclusive_creates=True,
+        writer_process=True,
+    )
+
+
+def test_fsspec_stores_declare_whole_object_reads_and_where_creates_are_exclusive(tmp_path, caplog):
+    import fsspec
+    from fsspec.implementations.dirfs import DirFileSystem
+
+    from ucp.storage import FSSPEC_IO_THREADS, Capabilities, FsspecStorage, open_storage
+
+    memory = open_storage(f"memory://ucp-caps-{os.getpid()}")
+    assert memory.capabilities == Capabilities(
+        io_threads=FSSPEC_IO_THREADS,
+        whole_object_reads=True,
+        exclusive_creates=True,
+        writer_process=False,  # (a copy in another process would have a memory of its own)
+    )
+    # a file system whose creates are a check, then a write: declared, and the create still refuses an existing key
+    (tmp_path / "dir").mkdir()
+    plain = FsspecStorage(DirFileSystem(str(tmp_path / "dir"), fsspec.filesystem("file")), "", "dir://x")
+    assert plain.capabilities == Capabilities(
+        io_threads=FSSPEC_IO_THREADS, whole_object_reads=True, writer_process=True
+    )
+    plain.create_exclusive("marker", b"first")
+    with pytest.raises(FileExistsError):
+        plain.create_exclusive("marker", b"second")
+    assert plain.read("marker").tobytes() == b"first"
+    assert "cannot create objects exclusively" in caplog.text
+
+
+def test_a_read_only_source_serves_a_load_and_is_refused_by_a_save(tmp_path):
+    """A hot tier's restore source implements reads only (no Storage): a CheckpointReader reads through it, and a
+    save handed it fails with a ReadOnlyStorageError naming it before anything is written; the committed step
+    stays as it was."""
+    import ucp
+    from ucp import commit
+    from ucp.checkpoint import CheckpointReader
+    from ucp.errors import ReadOnlyStorageError
+    from ucp.storage import Capabilities, ReadableStorage, Storage
+    from ucp.tiers import TierSource
+
+    rng = random.Random()
+    url = str(tmp_path / "root")
+    state = {f"t{i}": torch.randn(rng.randint(1, 500)) for i in range(rng.randint(1, 8))}
+    ucp.save(state, url, step=3)
+    local = LocalStorage(url)
+    record = commit.read_marker(local, 3)
+    assert record is not None
+    manifest = commit.read_manifest_bytes(local, record)
+    source = TierSource(local, set(_files_below(Path(url))), {}, None)  # (every copy here taken as verified)
+    assert isinstance(source, ReadableStorage) and not isinstance(source, Storage)
+    assert source.capabilities == Capabilities()
+    got = CheckpointReader(source, committed=(record, manifest)).load_state()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+    before = sorted(str(p.relative_to(url)) for p in Path(url).rglob("*"))
+    for step in (None, 4):
+        with pytest.raises(
+            ReadOnlyStorageError, match=rf"cannot save step {step or 4} at {url}: .*TierSource.* read-only"
+        ):
+            ucp.save({"w": torch.ones(3)}, url, step=step, storage=source)  # type: ignore[arg-type]
+    assert sorted(str(p.relative_to(url)) for p in Path(url).rglob("*")) == before
+    assert all(torch.equal(ucp.load(url)[k], v) for k, v in state.items())
+
+
+def _files_below(directory: Path) -> list[str]:
+    return [str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()]

@@ -40,10 +40,8 @@ from .landing import Landing, open_landing
 from .packs import pack_object_key
 from .pipeline import ChunkJob, SavePipeline, SavePlan, one_shot_staging
 from .session import SaveSession
-from .storage import Storage, open_storage
+from .storage import ReadableStorage, Storage, open_storage
 from .workpool import ObjectCall, run_sized
-
-DEFAULT_IO_THREADS = 16  # requests in flight on local files (object stores: Storage.default_io_threads)
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,7 @@ class SaveOptions:
 
 
 def io_threads_for(options: SaveOptions, storage: Storage) -> int:
-    return options.io_threads or storage.default_io_threads
+    return options.io_threads or storage.capabilities.io_threads
 
 
 def default_role(path: str) -> str:
@@ -224,7 +222,7 @@ class CheckpointReader:
 
     def __init__(
         self,
-        storage: Storage,
+        storage: ReadableStorage,
         step: int | str | None = "latest",
         *,
         io_threads: int | None = None,
@@ -265,7 +263,7 @@ class CheckpointReader:
         missing = set(self.tree_atoms) - set(self.manifest.atoms)
         if missing:
             raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
-        self.io_threads = io_threads or storage.default_io_threads
+        self.io_threads = io_threads or storage.capabilities.io_threads
         self._pack_atoms: dict[str, list[str]] | None = None
 
     @property
@@ -416,7 +414,7 @@ class CheckpointReader:
         """Run object reads, many in flight; returns the bytes read from storage."""
         before = self.storage.stats.bytes_read
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            run_sized(pool, reads, self.storage.serial_small_objects(writing=False), self.storage.prefetching)
+            run_sized(pool, reads, self.storage.capabilities.serial_small_reads, self.storage.prefetching)
         return self.storage.stats.bytes_read - before
 
     def read_atoms(self, paths: Iterable[str], *, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:

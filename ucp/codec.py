@@ -28,7 +28,7 @@ from . import dtypes
 from .boxes import Box, box_shape, intersect, relative, to_slices
 from .errors import IntegrityError, ObjectMissingError
 from .format import CRC_BYTES, EMPTY_INDEX_ENTRY, INDEX_ENTRY_BYTES, AtomMeta, ObjectSum, PackedChunk, chunk_indices
-from .storage import Storage, scatter_into
+from .storage import ReadableStorage, scatter_into
 
 
 def _crc(*bufs: memoryview | bytes | bytearray) -> bytes:
@@ -324,7 +324,7 @@ GAP_READ_BYTES = 1 << 20
 
 
 def read_packed(
-    storage: Storage,
+    storage: ReadableStorage,
     key: str,
     chunks: Sequence[PackedRead],
     where: Callable[[AtomMeta, tuple[int, ...]], str],
@@ -359,7 +359,7 @@ def read_packed(
 
 
 def _read_run(
-    storage: Storage, key: str, run: list[PackedRead], where: Callable[[AtomMeta, tuple[int, ...]], str]
+    storage: ReadableStorage, key: str, run: list[PackedRead], where: Callable[[AtomMeta, tuple[int, ...]], str]
 ) -> None:
     """One scatter read from the first chunk of `run` to the end of its last, the gaps into scratch."""
     start, end = run[0][0].offset, run[-1][0].offset + run[-1][0].nbytes
@@ -397,7 +397,7 @@ def region(box: Box, view: torch.Tensor) -> DestFn:
 
 
 def read_object(
-    storage: Storage,
+    storage: ReadableStorage,
     key: str,
     meta: AtomMeta,
     outer: tuple[int, ...],
@@ -414,7 +414,7 @@ def read_object(
     to back in C order) and checked against its index, falling back to the general path if the index says
     otherwise; a shard wanted whole inside the array is delivered with one copy (`_read_whole_shard`). Otherwise
     a shard is a read of its index, then one scatter read over the wanted inner chunks (gaps land in scratch);
-    where each request is costly (`storage.whole_object_reads`) and every inner chunk is wanted, it is one
+    where each request is costly (`storage.capabilities.whole_object_reads`) and every inner chunk is wanted, it is one
     whole-object read.
     """
     chunk_shape = meta.inner_chunk_shape or meta.chunk_shape
@@ -433,11 +433,11 @@ def read_object(
         if (
             whole_dest is None
             and all_wanted
-            and not storage.whole_object_reads
+            and not storage.capabilities.whole_object_reads
             and _read_dense_shard(storage, key, meta, outer, boxes, dest_for, where, recorded)
         ):
             return
-        whole = storage.read(key) if all_wanted and storage.whole_object_reads else None
+        whole = storage.read(key) if all_wanted and storage.capabilities.whole_object_reads else None
         head = whole if whole is not None else storage.read(key, 0, head_nbytes(meta))
         extents = []
         for inner in sorted(parse_index(meta, outer, head, where, recorded), key=lambda c: c.offset):
@@ -451,7 +451,7 @@ def read_object(
 
 
 def _read_extents(
-    storage: Storage,
+    storage: ReadableStorage,
     key: str,
     meta: AtomMeta,
     extents: list[tuple[int, ChunkSink, bytes | None]],
@@ -484,7 +484,7 @@ def _check_length(meta: AtomMeta, start: int, got: int, end: int, where: str) ->
 
 
 def _read_dense_shard(
-    storage: Storage,
+    storage: ReadableStorage,
     key: str,
     meta: AtomMeta,
     outer: tuple[int, ...],
@@ -534,7 +534,7 @@ def _whole_shard_dest(meta: AtomMeta, outer: tuple[int, ...], dest_for: DestFn) 
 
 
 def _read_whole_shard(
-    storage: Storage,
+    storage: ReadableStorage,
     key: str,
     meta: AtomMeta,
     outer: tuple[int, ...],

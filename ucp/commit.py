@@ -42,7 +42,7 @@ from .format import (
     parse_step_dirname,
     step_dirname,
 )
-from .storage import Storage
+from .storage import ReadableStorage, Storage
 
 log = logging.getLogger("ucp")
 
@@ -140,7 +140,7 @@ def commit(storage: Storage, step: int, attempt: str, manifest_bytes: bytes, ato
     return record
 
 
-def read_marker(storage: Storage, step: int) -> CommitRecord | None:
+def read_marker(storage: ReadableStorage, step: int) -> CommitRecord | None:
     """The step's commit record; None when the step has no marker. A marker that is not a valid one (torn by a
     1.0 writer's crash, edited, not a regular file) is a FormatError naming it."""
     key = marker_key(step)
@@ -189,13 +189,13 @@ def parse_marker(raw: bytes | memoryview, step: int, where: str) -> CommitRecord
     return record
 
 
-def step_dirs(storage: Storage) -> list[int]:
+def step_dirs(storage: ReadableStorage) -> list[int]:
     """Every step directory under the root, committed or not, ascending."""
     steps = (parse_step_dirname(name) for name in storage.listdir(""))
     return sorted(s for s in steps if s is not None)
 
 
-def committed_steps(storage: Storage) -> list[int]:
+def committed_steps(storage: ReadableStorage) -> list[int]:
     """Steps with a valid commit marker, ascending. A step whose marker is damaged is left out (and logged): it
     cannot be loaded, and it is never taken for a leftover to delete either."""
     out = []
@@ -208,7 +208,7 @@ def committed_steps(storage: Storage) -> list[int]:
     return out
 
 
-def _foreign_hint(storage: Storage) -> str:
+def _foreign_hint(storage: ReadableStorage) -> str:
     """What another framework's checkpoint at `storage` looks like to ucp, with the command that reads it."""
     names = set(storage.listdir(""))
     if "latest_checkpointed_iteration.txt" in names or any(n.startswith(("iter_", "mp_rank_")) for n in names):
@@ -224,7 +224,7 @@ def _foreign_hint(storage: Storage) -> str:
     return ""
 
 
-def resolve_step(storage: Storage, step: int | str | None) -> tuple[int, CommitRecord]:
+def resolve_step(storage: ReadableStorage, step: int | str | None) -> tuple[int, CommitRecord]:
     """The committed step that `step` ('latest', None or a number) names, with its commit record."""
     if not storage.root_exists():
         raise CheckpointNotFoundError(f"no ucp checkpoint at {storage.url}: the path does not exist")
@@ -251,7 +251,7 @@ def resolve_step(storage: Storage, step: int | str | None) -> tuple[int, CommitR
     return step, record
 
 
-def read_manifest_bytes(storage: Storage, record: CommitRecord) -> bytes:
+def read_manifest_bytes(storage: ReadableStorage, record: CommitRecord) -> bytes:
     """The committed step's zarr.json, checked against the size and checksum its commit recorded."""
     key = f"{record.prefix}/{ZARR_JSON}"
     where = f"{storage.url.rstrip('/')}/{key}"

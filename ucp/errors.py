@@ -75,6 +75,10 @@ class BucketNotFoundError(StorageError):
     """The bucket that the URL names does not exist (ucp never creates buckets)."""
 
 
+class ReadOnlyStorageError(StorageError):
+    """A store that can only be read (a hot tier's restore source) was handed to a save."""
+
+
 class NotAFileError(StorageError):
     """Where an object should be, the local file system has something else (a FIFO, a device, a symbolic link):
     ucp never opens it, so it can neither hang a read nor redirect one."""

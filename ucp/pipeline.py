@@ -256,7 +256,7 @@ class _ThreadWrites:
 
     def __init__(self, pool: SizedPool, staging: StagingPool, plan: SavePlan):
         self.pool, self.staging, self.plan = pool, staging, plan
-        self.serial_small = plan.storage.serial_small_objects(writing=True)
+        self.serial_small = plan.storage.capabilities.serial_small_writes
 
     def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
         calls = [functools.partial(self.plan.storage.write, key, [data]) for key, data in documents]
@@ -308,9 +308,8 @@ class _ProcessWrites:
 
     def __init__(self, process: WriterProcess, staging: StagingPool, plan: SavePlan):
         self.process, self.staging, self.plan = process, staging, plan
-        storage = plan.storage.for_writer_process()
-        assert storage is not None, "only storages that a writer process can write go to one"
-        self.sid = process.open_storage(storage)
+        assert plan.storage.capabilities.writer_process, "only storages that a writer process can write go to one"
+        self.sid = process.open_storage(plan.storage)
         self.packs: dict[str, Pack] = {}  # the packs sent to the child, by key
 
     def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
@@ -520,7 +519,7 @@ class SavePipeline:
     # -- writers
 
     def _writes_for(self, plan: SavePlan, mode: Mode) -> Writes:
-        if mode != "sync" and self.writer == "process" and plan.storage.for_writer_process() is not None:
+        if mode != "sync" and self.writer == "process" and plan.storage.capabilities.writer_process:
             return _ProcessWrites(self._writer_process(), self.staging, plan)
         return _ThreadWrites(self.threads, self.staging, plan)
 

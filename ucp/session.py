@@ -42,7 +42,7 @@ from .format import (
     dumps,
 )
 from .packs import Pack, pack_name, pack_object_key
-from .storage import CLOCK_KEY, Storage
+from .storage import CLOCK_KEY, Storage, writable
 
 log = logging.getLogger("ucp")
 
@@ -109,6 +109,7 @@ class SaveSession:
         if comm.rank == 0:
             try:
                 check_step(step)
+                writable(storage, f"save step {step}")  # (mypy refuses a read-only store here; this, at run time)
                 if commit.read_marker(storage, step) is not None:
                     raise StepExistsError(
                         f"step {step} is already committed at {storage.url}; committed steps are never overwritten"

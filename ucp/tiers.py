@@ -38,7 +38,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,7 @@ from .commit import CommitRecord
 from .errors import CheckpointNotFoundError, FormatError, IntegrityError, ObjectMissingError, StorageError
 from .format import ZARR_JSON, AtomMeta, StepManifest, chunk_indices
 from .session import SaveSession, ensure_root
-from .storage import Buffer, IOStats, LocalStorage, Storage
+from .storage import Capabilities, IOStats, LocalStorage, ReadableStorage, Storage, scatter_into
 from .workpool import pack
 
 log = logging.getLogger("ucp")
@@ -335,7 +335,7 @@ class HotTier:
             for path, chunks in session.packed.items():  # the packs keep their names, so their chunks their places
                 target.record_packed(path, chunks)
 
-            with cf.ThreadPoolExecutor(options.io_threads or durable.default_io_threads) as pool:
+            with cf.ThreadPoolExecutor(options.io_threads or durable.capabilities.io_threads) as pool:
                 list(pool.map(copy, moved))
             durable.flush()
         except BaseException as e:  # noqa: BLE001 -- finish() raises it on every rank, after removing the attempt
@@ -550,17 +550,20 @@ def _unbits(text: str, n: int) -> list[bool]:
     return [bool(packed[i // 8] & (1 << (i % 8))) for i in range(n)]
 
 
-class TierSource(Storage):
+class TierSource(ReadableStorage):
     """Reads of one step's objects from wherever they are: this node's hot copies (`usable`: those verified),
-    objects received from other nodes, or the durable URL (another attempt id, hence the key mapping)."""
+    objects received from other nodes, or the durable URL (another attempt id, hence the key mapping). It can only
+    be read: a save handed it is refused (`storage.writable`)."""
 
     def __init__(self, local: Storage, usable: set[str], fetched: dict[str, bytes], durable: CheckpointReader | None):
         self.local, self.usable, self.fetched, self.durable = local, usable, fetched, durable
         self.url = local.url
         self.stats = IOStats()
+        # (reads go to memory, a local directory or the durable URL, key by key: no one store's traits hold for all)
+        self.capabilities = Capabilities()
         self.read_stats = {"local": IOStats(), "peers": IOStats(), "durable": IOStats()}
 
-    def _route(self, key: str) -> tuple[str, Storage | None, str]:
+    def _route(self, key: str) -> tuple[str, ReadableStorage | None, str]:
         if key in self.fetched:
             return "peers", None, key
         if key in self.usable:
@@ -577,11 +580,9 @@ class TierSource(Storage):
         self.stats.record_read(data.nbytes)
         return data
 
-    def read_into(self, key: str, offset: int, buffers: list[memoryview]) -> int:  # type: ignore[override]
+    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
         tier, storage, mapped = self._route(key)
         if storage is None:
-            from .storage import scatter_into
-
             got = scatter_into(memoryview(self.fetched[key])[offset:], buffers)
         else:
             got = storage.read_into(mapped, offset, buffers)
@@ -589,17 +590,8 @@ class TierSource(Storage):
         self.stats.record_read(got)
         return got
 
-    def write(self, key: str, parts: list[Buffer]) -> None:  # type: ignore[override]
-        raise StorageError("a restore source is read-only")
-
-    def create_exclusive(self, key: str, data: bytes) -> None:
-        raise StorageError("a restore source is read-only")
-
     def exists(self, key: str) -> bool:
         return self.local.exists(key)
 
     def listdir(self, key: str = "") -> list[str]:
         return self.local.listdir(key)
-
-    def delete(self, key: str) -> None:
-        raise StorageError("a restore source is read-only")

@@ -77,7 +77,7 @@ SMALL_OBJECT_BYTES = 256 << 10
 
 def in_small_lane(object_bytes: int, serial_small: bool) -> bool:
     """Whether work on objects of `object_bytes` goes to the one lane for small objects (only where the storage
-    says small objects go faster one at a time: Storage.serial_small_objects)."""
+    says small objects go faster one at a time: its Capabilities' serial_small_reads/_writes)."""
     return serial_small and object_bytes < SMALL_OBJECT_BYTES
 
 

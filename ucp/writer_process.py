@@ -301,7 +301,7 @@ class _Server:
             ]
         else:
             calls = [ObjectCall(storage.flush, SMALL_OBJECT_BYTES)]
-        self._reply_when_done(req, submit_sized(self.pool, calls, storage.serial_small_objects(writing=True)), written)
+        self._reply_when_done(req, submit_sized(self.pool, calls, storage.capabilities.serial_small_writes), written)
 
     def _write_chunk(self, storage: Storage, ref: ChunkRef, written: Written) -> None:
         values = self.arenas[ref.arena].memory[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).view(ref.shape)

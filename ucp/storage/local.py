@@ -1,184 +1,35 @@
-"""How bytes move: a small key/value interface over local files and fsspec filesystems (memory, S3, ...).
+"""`LocalStorage`: plain POSIX files, with vectored writes, fsync for durability, direct reads into preallocated
+buffers, and a thread that reads small objects ahead of a reader (`prefetching`).
 
-Keys are '/'-separated paths relative to the storage root. Every object is written whole by one call
-(no appends, no read-modify-write); `create_exclusive` writes one only if nothing is there yet (the commit).
-Each storage counts the bytes it moves (`stats`), which is how read amplification is measured, and can record
-every key it writes (`stats.write_log`).
-
-Failures other than a missing object are `StorageError`s naming the path: no space, no permission, an object
-store that refuses or cannot be reached. Local storage never follows a symbolic link below its root (neither a
-file's nor a directory's) and reads only regular files, so a link or a FIFO planted in a checkpoint cannot redirect
-a write, a read or a removal, nor hang a read.
+It never follows a symbolic link below its root (neither a file's nor a directory's) and reads only regular files,
+so a link or a FIFO planted in a checkpoint cannot redirect a write, a read or a removal, nor hang a read.
 """
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures as cf
 import contextlib
 import errno
 import functools
-import logging
 import os
 import posixpath
 import stat
 import threading
 import time
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
-import crc32c
-import fsspec
-
-from .errors import (
-    BucketNotFoundError,
-    CheckpointNotFoundError,
-    NotAFileError,
-    StateError,
-    StorageAuthError,
-    StorageError,
-    StorageUnreachableError,
-    UcpError,
+from ..errors import NotAFileError, StateError, StorageError, UcpError
+from .base import (
+    DEFAULT_IO_THREADS,
+    Buffer,
+    Capabilities,
+    IOStats,
+    Storage,
+    check_relative_key,
+    nothing_to_advance,
 )
-
-Buffer = bytes | bytearray | memoryview
-CLOCK_KEY = ".ucp-clock"  # an empty object at the root, rewritten to read the store's time (Storage.clock)
-log = logging.getLogger("ucp")
-
-
-@dataclass
-class IOStats:
-    """Bytes and operations through one storage; `write_log` (if a list) receives every key written."""
-
-    bytes_read: int = 0
-    bytes_written: int = 0
-    reads: int = 0
-    writes: int = 0
-    write_log: list[str] | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def record_read(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_read += nbytes
-            self.reads += 1
-
-    def record_write(self, key: str, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_written += nbytes
-            self.writes += 1
-            if self.write_log is not None:
-                self.write_log.append(key)
-
-
-def scatter_into(data: memoryview, buffers: Sequence[memoryview]) -> int:
-    """Copy `data` into `buffers` back to back; returns the bytes copied."""
-    pos = 0
-    for b in buffers:
-        if pos >= len(data):
-            break
-        n = min(b.nbytes, len(data) - pos)
-        memoryview(b).cast("B")[:n] = data[pos : pos + n]
-        pos += n
-    return pos
-
-
-def check_relative_key(key: str) -> str:
-    """Refuse keys that would leave the storage root (defence in depth: state keys are checked earlier)."""
-    norm = posixpath.normpath(key)
-    if key.startswith("/") or norm == ".." or norm.startswith("../") or "\\" in key or "\x00" in key:
-        raise StateError(f"storage key {key!r} escapes the checkpoint root")
-    return key
-
-
-class Storage(ABC):
-    """A root URL and the operations ucp needs below it."""
-
-    url: str
-    stats: IOStats
-    whole_object_reads = False  # True where a request costs more than the bytes it moves (object stores)
-    default_io_threads = 16  # requests in flight when the caller does not say
-
-    @abstractmethod
-    def write(self, key: str, parts: Sequence[Buffer]) -> None:
-        """Write one object whole, from parts laid back to back."""
-
-    @abstractmethod
-    def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
-        """Bytes [start, end) of an object (to its end when end is None). Missing object: FileNotFoundError."""
-
-    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
-        """Scatter-read bytes from `offset` into `buffers` back to back; returns the bytes read (less at the
-        object's end). Missing object: FileNotFoundError."""
-        data = self.read(key, offset, offset + sum(b.nbytes for b in buffers))
-        return scatter_into(data, buffers)
-
-    @abstractmethod
-    def create_exclusive(self, key: str, data: bytes) -> None:
-        """Write a small object whole if and only if no object has that key: of several callers racing on one
-        key exactly one succeeds, the others get FileExistsError. Readers never see it partly written."""
-
-    @abstractmethod
-    def exists(self, key: str) -> bool: ...
-
-    def mtime(self, key: str) -> float | None:
-        """When the object or directory was last modified (seconds since the epoch, as the store stamps it), or
-        None if unknown/absent."""
-        return None
-
-    def newest_mtime(self, key: str) -> float | None:
-        """The latest modification time of the object, or of anything below the directory (prefix) `key`."""
-        return self.mtime(key)
-
-    def clock(self) -> float:
-        """The store's time now, on the clock that stamps its modification times (a remote file system's or an
-        object store's, not this host's): what an age read from `mtime` is measured against. It costs a write of
-        a small object at the root; a store that keeps no times gives this host's clock."""
-        self.write(CLOCK_KEY, [b""])
-        stamp = self.mtime(CLOCK_KEY)
-        return time.time() if stamp is None else stamp
-
-    @abstractmethod
-    def listdir(self, key: str = "") -> list[str]:
-        """Names of the children of a directory (prefix); [] when it does not exist."""
-
-    @abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove an object or a whole directory (prefix); absent is not an error."""
-
-    def flush(self) -> None:
-        """Make everything written so far durable (a barrier before a commit)."""
-
-    @contextmanager
-    def prefetching(self, keys: Sequence[str]) -> Iterator[Callable[[], None]]:
-        """A context in which the storage may read `keys` ahead of a reader that reads them one after another, in
-        this order; it yields a callable the reader calls after each object it has read. Default: no reading ahead."""
-        yield _nothing
-
-    def remove_empty_dir(self, key: str) -> None:
-        """Remove a directory if it is empty (object stores have no directories: nothing to do)."""
-
-    def root_exists(self) -> bool:
-        return True
-
-    def for_writer_process(self) -> Storage | None:
-        """This storage, if a copy of it in another process (unpickled there) writes the same objects; None
-        where writes must stay in this process."""
-        return None
-
-    def serial_small_objects(self, writing: bool) -> bool:
-        """Whether small objects (workpool.SMALL_OBJECT_BYTES) go faster one at a time than many at once: where
-        each costs CPU (Python and short system calls, which contend for the GIL), not a wait (a request's
-        latency, an fsync), which only many in flight hide."""
-        return False
-
-
-def _nothing() -> None:
-    pass
-
 
 _PARALLEL_DIR_SYNCS = 32  # a flush with fewer directories syncs them in the calling thread
 
@@ -235,10 +86,20 @@ class LocalStorage(Storage):
         self.url = self.root
         self.fsync = fsync
         self.in_memory = file_system_type(self.root) in MEMORY_FILE_SYSTEMS
-        if self.in_memory:
+        self.capabilities = Capabilities(
             # In memory every write and read is a copy by a CPU: threads beyond two per core only contend (for the
             # GIL and the cores). Measured on 2 cores, 1 GiB to tmpfs: 4 threads save in 0.33-0.43 s, 16 in 0.55-0.63.
-            self.default_io_threads = min(Storage.default_io_threads, 2 * (os.cpu_count() or 1))
+            io_threads=min(DEFAULT_IO_THREADS, 2 * (os.cpu_count() or 1)) if self.in_memory else DEFAULT_IO_THREADS,
+            # A small write waits for its fsync (~1 ms on a disk): many in flight hide it. Without one it is CPU only,
+            # as is a small read once `prefetching` has asked for it (20,000 small atoms from a cold disk: 3.2 s one
+            # at a time, 4.2 s at 16 threads, 2.5 s at 2, 2.1 s one at a time with the read-ahead; warm, 1.1 s
+            # against 1.6 s).
+            serial_small_reads=True,
+            serial_small_writes=self.in_memory or not fsync,
+            exclusive_creates=True,  # (a hard link, or O_EXCL: `create_exclusive`)
+            # a subclass may add behaviour (a test's failure injection) that a copy elsewhere would lack
+            writer_process=type(self) is LocalStorage,
+        )
         self.stats = IOStats()
         self._made_dirs: set[str] = set()
         self._unsynced_dirs: set[str] = set()  # gained an entry since the last flush
@@ -541,7 +402,7 @@ class LocalStorage(Storage):
             if len(directories) < _PARALLEL_DIR_SYNCS:
                 sync(list(directories))
             else:  # one slice per thread: a future per directory cost more Python than the fsyncs on a fast disk
-                threads = self.default_io_threads
+                threads = self.capabilities.io_threads
                 ordered = list(directories)
                 with cf.ThreadPoolExecutor(threads, thread_name_prefix="ucp-dirsync") as pool:
                     list(pool.map(sync, (ordered[i::threads] for i in range(threads))))
@@ -556,7 +417,7 @@ class LocalStorage(Storage):
         # for; where the objects turn out to be in the page cache already, the thread stops, as its Python would only
         # contend with the reader's for the GIL (a warm load of those atoms: 1.09 s with it, 1.12 s without).
         if self.in_memory or len(keys) < PREFETCH_MIN_KEYS or not hasattr(os, "posix_fadvise"):
-            yield _nothing
+            yield nothing_to_advance
             return
         read = 0  # objects the reader has read (only it writes this; the thread reads it)
         stop = threading.Event()
@@ -601,7 +462,7 @@ class LocalStorage(Storage):
         except RuntimeError:  # no thread to be had (a process at its limit): read without it
             started = False
         if not started:  # (yielded outside the handler, so that the reader's errors do not chain to it)
-            yield _nothing
+            yield nothing_to_advance
             return
         try:
             yield advance
@@ -621,295 +482,5 @@ class LocalStorage(Storage):
     def root_exists(self) -> bool:
         return os.path.isdir(self.root)
 
-    def serial_small_objects(self, writing: bool) -> bool:
-        # A small write waits for its fsync (~1 ms on a disk): many in flight hide it. Without one it is CPU only, as
-        # is a small read once `prefetching` has asked for it (20,000 small atoms from a cold disk: 3.2 s one at a
-        # time, 4.2 s at 16 threads, 2.5 s at 2, 2.1 s one at a time with the read-ahead; warm, 1.1 s against 1.6 s).
-        return not writing or self.in_memory or not self.fsync
-
-    def for_writer_process(self) -> Storage | None:
-        # a subclass may add behaviour (a test's failure injection) that a copy elsewhere would lack
-        return self if type(self) is LocalStorage else None
-
     def __reduce__(self) -> tuple:
         return (functools.partial(LocalStorage, fsync=self.fsync), (self.root,))
-
-
-class FsspecStorage(Storage):
-    """Any fsspec filesystem: memory://, s3:// (s3fs), ... One request per object write or range read."""
-
-    whole_object_reads = True
-    default_io_threads = 64  # an object store's latency is hidden by many requests (s3fs's pool is 64 connections)
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
-        self.fs = fs
-        self.root = root.rstrip("/")
-        self.url = url
-        self.stats = IOStats()
-
-    def _path(self, key: str) -> str:
-        return f"{self.root}/{check_relative_key(key)}" if key else self.root
-
-    def _error(self, doing: str, key: str, e: BaseException) -> StorageError:
-        return storage_error(f"cannot {doing} {self.url.rstrip('/')}/{key}", e, self.fs)
-
-    @property
-    def _protocols(self) -> tuple[str, ...]:
-        return self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-
-    @property
-    def exclusive_creates(self) -> bool:
-        """Whether `create_exclusive` is atomic here: S3's conditional put (If-None-Match: *), which AWS S3 and
-        moto honour, and fsspec's memory and local file systems. Elsewhere it is a check, then a write."""
-        return bool({"s3", "s3a", "memory", "file", "local"} & set(self._protocols))
-
-    def _put_checksum(self, data: bytes) -> dict[str, str]:
-        """On S3, the object's CRC-32C as the put's checksum (a C pass at ~10 GB/s with the GIL released): S3
-        checks the upload against it and keeps it (moto keeps it unchecked), and botocore computes none of its own
-        (by default a CRC-32 of every byte, in zlib). Objects s3fs uploads in parts keep botocore's part checksums."""
-        if not {"s3", "s3a"} & set(self._protocols) or len(data) >= S3_SINGLE_PUT_BYTES:
-            return {}
-        value = base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
-        return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": value}  # (the algorithm too, or it is not kept)
-
-    def write(self, key: str, parts: Sequence[Buffer]) -> None:
-        data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
-        try:
-            self.fs.pipe_file(self._path(key), bytes(data), **self._put_checksum(data))
-        except UcpError:
-            raise
-        except FileNotFoundError as e:  # a write creates any key: what is missing is the bucket
-            raise BucketNotFoundError(
-                f"cannot write {self.url.rstrip('/')}/{key}: the bucket does not exist; create it "
-                "first (ucp never creates buckets)"
-            ) from e
-        except Exception as e:
-            raise self._error("write", key, e) from e
-        self.stats.record_write(key, len(data))
-
-    def create_exclusive(self, key: str, data: bytes) -> None:
-        if not self.exclusive_creates:
-            log.warning("%s cannot create objects exclusively: ucp assumes a single saver per step", self.url)
-            if self.exists(key):
-                raise FileExistsError(errno.EEXIST, "object exists", self._path(key))
-        try:
-            self.fs.pipe_file(self._path(key), bytes(data), mode="create", **self._put_checksum(data))
-        except FileExistsError:
-            raise
-        except Exception as e:
-            # (s3fs raises FileExistsError where the store names the condition; one that answers a bare 412 is
-            # told apart by the response botocore parsed, never by the message, which may hold a key such as
-            # step_00000412)
-            code, status = service_error(e)
-            if code == "PreconditionFailed" or status == 412:
-                raise FileExistsError(errno.EEXIST, "object exists", self._path(key)) from e
-            raise self._error("create", key, e) from e
-        self.stats.record_write(key, len(data))
-
-    def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
-        try:
-            data = self.fs.cat_file(self._path(key), start=start or None, end=end)
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise self._error("read", key, e) from e
-        self.stats.record_read(len(data))
-        return memoryview(data)
-
-    def exists(self, key: str) -> bool:
-        try:
-            return bool(self.fs.exists(self._path(key)))
-        except Exception as e:
-            raise self._error("look up", key, e) from e
-
-    def mtime(self, key: str) -> float | None:
-        try:
-            info = self.fs.info(self._path(key))
-        except Exception:  # noqa: BLE001 -- absent or unknown: the caller decides
-            return None
-        return _stamp(info)
-
-    def newest_mtime(self, key: str) -> float | None:
-        try:
-            found = self.fs.find(self._path(key), detail=True)
-        except Exception:  # noqa: BLE001 -- absent or unknown: the caller decides
-            found = {}
-        stamps = [s for s in map(_stamp, found.values()) if s is not None]
-        return max(stamps) if stamps else self.mtime(key)
-
-    def listdir(self, key: str = "") -> list[str]:
-        path = self._path(key)
-        try:
-            entries = self.fs.ls(path, detail=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        except Exception as e:
-            raise self._error("list", key or "(root)", e) from e
-        names = {posixpath.basename(str(e).rstrip("/")) for e in entries}
-        names.discard("")
-        return sorted(names)
-
-    def delete(self, key: str) -> None:
-        path = self._path(key)
-        try:
-            self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-        except Exception as e:
-            raise self._error("delete", key, e) from e
-
-    def root_exists(self) -> bool:
-        if {"s3", "s3a"} & set(self._protocols):
-            # Object stores have no directories: an empty prefix is simply empty. But its bucket must exist.
-            bucket = self.root.split("/", 1)[0]
-            try:
-                self.fs.call_s3("head_bucket", Bucket=bucket)  # (exists() would take a refused key for no bucket)
-            except FileNotFoundError:
-                raise BucketNotFoundError(
-                    f"no ucp checkpoint at {self.url}: the bucket {bucket!r} does not exist; "
-                    "create it first (ucp never creates buckets)"
-                ) from None
-            except Exception as e:
-                raise storage_error(f"cannot look up {self.url}", e, self.fs) from e
-            return True
-        try:
-            return bool(self.fs.exists(self.root))
-        except Exception as e:
-            raise storage_error(f"cannot look up {self.url}", e, self.fs) from e
-
-    def for_writer_process(self) -> Storage | None:
-        return self if type(self) is FsspecStorage and "memory" not in self._protocols else None
-
-    def __reduce__(self) -> tuple:
-        return (FsspecStorage, (self.fs, self.root, self.url))
-
-
-def _stamp(info: dict[str, Any]) -> float | None:
-    """The modification time in an fsspec `info` entry (S3's LastModified, a file system's mtime), if any."""
-    stamp = info.get("LastModified") or info.get("mtime") or info.get("created")
-    if stamp is None:
-        return None
-    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
-
-
-# What the exceptions of botocore, aiobotocore, aiohttp, s3fs and the OS mean, by name (none of them is imported
-# here: a local checkpoint never loads an S3 client).
-_AUTH = {
-    "NoCredentialsError",
-    "PartialCredentialsError",
-    "CredentialRetrievalError",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "AccessDenied",
-    "InvalidToken",
-    "ExpiredToken",
-    "ProfileNotFound",
-}
-_UNREACHABLE = {
-    "EndpointConnectionError",
-    "ConnectTimeoutError",
-    "ConnectionClosedError",
-    "ReadTimeoutError",
-    "ClientConnectorError",
-    "ServerDisconnectedError",
-    "ProxyConnectionError",
-    "ConnectionRefusedError",
-}
-_CREDENTIALS_HINT = (
-    "give them as -o key=... -o secret=... (storage_options), in AWS_ACCESS_KEY_ID and "
-    "AWS_SECRET_ACCESS_KEY, or as an AWS profile (-o profile=NAME)"
-)
-
-
-def _chain(e: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    while e is not None and e not in out and len(out) < 8:
-        out.append(e)
-        e = e.__cause__ or e.__context__  # type: ignore[assignment]
-    return out
-
-
-def service_error(e: BaseException) -> tuple[str | None, int | None]:
-    """The error code and HTTP status that an object store answered with, as botocore parsed them (the
-    `response` of a ClientError anywhere in `e`'s chain; s3fs keeps it as the cause of what it raises), or
-    (None, None) when no answer came back."""
-    for exc in _chain(e):
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error") or {}
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            code = error.get("Code") if isinstance(error, dict) else None
-            return (str(code) if code is not None else None), (status if isinstance(status, int) else None)
-    return None, None
-
-
-def storage_error(what: str, e: BaseException, fs: Any = None) -> StorageError:
-    """The one place where a storage library's exception becomes a ucp error: the kind of failure (credentials,
-    an unreachable endpoint, a missing bucket, anything else), `what` was being done, the cause in one line; the
-    original is kept as `__cause__` by the caller's `raise ... from e`."""
-    endpoint = getattr(getattr(fs, "client_kwargs", None), "get", lambda _k: None)("endpoint_url") or getattr(
-        fs, "endpoint_url", None
-    )
-    where = f" ({endpoint})" if endpoint else ""
-    cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-    code, _ = service_error(e)
-    names = {type(exc).__name__ for exc in _chain(e)} | ({code} if code else set())
-    if names & _AUTH or any(isinstance(exc, PermissionError) for exc in _chain(e)):
-        return StorageAuthError(
-            f"{what}: the store{where} refused the credentials, or found none ({cause}); {_CREDENTIALS_HINT}"
-        )
-    if names & _UNREACHABLE or any(isinstance(exc, (ConnectionRefusedError, TimeoutError)) for exc in _chain(e)):
-        return StorageUnreachableError(
-            f"{what}: the endpoint{where} cannot be reached after {S3_ATTEMPTS} attempts ({cause})"
-        )
-    if "NoSuchBucket" in names:
-        return BucketNotFoundError(
-            f"{what}: the bucket does not exist{where}; create it first (ucp never creates buckets)"
-        )
-    return StorageError(f"{what}: {cause}")
-
-
-# A request that fails to connect is tried this many times in all (botocore's standard retry mode, whose backoff
-# is exponential with jitter, at most 20 s between attempts), each connect waiting at most S3_CONNECT_TIMEOUT_S:
-# an unreachable endpoint fails a command within about 30 s. s3fs retries throttling ("SlowDown") on its own.
-S3_ATTEMPTS = 3
-S3_SINGLE_PUT_BYTES = 100 << 20  # s3fs puts an object below this in one request, larger ones in parts
-S3_CONNECT_TIMEOUT_S = 10
-
-
-def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsync: bool = True) -> Storage:
-    """A storage for a local path, file://, memory://, s3:// or any other fsspec URL.
-
-    S3 endpoint and credentials come from `storage_options` (s3fs arguments such as endpoint_url, key,
-    secret) or the standard AWS environment variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
-    """
-    if not isinstance(url, str) or not url:
-        raise CheckpointNotFoundError(f"a checkpoint URL must be a non-empty string, got {url!r}")
-    options = dict(storage_options or {})
-    protocol, _, rest = url.partition("://")
-    if not rest:
-        return LocalStorage(url, fsync=fsync)
-    if protocol == "file":
-        return LocalStorage(rest, fsync=fsync)
-    if protocol in ("s3", "s3a"):
-        options.setdefault("use_listings_cache", False)
-        config = dict(options.pop("config_kwargs", {}) or {})
-        config.setdefault("max_pool_connections", 64)  # botocore's default pool of 10 caps concurrency
-        config.setdefault("retries", {"max_attempts": S3_ATTEMPTS, "mode": "standard"})
-        config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
-        from botocore.config import Config  # (s3fs's dependency: imported only for S3)
-
-        if "response_checksum_validation" in Config.OPTION_DEFAULTS:  # (botocore >= 1.36)
-            # every byte ucp reads is checked against its own CRC-32C: botocore's check of a whole object's
-            # checksum (~1/4 of a GET's client time on moto) would be a second pass over the same bytes
-            config.setdefault("response_checksum_validation", "when_required")
-        options["config_kwargs"] = config
-        if "endpoint_url" not in options and os.environ.get("AWS_ENDPOINT_URL"):
-            options["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
-    if "::" not in protocol:  # (a chained URL names several: fsspec checks them itself)
-        try:
-            fsspec.get_filesystem_class(protocol)
-        except (ValueError, ImportError) as e:  # not known, or its package is not installed
-            raise StorageError(f"{url}: no storage for {protocol}:// ({e})") from None
-    fs, root = fsspec.core.url_to_fs(url, **options)
-    return FsspecStorage(fs, root, url)

@@ -1,0 +1,66 @@
+"""What ucp asks of S3 (through s3fs and botocore), apart from the classification of its errors (`errors`): how
+its client is configured, the checksum every put carries, and the bucket a root needs. None of it imports an S3
+client at module level: a local checkpoint never loads one."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import crc32c
+
+from ..errors import BucketNotFoundError
+
+PROTOCOLS = frozenset({"s3", "s3a"})
+
+# A request that fails to connect is tried this many times in all (botocore's standard retry mode, whose backoff
+# is exponential with jitter, at most 20 s between attempts), each connect waiting at most S3_CONNECT_TIMEOUT_S:
+# an unreachable endpoint fails a command within about 30 s. s3fs retries throttling ("SlowDown") on its own.
+S3_ATTEMPTS = 3
+S3_SINGLE_PUT_BYTES = 100 << 20  # s3fs puts an object below this in one request, larger ones in parts
+S3_CONNECT_TIMEOUT_S = 10
+S3_POOL_CONNECTIONS = 64  # botocore's default pool of 10 caps concurrency
+
+
+def client_options(storage_options: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
+    """s3fs's arguments: the caller's `storage_options` with ucp's defaults (no listings cache, a pool as large as
+    the requests in flight, bounded retries and connects) and the endpoint of AWS_ENDPOINT_URL unless one is given."""
+    options = dict(storage_options)
+    options.setdefault("use_listings_cache", False)
+    config = dict(options.pop("config_kwargs", {}) or {})
+    config.setdefault("max_pool_connections", S3_POOL_CONNECTIONS)
+    config.setdefault("retries", {"max_attempts": S3_ATTEMPTS, "mode": "standard"})
+    config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
+    from botocore.config import Config  # (s3fs's dependency: imported only for S3)
+
+    if "response_checksum_validation" in Config.OPTION_DEFAULTS:  # (botocore >= 1.36)
+        # every byte ucp reads is checked against its own CRC-32C: botocore's check of a whole object's
+        # checksum (~1/4 of a GET's client time on moto) would be a second pass over the same bytes
+        config.setdefault("response_checksum_validation", "when_required")
+    options["config_kwargs"] = config
+    if "endpoint_url" not in options and environ.get("AWS_ENDPOINT_URL"):
+        options["endpoint_url"] = environ["AWS_ENDPOINT_URL"]
+    return options
+
+
+def put_checksum(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """The object's CRC-32C as a put's checksum (a C pass at ~10 GB/s with the GIL released): S3 checks the upload
+    against it and keeps it (moto keeps it unchecked), and botocore computes none of its own (by default a CRC-32 of
+    every byte, in zlib). Objects s3fs uploads in parts keep botocore's part checksums: none is given for those."""
+    if len(data) >= S3_SINGLE_PUT_BYTES:
+        return {}
+    value = base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+    return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": value}  # (the algorithm too, or it is not kept)
+
+
+def check_bucket(fs: Any, root: str, url: str) -> None:
+    """Raise BucketNotFoundError unless the bucket of `root` exists (object stores have no directories: an empty
+    prefix is simply empty, but its bucket must exist). Other failures propagate, for the caller to classify."""
+    bucket = root.split("/", 1)[0]
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)  # (exists() would take a refused key for no bucket)
+    except FileNotFoundError:
+        raise BucketNotFoundError(
+            f"no ucp checkpoint at {url}: the bucket {bucket!r} does not exist; "
+            "create it first (ucp never creates buckets)"
+        ) from None

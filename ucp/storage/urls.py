@@ -1,0 +1,39 @@
+"""Which store a URL names: `open_storage`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsspec
+
+from ..errors import CheckpointNotFoundError, StorageError
+from . import s3
+from .base import Storage
+from .fsspec import FsspecStorage
+from .local import LocalStorage
+
+
+def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsync: bool = True) -> Storage:
+    """A storage for a local path, file://, memory://, s3:// or any other fsspec URL.
+
+    S3 endpoint and credentials come from `storage_options` (s3fs arguments such as endpoint_url, key,
+    secret) or the standard AWS environment variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
+    """
+    if not isinstance(url, str) or not url:
+        raise CheckpointNotFoundError(f"a checkpoint URL must be a non-empty string, got {url!r}")
+    options = dict(storage_options or {})
+    protocol, _, rest = url.partition("://")
+    if not rest:
+        return LocalStorage(url, fsync=fsync)
+    if protocol == "file":
+        return LocalStorage(rest, fsync=fsync)
+    if protocol in s3.PROTOCOLS:
+        options = s3.client_options(options, dict(os.environ))
+    if "::" not in protocol:  # (a chained URL names several: fsspec checks them itself)
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as e:  # not known, or its package is not installed
+            raise StorageError(f"{url}: no storage for {protocol}:// ({e})") from None
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    return FsspecStorage(fs, root, url)
