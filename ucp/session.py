@@ -264,7 +264,7 @@ class SaveSession:
         def written() -> RankWrites:
             if error is not None:
                 raise error
-            return RankWrites(self.objects, self.packed)
+            return RankWrites(self._objects, self._packed)  # (as recorded: every write of this process has ended)
 
         def decide(ranks: list[RankWrites]) -> Committed:
             nonlocal record
