@@ -11,7 +11,7 @@ LAYERS = {
     0: {"errors", "boxes", "chunking", "workpool", "heap", "dtypes", "zarr_bfloat16", "devices"},
     1: {"format", "packs", "tree"},
     2: {"storage"},
-    3: {"codec", "commit", "attempt", "comm", "session"},
+    3: {"codec", "commit", "attempt", "comm", "coordination", "session"},
     4: {"staging", "landing", "writer_process", "pipeline", "checkpoint", "inspection"},
     5: {"layout", "partition", "quantization", "families", "reshard"},
     6: {"sharded_model", "sharded_save", "sharded_load", "distributed", "tiers"},

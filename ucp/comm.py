@@ -4,7 +4,9 @@
 process); `TorchComm` runs over a torch.distributed process group (gloo: checkpoint traffic is host memory even
 when training runs on NCCL). A save uses them for the fragment exchange (only where ZeRO ranges cut a chunk),
 the attempt id (broadcast), and at its end the objects each rank wrote (gathered to rank 0, 40-odd bytes per
-object) and the outcome (broadcast): no plan is ever gathered.
+object) and the outcome (broadcast): no plan is ever gathered. Decisions go through `ucp.coordination`, which
+sends typed messages over `gather_bytes` and `broadcast_bytes` and carries any rank's failure to every rank;
+`exchange` moves data point to point.
 """
 
 from __future__ import annotations

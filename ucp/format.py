@@ -18,7 +18,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from . import dtypes
 from .errors import FormatError, StateError, UnsupportedVersionError
@@ -110,7 +110,7 @@ def loads(data: bytes | bytearray | memoryview, where: str, limit: int = MAX_MAN
         raise FormatError(f"{where} is not valid JSON ({e})") from None
 
 
-def _no_constant(name: str) -> None:
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not strict JSON")
 
 

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, NoReturn, Protocol
 
 import torch
 
@@ -456,13 +456,13 @@ class SavePipeline:
         self.fit_packs(plan)
         try:
             self.wait()
-        except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
-            self._end(plan, e)  # the previous save's failure ends this attempt too (no rank waits for it)
+        except BaseException as e:  # noqa: BLE001 -- _fail raises it, after ending the attempt
+            self._fail(plan, e)  # the previous save's failure ends this attempt too (no rank waits for it)
         start = time.perf_counter()
         try:
             writes = self._writes_for(plan, mode)
-        except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
-            self._end(plan, e)
+        except BaseException as e:  # noqa: BLE001 -- _fail raises it, after ending the attempt
+            self._fail(plan, e)
         handle = SaveHandle(plan.step, mode, "process" if isinstance(writes, _ProcessWrites) else "threads")
         handle._session = plan.session
         copies = Copies(self._streams)  # (marks, in this thread, what the caller's stream has queued)
@@ -471,8 +471,8 @@ class SavePipeline:
         else:
             try:
                 futures, staged = self._snapshot(plan, writes, handle, copies, overlap=mode == "sync")
-            except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
-                self._end(plan, e)
+            except BaseException as e:  # noqa: BLE001 -- _fail raises it, after ending the attempt
+                self._fail(plan, e)
             if mode == "sync":
                 handle._record = self._write_rest(plan, writes, futures, staged)
             else:
@@ -564,26 +564,32 @@ class SavePipeline:
             futures += writes.write_documents([(key, dumps(doc())) for key, doc in plan.documents()])
             wait_all(futures)
             writes.flush()
-        except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
+        except BaseException as e:  # noqa: BLE001 -- _fail raises it, after ending the attempt
             _cancel(futures)
             error = e
         finally:
             writes.close()
-        return self._end(plan, error)
-
-    def _end(self, plan: SavePlan, error: BaseException | None) -> CommitRecord | None:
-        """End the plan's attempt (commit, or remove it and raise) unless the caller finishes it; else raise."""
-        if plan.commit:
-            return plan.session.finish(plan.manifest, error)
         if error is not None:
-            raise error
-        return None
+            self._fail(plan, error)
+        return self._end(plan)
+
+    def _end(self, plan: SavePlan) -> CommitRecord | None:
+        """End the plan's attempt, every write of this process durable (the commit), unless the caller finishes it."""
+        return plan.session.finish(plan.manifest) if plan.commit else None
+
+    def _fail(self, plan: SavePlan, error: BaseException) -> NoReturn:
+        """End the plan's attempt with this process's `error` (every rank of the save raises one error naming every
+        failing rank, and the attempt is removed), or raise `error` where the caller finishes the attempt. It never
+        returns: `submit` goes on only with what its failed step would have made."""
+        if plan.commit:
+            plan.session.fail(error)
+        raise error
 
     def _lazy(self, plan: SavePlan, writes: Writes, handle: SaveHandle, copies: Copies) -> CommitRecord | None:
         try:
             futures, staged = self._snapshot(plan, writes, handle, copies, overlap=True)
-        except BaseException as e:  # noqa: BLE001 -- _end raises it, after ending the attempt
-            return self._end(plan, e)
+        except BaseException as e:  # noqa: BLE001 -- _fail raises it, after ending the attempt
+            self._fail(plan, e)
         finally:
             handle.snapshot_done.set()  # (also set by _snapshot; here too, so that no failure leaves a waiter)
         return self._write_rest(plan, writes, futures, staged)

@@ -2,34 +2,36 @@
 
 1. `SaveSession.begin` (the coordinator, rank 0): refuse a committed step (StepExistsError), make the root a
    Zarr group, create the attempt's directory with its owner record (`ucp.attempt`; its lease is renewed while
-   the save runs); every rank learns the attempt id.
+   the save runs); every rank learns the attempt id (`Begun`), or raises the coordinator's error.
 2. Every process writes its objects below `session.prefix` and `record`s each object's size and checksum.
 3. Every process makes its writes durable.
-4. `finish`: the records, or a process's failure, go to the coordinator; it writes the manifest (every object's
-   size and checksum in it), makes it durable and creates the commit marker exclusively (`ucp.commit`). Every
-   rank learns the outcome and returns the commit record (rank 0) or raises the same error. After a commit the
-   `after_commit` hooks run on every rank, with the record on the coordinator and None elsewhere (the manager's
-   retention; the hot tier's replication and drain, `ucp.tiers`).
+4. `finish` (or `fail`, on a process whose part failed): the records (`RankWrites`), or a process's failure, go to
+   the coordinator; it writes the manifest (every object's size and checksum in it), makes it durable and creates
+   the commit marker exclusively (`ucp.commit`). Every rank learns the outcome (`Committed`) and returns the commit
+   record (rank 0), or raises one error naming every rank that failed. After a commit the `after_commit` hooks run
+   on every rank, with the record on the coordinator and None elsewhere (the manager's retention; the hot tier's
+   replication and drain, `ucp.tiers`).
 5. On any failure before the commit, the coordinator removes the attempt's directory, freeing its space: there
    is one failure policy for every save path. (A process killed outright leaves its attempt to `collect_garbage`.)
 
-Single-process saves, `VirtualWorld`, the interop streams and `CheckpointManager` all run through here, with a
-`LocalComm`; a distributed save passes its `TorchComm`.
+The ranks agree through `ucp.coordination` (map on every rank, decide on the coordinator, share the decision or one
+error), with the typed messages below. Single-process saves, `VirtualWorld`, the interop streams and
+`CheckpointManager` all run through here, with a `LocalComm`; a distributed save passes its `TorchComm`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn, Self
 
-from . import attempt, commit
+from . import attempt, commit, coordination
 from .comm import Comm, LocalComm
-from .errors import StepExistsError, StorageError, UcpError, error_kind
+from .errors import StepExistsError, StorageError, UcpError
 from .format import (
     FORMAT_VERSION,
     ZARR_JSON,
@@ -73,6 +75,70 @@ def remove_unused_root(storage: Storage) -> None:
     storage.remove_empty_dir("")
 
 
+# -- what crosses ranks (`ucp.coordination`)
+
+PackedRows = dict[str, list[list]]  # atom path -> [[chunk number (C order over its grid), *PackedChunk.to_json()], ...]
+
+
+@dataclass(frozen=True)
+class Begun:
+    """The coordinator to every rank: the attempt it started."""
+
+    attempt: str
+
+    def to_json(self) -> dict:
+        return {"attempt": self.attempt}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Begun:
+        return cls(str(doc["attempt"]))
+
+
+@dataclass(frozen=True)
+class RankWrites:
+    """One rank to the coordinator: the objects it wrote (key -> size and checksum) and where the packed chunks it
+    wrote lie. (A rank that failed sends its failure instead.)"""
+
+    objects: dict[str, ObjectSum]
+    packed: PackedRows
+
+    def to_json(self) -> dict:
+        return {"objects": self.objects, "packed": self.packed}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> RankWrites:
+        return cls({k: (int(v[0]), int(v[1])) for k, v in doc["objects"].items()}, doc["packed"])
+
+    @staticmethod
+    def merged(ranks: list[RankWrites]) -> tuple[dict[str, ObjectSum], PackedRows]:
+        """Every rank's objects and packed chunks together (a TP-split atom's chunks come from several ranks)."""
+        if len(ranks) == 1:
+            return ranks[0].objects, ranks[0].packed
+        objects: dict[str, ObjectSum] = {}
+        packed: PackedRows = {}
+        for r in ranks:
+            objects.update(r.objects)
+            for path, chunks in r.packed.items():
+                packed.setdefault(path, []).extend(chunks)
+        return objects, packed
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The coordinator to every rank: the step is committed, held by this attempt. (A failure reaches every rank as
+    an error instead.)"""
+
+    step: int
+    attempt: str
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "attempt": self.attempt}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Committed:
+        return cls(int(doc["step"]), str(doc["attempt"]))
+
+
 class SaveSession:
     """One attempt at saving `step` under `storage`, shared by every process of the save (see the module doc)."""
 
@@ -84,8 +150,7 @@ class SaveSession:
         self.after_commit_errors: list[Exception] = []
         self._lease = lease
         self._objects: dict[str, ObjectSum] = {}
-        # packed chunks: atom path -> [[chunk number (C order over its grid), *PackedChunk.to_json()], ...]
-        self._packed: dict[str, list[list]] = {}
+        self._packed: PackedRows = {}  # the packed chunks this process wrote
         self._packs = 0
         self._lock = threading.Lock()
         self._ended = False
@@ -102,31 +167,26 @@ class SaveSession:
     def begin(
         cls, storage: Storage, step: int, comm: Comm | None = None, *, lease_s: float | None = None
     ) -> SaveSession:
-        """Start an attempt at `step` (every rank calls this together)."""
+        """Start an attempt at `step` (every rank calls this together): the coordinator starts it, every rank learns
+        its id, or every rank raises the coordinator's error."""
         comm = comm or LocalComm()
-        message: dict = {}
         lease = None
-        if comm.rank == 0:
-            try:
-                check_step(step)
-                writable(storage, f"save step {step}")  # (mypy refuses a read-only store here; this, at run time)
-                if commit.read_marker(storage, step) is not None:
-                    raise StepExistsError(
-                        f"step {step} is already committed at {storage.url}; committed steps are never overwritten"
-                    )
-                ensure_root(storage)
-                record = attempt.OwnerRecord.mine(step, attempt.new_attempt_id(), lease_s or attempt.DEFAULT_LEASE_S)
-                lease = attempt.Lease(storage, record)  # (writes the owner record first)
-                message = {"attempt": record.attempt}
-            except BaseException as e:
-                if comm.world_size == 1:
-                    raise
-                message = _describe(e)  # every rank raises it, below
-        if comm.world_size > 1:
-            message = json.loads(comm.broadcast_bytes(dumps(message) if comm.rank == 0 else None))
-        if "attempt" not in message:
-            _raise(message)
-        return cls(storage, step, message["attempt"], comm, lease)
+
+        def start() -> Begun:
+            nonlocal lease
+            check_step(step)
+            writable(storage, f"save step {step}")  # (mypy refuses a read-only store here; this, at run time)
+            if commit.read_marker(storage, step) is not None:
+                raise StepExistsError(
+                    f"step {step} is already committed at {storage.url}; committed steps are never overwritten"
+                )
+            ensure_root(storage)
+            record = attempt.OwnerRecord.mine(step, attempt.new_attempt_id(), lease_s or attempt.DEFAULT_LEASE_S)
+            lease = attempt.Lease(storage, record)  # (writes the owner record first)
+            return Begun(record.attempt)
+
+        begun = coordination.broadcast(comm, start, Begun)
+        return cls(storage, step, begun.attempt, comm, lease)
 
     # -- what the writers call
 
@@ -156,7 +216,7 @@ class SaveSession:
             self._packed.setdefault(path, []).extend(chunks)
 
     @property
-    def packed(self) -> dict[str, list[list]]:
+    def packed(self) -> PackedRows:
         """The packed chunks this process wrote in this attempt, by atom path: [chunk number, pack, offset, nbytes,
         crc32c] each."""
         with self._lock:
@@ -170,22 +230,11 @@ class SaveSession:
 
     # -- the end
 
-    def finish(self, manifest: StepManifest | None, error: BaseException | None = None) -> commit.CommitRecord | None:
-        """Steps 4 and 5 of the protocol (module doc): every rank calls this once, with this process's failure if
-        it had one; `manifest` (without objects) is the coordinator's. Returns the commit record on the
+    def finish(self, manifest: StepManifest | None) -> commit.CommitRecord | None:
+        """Steps 4 and 5 of the protocol (module doc) for a process whose part succeeded: every rank calls this or
+        `fail` once, together; `manifest` (without objects) is the coordinator's. Returns the commit record on the
         coordinator, None elsewhere; raises on every rank if the step was not committed."""
-        if self._ended:
-            raise UcpError(f"the save attempt {self.attempt} of step {self.step} has already ended")
-        self._ended = True
-        try:
-            outcome, record, failure = self._end(manifest, error)
-        finally:
-            self._stop_lease()
-        if outcome:
-            if self.comm.world_size == 1 and failure is not None and not isinstance(failure, (UcpError, OSError)):
-                raise failure  # not a storage failure: a bug or an interrupt, as it was
-            raise _as_error(outcome) from (error or failure)
-        assert record is not None or not self.is_coordinator
+        record = self._end(manifest, None)
         for hook in self.after_commit:
             try:
                 hook(record)
@@ -199,43 +248,58 @@ class SaveSession:
                 )
         return record
 
-    def _end(
-        self, manifest: StepManifest | None, error: BaseException | None
-    ) -> tuple[dict, commit.CommitRecord | None, BaseException | None]:
-        """Gather, commit or abort, and share the outcome ({} when committed)."""
-        mine: dict[str, Any] = (
-            {"failure": _describe(error)} if error is not None else {"objects": self._objects, "packed": self._packed}
+    def fail(self, error: BaseException) -> NoReturn:
+        """Steps 4 and 5 for a process whose part failed with `error`: nothing is committed, the coordinator removes
+        the attempt, and every rank raises one error naming every rank that failed (`_failed`)."""
+        self._end(None, error)
+        raise AssertionError("unreachable: the coordinator commits nothing once a process has failed")
+
+    def _end(self, manifest: StepManifest | None, error: BaseException | None) -> commit.CommitRecord | None:
+        """Gather what every rank wrote, commit it on the coordinator or remove the attempt, and share the outcome
+        (`coordination.all_reduce`). Returns the commit record on the coordinator, None elsewhere."""
+        if self._ended:
+            raise UcpError(f"the save attempt {self.attempt} of step {self.step} has already ended")
+        self._ended = True
+        record: commit.CommitRecord | None = None
+
+        def written() -> RankWrites:
+            if error is not None:
+                raise error
+            return RankWrites(self._objects, self._packed)  # (as recorded: every write of this process has ended)
+
+        def decide(ranks: list[RankWrites]) -> Committed:
+            nonlocal record
+            self._stop_lease()  # (every rank has written: what follows commits the attempt or removes it)
+            assert manifest is not None, "the coordinator commits the manifest"
+            if self._cancelled:
+                raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
+            self._check_lease()
+            record = self._commit(manifest, *RankWrites.merged(ranks))
+            return Committed(self.step, self.attempt)
+
+        def remove() -> None:
+            self._stop_lease()
+            self._abort()
+
+        try:
+            coordination.all_reduce(
+                self.comm, written, decide, RankWrites, Committed, failed=self._failed, on_failure=remove
+            )
+        finally:
+            self._stop_lease()
+        assert record is not None or not self.is_coordinator
+        return record
+
+    def _failed(self, failures: coordination.Failures) -> UcpError:
+        """The error a save that failed on some ranks raises: the first failing rank's type where it is a ucp one,
+        else a StorageError (an OSError from a write, say); it names the step, the root and, in a distributed save,
+        every rank that failed with its reason. A StepExistsError is raised as it is."""
+        if failures.kind() is StepExistsError:
+            return StepExistsError(failures.first.reason)
+        return failures.error(
+            f"step {self.step} was not saved at {self.storage.url}, and what this attempt wrote was removed",
+            default=StorageError,
         )
-        gathered = [mine] if self.comm.world_size == 1 else self._gather(mine)
-        outcome: dict = {}
-        record = failure = None
-        if self.is_coordinator:
-            assert gathered is not None
-            self._stop_lease()  # (every rank has written: what follows removes or commits the attempt)
-            try:
-                failed = {rank: g["failure"] for rank, g in enumerate(gathered) if "failure" in g}
-                if failed:
-                    failure = error if 0 in failed else None
-                    raise _failed(failed, self)
-                objects: dict[str, ObjectSum] = {}
-                packed: dict[str, list[list]] = gathered[0]["packed"] if len(gathered) == 1 else {}
-                for g in gathered:
-                    objects.update({k: (v[0], v[1]) for k, v in g["objects"].items()})
-                    if len(gathered) > 1:
-                        for path, chunks in g["packed"].items():  # (a TP-split atom's chunks come from several ranks)
-                            packed.setdefault(path, []).extend(chunks)
-                assert manifest is not None, "the coordinator commits the manifest"
-                if self._cancelled:
-                    raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
-                self._check_lease()
-                record = self._commit(manifest, objects, packed)
-            except BaseException as e:  # noqa: BLE001 -- raised on every rank below, after the attempt is removed
-                self._abort()
-                failure = failure or e
-                outcome = _describe(e)
-        if self.comm.world_size > 1:
-            outcome = json.loads(self.comm.broadcast_bytes(dumps(outcome) if self.is_coordinator else None))
-        return outcome, record, failure
 
     def _check_lease(self) -> None:
         """Refuse to commit once the lease may have run out where gc judges it (`attempt.Lease.expired`)."""
@@ -272,13 +336,7 @@ class SaveSession:
 
     # -- internals
 
-    def _gather(self, mine: dict) -> list[dict] | None:
-        gathered = self.comm.gather_bytes(json.dumps(mine).encode())
-        return None if gathered is None else [json.loads(g) for g in gathered]
-
-    def _commit(
-        self, manifest: StepManifest, objects: dict[str, ObjectSum], packed: dict[str, list[list]]
-    ) -> commit.CommitRecord:
+    def _commit(self, manifest: StepManifest, objects: dict[str, ObjectSum], packed: PackedRows) -> commit.CommitRecord:
         atoms = manifest.atoms.items()
         manifest.objects = {path: self._object_sums(meta, objects) for path, meta in atoms if not meta.packed}
         manifest.packed = {path: self._packed_chunks(meta, packed) for path, meta in atoms if meta.packed}
@@ -308,7 +366,7 @@ class SaveSession:
             sums.append(objects[key])
         return sums
 
-    def _packed_chunks(self, meta: AtomMeta, packed: dict[str, list[list]]) -> list[PackedChunk]:
+    def _packed_chunks(self, meta: AtomMeta, packed: PackedRows) -> list[PackedChunk]:
         """The atom's packed chunks in C order over its grid: every one recorded exactly once."""
         recorded = packed.get(meta.path, [])
         if len(recorded) == 1 and recorded[0][0] == 0 and meta.single_chunk:  # (most: one chunk, the atom)
@@ -342,36 +400,3 @@ class SaveSession:
     def _stop_lease(self) -> None:
         if self._lease is not None:
             self._lease.stop()
-
-
-def _describe(error: BaseException) -> dict:
-    return {"error": str(error) or type(error).__name__, "type": type(error).__name__}
-
-
-def _failed(failed: dict[int, dict], session: SaveSession) -> UcpError:
-    """The error a failed save raises: the failure's own type where it is a ucp one (the first failing rank's), else
-    a StorageError (an OSError from a write, say); it names the step, the root and, in a distributed save, every
-    rank that failed with its reason."""
-    first = failed[min(failed)]
-    kind = error_kind(first["type"]) or StorageError
-    if kind is StepExistsError:
-        return StepExistsError(first["error"])
-    if session.comm.world_size == 1:
-        reason = first["error"]
-    elif len(failed) == 1:
-        reason = f"rank {min(failed)} failed: {first['error']}"
-    else:
-        reason = f"ranks {', '.join(map(str, sorted(failed)))} failed: " + "; ".join(
-            f"rank {rank}: {d['type']}: {d['error']}" for rank, d in sorted(failed.items())
-        )
-    return kind(
-        f"step {session.step} was not saved at {session.storage.url}, and what this attempt wrote was removed: {reason}"
-    )
-
-
-def _as_error(described: dict) -> UcpError:
-    return (error_kind(described.get("type", "")) or UcpError)(described.get("error", "the save failed"))
-
-
-def _raise(described: dict) -> NoReturn:
-    raise _as_error(described)

@@ -48,6 +48,7 @@ from . import attempt, commit
 from .checkpoint import CheckpointReader, SaveOptions
 from .comm import Comm, LocalComm
 from .commit import CommitRecord
+from .coordination import all_gather, broadcast
 from .errors import CheckpointNotFoundError, FormatError, IntegrityError, ObjectMissingError, StorageError
 from .format import ZARR_JSON, AtomMeta, StepManifest, chunk_indices
 from .session import SaveSession, ensure_root
@@ -64,11 +65,91 @@ def run_directory(local_dir: str, durable_url: str) -> str:
     return os.path.join(local_dir, f"run-{hashlib.sha1(durable_url.rstrip('/').encode()).hexdigest()[:12]}")
 
 
-def allgather(comm: Comm, value: Any) -> list[Any]:
-    """Every rank's JSON `value`, in rank order, on every rank."""
-    gathered = comm.gather_bytes(json.dumps(value).encode())
-    joined = b"[" + b",".join(gathered) + b"]" if gathered is not None else None
-    return json.loads(comm.broadcast_bytes(joined))
+# ------------------------------------------------------------------------------- what crosses ranks
+# (`ucp.coordination`; the objects themselves go point to point, `send_rounds`)
+
+
+@dataclass(frozen=True)
+class NodePlace:
+    """Where a rank runs: its host and its node's local directory (two ranks with both alike share a node)."""
+
+    host: str
+    directory: str
+
+    def to_json(self) -> list:
+        return [self.host, self.directory]
+
+    @classmethod
+    def from_json(cls, doc: Any) -> NodePlace:
+        host, directory = doc
+        return cls(str(host), str(directory))
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """The steps a rank's node holds committed, and (from rank 0 only) the durable URL's newest."""
+
+    hot: list[int]
+    durable: int | None
+
+    def to_json(self) -> dict:
+        return {"hot": self.hot, "durable": self.durable}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Holdings:
+        durable = doc["durable"]
+        return cls([int(s) for s in doc["hot"]], int(durable) if durable is not None else None)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """Which of the step's objects (numbered as `_object_list`) a rank found intact in its share of its node's
+    copies, and the damaged ones it found (named with their error)."""
+
+    ok: list[bool]
+    damaged: list[str]
+
+    def to_json(self) -> dict:
+        bits = bytearray((len(self.ok) + 7) // 8)  # (a bit per object: a million objects are 170 KB of JSON)
+        for i, intact in enumerate(self.ok):
+            if intact:
+                bits[i // 8] |= 1 << (i % 8)
+        return {"n": len(self.ok), "ok": base64.b64encode(bytes(bits)).decode(), "damaged": self.damaged}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Checked:
+        bits = base64.b64decode(doc["ok"])
+        return cls([bool(bits[i // 8] & (1 << (i % 8))) for i in range(int(doc["n"]))], list(doc["damaged"]))
+
+
+@dataclass(frozen=True)
+class Needs:
+    """The objects a rank reads to restore (numbered as `_object_list`)."""
+
+    objects: list[int]
+
+    def to_json(self) -> list[int]:
+        return self.objects
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Needs:
+        return cls([int(i) for i in doc])
+
+
+@dataclass(frozen=True)
+class Published:
+    """Rank 0 to every rank: the commit marker and the manifest of the step it committed in its node's directory,
+    byte for byte (the marker holds the manifest's checksum)."""
+
+    marker: bytes
+    manifest: bytes
+
+    def to_json(self) -> dict:
+        return {"marker": base64.b64encode(self.marker).decode(), "manifest": base64.b64encode(self.manifest).decode()}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Published:
+        return cls(base64.b64decode(doc["marker"]), base64.b64decode(doc["manifest"]))
 
 
 # ------------------------------------------------------------------------------------------------ nodes
@@ -107,10 +188,10 @@ class Nodes:
 
 
 def find_nodes(comm: Comm, local_dir: str) -> Nodes:
-    key = f"{socket.gethostname()}:{os.path.realpath(local_dir)}"
-    keys = allgather(comm, key)
-    order = list(dict.fromkeys(keys))
-    return Nodes(tuple(order.index(k) for k in keys))
+    """Which node each rank runs on (a collective: every rank calls it together)."""
+    places = all_gather(comm, lambda: NodePlace(socket.gethostname(), os.path.realpath(local_dir)), NodePlace)
+    order = list(dict.fromkeys(places))
+    return Nodes(tuple(order.index(p) for p in places))
 
 
 # ------------------------------------------------------------------------------------------ transfers
@@ -290,17 +371,17 @@ class HotTier:
         """Step 3: the leaders of the other nodes commit the step in their directories with rank 0's manifest."""
         if self.nodes.count == 1:
             return
-        mine = None
-        if self.rank == 0:
+
+        def committed() -> Published:
             marker = bytes(self.storage.read(commit.marker_key(session.step)))
-            manifest = bytes(self.storage.read(f"{session.prefix}/{ZARR_JSON}"))
-            mine = _pack([from_bytes("marker", marker), from_bytes("manifest", manifest)], False).numpy().tobytes()
-        blobs, _ = _unpack(torch.frombuffer(bytearray(self.comm.broadcast_bytes(mine)), dtype=torch.uint8))
+            return Published(marker, bytes(self.storage.read(f"{session.prefix}/{ZARR_JSON}")))
+
+        published = broadcast(self.comm, committed, Published)
         if self.is_leader and self.nodes.node_of[self.rank] != self.nodes.node_of[0]:
             ensure_root(self.storage)
-            self.storage.write(f"{session.prefix}/{ZARR_JSON}", [bytes(blobs["manifest"])])
+            self.storage.write(f"{session.prefix}/{ZARR_JSON}", [published.manifest])
             self.storage.flush()
-            if not commit.create_once(self.storage, commit.marker_key(session.step), bytes(blobs["marker"])):
+            if not commit.create_once(self.storage, commit.marker_key(session.step), published.marker):
                 log.warning(
                     "hot tier %s: step %d was committed here before by another save; kept as it was",
                     self.storage.url,
@@ -322,7 +403,6 @@ class HotTier:
     ) -> CommitRecord | None:
         """Step 4: copy what this rank wrote to the durable URL and commit the step there (every rank)."""
         target = SaveSession.begin(durable, session.step, self.comm)
-        error = None
         try:
             objects = session.objects
             moved = {key: f"{target.prefix}{key[len(session.prefix) :]}" for key in [*objects, *documents]}
@@ -338,9 +418,9 @@ class HotTier:
             with cf.ThreadPoolExecutor(options.io_threads or durable.capabilities.io_threads) as pool:
                 list(pool.map(copy, moved))
             durable.flush()
-        except BaseException as e:  # noqa: BLE001 -- finish() raises it on every rank, after removing the attempt
-            error = e
-        return target.finish(manifest, error)
+        except BaseException as e:  # noqa: BLE001 -- raised on every rank (with any other rank's), the attempt removed
+            target.fail(e)
+        return target.finish(manifest)
 
     # -- restoring
 
@@ -373,9 +453,9 @@ class HotTier:
         needs = sorted(number[o] for o in needed_objects(reader.atoms, model, self.rank) | _extra_objects(reader))
         serve: dict[int, dict[str, int]] = {}  # peer -> {key: nbytes} that this rank sends it
         receives: set[int] = set()
-        for rank, ids in enumerate(allgather(self.comm, needs)):
+        for rank, wanted in enumerate(all_gather(self.comm, lambda: Needs(needs), Needs)):
             node = self.nodes.node_of[rank]
-            for i in ids:
+            for i in wanted.objects:
                 holder = next((n for n in range(self.nodes.count) if held[n][i]), None)
                 if held[node][i] or holder is None:
                     continue  # read on its own node, or from the durable URL
@@ -423,16 +503,20 @@ class HotTier:
 
     def _choose_step(self, durable: Storage) -> _Choice:
         """The step to restore (module doc, 1 and 2). Hot steps newer than it are removed: the job redoes them."""
-        mine = commit.committed_steps(self.storage)
-        durable_steps = commit.committed_steps(durable) if self.rank == 0 else []
-        reports = allgather(self.comm, {"hot": mine, "durable": durable_steps[-1] if durable_steps else None})
-        durable_latest = reports[0]["durable"]
+
+        def holdings() -> Holdings:
+            durable_steps = commit.committed_steps(durable) if self.rank == 0 else []
+            return Holdings(commit.committed_steps(self.storage), durable_steps[-1] if durable_steps else None)
+
+        reports = all_gather(self.comm, holdings, Holdings, failed=lambda f: f.error("hot tier: choosing the step"))
+        mine = reports[self.rank].hot
+        durable_latest = reports[0].durable
         chosen = None
-        for step in sorted({s for r in reports for s in r["hot"]}, reverse=True):
+        for step in sorted({s for r in reports for s in r.hot}, reverse=True):
             if durable_latest is not None and step < durable_latest:
                 break
             choice = _Choice(
-                step, "hot", [r for r, rep in enumerate(reports) if step in rep["hot"]], durable_latest == step
+                step, "hot", [r for r, rep in enumerate(reports) if step in rep.hot], durable_latest == step
             )
             self._load_holdings(choice)
             assert choice.held is not None
@@ -482,26 +566,31 @@ class HotTier:
         objects = _object_list(reader.atoms)
         node_ranks = self.nodes.ranks(self.nodes.node_of[self.rank])
         share = node_ranks.index(self.rank)
-        ok = [False] * len(objects)
-        damaged: list[str] = []
-        if self.rank in choice.ranks:
-            for i, (path, index) in enumerate(objects):
-                if i % len(node_ranks) != share:
-                    continue
-                try:
-                    check_object(reader, reader.atoms[path], index)
-                    ok[i] = True
-                except ObjectMissingError:
-                    pass  # (not held here: another node's copy or the durable URL serves it)
-                except IntegrityError as e:
-                    damaged.append(f"{self.storage.url}: {e}")
-                except (FormatError, StorageError) as e:
-                    damaged.append(f"{self.storage.url}: {e}")
+
+        def check() -> Checked:
+            ok = [False] * len(objects)
+            damaged: list[str] = []
+            if self.rank in choice.ranks:
+                for i, (path, index) in enumerate(objects):
+                    if i % len(node_ranks) != share:
+                        continue
+                    try:
+                        check_object(reader, reader.atoms[path], index)
+                        ok[i] = True
+                    except ObjectMissingError:
+                        pass  # (not held here: another node's copy or the durable URL serves it)
+                    except (IntegrityError, FormatError, StorageError) as e:
+                        damaged.append(f"{self.storage.url}: {e}")
+            return Checked(ok, damaged)
+
         held = [[False] * len(objects) for _ in range(self.nodes.count)]
-        for rank, report in enumerate(allgather(self.comm, {"ok": _bits(ok), "damaged": damaged})):
+        checks = all_gather(
+            self.comm, check, Checked, failed=lambda f: f.error(f"hot tier: checking step {choice.step}")
+        )
+        for rank, checked in enumerate(checks):
             node = self.nodes.node_of[rank]
-            held[node] = [h or b for h, b in zip(held[node], _unbits(report["ok"], len(objects)))]
-            choice.damaged += report["damaged"]
+            held[node] = [h or b for h, b in zip(held[node], checked.ok)]
+            choice.damaged += checked.damaged
         choice.reader, choice.manifest_bytes, choice.held = reader, manifest_bytes, held
 
 
@@ -535,19 +624,6 @@ def _extra_objects(reader: CheckpointReader) -> set[tuple[str, tuple[int, ...]]]
 def _key(reader: CheckpointReader, obj: tuple[str, tuple[int, ...]]) -> str:
     """The key of the object that holds a chunk (of a packed atom: its pack, which holds other chunks too)."""
     return reader.object_key(reader.atoms[obj[0]], obj[1])
-
-
-def _bits(flags: list[bool]) -> str:
-    packed = bytearray((len(flags) + 7) // 8)
-    for i, f in enumerate(flags):
-        if f:
-            packed[i // 8] |= 1 << (i % 8)
-    return base64.b64encode(bytes(packed)).decode()
-
-
-def _unbits(text: str, n: int) -> list[bool]:
-    packed = base64.b64decode(text)
-    return [bool(packed[i // 8] & (1 << (i % 8))) for i in range(n)]
 
 
 class TierSource(ReadableStorage):
