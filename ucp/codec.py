@@ -10,7 +10,8 @@ Every object has a checksum that the committed manifest records with its size (`
 crc32c, or the crc32c of a shard's head (index, its crc32c and the table). A reader holds each object to it, so
 an object that is stale, moved or swapped fails as surely as a flipped bit, also when only some inner chunks of
 a shard are read: each one read must carry the checksum that the (verified) table lists for its place. Zarr
-readers locate inner chunks by the index alone and never read the table.
+readers locate inner chunks by the index alone and never read the table. `ShardIndex` is a shard's head as a value:
+parsed and checked, laid out for a write, encoded.
 """
 
 from __future__ import annotations
