@@ -21,6 +21,7 @@ import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c
 import torch
@@ -101,14 +102,12 @@ def _head_nbytes(count: int, crc_table: bool) -> int:
     return _index_nbytes(count) + (count * CRC_BYTES if crc_table else 0)
 
 
-@dataclass(frozen=True)
-class InnerChunk:
-    """One inner chunk of a shard: its `number` in C order of the shard's inner grid, the part of the array it holds,
-    where it lies in the shard's object, and the checksum the shard's table lists for it (None for a format 1.0
-    shard, which has no table)."""
+class InnerChunk(NamedTuple):
+    """Where one inner chunk of a shard lies in the shard's object (`number`: its place in C order of the shard's
+    inner grid) and the checksum the shard's table lists for it (None for a format 1.0 shard, which has no table).
+    (A tuple: a shard of a thousand inner chunks makes a thousand of them, on every write and read of it.)"""
 
     number: int
-    box: Box
     offset: int
     nbytes: int
     crc: bytes | None = None
@@ -128,19 +127,16 @@ class ShardIndex:
     crc_table: bool = True
 
     @classmethod
-    def laid_out(cls, meta: AtomMeta, outer: tuple[int, ...], sums: Sequence[tuple[int, bytes] | None]) -> ShardIndex:
-        """The index of shard `outer` of `meta` whose inner chunks (C order) are stored with these (bytes, checksum),
-        None for those outside the array: back to back after the head, as ucp writes shards (format 2)."""
-        boxes = _inner_boxes(meta, outer)
+    def laid_out(cls, meta: AtomMeta, sums: Sequence[tuple[int, bytes] | None]) -> ShardIndex:
+        """The index of a shard of `meta` whose inner chunks (C order) are stored with these (bytes, checksum), None
+        for those outside the array: back to back after the head, as ucp writes shards (format 2)."""
         chunks = []
         offset = head_nbytes(meta)
-        for number, (box, stored) in enumerate(zip(boxes, sums, strict=True)):
-            if (box is None) != (stored is None):
-                raise ValueError(f"inner chunk {number} of shard {outer} of {meta.path!r}: stored where it is absent")
-            if box is not None and stored is not None:
-                chunks.append(InnerChunk(number, box, offset, stored[0], stored[1]))
+        for number, stored in enumerate(sums):
+            if stored is not None:
+                chunks.append(InnerChunk(number, offset, stored[0], stored[1]))
                 offset += stored[0]
-        return cls(len(boxes), tuple(chunks), crc_table=True)
+        return cls(len(sums), tuple(chunks), crc_table=True)
 
     @classmethod
     def parse(
@@ -166,7 +162,7 @@ class ShardIndex:
         table = bytes(memoryview(data)[n:head]) if meta.crc_table else None
         expected = meta.stored_chunk_bytes() + CRC_BYTES
         chunks: list[InnerChunk] = []
-        boxes = _inner_boxes(meta, outer)
+        boxes = _inner_boxes(meta, outer)  # (those outside the array are absent: their entries are not read)
         for i, box in enumerate(boxes):
             offset, nbytes = values[2 * i], values[2 * i + 1]
             if box is None:
@@ -178,20 +174,21 @@ class ShardIndex:
                     f"{where}: inner chunk {i} has a bad index entry (offset {offset}, {nbytes} bytes)"
                 )
             crc = table[i * CRC_BYTES : (i + 1) * CRC_BYTES] if table is not None else None
-            chunks.append(InnerChunk(i, box, offset, nbytes, crc))
+            chunks.append(InnerChunk(i, offset, nbytes, crc))
         return cls(len(boxes), tuple(chunks), crc_table=meta.crc_table)
 
     def head(self) -> list[bytes]:
         """The head's bytes: the index ((offset, nbytes) per inner chunk, all ones where absent), its checksum and,
         with `crc_table`, the table (zeros where absent)."""
         entries = [EMPTY_INDEX_ENTRY] * (2 * self.count)
-        table = bytearray(self.count * CRC_BYTES)
-        for c in self.chunks:
-            entries[2 * c.number : 2 * c.number + 2] = c.offset, c.nbytes
-            if c.crc is not None:
-                table[c.number * CRC_BYTES : (c.number + 1) * CRC_BYTES] = c.crc
+        table = [bytes(CRC_BYTES)] * self.count
+        for number, offset, nbytes, crc in self.chunks:
+            entries[2 * number] = offset
+            entries[2 * number + 1] = nbytes
+            if crc is not None:
+                table[number] = crc
         index = struct.pack(f"<{len(entries)}Q", *entries)
-        return [index, _crc(index), bytes(table)] if self.crc_table else [index, _crc(index)]
+        return [index, _crc(index), b"".join(table)] if self.crc_table else [index, _crc(index)]
 
     @property
     def head_nbytes(self) -> int:
@@ -270,7 +267,7 @@ def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> Encod
             continue
         parts += inner_parts
         sums.append((_nbytes(inner_parts), inner_parts[-1]))  # type: ignore[arg-type]  # (the checksum part is bytes)
-    index = ShardIndex.laid_out(meta, outer, sums)
+    index = ShardIndex.laid_out(meta, sums)
     head = index.head()
     head_sum = struct.unpack("<I", _crc(*head))[0]
     return Encoded([*head, *parts], (index.head_nbytes + sum(s[0] for s in sums if s is not None), head_sum))
@@ -502,7 +499,8 @@ def read_object(
         whole_dest = _whole_shard_dest(meta, outer, dest_for)
         if whole_dest is not None and _read_whole_shard(storage, key, meta, outer, whole_dest, where, recorded):
             return
-        boxes = [b for b in _inner_boxes(meta, outer) if b is not None]
+        inner_boxes = _inner_boxes(meta, outer)
+        boxes = [b for b in inner_boxes if b is not None]
         all_wanted = all(dest_for(b) is not None for b in boxes)
         if (
             whole_dest is None
@@ -515,7 +513,9 @@ def read_object(
         head = whole if whole is not None else storage.read(key, 0, head_nbytes(meta))
         extents = []
         for inner in ShardIndex.parse(meta, outer, head, where, recorded).by_offset():
-            wanted = dest_for(inner.box)
+            box = inner_boxes[inner.number]
+            assert box is not None  # (the index lists the inner chunks inside the array only)
+            wanted = dest_for(box)
             if wanted is not None:
                 extents.append((inner.offset, ChunkSink(wanted[0], chunk_shape, wanted[1]), inner.crc))
         if extents:
