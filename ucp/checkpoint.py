@@ -486,6 +486,8 @@ class CheckpointReader:
 
 def chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
     """The grid indices of the chunk objects of `meta` that region `box` overlaps."""
+    if meta.single_chunk and all(b > a for a, b in box):  # (most atoms of a state of many small ones)
+        return [(0,) * len(box)]
     ranges = [range(a // c, (b - 1) // c + 1) if b > a else range(0) for (a, b), c in zip(box, meta.chunk_shape)]
     out: list[tuple[int, ...]] = [()]
     for r in ranges:

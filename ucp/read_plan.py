@@ -32,7 +32,7 @@ ChunkIndex = tuple[int, ...]  # a chunk's place in its atom's grid (of a packed 
 ObjectRef = tuple[str, ChunkIndex]  # (atom path, chunk index): one chunk object, or one packed chunk
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScaleRead:
     """The scales a dequantised region is multiplied by: region `box` of scale atom `atom` (the blocks of `block`
     that the weight's region falls in; a block a split cuts is read by the ranks on both sides)."""
@@ -43,7 +43,7 @@ class ScaleRead:
     chunks: tuple[ChunkIndex, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReadItem:
     """Region `box` of atom `atom`, read from the chunks `chunks` of its grid into the part of the local tensor that
     holds `piece` (`ucp.reshard.piece_view`). Straight into it where the tensor has the atom's dtype (`convert`
@@ -59,7 +59,7 @@ class ReadItem:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LocalRead:
     """One tensor of the rank's local state (at `key`, of `shape`) and the reads that fill it, in `dtype` (the
     atoms' stored dtype, or the one a dequantised weight is asked for). `padded`: its pieces leave parts of it
@@ -75,7 +75,7 @@ class LocalRead:
     items: tuple[ReadItem, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReadPlan:
     """Every read of one rank's load (`plan_reads`): its local tensors in the layout's order. `dtype`: what the
     parameters the load makes are cast to once read (None: kept as stored)."""
