@@ -14,7 +14,7 @@ LAYERS = {
     3: {"codec", "commit", "attempt", "comm", "coordination", "session"},
     4: {"staging", "landing", "writer_process", "pipeline", "checkpoint", "inspection"},
     5: {"layout", "partition", "quantization", "families", "reshard"},
-    6: {"sharded_model", "sharded_save", "sharded_load", "distributed", "tiers"},
+    6: {"sharded_model", "read_plan", "sharded_save", "sharded_load", "distributed", "tiers"},
     7: {"manager", "training_state", "demo", "interop", "cli", "__init__", "__main__"},
 }
 LAYER = {name: layer for layer, names in LAYERS.items() for name in names}

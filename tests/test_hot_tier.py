@@ -19,11 +19,20 @@ from .launch import spawn
 
 
 def run(
-    action: str, url: str, layout: str, node_dirs: list[Path], tmp: Path, steps: str = "0", durable_every: int = 1
+    action: str,
+    url: str,
+    layout: str,
+    node_dirs: list[Path],
+    tmp: Path,
+    steps: str = "0",
+    durable_every: int = 1,
+    bad_into_rank: int | None = None,
 ) -> list[dict]:
     out = tmp / f"out-{action}-{len(list(tmp.glob('out-*')))}"
     out.mkdir()
     env = {"UCP_TEST_NODE_DIRS": json.dumps([str(d) for d in node_dirs]), "UCP_TEST_DURABLE_EVERY": str(durable_every)}
+    if bad_into_rank is not None:
+        env["UCP_TEST_BAD_INTO_RANK"] = str(bad_into_rank)
     spawn(["-m", "tests.tier_worker", action, url, layout, str(out), steps], world=len(node_dirs), env=env, timeout=240)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(node_dirs))]
 
@@ -103,6 +112,21 @@ def test_a_hot_step_the_survivors_cannot_cover_gives_way_to_the_durable_one_and_
     assert r["step"] == 2 and r["exact"], r  # (step 2 is hot on a, and durable: what a lacks comes from the URL)
     (r,) = run("restore", url, "tp1pp1", [a], tmp_path)
     assert r["step"] == 3 and r["source"] == "hot" and r["exact"], r  # the redone step 3, not the lost one
+
+
+def test_a_rank_whose_load_is_refused_still_serves_its_peers_then_raises(tmp_path):
+    """A rank whose read plan is refused (here: an `into` tensor of another shape) takes its part in the exchange of
+    objects between nodes, so that the others restore, and then raises the refusal: nobody waits for it forever."""
+    url = str(tmp_path / "durable")
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    run("save", url, "tp1pp1dp2", [a, b], tmp_path, steps="1", durable_every=5)  # hot only: b's objects only on b
+    shutil.rmtree(a)
+    # the refused rank is on node b, which holds every copy left: the rank on the new node c needs all of it
+    results = run("restore", url, "tp1pp1dp2", [tmp_path / "node-c", b], tmp_path, bad_into_rank=1)
+    assert results[1]["error"] == "StateError" and "cannot load into model/" in results[1]["message"], results
+    good = results[0]
+    assert good["step"] == 1 and good["source"] == "hot" and good["exact"] and good["peers"] > 0, good
+    assert good["durable"] == 0 and good["local"] == 0, good
 
 
 @pytest.mark.parametrize("world", [2, 3])

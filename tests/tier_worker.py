@@ -5,7 +5,8 @@ The environment gives each rank its node: UCP_TEST_NODE_DIRS is a JSON list of l
 (ranks with the same directory are one node), UCP_TEST_DURABLE_EVERY how often a save drains to the durable URL.
 `save` saves the given steps (a comma list) of `state(step)`; `restore` restores the latest step and writes
 OUT_DIR/rank{r}.json: the step, whether the local state equals state(step) sharded for this rank, bytes per tier;
-then it saves the given steps, if any (0: none), as the resumed job would.
+then it saves the given steps, if any (0: none), as the resumed job would. UCP_TEST_BAD_INTO_RANK names a rank
+that restores into a tensor of the wrong shape: it writes the error it gets instead.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def main(action: str, url: str, layout_name: str, out_dir: str, steps: str) -> N
                 extra={"step": step, "rng": torch.arange(4, dtype=torch.uint8) + step},
             )
         manager.wait()
+    elif os.environ.get("UCP_TEST_BAD_INTO_RANK") == str(rank):
+        param = next(iter(shard(full_state(0), CONFIG, layout, rank, STATES)["model"]))
+        try:
+            manager.restore_sharded(model, rank, into={"model": {param: torch.zeros(1)}})
+            result = {"error": None}
+        except ucp.UcpError as e:
+            result = {"error": type(e).__name__, "message": str(e)}
     else:
         local, extra, report = manager.restore_sharded(model, rank)
         r = manager.last_restore

@@ -395,20 +395,24 @@ class CheckpointReader:
             target = view[to_slices(relative(part, box))]
             landing.land(target, lambda host: self.read_object(meta, index, codec.region(part, host)))
 
+    def region_read(
+        self, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor, landing: Landing | None = None
+    ) -> ObjectCall:
+        """The read of the part of chunk object `index` that falls in region `box` of an atom into `view`
+        (`read_region`), as a call to run with others, with its object's bytes and key."""
+        return ObjectCall(
+            functools.partial(self.read_region, meta, index, box, view, landing),
+            meta.object_bytes,
+            self.read_key(meta, index),
+        )
+
     def region_reads(
         self, meta: AtomMeta, box: Box, view: torch.Tensor, landing: Landing | None = None
     ) -> list[ObjectCall]:
         """The reads that fill `view` (shaped like `box`, in the atom's stored dtype) with region `box` of an atom, one
-        per chunk object it overlaps (`read_region`; `landing` for a `view` on a device); run them in any order, at
+        per chunk object it overlaps (`region_read`; `landing` for a `view` on a device); run them in any order, at
         once."""
-        return [
-            ObjectCall(
-                functools.partial(self.read_region, meta, i, box, view, landing),
-                meta.object_bytes,
-                self.read_key(meta, i),
-            )
-            for i in chunks_touching(meta, box)
-        ]
+        return [self.region_read(meta, i, box, view, landing) for i in chunks_touching(meta, box)]
 
     def run_reads(self, reads: list[ObjectCall]) -> int:
         """Run object reads, many in flight; returns the bytes read from storage."""
@@ -480,6 +484,8 @@ class CheckpointReader:
 
 def chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
     """The grid indices of the chunk objects of `meta` that region `box` overlaps."""
+    if meta.single_chunk and all(b > a for a, b in box):  # (most atoms of a state of many small ones)
+        return [(0,) * len(box)]
     ranges = [range(a // c, (b - 1) // c + 1) if b > a else range(0) for (a, b), c in zip(box, meta.chunk_shape)]
     out: list[tuple[int, ...]] = [()]
     for r in ranges:

@@ -10,7 +10,8 @@ Every object has a checksum that the committed manifest records with its size (`
 crc32c, or the crc32c of a shard's head (index, its crc32c and the table). A reader holds each object to it, so
 an object that is stale, moved or swapped fails as surely as a flipped bit, also when only some inner chunks of
 a shard are read: each one read must carry the checksum that the (verified) table lists for its place. Zarr
-readers locate inner chunks by the index alone and never read the table.
+readers locate inner chunks by the index alone and never read the table. `ShardIndex` is a shard's head as a value:
+parsed and checked, laid out for a write, encoded.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c
 import torch
@@ -84,12 +86,127 @@ def _inner_boxes(meta: AtomMeta, outer: tuple[int, ...]) -> list[Box | None]:
 
 def index_nbytes(meta: AtomMeta) -> int:
     """Bytes of a shard's index with its checksum."""
-    return math.prod(meta.inner_grid) * INDEX_ENTRY_BYTES + CRC_BYTES
+    return _index_nbytes(math.prod(meta.inner_grid))
 
 
 def head_nbytes(meta: AtomMeta) -> int:
     """Bytes of a shard's head: its index, the index's checksum and (format 2) the inner chunks' checksum table."""
-    return index_nbytes(meta) + (math.prod(meta.inner_grid) * CRC_BYTES if meta.crc_table else 0)
+    return _head_nbytes(math.prod(meta.inner_grid), meta.crc_table)
+
+
+def _index_nbytes(count: int) -> int:
+    return count * INDEX_ENTRY_BYTES + CRC_BYTES
+
+
+def _head_nbytes(count: int, crc_table: bool) -> int:
+    return _index_nbytes(count) + (count * CRC_BYTES if crc_table else 0)
+
+
+class InnerChunk(NamedTuple):
+    """Where one inner chunk of a shard lies in the shard's object (`number`: its place in C order of the shard's
+    inner grid) and the checksum the shard's table lists for it (None for a format 1.0 shard, which has no table).
+    (A tuple: a shard of a thousand inner chunks makes a thousand of them, on every write and read of it.)"""
+
+    number: int
+    offset: int
+    nbytes: int
+    crc: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """A shard's head as a value (zarr-python's `_ShardIndex`, with ucp's checksum table): of the `count` inner chunks
+    of the shard, in C order, those inside the array (`chunks`, each where it lies and its checksum); the others are
+    absent. `crc_table`: the head has the table of the inner chunks' checksums (format 2; not format 1.0).
+
+    `parse` reads and checks the head of a stored shard, `laid_out` is the index of a shard that ucp writes, and
+    `head` is its bytes: `parse` of `head` gives the index back."""
+
+    count: int
+    chunks: tuple[InnerChunk, ...]
+    crc_table: bool = True
+
+    @classmethod
+    def laid_out(cls, meta: AtomMeta, sums: Sequence[tuple[int, bytes] | None]) -> ShardIndex:
+        """The index of a shard of `meta` whose inner chunks (C order) are stored with these (bytes, checksum), None
+        for those outside the array: back to back after the head, as ucp writes shards (format 2)."""
+        chunks = []
+        offset = head_nbytes(meta)
+        for number, stored in enumerate(sums):
+            if stored is not None:
+                chunks.append(InnerChunk(number, offset, stored[0], stored[1]))
+                offset += stored[0]
+        return cls(len(sums), tuple(chunks), crc_table=True)
+
+    @classmethod
+    def parse(
+        cls,
+        meta: AtomMeta,
+        outer: tuple[int, ...],
+        data: bytes | memoryview,
+        where: str,
+        recorded: ObjectSum | None = None,
+    ) -> ShardIndex:
+        """The index of shard `outer` of `meta` from its head (`data`, at least `head_nbytes(meta)` bytes), checked:
+        the index's own checksum, the head's against the one the commit `recorded` for the object, and every inner
+        chunk inside the array present with the size the metadata gives it, after the head (IntegrityError naming
+        `where`)."""
+        n, head = index_nbytes(meta), head_nbytes(meta)
+        if len(data) < head:
+            raise IntegrityError(f"{where}: truncated shard ({len(data)} bytes, its head alone needs {head})")
+        raw = memoryview(data)[: n - CRC_BYTES]
+        _verify([raw], memoryview(data)[n - CRC_BYTES : n], f"{where} (shard index)")
+        if recorded is not None and _crc(memoryview(data)[:head]) != _crc_bytes(recorded[1]):
+            raise _not_recorded(where)
+        values = struct.unpack(f"<{len(raw) // 8}Q", raw)
+        table = bytes(memoryview(data)[n:head]) if meta.crc_table else None
+        expected = meta.stored_chunk_bytes() + CRC_BYTES
+        chunks: list[InnerChunk] = []
+        boxes = _inner_boxes(meta, outer)  # (those outside the array are absent: their entries are not read)
+        for i, box in enumerate(boxes):
+            offset, nbytes = values[2 * i], values[2 * i + 1]
+            if box is None:
+                continue
+            if offset == EMPTY_INDEX_ENTRY:
+                raise IntegrityError(f"{where}: inner chunk {i} is missing from the shard index")
+            if nbytes != expected or offset < head:
+                raise IntegrityError(
+                    f"{where}: inner chunk {i} has a bad index entry (offset {offset}, {nbytes} bytes)"
+                )
+            crc = table[i * CRC_BYTES : (i + 1) * CRC_BYTES] if table is not None else None
+            chunks.append(InnerChunk(i, offset, nbytes, crc))
+        return cls(len(boxes), tuple(chunks), crc_table=meta.crc_table)
+
+    def head(self) -> list[bytes]:
+        """The head's bytes: the index ((offset, nbytes) per inner chunk, all ones where absent), its checksum and,
+        with `crc_table`, the table (zeros where absent)."""
+        entries = [EMPTY_INDEX_ENTRY] * (2 * self.count)
+        table = [bytes(CRC_BYTES)] * self.count
+        for number, offset, nbytes, crc in self.chunks:
+            entries[2 * number] = offset
+            entries[2 * number + 1] = nbytes
+            if crc is not None:
+                table[number] = crc
+        index = struct.pack(f"<{len(entries)}Q", *entries)
+        return [index, _crc(index), b"".join(table)] if self.crc_table else [index, _crc(index)]
+
+    @property
+    def head_nbytes(self) -> int:
+        return _head_nbytes(self.count, self.crc_table)
+
+    def is_dense(self) -> bool:
+        """Whether the inner chunks lie back to back right after the head, in C order: as ucp writes shards, so that
+        a reader that assumed it (one read of a whole shard) read each where it lies."""
+        pos = self.head_nbytes
+        for c in self.chunks:
+            if c.offset != pos:
+                return False
+            pos += c.nbytes
+        return True
+
+    def by_offset(self) -> list[InnerChunk]:
+        """The inner chunks in the order they lie in the object (a scatter read takes them so)."""
+        return sorted(self.chunks, key=lambda c: c.offset)
 
 
 def _inner_chunk_parts(
@@ -143,23 +260,17 @@ def encode(meta: AtomMeta, outer: tuple[int, ...], chunk: torch.Tensor) -> Encod
         return Encoded(plain, (_nbytes(plain), struct.unpack("<I", plain[-1])[0]))
     assert meta.crc_table, "ucp writes format 2 shards only"
     parts: list[memoryview | bytes] = []
-    entries: list[int] = []
-    table: list[bytes] = []
-    offset = head_nbytes(meta)
+    sums: list[tuple[int, bytes] | None] = []
     for inner_parts in _inner_chunk_parts(meta, outer, chunk):
         if inner_parts is None:
-            entries += [EMPTY_INDEX_ENTRY, EMPTY_INDEX_ENTRY]
-            table.append(bytes(CRC_BYTES))
+            sums.append(None)
             continue
-        nbytes = _nbytes(inner_parts)
         parts += inner_parts
-        table.append(inner_parts[-1])  # type: ignore[arg-type]  # (the checksum part is bytes)
-        entries += [offset, nbytes]
-        offset += nbytes
-    index = struct.pack(f"<{len(entries)}Q", *entries)
-    head = [index, _crc(index), b"".join(table)]
+        sums.append((_nbytes(inner_parts), inner_parts[-1]))  # type: ignore[arg-type]  # (the checksum part is bytes)
+    index = ShardIndex.laid_out(meta, sums)
+    head = index.head()
     head_sum = struct.unpack("<I", _crc(*head))[0]
-    return Encoded([*head, *parts], (offset, head_sum))
+    return Encoded([*head, *parts], (index.head_nbytes + sum(s[0] for s in sums if s is not None), head_sum))
 
 
 def encode_pack(
@@ -195,17 +306,6 @@ def encode_pack(
 # ------------------------------------------------------------------------------------------ decoding
 
 
-@dataclass(frozen=True)
-class InnerChunk:
-    """Where one inner chunk lies in its shard object, which part of the array it holds, and the checksum the
-    shard's table lists for it (None for a format 1.0 shard, which has no table)."""
-
-    box: Box
-    offset: int
-    nbytes: int
-    crc: bytes | None = None
-
-
 def _verify(
     payload: Sequence[memoryview | bytes | bytearray],
     stored_crc: memoryview | bytes | bytearray,
@@ -229,35 +329,6 @@ def _not_recorded(where: str) -> IntegrityError:
 
 def _crc_bytes(value: int) -> bytes:
     return struct.pack("<I", value)
-
-
-def parse_index(
-    meta: AtomMeta, outer: tuple[int, ...], data: bytes | memoryview, where: str, recorded: ObjectSum | None = None
-) -> list[InnerChunk]:
-    """Verify a shard's head (index and, in format 2, the checksum table, against the checksum the commit
-    recorded) and return the inner chunks it lists (boxes in array coordinates)."""
-    n, head = index_nbytes(meta), head_nbytes(meta)
-    if len(data) < head:
-        raise IntegrityError(f"{where}: truncated shard ({len(data)} bytes, its head alone needs {head})")
-    raw = memoryview(data)[: n - CRC_BYTES]
-    _verify([raw], memoryview(data)[n - CRC_BYTES : n], f"{where} (shard index)")
-    if recorded is not None and _crc(memoryview(data)[:head]) != _crc_bytes(recorded[1]):
-        raise _not_recorded(where)
-    values = struct.unpack(f"<{len(raw) // 8}Q", raw)
-    table = bytes(memoryview(data)[n:head]) if meta.crc_table else None
-    expected = meta.stored_chunk_bytes() + CRC_BYTES
-    chunks: list[InnerChunk] = []
-    for i, box in enumerate(_inner_boxes(meta, outer)):
-        offset, nbytes = values[2 * i], values[2 * i + 1]
-        if box is None:
-            continue
-        if offset == EMPTY_INDEX_ENTRY:
-            raise IntegrityError(f"{where}: inner chunk {i} is missing from the shard index")
-        if nbytes != expected or offset < head:
-            raise IntegrityError(f"{where}: inner chunk {i} has a bad index entry (offset {offset}, {nbytes} bytes)")
-        crc = table[i * CRC_BYTES : (i + 1) * CRC_BYTES] if table is not None else None
-        chunks.append(InnerChunk(box, offset, nbytes, crc))
-    return chunks
 
 
 class ChunkSink:
@@ -428,7 +499,8 @@ def read_object(
         whole_dest = _whole_shard_dest(meta, outer, dest_for)
         if whole_dest is not None and _read_whole_shard(storage, key, meta, outer, whole_dest, where, recorded):
             return
-        boxes = [b for b in _inner_boxes(meta, outer) if b is not None]
+        inner_boxes = _inner_boxes(meta, outer)
+        boxes = [b for b in inner_boxes if b is not None]
         all_wanted = all(dest_for(b) is not None for b in boxes)
         if (
             whole_dest is None
@@ -440,8 +512,10 @@ def read_object(
         whole = storage.read(key) if all_wanted and storage.capabilities.whole_object_reads else None
         head = whole if whole is not None else storage.read(key, 0, head_nbytes(meta))
         extents = []
-        for inner in sorted(parse_index(meta, outer, head, where, recorded), key=lambda c: c.offset):
-            wanted = dest_for(inner.box)
+        for inner in ShardIndex.parse(meta, outer, head, where, recorded).by_offset():
+            box = inner_boxes[inner.number]
+            assert box is not None  # (the index lists the inner chunks inside the array only)
+            wanted = dest_for(box)
             if wanted is not None:
                 extents.append((inner.offset, ChunkSink(wanted[0], chunk_shape, wanted[1]), inner.crc))
         if extents:
@@ -507,11 +581,11 @@ def _read_dense_shard(
         sinks.append(ChunkSink(wanted[0], chunk_shape, wanted[1]))
     buffers = [head, *(b for sink in sinks for b in sink.buffers()), memoryview(bytearray(1))]
     got = storage.read_into(key, 0, buffers)
-    listed = parse_index(meta, outer, head[: min(got, first)], where, recorded)
-    if [c.offset for c in listed] != [first + i * step for i in range(len(boxes))]:
+    index = ShardIndex.parse(meta, outer, head[: min(got, first)], where, recorded)
+    if not index.is_dense():
         return False
     _check_length(meta, 0, got, first + len(boxes) * step, where)
-    for sink, inner in zip(sinks, listed):
+    for sink, inner in zip(sinks, index.chunks, strict=True):
         sink.finish(where, inner.crc)
     return True
 
@@ -562,11 +636,11 @@ def _read_whole_shard(
         stored = dtypes.as_bytes(scratch)
         body = [stored]
     got = storage.read_into(key, 0, [head, *body, memoryview(bytearray(1))])
-    listed = parse_index(meta, outer, head[: min(got, first)], where, recorded)
-    if [c.offset for c in listed] != [first + i * step for i in range(n)]:
+    index = ShardIndex.parse(meta, outer, head[: min(got, first)], where, recorded)
+    if not index.is_dense():
         return False
     _check_length(meta, 0, got, first + n * step, where)
-    for i, chunk in enumerate(listed):
+    for i, chunk in enumerate(index.chunks):
         if direct:
             payload, crc = data[i * size : (i + 1) * size], crcs[i * CRC_BYTES : (i + 1) * CRC_BYTES]
         else:

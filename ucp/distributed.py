@@ -10,14 +10,15 @@ checkpoint traffic is host memory even when training runs on NCCL); `VirtualWorl
 in one process (for tests, offline tools and benchmarks).
 
 The parts live in modules of their own: `ucp.sharded_model` (the model and its atoms), `ucp.sharded_save`,
-`ucp.sharded_load`; this module names them together, as the README and callers import them.
+`ucp.read_plan` (what a rank's load reads, as data), `ucp.sharded_load`; this module names them together, as the README and callers import them.
 """
 
 from __future__ import annotations
 
 from .comm import Comm, LocalComm, TorchComm
+from .read_plan import ReadPlan, plan_reads
 from .reshard import local_tensor, piece_view
-from .sharded_load import LoadReport, load_sharded, needed_objects, piece_reads
+from .sharded_load import LoadReport, load_sharded, needed_objects, piece_reads, run_plan
 from .sharded_model import (
     AtomKey,
     ShardedModel,
@@ -36,6 +37,7 @@ __all__ = [
     "LoadReport",
     "LocalComm",
     "RankSaver",
+    "ReadPlan",
     "ShardedModel",
     "TorchComm",
     "VirtualWorld",
@@ -50,7 +52,9 @@ __all__ = [
     "needed_objects",
     "piece_reads",
     "piece_view",
+    "plan_reads",
     "plan_sharded_save",
+    "run_plan",
     "save_sharded",
     "with_layout",
 ]

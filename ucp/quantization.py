@@ -9,7 +9,7 @@ Held as stored, a TP split of such a weight must cut along block boundaries, so 
 exactly the scales of its part of the weight (`ucp.partition.tp_shard` refuses another split); then a local weight
 and its local scales dequantise with the same formula as the atoms (`dequantize`). Loaded dequantised, any split
 will do: each region of a weight dequantises with the scales of the blocks it falls in (`scale_box`), which two
-ranks may share (`ucp.sharded_load`).
+ranks may share (`ucp.read_plan`, `ucp.sharded_load`).
 """
 
 from __future__ import annotations

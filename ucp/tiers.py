@@ -49,7 +49,7 @@ from .checkpoint import CheckpointReader, SaveOptions
 from .comm import Comm, LocalComm
 from .commit import CommitRecord
 from .coordination import all_gather, broadcast
-from .errors import CheckpointNotFoundError, FormatError, IntegrityError, ObjectMissingError, StorageError
+from .errors import CheckpointNotFoundError, FormatError, IntegrityError, ObjectMissingError, StorageError, UcpError
 from .format import ZARR_JSON, AtomMeta, StepManifest, chunk_indices
 from .session import SaveSession, ensure_root
 from .storage import Capabilities, IOStats, LocalStorage, ReadableStorage, Storage, scatter_into
@@ -433,7 +433,8 @@ class HotTier:
     ) -> tuple[dict[str, Any], dict[str, Any], Any, RestoreReport]:
         """This rank's local state of the newest restorable step (module doc), its extra state, the LoadReport and
         where the bytes came from; `into` and `device` as `load_sharded` takes them. Every rank calls it together."""
-        from .sharded_load import load_sharded, needed_objects
+        from .read_plan import ReadPlan, plan_reads
+        from .sharded_load import load_sharded, run_plan
         from .sharded_model import extra_state
 
         chosen = self._choose_step(durable)
@@ -450,7 +451,16 @@ class HotTier:
         reader, held = chosen.reader, chosen.held
         objects = _object_list(reader.atoms)
         number = {o: i for i, o in enumerate(objects)}
-        needs = sorted(number[o] for o in needed_objects(reader.atoms, model, self.rank) | _extra_objects(reader))
+        # One plan: what this rank asks the other nodes for is what its load then reads. A plan the step refuses (an
+        # atom it lacks, an `into` tensor of another shape) is raised once this rank has done its part of the
+        # exchange, in which the other ranks wait for it.
+        plan: ReadPlan | UcpError
+        try:
+            plan = plan_reads(reader.atoms, model, self.rank, into=into, step=chosen.step)
+        except UcpError as e:
+            plan = e
+        planned = plan.objects() if isinstance(plan, ReadPlan) else set()
+        needs = sorted(number[o] for o in planned | _extra_objects(reader))
         serve: dict[int, dict[str, int]] = {}  # peer -> {key: nbytes} that this rank sends it
         receives: set[int] = set()
         for rank, wanted in enumerate(all_gather(self.comm, lambda: Needs(needs), Needs)):
@@ -481,7 +491,9 @@ class HotTier:
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
         source = TierSource(self.storage, usable, fetched, durable_reader)
         tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes))
-        local, report = load_sharded(tiered, model, self.rank, into=into, device=device)
+        if not isinstance(plan, ReadPlan):
+            raise plan
+        local, report = run_plan(tiered, plan, into=into, device=device)
         extra = extra_state(tiered)
         stats = source.read_stats
         restore = RestoreReport(
