@@ -13,8 +13,8 @@
 
 A flag that means nothing for the chosen --from/--to (`--config` with --from hf, `--max-shard-size` with --to dcp,
 `--iteration` with --from universal, `--step` between two Megatron layouts, `-o` with local paths) is refused in one
-line naming it (the `Applies` rules of each command, checked by ucp/cli.py before the command runs). The converters
-are imported by the command that runs them, not here: `ucp --help` stays fast.
+line naming it (the `Applies` rules of each command, checked by ucp.cli_common.run_command before the command
+runs). The converters are imported by the command that runs them, not here: `ucp --help` stays fast.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ucp.cli import Applies, add_storage_option, parse_storage_options, storage_option_applies
+from ucp.cli_common import Applies, add_storage_option, parse_storage_options, storage_option_applies
 from ucp.interop.megatron_save import TORCH_DIST, UNIVERSAL
 from ucp.interop.staging import check_apart
 
