@@ -4,7 +4,7 @@ fields every family has (a model's shape as the decoder, the vocabulary and the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from ucp.errors import UcpError
 
@@ -13,6 +13,7 @@ class FamilyConfig:
     """What every family's config dataclass shares (it inherits this): head_dim derived when absent, the GQA check,
     stage_layers as ints, and JSON both ways (unknown fields refused)."""
 
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # (every family's config is a dataclass)
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -21,6 +22,7 @@ class FamilyConfig:
     head_dim: int | None
     tie_word_embeddings: bool
     make_vocab_size_divisible_by: int
+    num_local_experts: int  # routed experts per MoE layer (a dense family's config says 0)
     stage_layers: list[int] | None
 
     def __post_init__(self) -> None:
@@ -40,11 +42,11 @@ class FamilyConfig:
             self.stage_layers = [int(x) for x in self.stage_layers]
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Self:
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise UcpError(f"{cls.__name__}: unknown fields {unknown}")

@@ -38,9 +38,7 @@ class LlamaConfig(FamilyConfig):
     make_vocab_size_divisible_by: int = 128
     stage_layers: list[int] | None = None  # layers per PP model chunk (c = v*P + p); None: even split
 
-    @property
-    def num_local_experts(self) -> int:
-        return 0  # (a dense model: the reshaper asks)
+    num_local_experts = 0  # (a dense model; not a field)
 
 
 def q_rows(c: LlamaConfig) -> int:

@@ -50,7 +50,7 @@ def _hf_as_is(args: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
-def _holds(config: Any, hf: Mapping[str, Any]) -> str | None:
+def _holds(config: FamilyConfig, hf: Mapping[str, Any]) -> str | None:
     return None
 
 

@@ -180,7 +180,7 @@ def _rule_atoms(family: Family, config: FamilyConfig) -> Iterator[tuple[Rule, in
             if rule.in_layer(config, layer):
                 yield rule, layer, None
         in_layer = [r for r in expert_rules if r.in_layer(config, layer)]
-        experts = (getattr(config, "num_local_experts", 0) or 0) if in_layer else 0
+        experts = config.num_local_experts if in_layer else 0
         for expert in range(experts):
             for rule in in_layer:
                 yield rule, layer, expert

@@ -697,7 +697,7 @@ class _DataFile:
 
 def _prepended(config: FamilyConfig, index: tuple[int, ...], per_layer: bool = False) -> tuple[int, ...]:
     """The global sizes of the prepended axes: layers (unless each layer has keys of its own), then experts."""
-    axes = (() if per_layer else (config.num_hidden_layers,)) + (getattr(config, "num_local_experts", 0),)
+    axes = (() if per_layer else (config.num_hidden_layers,)) + (config.num_local_experts,)
     return axes[: len(index)]
 
 
