@@ -164,7 +164,8 @@ def _small_states_run(args: argparse.Namespace) -> bool:
     return args.procs == 1 and args.small_tensors != 0 and (local or args.small_tensors is not None)
 
 
-# where each flag that depends on the targets or on --procs means something (ucp.cli_common.refuse_inapplicable refuses the others)
+# where each flag that depends on the targets or on --procs means something (ucp.cli_common.refuse_inapplicable
+# refuses the others)
 RULES = (
     Applies("--endpoint-url", "endpoint_url", lambda args: "s3" in args.targets, "with the s3 target", _targets),
     Applies("--bucket", "bucket", lambda args: "s3" in args.targets, "with the s3 target", _targets),

@@ -101,7 +101,7 @@ def draw_config(family: str, rng: random.Random) -> FamilyConfig:
 
 
 def draw_hf(family: str, rng: random.Random) -> dict:
-    """HF fields a config does not model, as an export of the family carries them (each one the args have a name for)."""
+    """HF fields a config does not model, as an export of the family carries them (each one the args name)."""
     hf = {"rms_norm_eps": rng.choice([1e-5, 1e-6]), "max_position_embeddings": rng.choice([2048, 4096])}
     hf["rope_theta"] = rng.choice([1e4, 5e5, 1e6])
     if family in ("mixtral", "qwen_moe", "deepseek_v3"):

@@ -11,7 +11,7 @@ config is refused (ucp.interop.hf).
 OLMoE is the same mixture with q and k norms that span all heads (`qk_norm_full`: an RMSNorm over q's
 num_heads x head_dim values and one over k's num_kv_heads x head_dim, before the heads are split), which
 Megatron-Core has no layer for: its atoms are TP-split with their heads (rows of q and k), and a Megatron conversion
-of it is refused (ucp.interop.megatron)."""
+of it is refused (its Megatron names, below, say why)."""
 
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ class FlatPart:
 
 @dataclass
 class DistTensors:
-    """The reader of a torch_dist source (megatron.TensorFile): each meta tensor it hands out is the slice at
+    """The reader of a torch_dist source (megatron_source.TensorFile): each meta tensor it hands out is the slice at
     `index` of a global tensor (`tensor`) or is assembled from parts of flat ones (`assembled`); `read` fills it
     from the bytes of the chunks it overlaps."""
 
@@ -369,7 +369,7 @@ def model_shape(
     """(Megatron args, family config, HF fields) of a torch_dist checkpoint: from the args Megatron-LM saves in
     common.pt or, for one saved without them (megatron-core's dist_checkpointing alone), from `model_config`: a
     Hugging Face config.json of the model, or a JSON object of the job's Megatron-LM arguments (`num_layers`,
-    `hidden_size`, ...: what `megatron.config_from_args` reads)."""
+    `hidden_size`, ...: what `megatron_args.config_from_args` reads)."""
     from ucp.interop.hf import ucp_config_from_hf
 
     if model_config is None:
@@ -484,8 +484,8 @@ def _read_fully_reshardable(
 
 
 def _saved_layout(args: Any, where: Path) -> Layout:
-    """The layout a torch_dist checkpoint was saved in (megatron.args_layout), of a job whose experts have the dense
-    layers' TP and that has no context parallelism: the dp_reshardable buckets of any other are not mapped."""
+    """The layout a torch_dist checkpoint was saved in (megatron_args.args_layout), of a job whose experts have the
+    dense layers' TP and that has no context parallelism: the dp_reshardable buckets of any other are not mapped."""
     saved = args_layout(args)
     # (expert TP unset: the dense layers' TP, as megatron-core takes it)
     etp = arg(args, "expert_tensor_parallel_size", saved.tp)
