@@ -50,7 +50,8 @@ def family_for(config: Any) -> Family:
 
 
 def megatron_family(args: Any) -> Family:
-    """The family whose Megatron names claim a Megatron-LM job's args (`MegatronNames.claims`: one family at most)."""
+    """The family whose Megatron names claim a Megatron-LM job's args (`MegatronNames.claims`; the families' claims
+    exclude each other, and a dense or MoE GPT model is always one's)."""
     claimed = [f for f in FAMILIES.values() if f.megatron is not None and f.megatron.claims(args)]
     if len(claimed) != 1:
         raise UcpError(

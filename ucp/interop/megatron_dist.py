@@ -65,7 +65,15 @@ from ucp.interop.megatron_optimizer import (
     model_param_groups,
     param_groups,
 )
-from ucp.interop.megatron_save import CHECKPOINT_VERSION, TORCH_DIST, TRACKER, extra_state_owner, iteration_dir
+from ucp.interop.megatron_save import (
+    CHECKPOINT_VERSION,
+    METADATA_JSON,
+    TORCH_DIST,
+    TRACKER,
+    extra_state_owner,
+    is_torch_dist,
+    iteration_dir,
+)
 from ucp.interop.megatron_source import MegatronSource
 from ucp.interop.megatron_target import Produce, TargetFiles
 from ucp.interop.staging import staged_dir
@@ -73,7 +81,6 @@ from ucp.interop.torch_file import TorchFile
 from ucp.layout import Layout
 from ucp.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
 
-METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 DATA_FILE = "__0_0.distcp"  # what ucp writes: one file, one chunk per layer (and expert)
 BACKEND = {
@@ -89,10 +96,6 @@ _NORMS = (  # legacy (local spec) name prefix -> the fused spelling megatron-cor
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
 )
-
-
-def is_torch_dist(iter_dir: Path) -> bool:
-    return (iter_dir / METADATA_JSON).is_file()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ CHECKPOINT_VERSION = 3.0
 # format (which needs no layout)
 UNIVERSAL = "universal"
 TORCH_DIST = "torch_dist"
+METADATA_JSON = "metadata.json"  # what makes an iteration directory one of the torch_dist format
 # Megatron-Core linear layers carry an `_extra_state` entry (None with the local spec, FP8 metadata with TE);
 # a strict load_state_dict needs it present.
 EXTRA_STATE_OWNERS = (
@@ -82,6 +83,10 @@ def rank_files(layout: Layout) -> dict[str, int]:
         for e in range(layout.ep)
         for t in range(layout.tp)
     }
+
+
+def is_torch_dist(iter_dir: Path) -> bool:
+    return (iter_dir / METADATA_JSON).is_file()
 
 
 _ITERATION_DIR = re.compile(r"iter_(\d+)")

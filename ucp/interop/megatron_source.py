@@ -29,7 +29,9 @@ from ucp.interop.megatron_files import is_model_chunk, open_rank_file, open_torc
 from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer
 from ucp.interop.megatron_save import (
     DISTRIB_OPTIM_FILE,
+    METADATA_JSON,
     RANK_FILE,
+    is_torch_dist,
     iteration_dir,
     megatron_name,
     parse_megatron_layout,
@@ -107,9 +109,9 @@ def open_megatron(
     it, iter_dir = iteration_dir(root, iteration)
     if not iter_dir.is_dir():
         raise InteropError(f"{iter_dir} does not exist (iteration {it} of {root})")
-    if (iter_dir / "metadata.json").is_file():
+    if is_torch_dist(iter_dir):
         raise SourceMismatchError(
-            f"{iter_dir} is in Megatron's torch_dist format (it has metadata.json): use --from torch_dist"
+            f"{iter_dir} is in Megatron's torch_dist format (it has {METADATA_JSON}): use --from torch_dist"
         )
     present = {d.name for d in iter_dir.iterdir() if d.name.startswith("mp_rank_")}
     expected = rank_files(want)

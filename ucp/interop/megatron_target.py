@@ -54,7 +54,8 @@ def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 @dataclass
 class TargetFiles:
-    """What the rank files of a target layout hold besides each rank's local tensors."""
+    """What a target's files hold besides each rank's local tensors (the torch format's rank files, or torch_dist's
+    common.pt and optimizer entries: megatron_dist.write_torch_dist)."""
 
     config: FamilyConfig
     layout: Layout
@@ -63,7 +64,7 @@ class TargetFiles:
     optimizer: OptimizerMeta | None = None
     scheduler: Any = None  # opt_param_scheduler: global, the same in every file
     rng: dict[str, Any] | None = None  # rank directory -> rng_state: only when the layout is the source's own
-    format: str = "torch"  # or "torch_dist" (megatron_dist.TORCH_DIST: layout tp1pp1)
+    format: str = "torch"  # or TORCH_DIST (layout tp1pp1)
     expert_parallel: bool = False  # torch_dist: the optimizer entry is for a job with EP > 1 (megatron_dist)
     # torch_dist: the layout whose grad buffers the optimizer is written in (dp_reshardable); None: fully_reshardable
     optimizer_layout: Layout | None = None
