@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import sys
 import time
 from typing import Any
 
-from ucp.cli import Applies, add_storage_option, refuse_inapplicable
+from ucp.cli_common import Applies, add_storage_option, refuse_inapplicable
 from ucp.errors import UcpError
 
+from .args import parse_list, parse_size
 from .methods import DEFAULT_METHODS, METHODS
 from .targets import CACHE_MODES, DEFAULT_TARGETS, TARGETS, Probe, Target, is_remote, probe
 
@@ -29,38 +29,6 @@ GiB = 1 << 30
 QUICK = {"size": 4 << 20, "repeats": 1, "small_tensors": 100}
 DEFAULTS = {"size": GiB, "repeats": 3, "small_tensors": 20_000}
 EMBEDDED_S3_SIZE = 256 << 20  # the default --size when the s3 target is the embedded moto server: a run of minutes
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """'1GiB', '256MiB', '512M' (decimal), '1.5g', '4096' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 256MiB, 500MB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
-def parse_list(choices: list[str]) -> Any:
-    def parse(text: str) -> list[str]:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
-        return list(dict.fromkeys(items))
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,7 +164,8 @@ def _small_states_run(args: argparse.Namespace) -> bool:
     return args.procs == 1 and args.small_tensors != 0 and (local or args.small_tensors is not None)
 
 
-# where each flag that depends on the targets or on --procs means something (ucp/cli.py refuses the others)
+# where each flag that depends on the targets or on --procs means something (ucp.cli_common.refuse_inapplicable
+# refuses the others)
 RULES = (
     Applies("--endpoint-url", "endpoint_url", lambda args: "s3" in args.targets, "with the s3 target", _targets),
     Applies("--bucket", "bucket", lambda args: "s3" in args.targets, "with the s3 target", _targets),
@@ -233,7 +202,7 @@ RULES = (
 def setup_targets(args: argparse.Namespace) -> list[Target]:
     """Every target asked for, ready and checked; the first that cannot be set up is a UcpError (those already made
     are closed first), so nothing runs against a target that will fail."""
-    from ucp.cli import parse_storage_options
+    from ucp.cli_common import parse_storage_options
 
     targets: list[Target] = []
     try:
@@ -256,7 +225,7 @@ def setup_targets(args: argparse.Namespace) -> list[Target]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`ucp bench ARGS` (ucp/cli.py reports a UcpError raised here in one line)."""
+    """`ucp bench ARGS` (ucp.cli_common.run_command reports a UcpError raised here in one line)."""
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `ucp bench -- --size 1GiB` passes the separator through
@@ -433,6 +402,6 @@ def _duration(seconds: float) -> str:
 
 
 if __name__ == "__main__":  # the same command as `ucp bench`, its errors reported the same way
-    from ucp.cli import main as ucp_main
+    from ucp.cli_common import run_command
 
-    sys.exit(ucp_main(["bench", *sys.argv[1:]]))
+    sys.exit(run_command(argparse.Namespace(func=lambda _: main(sys.argv[1:]), verbose=False)))

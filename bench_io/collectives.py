@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from trainer.launch import free_port
 
+from .args import parse_list, parse_size
+
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
 
@@ -252,8 +254,6 @@ def chart(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .__main__ import parse_list, parse_size
-
     p = argparse.ArgumentParser(
         prog="bench_io collectives", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .args import parse_size
+
 
 def make_loop(seed: int = 0) -> Any:
     g = torch.Generator().manual_seed(seed)
@@ -76,8 +78,6 @@ def _stats(times: list[float], wall: float) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .__main__ import parse_size
-
     p = argparse.ArgumentParser(
         prog="bench_io gil", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

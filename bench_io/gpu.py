@@ -55,6 +55,8 @@ import torch
 import ucp
 from ucp.landing import Landing
 
+from .args import parse_list, parse_size
+
 GiB = 1 << 30
 SEGMENT = 64 << 20  # raw files are read in pieces of this size (ucp's default object size)
 SAVES = ("floor", "ucp-async", "ucp-async-unprepared", "ucp-sync", "dcp-async", "dcp", "safetensors", "torch")
@@ -461,8 +463,6 @@ def device_description(device: torch.device) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .__main__ import parse_list, parse_size
-
     p = argparse.ArgumentParser(
         prog="bench_io gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

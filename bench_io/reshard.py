@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
-from ucp.cli import Applies, refuse_inapplicable
+from ucp.cli_common import Applies, refuse_inapplicable
+
+from .args import parse_size
 
 MAX_IO = 1 << 30
 
@@ -145,8 +147,6 @@ def pick_files(files: list[tuple[Path, int]], nbytes: int, start: int) -> list[t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .__main__ import parse_size
-
     p = argparse.ArgumentParser(
         prog="bench_io reshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

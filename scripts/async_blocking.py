@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import ucp
-from bench_io.__main__ import parse_size
+from bench_io.args import parse_size
 from bench_io.methods import timed_copy
 from bench_io.state import make_state, small_specs, transformer_state
 

@@ -71,7 +71,7 @@ def args_for(tp: int, pp: int) -> argparse.Namespace:
         import json
 
         from ucp.families import FAMILIES
-        from ucp.interop.megatron import args_for as ucp_args_for
+        from ucp.interop.megatron_args import args_for as ucp_args_for
         from ucp.layout import parse_layout
 
         doc = json.loads(os.environ["UCP_MEGATRON_CONFIG"])

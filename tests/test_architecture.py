@@ -1,21 +1,25 @@
 """docs/ARCHITECTURE.md's layers hold: no module of ucp imports one of a layer above its own (imports inside
-functions count too), and the library imports nothing of the trainer's, the benchmarks' or the data loaders'."""
+functions count too), the library imports nothing of the trainer's, the benchmarks' or the data loaders', and no
+module of ours (library, trainer, benchmarks, data loaders) takes part in an import circle."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
-UCP = Path(__file__).resolve().parents[1] / "ucp"
+ROOT = Path(__file__).resolve().parents[1]
+UCP = ROOT / "ucp"
+PACKAGES = ("ucp", "trainer", "bench_io", "dataloaders")
 LAYERS = {
-    0: {"errors", "boxes", "chunking", "workpool", "heap", "dtypes", "zarr_bfloat16", "devices"},
+    0: {"errors", "boxes", "chunking", "workpool", "heap", "dtypes", "zarr_bfloat16", "devices", "version"},
     1: {"format", "packs", "tree"},
     2: {"storage"},
     3: {"codec", "commit", "attempt", "comm", "coordination", "session"},
     4: {"staging", "landing", "writer_process", "pipeline", "checkpoint", "inspection"},
     5: {"layout", "partition", "quantization", "families", "reshard"},
     6: {"sharded_model", "read_plan", "sharded_save", "sharded_load", "distributed", "tiers"},
-    7: {"manager", "training_state", "demo", "interop", "cli", "__init__", "__main__"},
+    7: {"manager", "training_state", "demo", "interop", "cli", "cli_common", "__init__", "__main__"},
 }
 LAYER = {name: layer for layer, names in LAYERS.items() for name in names}
 
@@ -110,3 +114,93 @@ def test_the_storage_package_imports_only_what_comes_before_each_module():
                     if STORAGE_ORDER.index(t.split(".")[0]) >= STORAGE_ORDER.index(name)
                 ]
     assert not later, "\n".join(later)
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Dotted name -> file of every module of ours under `root` (a package by its __init__.py)."""
+    out = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: the line}: every import of the file, at its top, inside functions or under
+    TYPE_CHECKING, of a module of ours; `from a import b` is an import of a.b where that is a module, else of a."""
+    files = module_files(root)
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for target in targets:
+                name = known(target)
+                if name is not None and name != module:
+                    edges.setdefault(name, node.lineno)
+        graph[module] = edges
+    return graph
+
+
+def circle_through(graph: dict[str, dict[str, int]], start: str) -> list[str] | None:
+    """A shortest import path from `start` back to itself, or None (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for target in graph.get(module, {}):
+                if target == start:
+                    path = [module]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if target not in came_from:
+                    came_from[target] = module
+                    following.append(target)
+        frontier = following
+    return None
+
+
+def test_the_import_graph_has_no_circles():
+    """What two modules share lives below both: an import circle (through imports inside functions or under
+    TYPE_CHECKING too) ties modules that a reader, and the import system, must take in one go."""
+    graph = import_graph()
+    circles, seen = [], set()
+    for module in sorted(graph):
+        circle = circle_through(graph, module)
+        if circle is not None and not set(circle) <= seen:
+            seen |= set(circle)
+            circles.append(
+                " -> ".join(f"{a} (line {graph[a][b]})" for a, b in itertools.pairwise(circle)) + f" -> {module}"
+            )
+    assert not circles, "\n".join(circles)
+
+
+def test_the_circle_check_finds_a_circle(tmp_path):
+    """The check above is no formality: two modules that import each other (one inside a function, one for typing
+    only) are a circle it names."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "ucp" / "a.py").write_text("def f():\n    from ucp.b import g\n")
+    (tmp_path / "ucp" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    graph = import_graph(tmp_path)
+    assert circle_through(graph, "ucp.a") == ["ucp.a", "ucp.b", "ucp.a"]
+    assert circle_through(graph, "ucp") is None

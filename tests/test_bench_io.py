@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench_io import methods, state, targets
-from bench_io.__main__ import parse_size
+from bench_io.args import parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,6 +21,8 @@ import pytest
 from bench_io import __main__ as bench_main
 from bench_io import reshard as bench_reshard
 from ucp import cli
+from ucp.cli_common import refuse_inapplicable
+from ucp.errors import UcpError
 
 Variant = dict[str, Any]
 ALWAYS: Callable[[Variant], bool] = lambda v: True
@@ -215,8 +217,8 @@ def applies(command: str, argv: list[str]) -> bool:
         args = cli.build_parser().parse_args(argv)
         rules, context = getattr(args, "rules", ()), getattr(args, "context", str)
     try:
-        cli.refuse_inapplicable(args, rules, context)
-    except cli.UcpError:
+        refuse_inapplicable(args, rules, context)
+    except UcpError:
         return False
     return True
 

@@ -17,9 +17,11 @@ import torch
 import ucp
 from ucp.families import MixtralConfig, canonical_atoms
 from ucp.interop.hf import hf_config_from_ucp
-from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
+from ucp.interop.megatron import convert
 from ucp.interop.megatron_distrib_optim import MOMENTS
+from ucp.interop.megatron_files import load_rank_file
 from ucp.interop.megatron_optimizer import MASTER, DistributedBuffers, OptimizerMeta
+from ucp.interop.megatron_save import RANK_FILE, parse_megatron_layout, rank_files
 from ucp.layout import Layout
 from ucp.reshard import shard
 from ucp.sharded_model import ShardedModel

@@ -19,8 +19,10 @@ from ucp import cli as ucp_cli
 from ucp.errors import UcpError
 from ucp.families import LlamaConfig, canonical_atoms
 from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.megatron import RANK_FILE, convert, load_rank_file, parse_megatron_layout, rank_files
+from ucp.interop.megatron import convert
 from ucp.interop.megatron_dist import dist_name
+from ucp.interop.megatron_files import load_rank_file
+from ucp.interop.megatron_save import RANK_FILE, parse_megatron_layout, rank_files
 from ucp.reshard import shard
 
 from .helpers import assert_same_state

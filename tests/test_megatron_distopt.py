@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from ucp.interop import InteropError
-from ucp.interop.megatron import DISTRIB_OPTIM_FILE, RANK_FILE, convert, load_rank_file
+from ucp.interop.megatron import convert
+from ucp.interop.megatron_files import load_rank_file
+from ucp.interop.megatron_save import DISTRIB_OPTIM_FILE, RANK_FILE
 
 from .helpers import DRAW
 from .launch import spawn
@@ -547,8 +549,9 @@ def assert_megatrons_own_buckets(ours: Path, megatrons: Path, layout: str) -> No
     """ucp's dp_reshardable torch_dist for `layout` holds megatron-core's own save in that layout: the same keys,
     objects (param groups, bucket sizes) and common.pt entries, and every parameter's values in every bucket
     bitwise (between parameters megatron-core saves the uninitialised memory of its alignment padding, ucp zeros)."""
-    from ucp.interop.megatron import bucket_size_of, parse_megatron_layout
+    from ucp.interop.megatron_args import bucket_size_of
     from ucp.interop.megatron_dist import COMMON, open_torch_dist
+    from ucp.interop.megatron_save import parse_megatron_layout
 
     ours_t, ours_o = bucket_tensors(ours / ITER)
     theirs_t, theirs_o = bucket_tensors(megatrons / ITER)

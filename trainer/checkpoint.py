@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,13 +26,26 @@ from ucp.pipeline import SaveHandle
 from ucp.training_state import rng_state, set_rng_state
 
 from .config import Config
-from .parallel.data import MASTER, lr_at
+from .data import TokenSource
+from .parallel.data import MASTER, DistributedAdamW, lr_at
+from .parallel.mesh import Mesh
 from .weights import ucp_config
 
-if TYPE_CHECKING:
-    from .train import Trainer
-
 OPTIM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class Trained(Protocol):
+    """What a run's checkpoints save and restore of its trainer (train.Trainer is one): its local state in ucp's
+    form, the optimizer's step and precision, the data loader's position, where the rank sits in the layout."""
+
+    mesh: Mesh
+    optimizer: DistributedAdamW
+    data: TokenSource
+    device: torch.device
+
+    def local_state(self) -> dict: ...
+
+    def load_local_state(self, state: dict) -> None: ...
 
 
 @dataclass
@@ -48,7 +61,7 @@ class Resumed:
 class Checkpointer:
     """One training run's checkpoints under `cfg.checkpoint.url` (every rank builds one, in the same order)."""
 
-    def __init__(self, cfg: Config, trainer: Trainer):
+    def __init__(self, cfg: Config, trainer: Trained):
         self.cfg, self.trainer = cfg, trainer
         self.interval = cfg.checkpoint.interval
         config, layout = ucp_config(cfg.model, cfg.train.stage_layers), trainer.mesh.layout

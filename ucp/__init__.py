@@ -11,7 +11,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 # name -> the module that defines it
 _EXPORTS = {

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, codec, commit, dtypes, tree
+from . import codec, commit, dtypes, tree
 from .boxes import Box, full_box, intersect, relative, to_slices
 from .chunking import ChunkingPolicy, choose_chunks
 from .devices import load_device, on_host
@@ -41,6 +41,7 @@ from .packs import pack_object_key
 from .pipeline import ChunkJob, SavePipeline, SavePlan, one_shot_staging
 from .session import SaveSession
 from .storage import ReadableStorage, Storage, open_storage
+from .version import __version__
 from .workpool import ObjectCall, run_sized
 
 

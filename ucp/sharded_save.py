@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, dtypes, tree
+from . import dtypes, tree
 from .boxes import Box, box_numel, box_shape, intersect, relative, to_slices
 from .checkpoint import SaveOptions, chunk_jobs, group_paths, io_threads_for, plan_atoms
 from .chunking import ChunkingPolicy
@@ -26,6 +26,7 @@ from .reshard import LocalTensor, Transfer, chunk_write_plan, local_plan, local_
 from .session import SaveSession
 from .sharded_model import AtomKey, ShardedModel, atom_metas, quantised_dtypes
 from .storage import Storage, open_storage
+from .version import __version__
 
 
 def _local_dtypes(

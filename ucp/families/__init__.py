@@ -1,4 +1,5 @@
-"""Model families: each is a config dataclass plus a declarative rules table (see ``table.py``)."""
+"""Model families: each is a config dataclass (``config.py``), a declarative rules table (``table.py``) and the names
+Megatron-LM's arguments give its models (``megatron_names.py``)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ from typing import Any
 
 from ucp.errors import UcpError
 from ucp.families import table
+from ucp.families.config import FamilyConfig
 from ucp.families.deepseek import FAMILY as DEEPSEEK_V3
 from ucp.families.deepseek import DeepseekV3Config
 from ucp.families.llama import FAMILY as LLAMA
 from ucp.families.llama import LlamaConfig
+from ucp.families.megatron_names import MegatronNames
 from ucp.families.mixtral import FAMILY as MIXTRAL
 from ucp.families.mixtral import MixtralConfig
 from ucp.families.qwen_moe import FAMILY as QWEN_MOE
@@ -24,7 +27,9 @@ __all__ = [
     "DeepseekV3Config",
     "ExpertNames",
     "Family",
+    "FamilyConfig",
     "LlamaConfig",
+    "MegatronNames",
     "MixtralConfig",
     "QwenMoeConfig",
     "Rule",
@@ -33,6 +38,7 @@ __all__ = [
     "canonical_atoms",
     "expert_names_of",
     "family_for",
+    "megatron_family",
 ]
 
 
@@ -43,21 +49,33 @@ def family_for(config: Any) -> Family:
     raise UcpError(f"no model family for config of type {type(config).__name__}; known: {sorted(FAMILIES)}")
 
 
-def canonical_atoms(config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
+def megatron_family(args: Any) -> Family:
+    """The family whose Megatron names claim a Megatron-LM job's args (`MegatronNames.claims`; the families' claims
+    exclude each other, and a dense or MoE GPT model is always one's)."""
+    claimed = [f for f in FAMILIES.values() if f.megatron is not None and f.megatron.claims(args)]
+    if len(claimed) != 1:
+        raise UcpError(
+            f"the args describe a model of {' and of '.join(f.name for f in claimed) or 'no family'} "
+            f"(known: {sorted(FAMILIES)})"
+        )
+    return claimed[0]
+
+
+def canonical_atoms(config: FamilyConfig) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
     """Every canonical atom of the model: name -> (full shape, partition spec), in the family's fixed order."""
     return table.canonical_atoms(family_for(config), config)
 
 
-def buffer_atoms(config: Any) -> frozenset[str]:
+def buffer_atoms(config: FamilyConfig) -> frozenset[str]:
     """The atoms that are buffers, not parameters: no optimizer state, outside ZeRO's flat buffers."""
     return table.buffer_atoms(family_for(config), config)
 
 
-def block_scales(config: Any) -> dict[str, str]:
+def block_scales(config: FamilyConfig) -> dict[str, str]:
     """The model's block-quantised weights (`ucp.quantization`): weight atom name -> its scale atom's name."""
     return table.block_scales(family_for(config), config)
 
 
-def expert_names_of(config: Any) -> ExpertNames | None:
+def expert_names_of(config: FamilyConfig) -> ExpertNames | None:
     """The atom names of the model's routers and experts (None for a dense model)."""
     return expert_names(family_for(config))

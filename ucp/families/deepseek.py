@@ -18,15 +18,17 @@ Megatron's GPT model run, and have no atoms here (ucp.interop.hf refuses them ra
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ucp.dtypes import zarr_name
 from ucp.errors import UcpError
 from ucp.families import llama, qwen_moe
+from ucp.families.config import FamilyConfig
+from ucp.families.megatron_names import MegatronNames, arg, experts, latent_attention, required
 from ucp.families.table import (
     Family,
-    FamilyConfig,
     Rule,
     block_scaled,
     column_split,
@@ -219,4 +221,115 @@ _RULES = (
 # (the `*_proj.weight`s and `kv_a_proj_with_mqa.weight`), not the embedding, the norms, the router or the output layer.
 RULES = block_scaled(_RULES, lambda r: re.search(r"_proj(_with_mqa)?\.weight$", r.canonical) is not None)
 
-FAMILY = Family("deepseek_v3", DeepseekV3Config, RULES)
+
+# The router's settings: HF name -> Megatron's (sigmoid scores, grouped top-k, the scaling of the weights)
+_ROUTER_ARGS = {
+    "n_group": "moe_router_num_groups",
+    "topk_group": "moe_router_group_topk",
+    "routed_scaling_factor": "moe_router_topk_scaling_factor",
+}
+# YaRN's RoPE settings: HF's rope_parameters field -> Megatron's MLA arg
+_YARN_ARGS = {
+    "factor": "rotary_scaling_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+}
+
+
+def _from_megatron(args: Any, shape: dict[str, Any]) -> DeepseekV3Config:
+    """From Megatron's MLA MoE args: its MoE layers must be the last ones (moe_layer_freq [0]*k + [1]*(n-k), or 1),
+    its router sigmoid with the expert bias (the atom of HF's correction bias)."""
+    if not experts(args):
+        raise UcpError("multi-latent attention without experts has no DeepSeek-V3 atoms here")
+    layers = shape["num_hidden_layers"]
+    freq = arg(args, "moe_layer_freq", 1)
+    pattern = [1] * layers if freq == 1 else list(freq) if isinstance(freq, (list, tuple)) else None
+    k = next((i for i, x in enumerate(pattern or []) if x), layers)
+    if pattern is None or len(pattern) != layers or any(x != (i >= k) for i, x in enumerate(pattern)):
+        raise UcpError(
+            f"moe_layer_freq={freq!r}; ucp's DeepSeek-V3 family has dense layers first, then MoE layers only"
+        )
+    if not arg(args, "moe_router_enable_expert_bias", False):
+        raise UcpError(
+            "moe_router_enable_expert_bias is off; ucp's DeepSeek-V3 family holds the router's expert bias "
+            "(HF's e_score_correction_bias)"
+        )
+    dense = required(args, "ffn_hidden_size")
+    ffn = arg(args, "moe_ffn_hidden_size") or dense
+    shared = arg(args, "moe_shared_expert_intermediate_size", 0)
+    if shared % ffn:
+        raise UcpError(f"moe_shared_expert_intermediate_size={shared} is not a multiple of {ffn}")
+    return DeepseekV3Config(
+        intermediate_size=dense,
+        moe_intermediate_size=ffn,
+        num_local_experts=experts(args),
+        num_experts_per_tok=arg(args, "moe_router_topk", 2),
+        n_shared_experts=shared // ffn,
+        first_k_dense_replace=k,
+        q_lora_rank=arg(args, "q_lora_rank"),
+        kv_lora_rank=required(args, "kv_lora_rank"),
+        qk_nope_head_dim=required(args, "qk_head_dim"),
+        qk_rope_head_dim=required(args, "qk_pos_emb_head_dim"),
+        v_head_dim=required(args, "v_head_dim"),
+        **{k: v for k, v in shape.items() if k != "head_dim"},
+    )
+
+
+def _megatron_args(c: DeepseekV3Config, hf: Mapping[str, Any]) -> dict[str, Any]:
+    out = {
+        "ffn_hidden_size": c.intermediate_size,
+        "multi_latent_attention": True,
+        "q_lora_rank": c.q_lora_rank,
+        "kv_lora_rank": c.kv_lora_rank,
+        "qk_head_dim": c.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim,
+        "moe_ffn_hidden_size": c.moe_intermediate_size,
+        "num_experts": c.num_local_experts,
+        "moe_router_topk": c.num_experts_per_tok,
+        "moe_shared_expert_intermediate_size": c.moe_intermediate_size * c.n_shared_experts,
+        "moe_layer_freq": [0] * c.first_k_dense_replace + [1] * (c.num_hidden_layers - c.first_k_dense_replace),
+        "moe_router_enable_expert_bias": True,
+        "moe_router_score_function": "sigmoid",
+        **{m: hf[h] for h, m in _ROUTER_ARGS.items() if h in hf},
+    }
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn":
+        out.update(rope_type="yarn", **{m: rope[h] for h, m in _YARN_ARGS.items() if h in rope})
+    return out
+
+
+def _hf_from_megatron(args: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    """The router's settings and YaRN's (in rope_parameters, beside RoPE's base) as the args say them."""
+    out = {**hf, **{h: arg(args, m) for h, m in _ROUTER_ARGS.items() if arg(args, m) is not None}}
+    if arg(args, "rope_type") == "yarn":
+        rope = dict(out.pop("rope_parameters", None) or {})
+        rope.update(rope_type="yarn", rope_theta=out.pop("rope_theta", rope.get("rope_theta")))
+        rope.update({h: arg(args, m) for h, m in _YARN_ARGS.items() if arg(args, m) is not None})
+        out["rope_parameters"] = rope
+    return out
+
+
+def _megatron_refuses(c: DeepseekV3Config, hf: Mapping[str, Any]) -> str | None:
+    if hf.get("rope_interleave") is False:
+        return (
+            "rope_interleave=False, but Megatron's multi-latent attention applies RoPE to interleaved pairs (HF's "
+            "default, rope_interleave=True): Megatron would compute another model"
+        )
+    return None
+
+
+# Megatron-LM's GPT model with multi-latent attention; its layers differ (dense, then MoE: a moe_layer_freq list)
+MEGATRON = MegatronNames(
+    lambda args: latent_attention(args),
+    _from_megatron,
+    _megatron_args,
+    hf_fields=_hf_from_megatron,
+    refuses=_megatron_refuses,
+    layers_apart=True,
+)
+
+FAMILY = Family("deepseek_v3", DeepseekV3Config, RULES, MEGATRON)

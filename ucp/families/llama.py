@@ -5,11 +5,14 @@ gate and up fused in linear_fc1, the q/k norms as q_layernorm and k_layernorm.""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from ucp.families.config import FamilyConfig
+from ucp.families.megatron_names import MegatronNames, arg, experts, latent_attention, required
 from ucp.families.table import (
     Family,
-    FamilyConfig,
     Rule,
     embedding_spec,
     gate_up_spec,
@@ -35,9 +38,7 @@ class LlamaConfig(FamilyConfig):
     make_vocab_size_divisible_by: int = 128
     stage_layers: list[int] | None = None  # layers per PP model chunk (c = v*P + p); None: even split
 
-    @property
-    def num_local_experts(self) -> int:
-        return 0  # (a dense model: the reshaper asks)
+    num_local_experts = 0  # (a dense model; not a field)
 
 
 def q_rows(c: LlamaConfig) -> int:
@@ -177,4 +178,26 @@ RULES = (
     ),
 )
 
-FAMILY = Family("llama", LlamaConfig, RULES)
+
+def _from_megatron(args: Any, shape: dict[str, Any]) -> LlamaConfig:
+    return LlamaConfig(
+        intermediate_size=required(args, "ffn_hidden_size"),
+        attention_bias=bool(arg(args, "add_qkv_bias", False)),
+        qk_norm=bool(arg(args, "qk_layernorm", False)),
+        **shape,
+    )
+
+
+def _megatron_args(c: LlamaConfig, hf: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "ffn_hidden_size": c.intermediate_size,
+        "num_experts": None,
+        "add_qkv_bias": c.attention_bias,
+        "qk_layernorm": c.qk_norm,
+    }
+
+
+# Megatron-LM's dense GPT model: q/k/v biases and q/k layer norms as the args say
+MEGATRON = MegatronNames(lambda args: not experts(args) and not latent_attention(args), _from_megatron, _megatron_args)
+
+FAMILY = Family("llama", LlamaConfig, RULES, MEGATRON)

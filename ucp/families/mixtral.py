@@ -5,10 +5,14 @@ experts as `mlp.experts.local_experts.{e}.linear_fc1` (w1 and w3 fused) and `lin
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from ucp.families import llama
-from ucp.families.table import Family, FamilyConfig, Rule, gate_up_spec, replicated, row_split
+from ucp.families import llama, qwen_moe
+from ucp.families.config import FamilyConfig
+from ucp.families.megatron_names import MegatronNames, arg, experts, latent_attention, required
+from ucp.families.table import Family, Rule, gate_up_spec, replicated, row_split
 
 
 @dataclass
@@ -69,4 +73,30 @@ RULES = (
     *(r for r in llama.RULES if r.place == "last"),
 )
 
-FAMILY = Family("mixtral", MixtralConfig, RULES)
+
+def _from_megatron(args: Any, shape: dict[str, Any]) -> MixtralConfig:
+    return MixtralConfig(
+        intermediate_size=arg(args, "moe_ffn_hidden_size") or required(args, "ffn_hidden_size"),
+        num_local_experts=experts(args),
+        num_experts_per_tok=arg(args, "moe_router_topk", 2),
+        **shape,
+    )
+
+
+def _megatron_args(c: MixtralConfig, hf: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "ffn_hidden_size": c.intermediate_size,
+        "moe_ffn_hidden_size": c.intermediate_size,
+        "num_experts": c.num_local_experts,
+        "moe_router_topk": c.num_experts_per_tok,
+    }
+
+
+# Megatron-LM's MoE GPT model with none of what the Qwen MoE family adds (q/k norms, q/k/v biases, a shared expert)
+MEGATRON = MegatronNames(
+    lambda args: bool(experts(args)) and not latent_attention(args) and not qwen_moe.MEGATRON.claims(args),
+    _from_megatron,
+    _megatron_args,
+)
+
+FAMILY = Family("mixtral", MixtralConfig, RULES, MEGATRON)

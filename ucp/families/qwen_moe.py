@@ -11,14 +11,19 @@ config is refused (ucp.interop.hf).
 OLMoE is the same mixture with q and k norms that span all heads (`qk_norm_full`: an RMSNorm over q's
 num_heads x head_dim values and one over k's num_kv_heads x head_dim, before the heads are split), which
 Megatron-Core has no layer for: its atoms are TP-split with their heads (rows of q and k), and a Megatron conversion
-of it is refused (ucp.interop.megatron)."""
+of it is refused (its Megatron names, below, say why)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from ucp.errors import UcpError
 from ucp.families import llama
-from ucp.families.table import Family, FamilyConfig, Rule, column_split, gate_up_spec, replicated, row_split
+from ucp.families.config import FamilyConfig
+from ucp.families.megatron_names import MegatronNames, arg, experts, latent_attention, required
+from ucp.families.table import Family, Rule, column_split, gate_up_spec, replicated, row_split
 
 
 @dataclass
@@ -151,4 +156,62 @@ RULES = (
     *(r for r in llama.RULES if r.place == "last"),
 )
 
-FAMILY = Family("qwen_moe", QwenMoeConfig, RULES)
+
+def _megatron_claims(args: Any) -> bool:
+    """A MoE GPT model with what sets this family apart from Mixtral's: q/k layer norms, q/k/v biases or a shared
+    expert."""
+    own = arg(args, "qk_layernorm") or arg(args, "add_qkv_bias") or arg(args, "moe_shared_expert_intermediate_size")
+    return bool(experts(args)) and not latent_attention(args) and bool(own)
+
+
+def _from_megatron(args: Any, shape: dict[str, Any]) -> QwenMoeConfig:
+    shared = arg(args, "moe_shared_expert_intermediate_size", 0)
+    if shared and not arg(args, "moe_shared_expert_gate", False):
+        raise UcpError("a shared expert without its gate (moe_shared_expert_gate) has no Qwen MoE atom")
+    ffn = required(args, "ffn_hidden_size")
+    return QwenMoeConfig(
+        moe_intermediate_size=arg(args, "moe_ffn_hidden_size") or ffn,
+        intermediate_size=ffn,
+        shared_expert_intermediate_size=shared,
+        num_local_experts=experts(args),
+        num_experts_per_tok=arg(args, "moe_router_topk", 2),
+        attention_bias=bool(arg(args, "add_qkv_bias", False)),
+        qk_norm=bool(arg(args, "qk_layernorm", False)),
+        **shape,
+    )
+
+
+def _megatron_args(c: QwenMoeConfig, hf: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "ffn_hidden_size": c.intermediate_size if c.intermediate_size is not None else c.moe_intermediate_size,
+        "moe_ffn_hidden_size": c.moe_intermediate_size,
+        "num_experts": c.num_local_experts,
+        "moe_router_topk": c.num_experts_per_tok,
+        "add_qkv_bias": c.attention_bias,
+        "qk_layernorm": c.qk_norm,
+        "moe_shared_expert_intermediate_size": c.shared_expert_intermediate_size or None,
+        "moe_shared_expert_gate": c.shared_expert_intermediate_size > 0,
+        # HF's top-k weights renormalised = Megatron's softmax over the top-k; not renormalised = pre-softmax
+        "moe_router_pre_softmax": not hf.get("norm_topk_prob", c.qk_norm),
+    }
+
+
+def _hf_from_megatron(args: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    # Megatron's router: softmax over the top-k scores (= HF's renormalised top-k), or with pre-softmax over all
+    return hf if "norm_topk_prob" in hf else {**hf, "norm_topk_prob": not arg(args, "moe_router_pre_softmax", False)}
+
+
+def _megatron_refuses(c: QwenMoeConfig, hf: Mapping[str, Any]) -> str | None:
+    if c.qk_norm_full:
+        return (
+            "an OLMoE model, whose q and k norms span all heads: Megatron-Core has no such layer (its q/k layernorms "
+            "are per head), so no Megatron checkpoint computes the same model"
+        )
+    return None
+
+
+MEGATRON = MegatronNames(
+    _megatron_claims, _from_megatron, _megatron_args, hf_fields=_hf_from_megatron, refuses=_megatron_refuses
+)
+
+FAMILY = Family("qwen_moe", QwenMoeConfig, RULES, MEGATRON)

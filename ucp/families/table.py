@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
-from ucp.errors import UcpError
+from ucp.families.config import FamilyConfig
+from ucp.families.megatron_names import MegatronNames
 from ucp.partition import PartitionSpec
 from ucp.quantization import scale_name, scale_shape
 
@@ -26,44 +27,6 @@ def _always(config: Any) -> bool:
 
 def _every_layer(config: Any, layer: int) -> bool:
     return True
-
-
-class FamilyConfig:
-    """What every family's config dataclass shares (it inherits this): head_dim derived when absent, the GQA check,
-    stage_layers as ints, and JSON both ways (unknown fields refused)."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int | None
-    stage_layers: list[int] | None
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise UcpError(
-                    f"hidden_size={self.hidden_size} is not a multiple of "
-                    f"num_attention_heads={self.num_attention_heads}; give head_dim"
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UcpError(
-                f"num_key_value_heads={self.num_key_value_heads} does not divide "
-                f"num_attention_heads={self.num_attention_heads}"
-            )
-        if self.stage_layers is not None:
-            self.stage_layers = [int(x) for x in self.stage_layers]
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Self:
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise UcpError(f"{cls.__name__}: unknown fields {unknown}")
-        return cls(**d)
 
 
 # Partition spec builders the families' tables share (a rule's `spec` is called with the family config).
@@ -130,7 +93,7 @@ class Rule:
             raise ValueError(f"rule {self.canonical}: place {self.place!r} not in {PLACES}")
 
 
-def block_size(config: Any) -> tuple[int, int] | None:
+def block_size(config: FamilyConfig) -> tuple[int, int] | None:
     """The block size of a model whose linear weights are block-quantised (its config's `weight_block_size`), or
     None: weights as they are."""
     block = getattr(config, "weight_block_size", None)
@@ -182,10 +145,11 @@ def block_scaled(rules: tuple[Rule, ...], quantised: Callable[[Rule], bool]) -> 
 @dataclass(frozen=True)
 class Family:
     name: str
-    config_cls: Any  # a config dataclass with to_json() and from_json(d)
+    config_cls: type[FamilyConfig]
     rules: tuple[Rule, ...]
+    megatron: MegatronNames[Any] | None = None  # how Megatron-LM's args name its models (None: they do not)
 
-    def rules_at(self, place: str, config: Any) -> list[Rule]:
+    def rules_at(self, place: str, config: FamilyConfig) -> list[Rule]:
         return [r for r in self.rules if r.place == place and r.present(config)]
 
 
@@ -197,14 +161,14 @@ def local_name(rule: Rule, layer: int | None = None, expert: int | None = None) 
     return rule.local.format(i=layer, e=expert)
 
 
-def atom_spec(rule: Rule, config: Any, layer: int | None = None, expert: int | None = None) -> PartitionSpec:
+def atom_spec(rule: Rule, config: FamilyConfig, layer: int | None = None, expert: int | None = None) -> PartitionSpec:
     spec = rule.spec(config)
     return dataclasses.replace(
         spec, layer=layer, expert=expert, zero_group="expert" if rule.place == "expert" else "dense"
     )
 
 
-def _rule_atoms(family: Family, config: Any) -> Iterator[tuple[Rule, int | None, int | None]]:
+def _rule_atoms(family: Family, config: FamilyConfig) -> Iterator[tuple[Rule, int | None, int | None]]:
     """(rule, layer, expert) of every atom, in the fixed canonical order (`iter_atoms`)."""
     for rule in family.rules_at("first", config):
         if not rule.tied_copy:
@@ -216,7 +180,7 @@ def _rule_atoms(family: Family, config: Any) -> Iterator[tuple[Rule, int | None,
             if rule.in_layer(config, layer):
                 yield rule, layer, None
         in_layer = [r for r in expert_rules if r.in_layer(config, layer)]
-        experts = (getattr(config, "num_local_experts", 0) or 0) if in_layer else 0
+        experts = config.num_local_experts if in_layer else 0
         for expert in range(experts):
             for rule in in_layer:
                 yield rule, layer, expert
@@ -225,7 +189,7 @@ def _rule_atoms(family: Family, config: Any) -> Iterator[tuple[Rule, int | None,
             yield rule, None, None
 
 
-def iter_atoms(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ...], PartitionSpec, str]]:
+def iter_atoms(family: Family, config: FamilyConfig) -> Iterator[tuple[str, tuple[int, ...], PartitionSpec, str]]:
     """(name, shape, spec, place) of every atom, in the fixed canonical order: first-chunk atoms; then layer
     by layer, the layer's atoms followed by its experts' atoms expert by expert; then last-chunk atoms.
     Tied copies have no atom of their own."""
@@ -238,12 +202,12 @@ def iter_atoms(family: Family, config: Any) -> Iterator[tuple[str, tuple[int, ..
         )
 
 
-def buffer_atoms(family: Family, config: Any) -> frozenset[str]:
+def buffer_atoms(family: Family, config: FamilyConfig) -> frozenset[str]:
     """The atoms that are buffers, not parameters (`Rule.parameter`): no optimizer state, outside ZeRO's buffers."""
     return frozenset(atom_name(r, layer, x) for r, layer, x in _rule_atoms(family, config) if not r.parameter)
 
 
-def block_scales(family: Family, config: Any) -> dict[str, str]:
+def block_scales(family: Family, config: FamilyConfig) -> dict[str, str]:
     """The block-quantised weights of the model and their scales: weight atom name -> scale atom name (empty for a
     model whose weights are not quantised)."""
     return {
@@ -253,7 +217,7 @@ def block_scales(family: Family, config: Any) -> dict[str, str]:
     }
 
 
-def canonical_atoms(family: Family, config: Any) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
+def canonical_atoms(family: Family, config: FamilyConfig) -> dict[str, tuple[tuple[int, ...], PartitionSpec]]:
     """Every atom of the model: name -> (full shape, partition spec), in the order of ``iter_atoms``."""
     return {name: (shape, spec) for name, shape, spec, _ in iter_atoms(family, config)}
 

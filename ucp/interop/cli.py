@@ -13,8 +13,8 @@
 
 A flag that means nothing for the chosen --from/--to (`--config` with --from hf, `--max-shard-size` with --to dcp,
 `--iteration` with --from universal, `--step` between two Megatron layouts, `-o` with local paths) is refused in one
-line naming it (the `Applies` rules of each command, checked by ucp/cli.py before the command runs). The converters
-are imported by the command that runs them, not here: `ucp --help` stays fast.
+line naming it (the `Applies` rules of each command, checked by ucp.cli_common.run_command before the command
+runs). The converters are imported by the command that runs them, not here: `ucp --help` stays fast.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ucp.cli import Applies, add_storage_option, parse_storage_options, storage_option_applies
+from ucp.cli_common import Applies, add_storage_option, parse_storage_options, storage_option_applies
+from ucp.interop.megatron_save import TORCH_DIST, UNIVERSAL
 from ucp.interop.staging import check_apart
 
 MEGATRON_DIST = "megatron-dist"  # Megatron-LM's torch_dist format, as export/import name it
-UNIVERSAL, TORCH_DIST = "universal", "torch_dist"  # (the --from/--to of convert that name formats, not layouts)
 
 
 def _bytes(text: str) -> int:
@@ -100,12 +100,10 @@ def _print_dropped(report: Any) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ucp.interop.megatron import convert
+    from ucp.interop.megatron import ConvertOptions, convert
 
     check_apart(args.src, args.dst)
-    report = convert(
-        args.src,
-        args.dst,
+    options = ConvertOptions(
         from_layout=args.from_,
         to_layout=args.to,
         step=args.step,
@@ -116,6 +114,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         model_config=args.config,
         **_streaming_kwargs(args),
     )
+    report = convert(args.src, args.dst, options)
     print(
         f"converted {report.atoms} atoms from {args.from_} to {args.to}: {report.files} files, "
         f"{report.bytes_written / 2**20:.1f} MiB written (a tensor that several ranks hold is in each of their files)"
@@ -127,16 +126,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     check_apart(args.url, args.dir)
     if args.to == MEGATRON_DIST:
-        from ucp.interop.megatron import convert
+        from ucp.interop.megatron import ConvertOptions, convert
 
-        converted = convert(
-            args.url,
-            args.dir,
-            from_layout="universal",
-            to_layout="torch_dist",
-            step=None if args.step == "latest" else args.step,
-            **_streaming_kwargs(args),
-        )
+        step = None if args.step == "latest" else args.step
+        options = ConvertOptions(from_layout=UNIVERSAL, to_layout=TORCH_DIST, step=step, **_streaming_kwargs(args))
+        converted = convert(args.url, args.dir, options)
         print(
             f"wrote {converted.atoms} atoms ({converted.bytes_written / 2**20:.1f} MiB) as Megatron torch_dist to {args.dir}"
         )
@@ -177,17 +171,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     check_apart(args.src, args.url)
     if args.from_ == MEGATRON_DIST:
-        from ucp.interop.megatron import convert
+        from ucp.interop.megatron import ConvertOptions, convert
 
-        converted = convert(
-            args.src,
-            args.url,
-            from_layout="torch_dist",
-            to_layout="universal",
+        options = ConvertOptions(
+            from_layout=TORCH_DIST,
+            to_layout=UNIVERSAL,
             step=args.step,
             model_config=args.config,
             **_streaming_kwargs(args),
         )
+        converted = convert(args.src, args.url, options)
         print(f"imported {converted.atoms} atoms ({converted.bytes_written / 2**20:.1f} MiB) into {args.url}")
         _print_dropped(converted)
         return 0

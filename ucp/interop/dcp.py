@@ -33,7 +33,7 @@ import torch
 
 from ucp import dtypes
 from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.families import block_scales, canonical_atoms, expert_names_of, family_for
+from ucp.families import FamilyConfig, block_scales, canonical_atoms, expert_names_of, family_for
 from ucp.interop.dtypes import kept_param_dtypes, parse_dtype
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.hf import (
@@ -172,7 +172,7 @@ class _Target:
     state: str | None = None
 
 
-def _map_name(name: str, config: Any, atoms: set[str]) -> tuple[str, ...] | None:
+def _map_name(name: str, config: FamilyConfig, atoms: set[str]) -> tuple[str, ...] | None:
     if name in atoms:
         return (name,)
     moe = expert_names_of(config)
@@ -187,12 +187,12 @@ def _map_name(name: str, config: Any, atoms: set[str]) -> tuple[str, ...] | None
     return None
 
 
-def _map_param(fqn: str, config: Any, atoms: set[str]) -> tuple[str, ...] | None:
+def _map_param(fqn: str, config: FamilyConfig, atoms: set[str]) -> tuple[str, ...] | None:
     mapped = _map_name(fqn, config, atoms)
     return mapped if mapped is not None else _map_name(fqn.removeprefix("model."), config, atoms)
 
 
-def plan_import(metadata: Any, config: Any, where: str) -> tuple[list[_Target], list[str]]:
+def plan_import(metadata: Any, config: FamilyConfig, where: str) -> tuple[list[_Target], list[str]]:
     """Which DCP tensors make which atoms (parameters, and per-element optimizer states present for every
     parameter); unmappable tensors are an error naming them."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -231,7 +231,7 @@ def plan_import(metadata: Any, config: Any, where: str) -> tuple[list[_Target], 
     return targets + [t for t in optim if t.state in complete], skipped
 
 
-def _split(target: _Target, tensor: torch.Tensor, config: Any) -> dict[str, torch.Tensor]:
+def _split(target: _Target, tensor: torch.Tensor, config: FamilyConfig) -> dict[str, torch.Tensor]:
     if len(target.atoms) == 1:
         return {target.atoms[0]: tensor}
     if len(target.atoms) == 2 * tensor.shape[0]:  # fused gate_up_proj (or its optimizer state): per expert [gate; up]
@@ -252,7 +252,7 @@ class DcpImportReport:
     skipped: tuple[str, ...]  # entries left behind (0-d optimizer entries such as step, param_groups, non-tensors)
 
 
-def _config(config: Any, root: Path) -> tuple[Any, dict[str, Any]]:
+def _config(config: FamilyConfig | str | Path | None, root: Path) -> tuple[FamilyConfig, dict[str, Any]]:
     """The family config (given, or from a Hugging Face config.json: `config` names one, else the checkpoint's own),
     and the Hugging Face fields it does not model (carried as the checkpoint's hf_config)."""
     if config is not None and not isinstance(config, (str, Path)):
@@ -265,7 +265,7 @@ def _config(config: Any, root: Path) -> tuple[Any, dict[str, Any]]:
     return ucp_config_from_hf(json.loads(path.read_text()), str(path))
 
 
-def _check_shapes(targets: list[_Target], config: Any, where: str) -> None:
+def _check_shapes(targets: list[_Target], config: FamilyConfig, where: str) -> None:
     """Every atom a DCP tensor gives has the shape the config implies (from the metadata alone)."""
     expected = canonical_atoms(config)
     for t in targets:
@@ -277,7 +277,9 @@ def _check_shapes(targets: list[_Target], config: Any, where: str) -> None:
                 )
 
 
-def _load_targets(root: Path, metadata: Any, targets: list[_Target], config: Any) -> dict[AtomKey, torch.Tensor]:
+def _load_targets(
+    root: Path, metadata: Any, targets: list[_Target], config: FamilyConfig
+) -> dict[AtomKey, torch.Tensor]:
     """Some DCP tensors, reassembled by DCP's own reader (only these entries are read), split into atoms."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -324,7 +326,7 @@ def import_dcp(
     src_dir: str | Path,
     url: str,
     *,
-    config: Any | str | Path | None = None,
+    config: FamilyConfig | str | Path | None = None,
     step: int = 0,
     dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,

@@ -1,12 +1,15 @@
-"""Short dtype names accepted on the command line and in the interop APIs, and the parameters' dtypes an import keeps."""
+"""Short dtype names accepted on the command line and in the interop APIs, the parameters' dtypes an import keeps,
+and a checkpoint's tensors' dtypes (`Dtypes`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from ucp.interop.errors import InteropError
+from ucp.reshard import LocalTensor
 
 _NAMES = {
     "bf16": torch.bfloat16,
@@ -50,3 +53,25 @@ def kept_param_dtypes(
 def short_name(dtype: torch.dtype) -> str:
     """The name transformers writes in config.json ("bfloat16", "float32", ...)."""
     return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The dtypes of a checkpoint's tensors: each optimizer state's (and the parameters' most common, key None), and
+    each parameter atom's own (a bf16 model's fp32 router bias stays fp32 through every conversion)."""
+
+    of_state: dict[str | None, torch.dtype]
+    of_atom: dict[str, torch.dtype]
+
+    def of(self, lt: LocalTensor) -> torch.dtype:
+        """A local tensor's dtype: its first atom's for a parameter, its state's for an optimizer state."""
+        if lt.state is None and lt.pieces:
+            return self.of_atom.get(lt.pieces[0].atom, self.of_state[None])
+        return self.of_state[lt.state]
+
+    def atom(self, atom: str, state: str | None) -> torch.dtype:
+        return self.of_atom.get(atom, self.of_state[None]) if state is None else self.of_state[state]
+
+    def save_dtypes(self) -> dict[str | None, torch.dtype]:
+        """`streaming.save_atoms`' dtype_of: the states', and the parameter atoms' kept as they are."""
+        return {**self.of_state, **kept_param_dtypes(self.of_atom)}

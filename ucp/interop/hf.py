@@ -40,6 +40,7 @@ from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import UcpError
 from ucp.families import (
     DeepseekV3Config,
+    FamilyConfig,
     LlamaConfig,
     MixtralConfig,
     QwenMoeConfig,
@@ -243,7 +244,7 @@ class ImportReport:
 # ---------------------------------------------------------------------------------------------- configs
 
 
-def arch_of(config: Any, hf_extra: dict[str, Any] | None) -> HfArch:
+def arch_of(config: FamilyConfig, hf_extra: dict[str, Any] | None) -> HfArch:
     """The HF architecture to export a model as: the one it was imported from (its stored config says), else the
     one its family config implies."""
     stored = HF_ARCHS.get(str((hf_extra or {}).get("model_type")))
@@ -260,7 +261,7 @@ def arch_of(config: Any, hf_extra: dict[str, Any] | None) -> HfArch:
     raise SourceMismatchError(f"a {type(config).__name__} model has no Hugging Face architecture here")
 
 
-def hf_config_from_ucp(config: Any, hf_extra: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config_from_ucp(config: FamilyConfig, hf_extra: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
     """config.json for transformers: the architecture, its defaults, the stored HF fields, the model's shape."""
     arch = arch_of(config, hf_extra)
     doc: dict[str, Any] = {"architectures": [arch.architecture], "model_type": arch.model_type}
@@ -318,7 +319,7 @@ def _fp8_block_size(quant: Any, arch: HfArch, where: str) -> list[int]:
     return block
 
 
-def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[Any, dict[str, Any]]:
+def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[FamilyConfig, dict[str, Any]]:
     """The family config from an HF config.json, and the HF fields it does not model; refuses architectures, and
     settings of them, whose weights ucp's atoms cannot hold."""
     arch = HF_ARCHS.get(str(doc.get("model_type")))
@@ -532,7 +533,7 @@ class HfSource:
     """An HF checkpoint directory: its config and where each tensor lives."""
 
     root: Path
-    config: Any  # the family config (MixtralConfig, QwenMoeConfig, LlamaConfig)
+    config: FamilyConfig
     hf_extra: dict[str, Any]
     weight_map: dict[str, str]  # tensor name -> file name
 
@@ -638,7 +639,7 @@ def _stored_atoms(src: HfSource) -> Iterator[tuple[str, StoredAtom]]:
                     yield name, whole
 
 
-def locate_hf_atoms(src: HfSource) -> tuple[Any, dict[str, StoredAtom]]:
+def locate_hf_atoms(src: HfSource) -> tuple[FamilyConfig, dict[str, StoredAtom]]:
     """(the model's config, where every canonical atom lies, in file order), checked against `src.config` (names
     and shapes) from the files' headers, before any tensor is read; a block-quantised model's config says the dtype
     its scales have."""
@@ -681,7 +682,7 @@ def locate_hf_atoms(src: HfSource) -> tuple[Any, dict[str, StoredAtom]]:
     return dtypes.config(src.config), located
 
 
-def _scales_note(config: Any, name: str) -> str:
+def _scales_note(config: FamilyConfig, name: str) -> str:
     """What a scale tensor's expected shape means (an empty string for any other tensor)."""
     weight = {s: w for w, s in block_scales(config).items()}.get(name)
     if weight is None:
@@ -694,7 +695,7 @@ class QuantisedDtypes:
     of one dtype (what the checkpoint's config then says: `config`), and that no other tensor is float8 (an fp8
     tensor without scales has no value ucp could give it)."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: FamilyConfig):
         self.weights = block_scales(config)
         self.scales = frozenset(self.weights.values())
         self.scale_dtypes: dict[torch.dtype, str] = {}  # the scales' dtypes found, with a tensor of each
@@ -713,7 +714,7 @@ class QuantisedDtypes:
             + (f" ({' or '.join(map(str, want))})" if want is not None else " (it has no weight_scale_inv)")
         )
 
-    def config(self, config: Any) -> Any:
+    def config(self, config: FamilyConfig) -> FamilyConfig:
         """`config` with its scales' dtype as the tensors checked have it (one for all)."""
         if len(self.scale_dtypes) > 1:
             raise InteropError(
@@ -727,7 +728,7 @@ class QuantisedDtypes:
         return dataclasses.replace(config, weight_scale_dtype=dtypes.zarr_name(next(iter(self.scale_dtypes))))
 
 
-def refuse_cast_of_quantised(config: Any, dtype: str | torch.dtype | None, where: str) -> None:
+def refuse_cast_of_quantised(config: FamilyConfig, dtype: str | torch.dtype | None, where: str) -> None:
     """An import keeps block-quantised weights as they are: casting them would drop their scales."""
     if dtype is not None and block_scales(config):
         raise InteropError(

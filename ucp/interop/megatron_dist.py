@@ -43,10 +43,19 @@ from typing import Any
 import torch
 
 from ucp.boxes import Box, box_numel, box_shape, full_box, intersect, relative, to_slices, translate
-from ucp.families import DeepseekV3Config
+from ucp.families import FamilyConfig, family_for
+from ucp.families.megatron_names import arg
 from ucp.interop.dcp import METADATA, read_metadata
 from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.megatron_distrib_optim import MOMENTS, STATE_OF, optimizer_entry
+from ucp.interop.megatron_args import args_for, args_layout, bucket_size_of, config_from_args, distributed_buffers
+from ucp.interop.megatron_distrib_optim import (
+    BUCKET_ALIGNMENT,
+    MOMENTS,
+    STATE_OF,
+    grad_buffers,
+    optimizer_entry,
+)
+from ucp.interop.megatron_files import open_torch_file
 from ucp.interop.megatron_optimizer import (
     LocalOptimState,
     OptimizerMeta,
@@ -56,12 +65,22 @@ from ucp.interop.megatron_optimizer import (
     model_param_groups,
     param_groups,
 )
+from ucp.interop.megatron_save import (
+    CHECKPOINT_VERSION,
+    METADATA_JSON,
+    TORCH_DIST,
+    TRACKER,
+    extra_state_owner,
+    is_torch_dist,
+    iteration_dir,
+)
+from ucp.interop.megatron_source import MegatronSource
+from ucp.interop.megatron_target import Produce, TargetFiles
+from ucp.interop.staging import staged_dir
 from ucp.interop.torch_file import TorchFile
 from ucp.layout import Layout
 from ucp.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
 
-TORCH_DIST = "torch_dist"
-METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 DATA_FILE = "__0_0.distcp"  # what ucp writes: one file, one chunk per layer (and expert)
 BACKEND = {
@@ -79,10 +98,6 @@ _NORMS = (  # legacy (local spec) name prefix -> the fused spelling megatron-cor
 )
 
 
-def is_torch_dist(iter_dir: Path) -> bool:
-    return (iter_dir / METADATA_JSON).is_file()
-
-
 @dataclass(frozen=True)
 class DistName:
     """Where a tensor of a tp1pp1 rank file lives in torch_dist: the global key (spellings, the first preferred
@@ -92,11 +107,12 @@ class DistName:
     index: tuple[int, ...]
 
 
-def per_layer_keys(config: Any) -> bool:
+def per_layer_keys(config: FamilyConfig) -> bool:
     """Whether ucp writes the model's layers under keys of their own (`decoder.layers.{L}.…`) instead of stacked on a
     prepended layer axis, as megatron-core does when the layers differ (a `moe_layer_freq` list, which ucp's args
     give DeepSeek-V3 for its dense first layers). A reader goes by the keys it finds."""
-    return isinstance(config, DeepseekV3Config)
+    names = family_for(config).megatron
+    return names is not None and names.layers_apart
 
 
 def dist_name(name: str, per_layer: bool = False) -> DistName:
@@ -146,7 +162,7 @@ class FlatPart:
 
 @dataclass
 class DistTensors:
-    """The reader of a torch_dist source (megatron.TensorFile): each meta tensor it hands out is the slice at
+    """The reader of a torch_dist source (megatron_source.TensorFile): each meta tensor it hands out is the slice at
     `index` of a global tensor (`tensor`) or is assembled from parts of flat ones (`assembled`); `read` fills it
     from the bytes of the chunks it overlaps."""
 
@@ -250,8 +266,6 @@ class DistTensors:
 
 
 def read_common(iter_dir: Path) -> dict[str, Any]:
-    from ucp.interop.megatron import open_torch_file
-
     path = iter_dir / COMMON
     if not path.is_file():
         raise InteropError(f"{iter_dir} is not a whole torch_dist checkpoint: no {COMMON}")
@@ -280,25 +294,23 @@ def open_torch_dist(
     iteration: int | None = None,
     vocab_size: int | None = None,
     model_config: str | Path | None = None,
-) -> Any:
+) -> MegatronSource:
     """A Megatron torch_dist checkpoint, opened as a MegatronSource in layout tp1pp1 (see the module docstring).
     `src`: a Megatron-LM save root (its tracker names the latest iteration, `iteration` another) or one
     dist_checkpointing directory itself (`iter_NNNNNNN`, or any directory with metadata.json). The layout it was
     saved in is not needed: its args name it, and the metadata's global shapes are checked against the model the
     args describe. A directory saved without Megatron-LM's args (megatron-core's dist_checkpointing alone) needs the
     model's shape from `model_config` (`model_shape`)."""
-    from ucp.interop import megatron as m
-
     root = Path(src)
     if (root / "zarr.json").is_file():
         raise SourceMismatchError(f"{root} is a ucp checkpoint, not a Megatron one: use --from universal")
-    if is_torch_dist(root) and not (root / m.TRACKER).is_file():  # (the iteration's directory itself)
+    if is_torch_dist(root) and not (root / TRACKER).is_file():  # (the iteration's directory itself)
         named = re.fullmatch(r"iter_(\d+)", root.name)
         it, iter_dir = int(named[1]) if named else -1, root
         if iteration is not None and iteration != it:
             raise InteropError(f"--iteration {iteration}, but {root} is a torch_dist checkpoint of its own")
     else:
-        it, iter_dir = m.iteration_dir(root, iteration)
+        it, iter_dir = iteration_dir(root, iteration)
     if not iter_dir.is_dir():
         raise InteropError(f"{iter_dir} does not exist (iteration {it} of {root})")
     if not is_torch_dist(iter_dir):
@@ -346,7 +358,7 @@ def open_torch_dist(
         if present
     )
     files = {0: {"model": chunk} | {k: common[k] for k in ("args", "iteration", "opt_param_scheduler") if k in common}}
-    source = m.MegatronSource(
+    source = MegatronSource(
         root, it, Layout(), config, args, hf, files, {0: iter_dir / METADATA}, {0: tensors}, not_carried=not_carried
     )
     if optimizer is not None:
@@ -356,12 +368,11 @@ def open_torch_dist(
 
 def model_shape(
     args: Any, common: Path, model_config: str | Path | None, vocab_size: int | None
-) -> tuple[Any, Any, dict[str, Any]]:
+) -> tuple[Any, FamilyConfig, dict[str, Any]]:
     """(Megatron args, family config, HF fields) of a torch_dist checkpoint: from the args Megatron-LM saves in
     common.pt or, for one saved without them (megatron-core's dist_checkpointing alone), from `model_config`: a
     Hugging Face config.json of the model, or a JSON object of the job's Megatron-LM arguments (`num_layers`,
-    `hidden_size`, ...: what `megatron.config_from_args` reads)."""
-    from ucp.interop import megatron as m
+    `hidden_size`, ...: what `megatron_args.config_from_args` reads)."""
     from ucp.interop.hf import ucp_config_from_hf
 
     if model_config is None:
@@ -371,7 +382,7 @@ def model_shape(
                 "shape is unknown: give it with --config FILE, the model's Hugging Face config.json or a JSON object "
                 "of the job's Megatron-LM arguments (num_layers, hidden_size, num_attention_heads, ...)"
             )
-        config, hf = m.config_from_args(args, str(common), vocab_size)
+        config, hf = config_from_args(args, str(common), vocab_size)
         return args, config, hf
     if args is not None:
         raise InteropError(
@@ -384,10 +395,10 @@ def model_shape(
         raise InteropError(f"--config {path}: not a readable JSON file ({e})") from None
     if isinstance(doc, dict) and ("model_type" in doc or "architectures" in doc):
         config, hf = ucp_config_from_hf(doc, str(path))
-        return m.args_for(config, Layout(), hf=hf), config, hf
+        return args_for(config, Layout(), hf=hf), config, hf
     if isinstance(doc, dict) and {"num_layers", "hidden_size"} <= set(doc):
         args = argparse.Namespace(**doc)
-        config, hf = m.config_from_args(args, str(path), vocab_size)
+        config, hf = config_from_args(args, str(path), vocab_size)
         return args, config, hf
     raise InteropError(
         f"--config {path}: neither a Hugging Face config.json (model_type) nor Megatron-LM arguments (num_layers, "
@@ -401,7 +412,7 @@ DP_RESHARDABLE = "dp_reshardable"
 
 
 def _read_optimizer(
-    iter_dir: Path, common: dict[str, Any], config: Any, tensors: DistTensors, chunk: dict[str, torch.Tensor]
+    iter_dir: Path, common: dict[str, Any], config: FamilyConfig, tensors: DistTensors, chunk: dict[str, torch.Tensor]
 ) -> tuple[LocalOptimState, OptimizerMeta] | None:
     """The distributed optimizer's state as the tp1pp1 view's local optimizer state, from either form megatron-core
     0.16 saves: `fully_reshardable` (model space) or `dp_reshardable` (each source rank's flat buckets, Megatron-LM's
@@ -419,8 +430,6 @@ def _read_optimizer(
         state, groups, scaler = _read_dp_reshardable(iter_dir, common["args"], len(subs), chained, config, tensors)
     else:
         return None
-    from ucp.interop.megatron import distributed_buffers
-
     meta = OptimizerMeta(
         True, MOMENTS, groups=groups, grad_scaler=scaler, distributed=distributed_buffers(common["args"])
     )
@@ -428,7 +437,11 @@ def _read_optimizer(
 
 
 def _read_fully_reshardable(
-    iter_dir: Path, subs: list[dict[str, Any]], config: Any, tensors: DistTensors, chunk: dict[str, torch.Tensor]
+    iter_dir: Path,
+    subs: list[dict[str, Any]],
+    config: FamilyConfig,
+    tensors: DistTensors,
+    chunk: dict[str, torch.Tensor],
 ) -> tuple[LocalOptimState, dict[Any, dict[str, Any]], Any]:
     """megatron-core's model-space form: per parameter `[chained_I.]optimizer.state.{param,exp_avg,exp_avg_sq}.<the
     parameter's key>`, sharded exactly like the parameter; param groups in common.pt."""
@@ -474,14 +487,12 @@ def _read_fully_reshardable(
 
 
 def _saved_layout(args: Any, where: Path) -> Layout:
-    """The layout a torch_dist checkpoint was saved in (megatron.args_layout), of a job whose experts have the dense
-    layers' TP and that has no context parallelism: the dp_reshardable buckets of any other are not mapped."""
-    from ucp.interop.megatron import _arg, args_layout
-
+    """The layout a torch_dist checkpoint was saved in (megatron_args.args_layout), of a job whose experts have the
+    dense layers' TP and that has no context parallelism: the dp_reshardable buckets of any other are not mapped."""
     saved = args_layout(args)
     # (expert TP unset: the dense layers' TP, as megatron-core takes it)
-    etp = _arg(args, "expert_tensor_parallel_size", saved.tp)
-    cp = _arg(args, "context_parallel_size", 1)
+    etp = arg(args, "expert_tensor_parallel_size", saved.tp)
+    cp = arg(args, "context_parallel_size", 1)
     if etp != saved.tp or cp != 1:
         raise InteropError(
             f"{where}: saved with expert TP {etp} and context parallelism {cp}; ucp reads the {DP_RESHARDABLE} "
@@ -491,7 +502,7 @@ def _saved_layout(args: Any, where: Path) -> Layout:
 
 
 def _read_dp_reshardable(
-    iter_dir: Path, args: Any, optimizers: int, chained: bool, config: Any, tensors: DistTensors
+    iter_dir: Path, args: Any, optimizers: int, chained: bool, config: FamilyConfig, tensors: DistTensors
 ) -> tuple[LocalOptimState, dict[Any, dict[str, Any]], Any]:
     """Megatron-LM's default form: for each model-parallel rank of the saving layout (`dp_group_idx`, its rank in
     the TP x PP group, or the expert optimizer's in the TP x EP x PP group), each grad buffer's bucket is a flat
@@ -501,9 +512,6 @@ def _read_dp_reshardable(
     parameter sits in a bucket is megatron-core's grad buffer layout, rebuilt from the saving layout
     (megatron_distrib_optim.grad_buffers) and checked against every bucket's stored size; each tp1pp1 parameter's
     state is assembled from its TP pieces' byte ranges when read."""
-    from ucp.interop.megatron import bucket_size_of
-    from ucp.interop.megatron_distrib_optim import grad_buffers
-
     saved = _saved_layout(args, iter_dir / COMMON)
     bucket_size = bucket_size_of(args)
     entries = tensors.metadata.state_dict_metadata
@@ -625,7 +633,7 @@ def _bucket_keys(
 
 
 def _check_global(
-    iter_dir: Path, key: str, entry: Any, index: tuple[int, ...], lt: LocalTensor, config: Any, per_layer: bool
+    iter_dir: Path, key: str, entry: Any, index: tuple[int, ...], lt: LocalTensor, config: FamilyConfig, per_layer: bool
 ) -> None:
     """The metadata's global shape is the model's: prepended axes that hold the index, then the tp1 tensor's
     shape (rows of a vocabulary-sized tensor: at least the real vocabulary)."""
@@ -690,13 +698,13 @@ class _DataFile:
         self.storage_data[MetadataIndex(key)] = _StorageInfo(DATA_FILE, offset, length)
 
 
-def _prepended(config: Any, index: tuple[int, ...], per_layer: bool = False) -> tuple[int, ...]:
+def _prepended(config: FamilyConfig, index: tuple[int, ...], per_layer: bool = False) -> tuple[int, ...]:
     """The global sizes of the prepended axes: layers (unless each layer has keys of its own), then experts."""
-    axes = (() if per_layer else (config.num_hidden_layers,)) + (getattr(config, "num_local_experts", 0),)
+    axes = (() if per_layer else (config.num_hidden_layers,)) + (config.num_local_experts,)
     return axes[: len(index)]
 
 
-def common_optimizer_entry(meta: OptimizerMeta, config: Any, expert_parallel: bool) -> dict[Any, Any]:
+def common_optimizer_entry(meta: OptimizerMeta, config: FamilyConfig, expert_parallel: bool) -> dict[Any, Any]:
     """common.pt's "optimizer" of a distributed optimizer saved `fully_reshardable`: per Megatron optimizer its
     state dict (megatron_distrib_optim.optimizer_entry) and sharding type. A job with expert parallelism chains a
     dense and an expert optimizer (kept under their indices), one without has one: megatron-core's ChainedOptimizer
@@ -710,7 +718,7 @@ def common_optimizer_entry(meta: OptimizerMeta, config: Any, expert_parallel: bo
     return entries[0] if len(entries) == 1 else dict(enumerate(entries))
 
 
-def _write_buckets(data: _DataFile, target: Any, produce: Callable[[int, LocalTensor], torch.Tensor]) -> int:
+def _write_buckets(data: _DataFile, target: TargetFiles, produce: Produce) -> int:
     """The distributed optimizer in Megatron-LM's default form (dp_reshardable) for the job of layout
     `target.optimizer_layout`, as megatron-core's `sharded_param_state_dp_reshardable` saves it: for each optimizer
     (dense; expert under EP) of each of the job's model-parallel ranks (`dp_group_idx`: TP x PP ranks, the
@@ -721,8 +729,6 @@ def _write_buckets(data: _DataFile, target: Any, produce: Callable[[int, LocalTe
     sizes (`per_bucket_numel_unpadded`, which megatron-core checks on load; `per_bucket_numel`, with the end
     padding a DP that divides 128 gives). The layout comes from megatron_distrib_optim.grad_buffers, as the
     reader's. Returns the bytes of tensors written."""
-    from ucp.interop.megatron_distrib_optim import BUCKET_ALIGNMENT, grad_buffers, optimizer_entry
-
     layout, meta, config = target.optimizer_layout, target.optimizer, target.config
     assert layout is not None and meta is not None and meta.distributed is not None
     pair = tuple(getattr(torch, d) for d in meta.distributed.dtypes)
@@ -766,8 +772,8 @@ def _write_buckets(data: _DataFile, target: Any, produce: Callable[[int, LocalTe
 
 def write_torch_dist(
     dst: str | Path,
-    target: Any,  # megatron._TargetFiles of layout tp1pp1
-    produce: Callable[[int, LocalTensor], torch.Tensor],
+    target: TargetFiles,  # of layout tp1pp1
+    produce: Produce,
     dtype_of: Callable[[LocalTensor], torch.dtype],
     progress: bool,
 ) -> tuple[int, int]:
@@ -779,9 +785,6 @@ def write_torch_dist(
     by `common_optimizer_entry`. Returns (files, bytes of tensors written)."""
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     from tqdm import tqdm
-
-    from ucp.interop.megatron import CHECKPOINT_VERSION, EXTRA_STATE_OWNERS, TRACKER
-    from ucp.interop.staging import staged_dir
 
     buckets = target.optimizer is not None and target.optimizer_layout is not None  # (the dp_reshardable form)
     plan = local_plan(target.config, Layout(), 0, () if buckets else target.states)
@@ -814,8 +817,8 @@ def write_torch_dist(
                         t.reshape((1,) * len(lead) + tuple(t.shape)),
                     )
                 written += t.numel() * t.element_size()
-                owner = where.keys[0].removesuffix(".weight")
-                if lt.state is None and name.endswith(".weight") and owner.endswith(EXTRA_STATE_OWNERS):
+                owner = extra_state_owner(where.keys[0]) if lt.state is None else None
+                if owner is not None:
                     # megatron-core's ShardedObject for the layer's extra state (None without Transformer Engine)
                     shard = (where.index, lead) if where.index else ((0,), (1,))
                     data.obj(
@@ -842,6 +845,7 @@ def write_torch_dist(
         if buckets:
             # (per optimizer only its form: the param groups are objects of each model-parallel rank)
             kind = {"param_state_sharding_type": DP_RESHARDABLE}
+            assert target.optimizer_layout is not None  # (buckets)
             count = len(param_groups(target.config, target.optimizer_layout, 0))
             common["optimizer"] = kind if count == 1 else {i: dict(kind) for i in range(count)}
             content |= {"distrib_optim_sharding_type": DP_RESHARDABLE}

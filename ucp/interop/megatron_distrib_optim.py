@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ucp.families import FamilyConfig
 from ucp.interop.errors import InteropError
 from ucp.interop.megatron_optimizer import (
     MASTER,
@@ -120,7 +121,7 @@ def _layout(params: list[LocalParam], bucket_size: int | None, shared: set[str])
     return GradBuffer(slots, tuple(n for _, n in buckets))
 
 
-def grad_buffers(config: Any, layout: Layout, rank: int, bucket_size: int | None) -> list[list[GradBuffer]]:
+def grad_buffers(config: FamilyConfig, layout: Layout, rank: int, bucket_size: int | None) -> list[list[GradBuffer]]:
     """Per Megatron optimizer of the rank (dense, then expert under EP, as `param_groups`), its grad buffers in
     the optimizer's order (gbuf index): model chunk by chunk."""
     coords = layout.coords(rank)
@@ -151,7 +152,7 @@ def holder(layout: Layout, rank: int, expert: bool) -> int:
 def read_distributed(
     entry: Any,
     files: dict[int, tuple[Any, str]],
-    config: Any,
+    config: FamilyConfig,
     layout: Layout,
     rank: int,
     bucket_size: int | None,
@@ -272,7 +273,7 @@ def optimizer_entry(meta: OptimizerMeta, groups: Groups) -> dict[str, Any]:
 def write_distributed(
     state: dict[str, dict[str, dict[str, Any]]],
     meta: OptimizerMeta,
-    config: Any,
+    config: FamilyConfig,
     layout: Layout,
     rank: int,
 ) -> tuple[Any, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ucp.families import FamilyConfig
 from ucp.interop.errors import InteropError
 from ucp.layout import Layout
 from ucp.reshard import LocalParam, local_params
@@ -101,12 +102,12 @@ def _group_key(p: LocalParam, expert_parallel: bool) -> GroupKey:
     return (0.0 if len(p.shape) == 1 else 1.0, 1.0, expert, False)
 
 
-def param_groups(config: Any, layout: Layout, rank: int) -> list[Groups]:
+def param_groups(config: FamilyConfig, layout: Layout, rank: int) -> list[Groups]:
     """Per Megatron optimizer (dense, then expert when EP > 1), its param groups in Megatron's order."""
     return _grouped(local_params(config, layout, layout.coords(rank)), layout.ep > 1)
 
 
-def model_param_groups(config: Any, expert_parallel: bool) -> list[Groups]:
+def model_param_groups(config: FamilyConfig, expert_parallel: bool) -> list[Groups]:
     """The param groups of the whole model, per optimizer of a job with (EP > 1) or without expert parallelism:
     what a torch_dist checkpoint's optimizer entry lists (each loading rank takes the groups it has)."""
     return _grouped(local_params(config, Layout(), Layout().coords(0)), expert_parallel)
@@ -246,7 +247,7 @@ def optimizer_entries(entry: Any, expected: list[Groups], where: str) -> list[An
 
 
 def read_optimizer(
-    entry: Any, config: Any, layout: Layout, rank: int, where: str
+    entry: Any, config: FamilyConfig, layout: Layout, rank: int, where: str
 ) -> tuple[LocalOptimState, OptimizerMeta]:
     """A rank file's "optimizer" entry as ucp's local optimizer state (what goes under "optimizer"/"state") and
     its global part."""
@@ -340,7 +341,9 @@ def _scalar(value: Any, dtype: str | None) -> Any:
     return value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
 
 
-def write_optimizer(state: LocalOptimState, meta: OptimizerMeta, config: Any, layout: Layout, rank: int) -> Any:
+def write_optimizer(
+    state: LocalOptimState, meta: OptimizerMeta, config: FamilyConfig, layout: Layout, rank: int
+) -> Any:
     """The "optimizer" entry of a rank file, as Megatron-Core's optimizer state_dict() for this rank returns it."""
     subs = []
     for groups in param_groups(config, layout, rank):

@@ -21,7 +21,7 @@ import torch
 
 from ucp.checkpoint import CheckpointReader, open_checkpoint
 from ucp.errors import StateError
-from ucp.families import block_scales, expert_names_of
+from ucp.families import FamilyConfig, block_scales, expert_names_of
 from ucp.families.table import block_size
 from ucp.interop.dtypes import parse_dtype
 from ucp.layout import Layout, parse_layout
@@ -38,7 +38,7 @@ class LoadedWeights:
 
     local: dict[str, Any]
     report: LoadReport
-    config: Any
+    config: FamilyConfig
     layout: Layout
 
     @property
@@ -191,7 +191,7 @@ class Source:
     compose: Composer
 
 
-def hf_source(name: str, config: Any) -> Source | None:
+def hf_source(name: str, config: FamilyConfig) -> Source | None:
     """The atoms behind a Hugging Face module tensor: the tensor of the same name (every family's atoms take HF's
     names), or for a MoE family's experts either the per-expert or transformers' fused-expert naming (with an fp8
     model's fused scales, FP8Experts'); None for tensors no atom backs (e.g. rotary buffers)."""
@@ -216,7 +216,7 @@ def hf_source(name: str, config: Any) -> Source | None:
     return None
 
 
-NameMap = str | Mapping[str, str] | Callable[[str, Any], "Source | None"]
+NameMap = str | Mapping[str, str] | Callable[[str, FamilyConfig], "Source | None"]
 
 
 def _dequantises(target: torch.Tensor, src: Source, scales: Mapping[str, str]) -> tuple[str, ...]:
@@ -226,13 +226,13 @@ def _dequantises(target: torch.Tensor, src: Source, scales: Mapping[str, str]) -
     return tuple(a for a in src.atoms if a in scales)
 
 
-def _resolver(name_map: NameMap) -> Callable[[str, Any], Source | None]:
+def _resolver(name_map: NameMap) -> Callable[[str, FamilyConfig], Source | None]:
     if name_map == "hf":
         return hf_source
     if isinstance(name_map, Mapping):
         mapping = name_map
 
-        def mapped(name: str, _config: Any) -> Source | None:
+        def mapped(name: str, _config: FamilyConfig) -> Source | None:
             if name not in mapping:
                 return None
             atom = mapping[name]

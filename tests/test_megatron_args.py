@@ -1,0 +1,247 @@
+"""Megatron-LM's args and ucp's model configs, both ways (ucp.interop.megatron_args, through each family's
+`MegatronNames`): a random config of every family comes back from the args written for it, with the HF fields the
+args carry; exactly one family claims any args; args that no family holds are refused naming the file and the
+argument; and `ConvertOptions` refuses what means nothing before anything is read."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+
+import pytest
+
+from ucp.errors import UcpError
+from ucp.families import (
+    FAMILIES,
+    DeepseekV3Config,
+    FamilyConfig,
+    LlamaConfig,
+    MixtralConfig,
+    QwenMoeConfig,
+    megatron_family,
+)
+from ucp.interop.errors import InteropError
+from ucp.interop.megatron import ConvertOptions, convert
+from ucp.interop.megatron_args import HF_CONFIG_ARG, args_for, args_layout, config_from_args
+from ucp.layout import Layout
+
+from .helpers import DRAW
+
+SEEDS = [DRAW.randrange(2**32) for _ in range(6)]
+
+
+def _attention(rng: random.Random) -> dict:
+    heads = rng.choice([2, 4, 8])
+    head_dim = rng.choice([4, 8, 16])
+    return {
+        "vocab_size": rng.randrange(50, 300),
+        "hidden_size": heads * head_dim * rng.choice([1, 2]),
+        "num_hidden_layers": rng.randrange(1, 5),
+        "num_attention_heads": heads,
+        "num_key_value_heads": rng.choice([k for k in (1, 2, heads) if heads % k == 0]),
+        "head_dim": head_dim,
+        "tie_word_embeddings": rng.random() < 0.5,
+        "make_vocab_size_divisible_by": rng.choice([8, 128]),
+    }
+
+
+def draw_config(family: str, rng: random.Random) -> FamilyConfig:
+    """A random config of `family`, as a Megatron job can compute it."""
+    shape = _attention(rng)
+    experts = rng.randrange(2, 9)
+    if family == "llama":
+        return LlamaConfig(
+            intermediate_size=rng.randrange(8, 96),
+            attention_bias=rng.random() < 0.5,
+            qk_norm=rng.random() < 0.5,
+            **shape,
+        )
+    if family == "mixtral":
+        return MixtralConfig(
+            intermediate_size=rng.randrange(8, 96),
+            num_local_experts=experts,
+            num_experts_per_tok=rng.randrange(1, experts + 1),
+            **shape,
+        )
+    if family == "qwen_moe":
+        # (at least one of what sets it apart from Mixtral: without any, Megatron's args are Mixtral's)
+        bias, norm, shared = rng.choice([c for c in itertools.product([False, True], repeat=3) if any(c)])
+        return QwenMoeConfig(
+            moe_intermediate_size=rng.randrange(8, 64),
+            intermediate_size=rng.randrange(8, 96),
+            shared_expert_intermediate_size=rng.randrange(8, 64) if shared else 0,
+            num_local_experts=experts,
+            num_experts_per_tok=rng.randrange(1, experts + 1),
+            attention_bias=bias,
+            qk_norm=norm,
+            **shape,
+        )
+    assert family == "deepseek_v3"
+    ffn = rng.randrange(8, 64)
+    return DeepseekV3Config(
+        intermediate_size=rng.randrange(8, 96),
+        moe_intermediate_size=ffn,
+        num_local_experts=experts,
+        num_experts_per_tok=rng.randrange(1, experts + 1),
+        n_shared_experts=rng.randrange(0, 3),
+        first_k_dense_replace=rng.randrange(0, shape["num_hidden_layers"] + 1),
+        q_lora_rank=rng.choice([None, 16, 24]),
+        kv_lora_rank=rng.choice([8, 16]),
+        qk_nope_head_dim=rng.choice([4, 8]),
+        qk_rope_head_dim=rng.choice([2, 4]),
+        v_head_dim=rng.choice([4, 8]),
+        num_hidden_layers=shape["num_hidden_layers"],
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["num_attention_heads"] * 8,
+        num_attention_heads=shape["num_attention_heads"],
+        tie_word_embeddings=shape["tie_word_embeddings"],
+        make_vocab_size_divisible_by=shape["make_vocab_size_divisible_by"],
+    )
+
+
+def draw_hf(family: str, rng: random.Random) -> dict:
+    """HF fields a config does not model, as an export of the family carries them (each one the args name)."""
+    hf = {"rms_norm_eps": rng.choice([1e-5, 1e-6]), "max_position_embeddings": rng.choice([2048, 4096])}
+    hf["rope_theta"] = rng.choice([1e4, 5e5, 1e6])
+    if family in ("mixtral", "qwen_moe", "deepseek_v3"):
+        hf["router_aux_loss_coef"] = rng.choice([0.001, 0.02])
+    if family == "qwen_moe":
+        hf["norm_topk_prob"] = rng.random() < 0.5
+    if family == "deepseek_v3":
+        hf.update(n_group=rng.choice([1, 2]), topk_group=1, routed_scaling_factor=rng.choice([1.0, 2.5]))
+        if rng.random() < 0.5:  # YaRN, in transformers >= 5's spelling
+            theta = hf.pop("rope_theta")
+            hf["rope_parameters"] = {
+                "rope_type": "yarn",
+                "rope_theta": theta,
+                "factor": 40.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            }
+    return hf
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_family_s_config_comes_back_from_the_args_written_for_it(family, seed):
+    rng = random.Random(seed)
+    config, hf = draw_config(family, rng), draw_hf(family, rng)
+    ep, pp = rng.choice([1, 2]), rng.choice([1, 2])  # (Megatron's files hold DP = EP)
+    layout = Layout(tp=rng.choice([1, 2, 4]), pp=pp, vpp=rng.choice([1, 2]) if pp > 1 else 1, ep=ep, dp=ep)
+    args = args_for(config, layout, hf=hf)
+    assert megatron_family(args).name == family
+    assert args_layout(args) == layout
+    back, hf_back = config_from_args(args, "args.pt")
+    assert back == config
+    assert {k: hf_back[k] for k in hf} == hf  # (the whole HF config travels in the args)
+    # ... and what the args themselves name comes back without it (as from a job of Megatron-LM's own)
+    delattr(args, HF_CONFIG_ARG)
+    back, hf_back = config_from_args(args, "args.pt")
+    assert back == config
+    assert {k: hf_back[k] for k in hf} == hf
+
+
+FLAGS = ("num_experts", "multi_latent_attention", "qk_layernorm", "add_qkv_bias", "moe_shared_expert_intermediate_size")
+
+
+@pytest.mark.parametrize("values", list(itertools.product([0, 1], repeat=len(FLAGS))))
+def test_exactly_one_family_claims_any_args(values):
+    args = argparse.Namespace(
+        **{flag: value * 4 if flag != "multi_latent_attention" else bool(value) for flag, value in zip(FLAGS, values)}
+    )
+    claims = [name for name, f in FAMILIES.items() if f.megatron is not None and f.megatron.claims(args)]
+    assert len(claims) == 1, claims
+    assert megatron_family(args).name == claims[0]
+
+
+def _moe_args(**changes) -> argparse.Namespace:
+    args = args_for(draw_config("deepseek_v3", random.Random(0)), Layout())
+    vars(args).update(changes)
+    return args
+
+
+GOOD = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "ffn_hidden_size": 32, "vocab_size": 64}
+REFUSED = [
+    ({**GOOD, "swiglu": False}, "args.swiglu is off"),
+    ({**GOOD, "swiglu": True, "add_bias_linear": True}, "add_bias_linear"),
+    ({**GOOD, "swiglu": True, "normalization": "LayerNorm"}, "normalization='LayerNorm'"),
+    ({**GOOD, "swiglu": True, "num_layers": None}, "args has no num_layers"),
+    ({**GOOD, "swiglu": True, "vocab_size": None}, "neither vocab_size nor padded_vocab_size"),
+    ({**GOOD, "swiglu": True, "multi_latent_attention": True}, "multi-latent attention without experts"),
+    ({**GOOD, "swiglu": True, "num_experts": 4, "moe_shared_expert_intermediate_size": 8}, "without its gate"),
+    (
+        {**GOOD, "swiglu": True, "num_attention_heads": 4, "num_query_groups": 3, "group_query_attention": True},
+        "num_key_value_heads=3",
+    ),
+]
+
+
+@pytest.mark.parametrize(("given", "match"), REFUSED)
+def test_args_that_no_family_holds_are_refused_naming_the_file(given, match):
+    with pytest.raises(InteropError, match=f"^iter_0000001/mp_rank_00/model_optim_rng.pt: .*{match}"):
+        config_from_args(argparse.Namespace(**given), "iter_0000001/mp_rank_00/model_optim_rng.pt")
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"moe_layer_freq": [1, 0]}, r"moe_layer_freq=\[1, 0\]; .* dense layers first"),
+        ({"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias is off"),
+        ({"moe_shared_expert_intermediate_size": 7}, "moe_shared_expert_intermediate_size=7 is not a multiple"),
+        ({"kv_lora_rank": None}, "args has no kv_lora_rank"),
+    ],
+)
+def test_deepseek_args_it_cannot_hold_are_refused(changes, match):
+    args = _moe_args(**{"num_layers": 2, "moe_layer_freq": [0, 1], **changes})
+    with pytest.raises(InteropError, match=f"^common.pt: {match}"):
+        config_from_args(args, "common.pt")
+
+
+def test_no_args_is_refused():
+    with pytest.raises(InteropError, match="common.pt has no 'args'"):
+        config_from_args(None, "common.pt")
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"from_layout": "tp2", "to_layout": "tp4", "target_ep": 2}, "--target-ep 2: it says which job"),
+        ({"from_layout": "tp2", "to_layout": "universal", "target_layout": "tp2"}, "--target-layout tp2: it says"),
+        (
+            {"from_layout": "tp2", "to_layout": "torch_dist", "target_ep": 2, "target_layout": "tp2"},
+            "the layout names its EP",
+        ),
+        (
+            {"from_layout": "tp2", "to_layout": "torch_dist", "target_ep": 0},
+            "--target-ep 0: an expert-parallel size is 1",
+        ),
+        (
+            {"from_layout": "tp2", "to_layout": "torch_dist", "target_layout": "tp2x"},
+            "malformed Megatron layout 'tp2x'",
+        ),
+        ({"from_layout": "universal", "to_layout": "universal"}, "nothing to convert"),
+        ({"from_layout": "torch_dist", "to_layout": "torch_dist"}, "nothing to convert"),
+        (
+            {"from_layout": "tp2", "to_layout": "universal", "model_config": "c.json"},
+            "--config c.json: .*files have their args",
+        ),
+    ],
+)
+def test_convert_options_refuse_what_means_nothing_before_anything_is_read(tmp_path, options, match):
+    with pytest.raises(UcpError, match=match):
+        ConvertOptions(**options)
+    with pytest.raises(UcpError, match=match):  # (convert's keywords are the options')
+        convert(tmp_path / "absent", tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_takes_options_or_keywords_not_both(tmp_path):
+    options = ConvertOptions(from_layout="tp2", to_layout="universal")
+    with pytest.raises(TypeError, match=r"not both"):
+        convert(tmp_path / "absent", tmp_path / "out", options, step=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stepp'"):
+        convert(tmp_path / "absent", tmp_path / "out", from_layout="tp2", to_layout="universal", stepp=3)

@@ -1,0 +1,177 @@
+"""A Megatron-LM job's arguments (the `args` Namespace its checkpoints carry) and ucp's model configs, both ways.
+
+Which family a job's model is, and its config, is each family's to say (`ucp.families.megatron_names`: its
+`MegatronNames`); here that is applied to a checkpoint's args, a problem named with the file it came from, and what
+is the job's rather than the model's is added: the layout the files are split by, the distributed optimizer's grad
+buffers, and the Hugging Face fields the args carry (RoPE's base, the norm's epsilon, ..., and the whole HF config
+a ucp export stores in them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ucp.errors import UcpError
+from ucp.families import FamilyConfig, family_for, megatron_family
+from ucp.families.megatron_names import arg, gpt_args, gpt_shape
+from ucp.interop.errors import InteropError
+from ucp.interop.megatron_files import ForeignEnum, real_enum
+from ucp.interop.megatron_optimizer import DistributedBuffers
+from ucp.layout import Layout
+
+
+def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tuple[FamilyConfig, dict[str, Any]]:
+    """The family config from Megatron's args (the family whose Megatron names claim them: Llama for a dense GPT
+    model, Mixtral or the Qwen MoE family for a MoE one, DeepSeek-V3 with multi-latent attention), and the HF fields
+    the config does not model (rope base, norm eps, ...). `where`: the file the args came from, named in errors."""
+    if args is None:
+        raise InteropError(f"{where} has no 'args': cannot tell the model's shape")
+    try:
+        names = megatron_family(args).megatron
+        assert names is not None  # (a family claims args by its Megatron names)
+        config = names.config(args, gpt_shape(args, vocab_size))
+    except UcpError as e:
+        raise InteropError(f"{where}: {e}") from None
+    return config, names.hf_fields(args, hf_fields_from_args(args, where))
+
+
+# Hugging Face config fields that Megatron's args carry, by their Megatron names (RoPE's base is handled apart: HF
+# keeps it as rope_theta or, with transformers >= 5, in rope_parameters).
+_HF_ARGS = {
+    "rms_norm_eps": "norm_epsilon",
+    "max_position_embeddings": "max_position_embeddings",
+    "router_aux_loss_coef": "moe_aux_loss_coeff",
+}
+# Where a Megatron checkpoint written by ucp keeps the whole Hugging Face config, JSON in one string argument, so
+# that what Megatron's args have no name for (token ids, sliding window, router jitter, ...) comes back too.
+HF_CONFIG_ARG = "ucp_hf_config"
+
+
+def rope_theta(hf: Mapping[str, Any]) -> float | None:
+    """RoPE's base in an HF config, in either spelling."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    return float(hf["rope_theta"]) if hf.get("rope_theta") is not None else None
+
+
+def hf_fields_from_args(args: Any, where: str) -> dict[str, Any]:
+    """The model's HF config fields as Megatron's args say them: the HF config a ucp export stored in the args, with
+    what the args themselves set (RoPE base, norm epsilon, positions, router loss) over it."""
+    hf: dict[str, Any] = {}
+    stored = arg(args, HF_CONFIG_ARG)
+    if stored is not None:
+        try:
+            hf = json.loads(stored)
+        except (TypeError, ValueError):
+            raise InteropError(f"{where}: args.{HF_CONFIG_ARG} is not JSON") from None
+        if not isinstance(hf, dict):
+            raise InteropError(f"{where}: args.{HF_CONFIG_ARG} is not a JSON object")
+    base = float(arg(args, "rotary_base", 10000))  # (Megatron's default)
+    if isinstance(hf.get("rope_parameters"), dict):
+        hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": base}
+    else:
+        hf["rope_theta"] = base
+    for hf_name, name in _HF_ARGS.items():
+        if arg(args, name) is not None:
+            hf[hf_name] = arg(args, name)
+    return hf
+
+
+def args_for(
+    config: FamilyConfig, layout: Layout, base: Any = None, hf: Mapping[str, Any] | None = None
+) -> argparse.Namespace:
+    """Megatron args for a target layout: the source's args with the parallel sizes replaced, or (from a ucp
+    checkpoint) the model-shape arguments Megatron-LM checks on load, as the model's family names them."""
+    if base is not None:
+        out = argparse.Namespace(**vars(base))
+    else:
+        names = family_for(config).megatron
+        if names is None:
+            raise UcpError(f"a {family_for(config).name} model has no Megatron-LM arguments here")
+        fields = hf or {}
+        out = argparse.Namespace(
+            **gpt_args(config),
+            **names.args(config, fields),
+            rotary_base=rope_theta(fields) or 10000,
+            norm_epsilon=fields.get("rms_norm_eps", 1e-5),
+            **{name: fields[h] for h, name in _HF_ARGS.items() if h != "rms_norm_eps" and h in fields},
+        )
+    if hf is not None:
+        out.ucp_hf_config = json.dumps(hf, sort_keys=True)  # everything, for the way back (HF_CONFIG_ARG)
+    m = config.make_vocab_size_divisible_by * layout.tp
+    out.padded_vocab_size = -(-config.vocab_size // m) * m
+    out.tensor_model_parallel_size = layout.tp
+    out.pipeline_model_parallel_size = layout.pp
+    out.virtual_pipeline_model_parallel_size = layout.vpp if layout.vpp > 1 else None
+    out.expert_model_parallel_size = layout.ep
+    for k, v in vars(out).items():
+        if isinstance(v, ForeignEnum):
+            setattr(out, k, real_enum(v))
+    return out
+
+
+DEFAULT_BUCKET_MIN = 40_000_000  # DistributedDataParallel's default bucket: max(40M, 1M x DP) elements
+
+
+def bucket_size_of(args: Any) -> int | None:
+    """DDP's bucket size as Megatron-LM's args set it (None: one bucket per buffer, without overlap_grad_reduce)."""
+    if not arg(args, "overlap_grad_reduce", False) or arg(args, "overlap_param_gather_with_optimizer_step", False):
+        return None
+    size = arg(args, "ddp_bucket_size")
+    return int(size) if size is not None else max(DEFAULT_BUCKET_MIN, 1_000_000 * arg(args, "data_parallel_size", 1))
+
+
+def distributed_buffers(args: Any) -> DistributedBuffers:
+    """The grad buffers of a distributed optimizer that Megatron-LM's args describe: (param dtype, grad dtype), bf16
+    training accumulating and reducing gradients in fp32 unless told otherwise, and the bucket size."""
+    param = "bfloat16" if arg(args, "bf16", False) else "float16" if arg(args, "fp16", False) else "float32"
+    fp32_grads = arg(args, "accumulate_allreduce_grads_in_fp32", param == "bfloat16")
+    return DistributedBuffers((param, "float32" if fp32_grads else param), bucket_size_of(args))
+
+
+def mark_distributed(args: Any, buffers: DistributedBuffers) -> None:
+    """Say in a target's args how its distributed optimizer's buffers were laid out (what `bucket_size_of` and
+    `distributed_buffers` read back: bucketing, and the dtypes, which args made from a ucp checkpoint lack)."""
+    args.use_distributed_optimizer = True
+    args.overlap_grad_reduce = buffers.bucket_size is not None
+    args.ddp_bucket_size = buffers.bucket_size
+    param, grad = buffers.dtypes
+    args.bf16, args.fp16 = param == "bfloat16", param == "float16"
+    args.accumulate_allreduce_grads_in_fp32 = grad == "float32"
+
+
+def args_json(args: Any) -> dict[str, Any]:
+    """The args that JSON holds (enums by value, dtypes by name; what else they hold is left out)."""
+    out = {}
+    for k, v in vars(args).items():
+        if isinstance(v, ForeignEnum):
+            v = v.value
+        if (
+            v is None
+            or isinstance(v, (bool, int, float, str))
+            or (isinstance(v, list) and all(isinstance(x, (int, float, str)) for x in v))
+        ):
+            out[k] = v
+        elif isinstance(v, torch.dtype):
+            out[k] = str(v)
+    return out
+
+
+def args_layout(args: Any) -> Layout:
+    """The layout a Megatron checkpoint was saved in, from its args (one file per TP, PP and EP rank: DP = EP)."""
+    tp, pp, vpp, ep = (
+        arg(args, k, 1)
+        for k in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+        )
+    )
+    return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
