@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 
 from ucp.distributed import ShardedModel, VirtualWorld
-from ucp.families import MixtralConfig, canonical_atoms
-from ucp.layout import parse_layout
-from ucp.reshard import shard
+from ucp.sharding.families import MixtralConfig, canonical_atoms
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 from ucp.storage import open_storage
 
 from .targets import MotoServer, drop_page_cache
@@ -185,7 +185,7 @@ def chunk_objects(ucp_root: Path) -> list[Path]:
     that hold its packed ones (not the `zarr.json` documents, which ucp's loads do not read: the manifest plans
     them)."""
     import ucp
-    from ucp.format import chunk_indices
+    from ucp.format.manifest import chunk_indices
 
     reader = ucp.open_checkpoint(str(ucp_root))
     keys = {

@@ -2,7 +2,7 @@
 
 An async save's writer threads share the trainer's GIL: while they checksum, encode and issue writes, the
 training loop's Python (op dispatch, autograd, the optimizer) waits for the lock. A writer process that maps the
-staging memory (ucp.writer_process) takes the GIL out of the picture at the cost of a process.
+staging memory (ucp.engine.writer_process) takes the GIL out of the picture at the cost of a process.
 
 The experiment, on a training-like loop (a small MLP's forward, backward and SGD step on CPU: many small torch
 ops, dominated by Python and dispatch, as a GPU trainer's host side is; torch on 1 intra-op thread):

@@ -20,7 +20,7 @@ Loads:
   ucp+to       ucp.load, then .to(device) of every tensor (from pageable memory)
   safetensors  load_file(device=...); dcp: dcp.load into preallocated device tensors; torch: torch.load(map_location)
   pinned-raw   the page-locked path alone: raw files (one per tensor) read into page-locked slots and copied
-               asynchronously (ucp.landing.Landing, no checksum)
+               asynchronously (ucp.engine.landing.Landing, no checksum)
   kvikio       where kvikio imports: the same raw files read by kvikio.CuFile straight into device memory
                (compatibility mode where GPUDirect Storage is absent)
 
@@ -53,7 +53,7 @@ import crc32c
 import torch
 
 import ucp
-from ucp.landing import Landing
+from ucp.engine.landing import Landing
 
 from .args import parse_list, parse_size
 

@@ -425,7 +425,7 @@ class UcpAsync(Ucp):
         self._pipeline: Any = None
 
     def save(self, state: SyntheticState, directory: Any) -> dict[str, float] | None:
-        from ucp.pipeline import SavePipeline
+        from ucp.engine.pipeline import SavePipeline
 
         url, options = self._url(directory)
         if self._pipeline is None:

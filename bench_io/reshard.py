@@ -57,7 +57,7 @@ def size_config(total_bytes: int, states: tuple[str, ...]) -> Any:
     """A Mixtral-shaped config (4 layers, 4 experts, 8 heads / 4 kv heads, intermediate = 2 x hidden, vocab =
     8 x hidden) whose fp32 params + `states` come to at most `total_bytes` (the largest hidden size that fits,
     in steps of 64), so that tp4, pp2, ep2 and their mixes all divide it."""
-    from ucp.families import MixtralConfig, canonical_atoms
+    from ucp.sharding.families import MixtralConfig, canonical_atoms
 
     per_param = 4 * (1 + len(states))
 
@@ -78,7 +78,7 @@ def size_config(total_bytes: int, states: tuple[str, ...]) -> Any:
 
 def full_state(config: Any, states: tuple[str, ...], seed: int) -> dict[str, Any]:
     """The canonical state, atom by atom (uniform floats: no NaN, so a bitwise compare is exact)."""
-    from ucp.families import canonical_atoms
+    from ucp.sharding.families import canonical_atoms
 
     g = torch.Generator().manual_seed(seed)
     atoms = canonical_atoms(config)
@@ -190,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
     import ucp
     from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
-    from ucp.layout import parse_layout
-    from ucp.reshard import DEFAULT_STATES, shard
+    from ucp.sharding.layout import parse_layout
+    from ucp.sharding.reshard import DEFAULT_STATES, shard
 
     from .runner import PeakRSS
     from .targets import TARGETS, iter_files
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
     results: list[RankLoad] = []
     try:
         url = str(target.root / "ckpt")
-        from ucp.chunking import ChunkingPolicy
+        from ucp.base.chunking import ChunkingPolicy
 
         policy = ChunkingPolicy()
         policy = ChunkingPolicy(

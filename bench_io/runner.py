@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Self
 
-from ucp import heap
+from ucp.base import heap
 from ucp.storage import FSSPEC_IO_THREADS, LocalStorage
 
 from .methods import METHODS, Method, plain_copy_s

@@ -46,7 +46,7 @@ SCENARIOS: dict[str, tuple[str, str, list[int], str | None, bool]] = {
 
 
 def configs() -> dict[str, Any]:
-    from ucp.families import MixtralConfig
+    from ucp.sharding.families import MixtralConfig
 
     small = MixtralConfig(
         vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=8,
@@ -64,9 +64,9 @@ def save_checkpoints(root: Path) -> None:
 
     import ucp
     from ucp.distributed import ShardedModel, VirtualWorld
-    from ucp.families import canonical_atoms
-    from ucp.layout import parse_layout
-    from ucp.reshard import shard
+    from ucp.sharding.families import canonical_atoms
+    from ucp.sharding.layout import parse_layout
+    from ucp.sharding.reshard import shard
 
     policies = {
         "packed": ucp.ChunkingPolicy(),
@@ -94,7 +94,7 @@ def worker(root: Path, loads: int) -> dict[str, Any]:
 
     import ucp
     from ucp.distributed import ShardedModel, load_sharded
-    from ucp.layout import parse_layout
+    from ucp.sharding.layout import parse_layout
     from ucp.storage import open_storage
 
     cfgs = configs()
@@ -118,8 +118,8 @@ def _encode_seconds(loads: int) -> float:
     """CPU seconds of 100 encodes of a 2 MiB shard of 128 inner chunks (the write side of the shard index)."""
     import torch
 
-    from ucp import codec
-    from ucp.format import AtomMeta
+    from ucp.format.manifest import AtomMeta
+    from ucp.protocol import codec
 
     meta = AtomMeta("w", (512, 1024), "float32", (512, 1024), (4, 1024))
     values = torch.randn(512, 1024)

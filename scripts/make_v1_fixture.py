@@ -11,11 +11,11 @@ import torch
 
 import ucp
 from ucp.distributed import ShardedModel, VirtualWorld
-from ucp.layout import parse_layout
-from ucp.reshard import shard
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 
 sys.path.insert(0, ".")
-from ucp.families import MixtralConfig, canonical_atoms
+from ucp.sharding.families import MixtralConfig, canonical_atoms
 
 STATES = ("exp_avg", "exp_avg_sq")
 CONFIG = MixtralConfig(

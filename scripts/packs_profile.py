@@ -20,8 +20,8 @@ from pathlib import Path
 import ucp
 from bench_io.methods import METHODS
 from bench_io.state import make_state, small_specs
-from ucp import checkpoint
-from ucp.pipeline import SavePipeline
+from ucp.engine import checkpoint
+from ucp.engine.pipeline import SavePipeline
 from ucp.storage import open_storage
 
 

@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO))
 
 from bench_io.targets import MotoServer, drop_page_cache, s3_filesystem
 from trainer import elastic
-from ucp import commit
+from ucp.distributed.tiers import run_directory
+from ucp.protocol import commit
 from ucp.storage import LocalStorage, open_storage
-from ucp.tiers import run_directory
 
 CONFIG = REPO / "trainer" / "configs" / "tiny-moe.yaml"
 

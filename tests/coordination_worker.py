@@ -1,4 +1,4 @@
-"""One rank of test_coordination.py: the ranks' coordination (ucp.coordination) over gloo, trial by trial.
+"""One rank of test_coordination.py: the ranks' coordination (ucp.protocol.coordination) over gloo, trial by trial.
 
     python -m tests.coordination_worker PLAN_JSON OUT_DIR
 
@@ -21,9 +21,9 @@ from typing import Any
 import torch.distributed as dist
 
 import ucp.interop.errors  # noqa: F401 -- interop's error types exist in every rank, as in a real job
-from ucp import coordination
-from ucp.comm import TorchComm
 from ucp.errors import error_kind
+from ucp.protocol import coordination
+from ucp.protocol.comm import TorchComm
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 import torch
 
 import ucp
-from ucp.format import COMMIT_MARKER
+from ucp.format.manifest import COMMIT_MARKER
 from ucp.storage import LocalStorage
 
 

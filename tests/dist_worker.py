@@ -14,13 +14,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ucp.checkpoint import CheckpointReader, SaveOptions
-from ucp.chunking import ChunkingPolicy
+from ucp.base.chunking import ChunkingPolicy
 from ucp.distributed import ShardedModel, TorchComm, extra_state, load_sharded, save_sharded
-from ucp.families import MixtralConfig, canonical_atoms
-from ucp.layout import parse_layout
+from ucp.engine.checkpoint import CheckpointReader, SaveOptions
 from ucp.manager import CheckpointManager
-from ucp.reshard import shard
+from ucp.sharding.families import MixtralConfig, canonical_atoms
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 from ucp.storage import open_storage
 
 STATES = ("exp_avg", "exp_avg_sq")

@@ -74,7 +74,7 @@ def reseal_manifest(root: Any, doc: dict, step: int | str = "latest") -> None:
     import crc32c
 
     import ucp
-    from ucp.format import COMMIT_MARKER, dumps
+    from ucp.format.manifest import COMMIT_MARKER, dumps
 
     reader = ucp.open_checkpoint(str(root), step)
     data = dumps(doc)
@@ -99,7 +99,7 @@ def reseal_object(root: Any, atom: str, index: tuple[int, ...], data: bytes, ste
     import crc32c
 
     import ucp
-    from ucp.codec import head_nbytes
+    from ucp.protocol.codec import head_nbytes
 
     reader = ucp.open_checkpoint(str(root), step)
     meta = reader.atoms[atom]
@@ -115,9 +115,9 @@ def assert_reshards(config: Any, url: str, source: str, targets: list[str], seed
     and assemble back bitwise (the reshaper's round trip for one model family)."""
     import ucp
     from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
-    from ucp.families import buffer_atoms, canonical_atoms
-    from ucp.layout import parse_layout
-    from ucp.reshard import assemble, shard
+    from ucp.sharding.families import buffer_atoms, canonical_atoms
+    from ucp.sharding.layout import parse_layout
+    from ucp.sharding.reshard import assemble, shard
 
     states = ("exp_avg", "exp_avg_sq")
     g = torch.Generator().manual_seed(seed)

@@ -70,9 +70,9 @@ def args_for(tp: int, pp: int) -> argparse.Namespace:
     if KIND is not None:
         import json
 
-        from ucp.families import FAMILIES
         from ucp.interop.megatron_args import args_for as ucp_args_for
-        from ucp.layout import parse_layout
+        from ucp.sharding.families import FAMILIES
+        from ucp.sharding.layout import parse_layout
 
         doc = json.loads(os.environ["UCP_MEGATRON_CONFIG"])
         config = FAMILIES[doc.pop("family")].config_cls.from_json(doc)

@@ -16,7 +16,10 @@ import torch
 
 import ucp
 
-OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=16384, inner_bytes=4096), io_threads=1, fsync=True)
+# (packing off: the point is many small fsynced objects, which packs would merge into one)
+OPTIONS = ucp.SaveOptions(
+    chunking=ucp.ChunkingPolicy(object_bytes=16384, inner_bytes=4096, pack_below=0), io_threads=1, fsync=True
+)
 
 
 def state(seed: int, n: int = 48) -> dict:

@@ -1,4 +1,4 @@
-"""Run by test_hot_tier.py as ranks of a gloo world: the hot tier's point-to-point rounds (ucp.tiers.send_rounds,
+"""Run by test_hot_tier.py as ranks of a gloo world: the hot tier's point-to-point rounds (ucp.distributed.tiers.send_rounds,
 used to replicate a save and to restore from peers) with random transfers.
 
     python tests/rounds_worker.py SEED TRIALS
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ucp.comm import TorchComm
-from ucp.tiers import from_bytes, send_rounds
+from ucp.distributed.tiers import from_bytes, send_rounds
+from ucp.protocol.comm import TorchComm
 
 
 def payload(src: int, dst: int, batch: int, item: int) -> bytes:

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import ucp
-from ucp import commit, staging
-from ucp.staging import StagingPool
+from ucp.engine import staging
+from ucp.engine.staging import StagingPool
+from ucp.engine.writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
+from ucp.protocol import commit
 from ucp.storage import LocalStorage
-from ucp.writer_process import SUPPORTED as PROCESS_WRITER_SUPPORTED
 
 from .helpers import assert_same_state
 

@@ -14,9 +14,9 @@ import time
 import torch
 
 import ucp
-from ucp import attempt
-from ucp.format import COMMIT_MARKER, StepManifest, step_dirname
-from ucp.session import SaveSession
+from ucp.format.manifest import COMMIT_MARKER, StepManifest, step_dirname
+from ucp.protocol import attempt
+from ucp.protocol.session import SaveSession
 from ucp.storage import open_storage
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ucp
-from ucp.format import COMMIT_MARKER, dumps, step_dirname
+from ucp.format.manifest import COMMIT_MARKER, dumps, step_dirname
 from ucp.storage import open_storage
 
 from .helpers import assert_same_state, reseal_manifest, step_path

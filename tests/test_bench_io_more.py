@@ -112,7 +112,7 @@ def test_s3_target_round_trips_the_single_object_methods() -> None:
 @pytest.mark.parametrize("size", [8 << 20, 256 << 20])
 def test_reshard_config_fits_and_divides(size: int) -> None:
     from bench_io.reshard import size_config
-    from ucp.reshard import DEFAULT_STATES
+    from ucp.sharding.reshard import DEFAULT_STATES
 
     config, nbytes = size_config(size, DEFAULT_STATES)
     assert nbytes <= size

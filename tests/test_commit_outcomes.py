@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import ucp
-from ucp import commit
 from ucp.errors import StepExistsError, StorageError, UcpError
-from ucp.format import ATTEMPT_RECORD, StepManifest
-from ucp.session import SaveSession
+from ucp.format.manifest import ATTEMPT_RECORD, StepManifest
+from ucp.protocol import commit
+from ucp.protocol.session import SaveSession
 from ucp.storage import LocalStorage, open_storage
 
 from .helpers import DRAW, assert_same_state

@@ -1,4 +1,4 @@
-"""The ranks' coordination (ucp.coordination): map on every rank, decide on the coordinator, every rank gets the
+"""The ranks' coordination (ucp.protocol.coordination): map on every rank, decide on the coordinator, every rank gets the
 decision or one error naming every failing rank, of the failure's own type. Real processes over gloo, fixed cases
 and random ones (which ranks fail, with which error, the decision failing too, values of different lengths); a world
 of one (LocalComm); and the typed messages of the save session and the hot tier, through JSON and back."""
@@ -11,11 +11,11 @@ import random
 
 import pytest
 
-from ucp import coordination
-from ucp.comm import LocalComm
+from ucp.distributed.tiers import Checked, Holdings, Needs, NodePlace, Published
 from ucp.errors import FormatError, IntegrityError, StepExistsError, StorageError, UcpError, error_kind
-from ucp.session import Begun, Committed, RankWrites
-from ucp.tiers import Checked, Holdings, Needs, NodePlace, Published
+from ucp.protocol import coordination
+from ucp.protocol.comm import LocalComm
+from ucp.protocol.session import Begun, Committed, RankWrites
 
 from .coordination_worker import Total, Value, exception, value_of
 from .helpers import DRAW

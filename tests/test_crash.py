@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ucp
-from ucp.format import is_attempt_dirname, step_dirname
+from ucp.format.manifest import is_attempt_dirname, step_dirname
 
 from .crash_saver import state
 from .helpers import assert_same_state

@@ -13,9 +13,9 @@ import torch
 
 import ucp
 from ucp import cli as ucp_cli
-from ucp.families import canonical_atoms
 from ucp.interop.dcp import export_dcp, import_dcp
 from ucp.interop.errors import InteropError, SourceMismatchError
+from ucp.sharding.families import canonical_atoms
 
 from .launch import free_port
 from .test_hf import random_full_state, save_in_layout, tiny_config
@@ -130,8 +130,8 @@ def test_import_fsdp2_dcp_checkpoint(tmp_path):
     assert torch.equal(opt["model.layers.1.block_sparse_moe.experts.3.w3.weight"]["exp_avg"], gate_up[3, 64:])
     assert gate_up.abs().sum() > 0
     from ucp.distributed import ShardedModel, load_sharded
-    from ucp.layout import parse_layout
-    from ucp.reshard import shard
+    from ucp.sharding.layout import parse_layout
+    from ucp.sharding.reshard import shard
 
     layout = parse_layout("tp2dp2zero1")
     full = {"model": got, "optimizer": {"state": opt}}

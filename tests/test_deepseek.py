@@ -1,4 +1,4 @@
-"""The DeepSeek-V3 family (ucp.families.deepseek): a random tiny transformers DeepseekV3ForCausalLM (multi-head latent
+"""The DeepSeek-V3 family (ucp.sharding.families.deepseek): a random tiny transformers DeepseekV3ForCausalLM (multi-head latent
 attention with and without q compression, first-k dense layers, shared experts, the router's correction bias) goes
 through every path and gives identical logits; the reshaper moves it between layouts; what it cannot hold is
 refused."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import ucp
-from ucp.families.deepseek import DeepseekV3Config
 from ucp.interop.errors import SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
+from ucp.sharding.families.deepseek import DeepseekV3Config
 
 from .helpers import DRAW, assert_reshards, hf_logits, perturb_parameters
 
@@ -342,7 +342,7 @@ def test_megatron_core_loads_what_ucp_converts_from_its_own_torch_dist(tmp_path)
     own dist_checkpointing (torch_dist); ucp converts that to ucp, to tp1 rank files and back to torch_dist, and
     megatron-core at TP 1 loads each (torch_dist strictly) to the very parameters it loads from its own save."""
     pytest.importorskip("megatron.core")
-    from ucp.families import family_for
+    from ucp.sharding.families import family_for
 
     from .launch import spawn
     from .test_megatron_order import CONFIGS

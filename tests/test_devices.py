@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import ucp
-from ucp.comm import LocalComm
-from ucp.devices import Copies, SideStreams, on_host
+from ucp.base.devices import Copies, SideStreams, on_host
 from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
+from ucp.engine.landing import Landing
 from ucp.errors import StateError
-from ucp.landing import Landing
-from ucp.layout import parse_layout
-from ucp.reshard import shard
+from ucp.protocol.comm import LocalComm
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 
 from .dist_worker import CONFIG, OPTIONS, STATES, full_state, same
 from .helpers import assert_same_state

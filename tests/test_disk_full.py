@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ucp
-from ucp.format import is_attempt_dirname, step_dirname
+from ucp.format.manifest import is_attempt_dirname, step_dirname
 
 from .helpers import assert_same_state
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import ucp
-from ucp.checkpoint import CheckpointReader
 from ucp.distributed import ShardedModel, VirtualWorld, atom_path, load_sharded
-from ucp.families import MixtralConfig, canonical_atoms
-from ucp.format import chunk_indices
-from ucp.layout import parse_layout
-from ucp.reshard import shard
+from ucp.engine.checkpoint import CheckpointReader
+from ucp.format.manifest import chunk_indices
+from ucp.sharding.families import MixtralConfig, canonical_atoms
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 from ucp.storage import open_storage
 
 from .dist_worker import CONFIG, OPTIONS, STATES, full_state, same

@@ -11,9 +11,9 @@ import torch
 
 import ucp
 from ucp.distributed import ShardedModel, load_sharded
-from ucp.format import step_dirname
-from ucp.layout import parse_layout
-from ucp.reshard import shard
+from ucp.format.manifest import step_dirname
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 
 from .dist_worker import CONFIG, STATES, full_state
 from .launch import spawn

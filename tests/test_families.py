@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from ucp.families import LlamaConfig
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
+from ucp.sharding.families import LlamaConfig
 
 from .helpers import assert_reshards, perturb_parameters
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ucp
-from ucp.chunking import ChunkingPolicy, choose_chunks
-from ucp.format import AtomMeta, chunk_indices
-from ucp.inspection import verify
+from ucp.base.chunking import ChunkingPolicy, choose_chunks
+from ucp.engine.inspection import verify
+from ucp.format.manifest import AtomMeta, chunk_indices
 
 from .helpers import assert_same_state, reseal_object, step_path
 
@@ -99,7 +99,7 @@ def test_chunks_follow_policy_and_sharded_atoms_hold_inner_chunks(tmp_path):
 
 
 def test_each_save_describes_its_atoms_by_its_own_chunking_policy(tmp_path):
-    """Atom descriptions are cached across saves of the same tensors (ucp.checkpoint._described): a save with
+    """Atom descriptions are cached across saves of the same tensors (ucp.engine.checkpoint._described): a save with
     another chunking policy still gets its own description."""
     state = {"model": {"w": torch.randn(256, 128)}}
     ucp.save(state, str(tmp_path), step=1)
@@ -177,13 +177,13 @@ def test_step_directory_url_opens_that_step(tmp_path):
 
 @pytest.mark.parametrize("trial", range(4))
 def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_path, monkeypatch, trial):
-    """A shard wanted whole is read in one request and moved into place with one copy (ucp.codec._read_whole_shard):
+    """A shard wanted whole is read in one request and moved into place with one copy (ucp.protocol.codec._read_whole_shard):
     straight into the destination when its inner chunks are row bands of it, else (inner chunks that cut columns too,
     as a distributed save's are) through scratch memory. Random shapes, dtypes and inner grids of one to three
     dimensions, into whole tensors and into regions of larger ones; a damaged or swapped inner chunk is refused by
     name."""
+    from ucp.engine.landing import Landing
     from ucp.errors import IntegrityError
-    from ucp.landing import Landing
 
     seed = random.randrange(2**32)
     rng = random.Random(seed)
@@ -195,7 +195,7 @@ def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_pa
     # at least one shard inside the array along every dimension, the last perhaps cut by the array's edge
     counts = [rng.randint(1, 3) for _ in chunk]
     shape = tuple(c * k - (rng.randrange(c) if k > 1 and rng.random() < 0.5 else 0) for c, k in zip(chunk, counts))
-    monkeypatch.setattr("ucp.checkpoint.choose_chunks", lambda *_, **__: (chunk, inner))
+    monkeypatch.setattr("ucp.engine.checkpoint.choose_chunks", lambda *_, **__: (chunk, inner))
     t = (torch.rand(shape) > 0.5) if dtype == torch.bool else (torch.rand(shape) * 100).to(dtype)
     options = ucp.SaveOptions(fsync=False, chunking=ChunkingPolicy(pack_below=0))  # (shards, not a pack)
     ucp.save({"w": t}, str(tmp_path), options=options, atom_attributes={"w": {"case": seed}})  # (not the cached plan)
@@ -250,8 +250,8 @@ def test_shards_read_whole_land_in_place_and_every_inner_chunk_is_checked(tmp_pa
 def test_inner_chunks_of_whole_rows_encode_as_any_inner_chunk_does(seed):
     """codec.encode takes inner chunks of whole rows from a contiguous chunk as byte ranges; its objects are
     byte for byte those of the general path (a tensor per inner chunk, taken here with a non-contiguous chunk)."""
-    from ucp import codec
-    from ucp.boxes import to_slices
+    from ucp.base.boxes import to_slices
+    from ucp.protocol import codec
 
     rng = random.Random(seed)
     fast = 0

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's fp8 weights (ucp.quantization): a random tiny transformers DeepseekV3ForCausalLM saved as the released
+"""DeepSeek-V3's fp8 weights (ucp.sharding.quantization): a random tiny transformers DeepseekV3ForCausalLM saved as the released
 checkpoints are (float8_e4m3fn linear weights, a float32 `weight_scale_inv` per block, config.json's
 quantization_config) imports as fp8 atoms and scale atoms, moves between layouts and exports back bitwise; dequantised
 (export --dtype, the weights loader) it equals what transformers computes; what ucp cannot hold is refused, naming it."""
@@ -18,12 +18,12 @@ import torch
 
 import ucp
 from ucp.distributed import ShardedModel, VirtualWorld, load_sharded, needed_objects
+from ucp.distributed.sharded_model import extra_state, model_config_of, stored_dtypes
 from ucp.errors import LayoutError, UcpError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.weights import load_into_module, load_weights
-from ucp.layout import parse_layout
-from ucp.reshard import assemble, local_plan
-from ucp.sharded_model import extra_state, model_config_of, stored_dtypes
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import assemble, local_plan
 
 from .helpers import DRAW, assert_same_state, perturb_parameters, step_path
 

@@ -16,13 +16,13 @@ import torch
 import ucp
 from trainer import launch
 from trainer.parallel.mesh import parse_layout
-from ucp.comm import LocalComm
 from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
+from ucp.engine.landing import Landing
 from ucp.errors import IntegrityError
-from ucp.format import chunk_indices
+from ucp.format.manifest import chunk_indices
 from ucp.interop.weights import load_weights
-from ucp.landing import Landing
-from ucp.reshard import shard
+from ucp.protocol.comm import LocalComm
+from ucp.sharding.reshard import shard
 from ucp.training_state import restore_training_state, training_state
 
 from .dist_worker import CONFIG, STATES, full_state

@@ -12,12 +12,12 @@ import torch
 from ucp import cli as ucp_cli
 from ucp.distributed import ShardedModel, VirtualWorld
 from ucp.errors import IntegrityError
-from ucp.families import MixtralConfig, canonical_atoms
 from ucp.interop.errors import DestinationExistsError, InteropError, SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.weights import load_weights
-from ucp.layout import parse_layout
-from ucp.reshard import DEFAULT_STATES, shard
+from ucp.sharding.families import MixtralConfig, canonical_atoms
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import DEFAULT_STATES, shard
 
 from .helpers import damage_atom
 

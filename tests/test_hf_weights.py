@@ -7,8 +7,8 @@ import torch
 
 import ucp
 from ucp.interop.weights import load_into_module, load_weights
-from ucp.layout import parse_layout
-from ucp.reshard import shard
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 
 from .helpers import step_path
 from .test_hf import hf_reference_model, random_full_state, save_in_layout, tiny_config

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucp
-from ucp.attempt import collect_garbage
-from ucp.format import COMMIT_MARKER, step_dirname
-from ucp.inspection import describe, verify
+from ucp.engine.inspection import describe, verify
+from ucp.format.manifest import COMMIT_MARKER, step_dirname
+from ucp.protocol.attempt import collect_garbage
 from ucp.storage import LocalStorage
 
 from .helpers import reseal_manifest, step_path

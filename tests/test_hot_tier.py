@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ucp
-from ucp.format import step_dirname
+from ucp.format.manifest import step_dirname
 
 from .helpers import DRAW, damage_atom
 from .launch import spawn

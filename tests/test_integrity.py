@@ -13,8 +13,8 @@ import torch
 
 import ucp
 from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
-from ucp.layout import parse_layout
-from ucp.reshard import shard
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 
 from .dist_worker import CONFIG, STATES, full_state
 from .helpers import step_path

@@ -38,7 +38,7 @@ def written(tmp_path_factory):
     root = tmp_path_factory.mktemp("interop")
     state = every_dtype_state()
     ucp.save(state, str(root), options=SMALL_CHUNKS)
-    _, tensors = ucp.tree.flatten(state)
+    _, tensors = ucp.format.tree.flatten(state)
     return step_path(root, 0), tensors
 
 

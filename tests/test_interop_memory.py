@@ -15,17 +15,17 @@ import pytest
 import torch
 
 import ucp
-from ucp.families import MixtralConfig, canonical_atoms
+from ucp.distributed.sharded_model import ShardedModel
+from ucp.distributed.sharded_save import VirtualWorld
 from ucp.interop.hf import hf_config_from_ucp
 from ucp.interop.megatron import convert
 from ucp.interop.megatron_distrib_optim import MOMENTS
 from ucp.interop.megatron_files import load_rank_file
 from ucp.interop.megatron_optimizer import MASTER, DistributedBuffers, OptimizerMeta
 from ucp.interop.megatron_save import RANK_FILE, parse_megatron_layout, rank_files
-from ucp.layout import Layout
-from ucp.reshard import shard
-from ucp.sharded_model import ShardedModel
-from ucp.sharded_save import VirtualWorld
+from ucp.sharding.families import MixtralConfig, canonical_atoms
+from ucp.sharding.layout import Layout
+from ucp.sharding.reshard import shard
 
 from .test_hf import save_in_layout
 

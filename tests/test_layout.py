@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ucp.errors import LayoutError, UcpError
-from ucp.families import MixtralConfig
-from ucp.layout import Layout, RankCoords, chunk_layer_counts, parse_layout, validate_for_model
-from ucp.partition import PartitionSpec, padded_rows, tp_shard
+from ucp.sharding.families import MixtralConfig
+from ucp.sharding.layout import Layout, RankCoords, chunk_layer_counts, parse_layout, validate_for_model
+from ucp.sharding.partition import PartitionSpec, padded_rows, tp_shard
 
 
 def small_config(**kw) -> MixtralConfig:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ucp
-from ucp.format import step_dirname
+from ucp.format.manifest import step_dirname
 
 
 def test_steps_latest_restore_and_retention(tmp_path):

@@ -12,7 +12,10 @@ import random
 import pytest
 
 from ucp.errors import UcpError
-from ucp.families import (
+from ucp.interop.errors import InteropError
+from ucp.interop.megatron import ConvertOptions, convert
+from ucp.interop.megatron_args import HF_CONFIG_ARG, args_for, args_layout, config_from_args
+from ucp.sharding.families import (
     FAMILIES,
     DeepseekV3Config,
     FamilyConfig,
@@ -21,10 +24,7 @@ from ucp.families import (
     QwenMoeConfig,
     megatron_family,
 )
-from ucp.interop.errors import InteropError
-from ucp.interop.megatron import ConvertOptions, convert
-from ucp.interop.megatron_args import HF_CONFIG_ARG, args_for, args_layout, config_from_args
-from ucp.layout import Layout
+from ucp.sharding.layout import Layout
 
 from .helpers import DRAW
 

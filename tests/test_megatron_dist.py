@@ -17,13 +17,13 @@ import torch
 import ucp
 from ucp import cli as ucp_cli
 from ucp.errors import UcpError
-from ucp.families import LlamaConfig, canonical_atoms
 from ucp.interop.errors import InteropError, SourceMismatchError
 from ucp.interop.megatron import convert
 from ucp.interop.megatron_dist import dist_name
 from ucp.interop.megatron_files import load_rank_file
 from ucp.interop.megatron_save import RANK_FILE, parse_megatron_layout, rank_files
-from ucp.reshard import shard
+from ucp.sharding.families import LlamaConfig, canonical_atoms
+from ucp.sharding.reshard import shard
 
 from .helpers import assert_same_state
 from .launch import spawn

@@ -4,7 +4,7 @@ megatron-core accepts `num_query_groups` a divisor of TP as well as a multiple (
 linear_qkv a ColumnParallelLinear over the global fused tensor (group by group: its query heads, its key head, its
 value head), so TP rank t holds the t-th run of its rows, and has the ranks of a query group gather the group's
 output before each keeps its own query heads (attention.py, `num_query_groups < world_size`). ucp's reshaper lays
-the fused QKV out the same way (`ucp.partition`); these tests hold it to megatron-core's own sharding and math:
+the fused QKV out the same way (`ucp.sharding.partition`); these tests hold it to megatron-core's own sharding and math:
 
 - megatron-core saves torch_dist in one TP degree and loads it in another (with 1 or 2 KV heads below TP 2 or 4);
   ucp's conversions of the same checkpoint (rank files of the loading layout, ucp's format and back, the weights

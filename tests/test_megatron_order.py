@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from ucp.families import DeepseekV3Config, LlamaConfig, QwenMoeConfig
 from ucp.interop.megatron_optimizer import param_groups
-from ucp.layout import parse_layout
+from ucp.sharding.families import DeepseekV3Config, LlamaConfig, QwenMoeConfig
+from ucp.sharding.layout import parse_layout
 
 from .helpers import DRAW
 from .launch import spawn
@@ -75,7 +75,7 @@ def test_megatrons_optimizer_state_goes_to_tp2_and_back_into_megatron(tmp_path, 
     """Adam's state after a step of megatron-core's own optimizer, converted by ucp tp1 -> tp2 -> tp1 and loaded by
     Megatron's optimizer (which takes it by position in its param groups), is the same, parameter by parameter."""
     pytest.importorskip("megatron.core")
-    from ucp.families import family_for
+    from ucp.sharding.families import family_for
 
     config = CONFIGS[model]
     (tmp_path / "config.json").write_text(json.dumps({"family": family_for(config).name, **config.to_json()}))

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import ucp
-from ucp.families.qwen_moe import QwenMoeConfig
 from ucp.interop.errors import SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
+from ucp.sharding.families.qwen_moe import QwenMoeConfig
 
 from .helpers import DRAW, assert_reshards, hf_logits, random_hf_model
 
@@ -70,7 +70,7 @@ def test_import_dcp_and_export_give_the_same_logits(tmp_path):
 
 
 def test_inspect_shows_the_architecture_and_its_hyperparameters(tmp_path):
-    from ucp.inspection import describe, format_table
+    from ucp.engine.inspection import describe, format_table
 
     hf_model(tmp_path, clip_qkv=0.05)
     import_hf(tmp_path / "hf", str(tmp_path / "u"))

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import ucp
-from ucp.inspection import verify
+from ucp.engine.inspection import verify
 
 from .helpers import assert_same_state, load_factor
 from .orphan_saver import OPTIONS, state

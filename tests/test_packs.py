@@ -22,14 +22,14 @@ import pytest
 import torch
 
 import ucp
-from ucp.checkpoint import CheckpointReader
 from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
+from ucp.engine.checkpoint import CheckpointReader
+from ucp.engine.inspection import describe, format_table, verify
 from ucp.errors import FormatError, IntegrityError
-from ucp.families import MixtralConfig
-from ucp.format import COMMIT_MARKER, CRC_BYTES, PACKS_GROUP, dumps
-from ucp.inspection import describe, format_table, verify
-from ucp.layout import parse_layout
-from ucp.reshard import assemble, shard
+from ucp.format.manifest import COMMIT_MARKER, CRC_BYTES, PACKS_GROUP, dumps
+from ucp.sharding.families import MixtralConfig
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import assemble, shard
 from ucp.storage import open_storage
 
 from .helpers import DRAW, assert_same_state, step_path
@@ -180,7 +180,7 @@ def test_a_pack_read_by_row_and_column_ranges_and_in_other_layouts(tmp_path):
     )
     states = ("exp_avg", "exp_avg_sq")
     g = torch.Generator().manual_seed(DRAW.randrange(2**31))
-    from ucp.families import canonical_atoms
+    from ucp.sharding.families import canonical_atoms
 
     atoms = canonical_atoms(config)
     full = {
@@ -344,7 +344,7 @@ def _fuzz_cases(doc: dict, rng: random.Random) -> list[tuple[str, dict]]:
         pack, offset, nbytes, _ = a["packed"][0]
         return offset + 1 + nbytes <= ucp_doc["packs"][pack][0] - CRC_BYTES
 
-    wide = [(p, a) for p, a in packed if ucp.dtypes.itemsize(a["dtype"]) > 1 and fits_one_more(a)]
+    wide = [(p, a) for p, a in packed if ucp.base.dtypes.itemsize(a["dtype"]) > 1 and fits_one_more(a)]
     cases = []
 
     def case(what: str, change) -> None:
@@ -375,7 +375,7 @@ def _fuzz_cases(doc: dict, rng: random.Random) -> list[tuple[str, dict]]:
     for name in ucp_doc["packs"]:
         members = sorted((a["packed"][0][1], p) for p, a in packed if a["packed"][0][0] == name)
         for (o0, p0), (_, p1) in itertools.pairwise(members):
-            size1 = ucp.dtypes.itemsize(ucp_doc["atoms"][p1]["dtype"])
+            size1 = ucp.base.dtypes.itemsize(ucp_doc["atoms"][p1]["dtype"])
             moved = -(-o0 // size1) * size1
             if moved < o0 + ucp_doc["atoms"][p0]["packed"][0][2]:
                 overlaps.append((p1, moved))
@@ -483,7 +483,7 @@ def test_inspect_shows_the_packs(tmp_path):
 def test_a_read_of_some_packed_atoms_skips_long_runs_of_others(tmp_path):
     """Wanted chunks of a pack come in one request, short gaps read over; a gap longer than GAP_READ_BYTES (the
     optimizer state packed beside weights) splits the read, so its bytes are not read."""
-    from ucp.codec import GAP_READ_BYTES
+    from ucp.protocol.codec import GAP_READ_BYTES
 
     big = torch.arange(GAP_READ_BYTES // 4 + 1024, dtype=torch.float32)  # just over the gap, packed (< pack_below)
     state = {"a": torch.ones(10), "b": big, "c": torch.full((10,), 2.0), "d": torch.zeros(3)}

@@ -1,4 +1,4 @@
-"""The Qwen MoE family (ucp.families.qwen_moe): a random tiny transformers Qwen3MoeForCausalLM or
+"""The Qwen MoE family (ucp.sharding.families.qwen_moe): a random tiny transformers Qwen3MoeForCausalLM or
 Qwen2MoeForCausalLM (shared expert, q/k/v biases) goes through every path and gives identical logits; the reshaper
 moves it between layouts; megatron-core computes the same; configs it cannot hold are refused."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import ucp
-from ucp.families.qwen_moe import QwenMoeConfig
 from ucp.interop.errors import SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.megatron import convert
+from ucp.sharding.families.qwen_moe import QwenMoeConfig
 
 from .helpers import assert_reshards, hf_logits, perturb_parameters
 

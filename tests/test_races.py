@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import ucp
-from ucp.format import is_attempt_dirname, step_dirname
-from ucp.inspection import verify
+from ucp.engine.inspection import verify
+from ucp.format.manifest import is_attempt_dirname, step_dirname
 
 from .helpers import assert_same_state
 from .race_saver import state

@@ -1,6 +1,6 @@
-"""The read plan (`ucp.read_plan`): deterministic frozen data, executed by `load_sharded` and projected by
+"""The read plan (`ucp.distributed.read_plan`): deterministic frozen data, executed by `load_sharded` and projected by
 `needed_objects`, which equals what a load reads, for random models, layouts and chunkings (packed and unpacked
-atoms, casts, `into` tensors, fp8 weights dequantised); and the shard index (`ucp.codec.ShardIndex`): parsed, laid
+atoms, casts, `into` tensors, fp8 weights dequantised); and the shard index (`ucp.protocol.codec.ShardIndex`): parsed, laid
 out and encoded as one value, malformed heads refused."""
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ucp
-from ucp import codec
-from ucp.boxes import to_slices
+from ucp.base.boxes import to_slices
 from ucp.distributed import ShardedModel, VirtualWorld, load_sharded, needed_objects, plan_reads
 from ucp.errors import IntegrityError, StateError
-from ucp.families import DeepseekV3Config, MixtralConfig, block_scales, canonical_atoms
-from ucp.format import AtomMeta, chunk_indices
-from ucp.layout import Layout, parse_layout
-from ucp.quantization import SCALE_SUFFIX
-from ucp.reshard import put_local, shard
+from ucp.format.manifest import AtomMeta, chunk_indices
+from ucp.protocol import codec
+from ucp.sharding.families import DeepseekV3Config, MixtralConfig, block_scales, canonical_atoms
+from ucp.sharding.layout import Layout, parse_layout
+from ucp.sharding.quantization import SCALE_SUFFIX
+from ucp.sharding.reshard import put_local, shard
 
 from .helpers import assert_same_state
 
@@ -256,7 +256,7 @@ def test_needed_objects_are_what_an_fp8_load_reads(case):
 def test_a_plan_made_for_other_tensors_is_refused_by_the_load(tmp_path):
     """A plan records the dtype of each `into` tensor it was made for: executed with tensors of another dtype (or
     none where it had one), the load is refused before it reads, naming the tensor."""
-    from ucp.sharded_load import run_plan
+    from ucp.distributed.sharded_load import run_plan
 
     config = MixtralConfig(
         vocab_size=16, hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,

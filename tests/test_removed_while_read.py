@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ucp
-from ucp import commit
 from ucp.errors import ObjectMissingError, StepRemovedError
+from ucp.protocol import commit
 from ucp.storage import open_storage
 
 OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=2048), fsync=False)

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp.boxes import box_numel, flat_range_boxes, is_contiguous, to_slices
-from ucp.families import MixtralConfig, canonical_atoms
-from ucp.layout import Layout, parse_layout
-from ucp.reshard import assemble, atom_owners, chunk_write_plan, local_plan, owned_pieces, shard, write_grid
+from ucp.base.boxes import box_numel, flat_range_boxes, is_contiguous, to_slices
+from ucp.sharding.families import MixtralConfig, canonical_atoms
+from ucp.sharding.layout import Layout, parse_layout
+from ucp.sharding.reshard import assemble, atom_owners, chunk_write_plan, local_plan, owned_pieces, shard, write_grid
 
 STATES = ("exp_avg", "exp_avg_sq")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ucp
-from ucp.format import step_dirname
+from ucp.format.manifest import step_dirname
 from ucp.storage import open_storage
 
 from .helpers import assert_same_state

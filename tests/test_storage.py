@@ -262,8 +262,8 @@ def test_loads_tell_the_storage_the_small_objects_they_read_one_after_another(tm
     """ucp.load and a sharded load (load_weights) hand the disk the keys of the small objects they read in the
     calling thread, in the order they read them, and read the same bits as without reading ahead."""
     import ucp
+    from ucp.base.workpool import SMALL_OBJECT_BYTES
     from ucp.interop.weights import load_weights
-    from ucp.workpool import SMALL_OBJECT_BYTES
 
     from .test_hf import random_full_state, save_in_layout, tiny_config
 
@@ -433,11 +433,11 @@ def test_a_read_only_source_serves_a_load_and_is_refused_by_a_save(tmp_path):
     save handed it fails with a ReadOnlyStorageError naming it before anything is written; the committed step
     stays as it was."""
     import ucp
-    from ucp import commit
-    from ucp.checkpoint import CheckpointReader
+    from ucp.distributed.tiers import TierSource
+    from ucp.engine.checkpoint import CheckpointReader
     from ucp.errors import ReadOnlyStorageError
+    from ucp.protocol import commit
     from ucp.storage import Capabilities, ReadableStorage, Storage
-    from ucp.tiers import TierSource
 
     rng = random.Random()
     url = str(tmp_path / "root")

@@ -21,7 +21,7 @@ import torch
 
 from trainer import launch
 from trainer.parallel.mesh import parse_layout
-from ucp import commit
+from ucp.protocol import commit
 from ucp.storage import open_storage
 
 from .helpers import DRAW

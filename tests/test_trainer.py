@@ -219,11 +219,11 @@ def test_same_config_layout_and_seed_give_bitwise_identical_losses(run, tmp_path
 
 def _ucp():
     """ucp's layout parser, reshaper and Mixtral family (written in parallel with the trainer)."""
-    reason = "ucp's reshaper (ucp/reshard.py, ucp/families/mixtral.py) is not importable"
+    reason = "ucp's reshaper (ucp/sharding/reshard.py, ucp/sharding/families/mixtral.py) is not importable"
     return (
-        pytest.importorskip("ucp.layout", reason=reason),
-        pytest.importorskip("ucp.reshard", reason=reason),
-        pytest.importorskip("ucp.families.mixtral", reason=reason),
+        pytest.importorskip("ucp.sharding.layout", reason=reason),
+        pytest.importorskip("ucp.sharding.reshard", reason=reason),
+        pytest.importorskip("ucp.sharding.families.mixtral", reason=reason),
     )
 
 
@@ -261,8 +261,8 @@ def test_with_fewer_kv_heads_than_tp_ranks_local_params_equal_ucp_shard(layout, 
 def assert_initial_params_equal_ucp_shard(cfg: ModelConfig, layout: str, stage_layers: list[int] | None) -> None:
     """Every rank's initial local parameters of `layout` equal ucp's reshaper's shard of the initial atoms: the same
     names, order and values (the trainer and ucp implement docs/LOCAL_STATE.md independently)."""
-    from ucp.layout import parse_layout as ucp_parse_layout
-    from ucp.reshard import shard
+    from ucp.sharding.layout import parse_layout as ucp_parse_layout
+    from ucp.sharding.reshard import shard
 
     atoms = {name: initial_atom(cfg, 5, name) for name in canonical_shapes(cfg)}
     parsed = parse_layout(layout)

@@ -23,8 +23,8 @@ import ucp
 from trainer.config import load_config
 from trainer.parallel.mesh import parse_layout
 from trainer.weights import ucp_config
-from ucp.layout import parse_layout as ucp_parse_layout
-from ucp.reshard import assemble
+from ucp.sharding.layout import parse_layout as ucp_parse_layout
+from ucp.sharding.reshard import assemble
 
 from .helpers import DRAW, train_records
 from .launch import spawn

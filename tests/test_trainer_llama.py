@@ -19,8 +19,8 @@ from trainer.launch import trainer_argv
 from trainer.model import DecoderStage, DenseMLP, StageSpec
 from trainer.parallel.mesh import parse_layout
 from trainer.weights import canonical_shapes, load_canonical, ucp_config
-from ucp import commit
-from ucp.families.llama import LlamaConfig
+from ucp.protocol import commit
+from ucp.sharding.families.llama import LlamaConfig
 from ucp.storage import open_storage
 
 from .helpers import DRAW, assert_same_logits, random_hf_model

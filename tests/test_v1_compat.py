@@ -16,10 +16,10 @@ import torch
 
 import ucp
 from ucp.distributed import ShardedModel, load_sharded
-from ucp.families import MixtralConfig
-from ucp.inspection import verify
-from ucp.layout import parse_layout
-from ucp.reshard import assemble
+from ucp.engine.inspection import verify
+from ucp.sharding.families import MixtralConfig
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import assemble
 
 FIXTURES = Path(__file__).parent / "fixtures" / "v1"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())

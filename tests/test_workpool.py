@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from ucp.workpool import SMALL_OBJECT_BYTES, ObjectCall, SizedPool, run_sized, wait_all
+from ucp.base.workpool import SMALL_OBJECT_BYTES, ObjectCall, SizedPool, run_sized, wait_all
 
 
 def _recorder():

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import ucp
 from ucp.distributed import ShardedModel, TorchComm
-from ucp.layout import parse_layout
-from ucp.reshard import shard
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
 
 from .dist_worker import CONFIG, OPTIONS, STATES, full_state, same
 

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ucp.distributed import ShardedModel, TorchComm
+from ucp.engine.pipeline import SaveHandle
 from ucp.errors import CheckpointNotFoundError
 from ucp.manager import CheckpointManager
-from ucp.pipeline import SaveHandle
 from ucp.training_state import rng_state, set_rng_state
 
 from .config import Config

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from ucp import commit
-from ucp.checkpoint import CheckpointReader
-from ucp.inspection import describe, format_table
+from ucp.distributed.tiers import run_directory
+from ucp.engine.checkpoint import CheckpointReader
+from ucp.engine.inspection import describe, format_table
+from ucp.protocol import commit
 from ucp.storage import LocalStorage, open_storage
-from ucp.tiers import run_directory
 
 from . import elastic
 from . import report as run_report

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from ucp.families import canonical_atoms
-from ucp.families.llama import LlamaConfig
-from ucp.families.mixtral import MixtralConfig
+from ucp.sharding.families import canonical_atoms
+from ucp.sharding.families.llama import LlamaConfig
+from ucp.sharding.families.mixtral import MixtralConfig
 
 from .config import ModelConfig
 from .model import DecoderStage

@@ -15,13 +15,13 @@ from .version import __version__ as __version__
 
 # name -> the module that defines it
 _EXPORTS = {
-    "CheckpointReader": "checkpoint",
-    "SaveOptions": "checkpoint",
-    "load": "checkpoint",
-    "open_checkpoint": "checkpoint",
-    "save": "checkpoint",
-    "ChunkingPolicy": "chunking",
-    "register_bfloat16_with_zarr": "dtypes",
+    "CheckpointReader": "engine.checkpoint",
+    "SaveOptions": "engine.checkpoint",
+    "load": "engine.checkpoint",
+    "open_checkpoint": "engine.checkpoint",
+    "save": "engine.checkpoint",
+    "ChunkingPolicy": "base.chunking",
+    "register_bfloat16_with_zarr": "base.dtypes",
     "CheckpointNotFoundError": "errors",
     "FormatError": "errors",
     "IntegrityError": "errors",
@@ -39,9 +39,9 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointReader, SaveOptions, load, open_checkpoint, save
-    from .chunking import ChunkingPolicy
-    from .dtypes import register_bfloat16_with_zarr
+    from .base.chunking import ChunkingPolicy
+    from .base.dtypes import register_bfloat16_with_zarr
+    from .engine.checkpoint import CheckpointReader, SaveOptions, load, open_checkpoint, save
     from .errors import (
         CheckpointNotFoundError,
         FormatError,

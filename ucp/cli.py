@@ -24,7 +24,7 @@ def _add_location(p: argparse.ArgumentParser) -> None:
 
 
 def _open(args: argparse.Namespace):
-    from .checkpoint import open_checkpoint
+    from .engine.checkpoint import open_checkpoint
 
     step = args.step if args.step == "latest" else _int_step(args.step)
     return open_checkpoint(args.url, step, storage_options=parse_storage_options(args.storage_option))
@@ -38,7 +38,7 @@ def _int_step(text: str) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspection import describe, format_table
+    from .engine.inspection import describe, format_table
 
     info = describe(_open(args))
     print(json.dumps(info, indent=1) if args.json else format_table(info))
@@ -46,7 +46,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .inspection import verify
+    from .engine.inspection import verify
 
     report = verify(_open(args))
     for problem in report.problems:

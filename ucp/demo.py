@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint import open_checkpoint
-from .inspection import describe, format_table
+from .engine.checkpoint import open_checkpoint
+from .engine.inspection import describe, format_table
 from .manager import CheckpointManager
 from .training_state import restore_training_state, training_state
 

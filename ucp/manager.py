@@ -8,18 +8,19 @@ from typing import Any, Self
 
 import torch
 
-from . import attempt, commit, tree
-from .checkpoint import CheckpointReader, SaveOptions, chunk_jobs, io_threads_for, plan_atoms, plan_save
-from .comm import Comm
-from .commit import CommitRecord
-from .devices import on_host
+from .base.devices import on_host
+from .distributed.sharded_load import LoadReport, load_sharded
+from .distributed.sharded_model import ShardedModel, extra_state
+from .distributed.sharded_save import RankSaver, extra_atoms, plan_sharded_save
+from .distributed.tiers import HotTier, RestoreReport
+from .engine.checkpoint import CheckpointReader, SaveOptions, chunk_jobs, io_threads_for, plan_atoms, plan_save
+from .engine.pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
 from .errors import StateError
-from .pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
-from .sharded_load import LoadReport, load_sharded
-from .sharded_model import ShardedModel, extra_state
-from .sharded_save import RankSaver, extra_atoms, plan_sharded_save
+from .format import tree
+from .protocol import attempt, commit
+from .protocol.comm import Comm
+from .protocol.commit import CommitRecord
 from .storage import Storage, open_storage
-from .tiers import HotTier, RestoreReport
 
 
 class CheckpointManager:
@@ -33,12 +34,12 @@ class CheckpointManager:
     the default on Linux: it keeps checksums and IO calls off the trainer's GIL) or by writer threads
     (`writer="threads"`). One save is in flight at a time: a new save waits for the previous one and raises its
     error. The manager keeps the last `keep_last` committed steps (all when None) and, when it starts and
-    after each commit, removes the save attempts that no live process owns (`ucp.attempt`: interrupted saves,
+    after each commit, removes the save attempts that no live process owns (`ucp.protocol.attempt`: interrupted saves,
     the losers of a race, a killed job's). In a parallel job pass `comm` (e.g. `TorchComm(dist.new_group(
     backend="gloo"))`): rank 0 does the cleanup and the commits.
 
     With `local_dir` (node-local storage, e.g. a directory in /dev/shm) the manager keeps a hot tier
-    (`ucp.tiers`): every save commits there first, each node holding its ranks' objects plus a replica of the
+    (`ucp.distributed.tiers`): every save commits there first, each node holding its ranks' objects plus a replica of the
     previous node's, and every `durable_every`-th save is then drained to `root_url` and committed there; each
     node keeps `local_keep` hot steps. `restore_sharded` takes the newest step that the surviving nodes hold
     between them or that `root_url` holds, reading over the process group what other nodes hold; what it read
@@ -64,6 +65,9 @@ class CheckpointManager:
         local_keep: int = 2,
         durable_every: int = 1,
     ):
+        """Opens the root and starts the writer process (async and lazy modes). Does IO and, with a `comm`, runs
+        collectives: every rank must construct its manager together (rank 0 collects garbage, then all wait at a
+        barrier; a hot tier finds the nodes, `HotTier`)."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (or None to keep every step), got {keep_last}")
         self.root_url = root_url
@@ -244,7 +248,7 @@ class CheckpointManager:
     ) -> tuple[dict[str, Any], dict[str, Any], LoadReport]:
         """This rank's local state in `model.layout` (whatever layout saved it), the extra state, and what was read;
         `into`: the job's own tensors to fill in place, on any device, and `device`: where the tensors `into` lacks are
-        made (`load_sharded`). With a hot tier and step 'latest' every rank calls it together (`ucp.tiers`);
+        made (`load_sharded`). With a hot tier and step 'latest' every rank calls it together (`ucp.distributed.tiers`);
         `last_restore` says what came from where."""
         if self.hot is not None and step in ("latest", None):
             local, extra, report, self.last_restore = self.hot.restore_sharded(model, self.storage, into, device)
@@ -259,7 +263,7 @@ class CheckpointManager:
     def gc(self) -> list[str]:
         """Remove the save attempts that no live process owns (interrupted or failed saves, the losers of a race,
         a killed job's); returns what was removed, as keys below the root. A save in progress, here or in another
-        job, is never touched: ownership is decided by the attempt's owner record (`ucp.attempt`)."""
+        job, is never touched: ownership is decided by the attempt's owner record (`ucp.protocol.attempt`)."""
         return attempt.collect_garbage(self.storage)
 
     def _apply_retention(self) -> None:

@@ -5,14 +5,14 @@ Rank order and the EP carve-out follow docs/LOCAL_STATE.md:
     rank = tp_rank + T * (dp_rank + D * pp_rank)
     ep_rank = dp_rank % E,  expert_dp_rank = dp_rank // E
 
-Layouts are ucp's (`ucp.layout.Layout`, `parse_layout`): the trainer and the checkpoints share one grammar.
+Layouts are ucp's (`ucp.sharding.layout.Layout`, `parse_layout`): the trainer and the checkpoints share one grammar.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from ucp.layout import Layout, RankCoords, parse_layout
+from ucp.sharding.layout import Layout, RankCoords, parse_layout
 
 __all__ = ["Layout", "Mesh", "RankCoords", "coords_of", "group_partitions", "parse_layout", "rank_of"]
 

@@ -8,6 +8,6 @@
 - `cli`: the `convert`, `export` and `import` subcommands.
 """
 
-from ucp.interop.errors import InteropError, SourceMismatchError
+from .errors import InteropError, SourceMismatchError
 
 __all__ = ["InteropError", "SourceMismatchError"]

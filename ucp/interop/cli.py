@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ucp.cli_common import Applies, add_storage_option, parse_storage_options, storage_option_applies
-from ucp.interop.megatron_save import TORCH_DIST, UNIVERSAL
-from ucp.interop.staging import check_apart
+from ..cli_common import Applies, add_storage_option, parse_storage_options, storage_option_applies
+from .megatron_save import TORCH_DIST, UNIVERSAL
+from .staging import check_apart
 
 MEGATRON_DIST = "megatron-dist"  # Megatron-LM's torch_dist format, as export/import name it
 
@@ -100,7 +100,7 @@ def _print_dropped(report: Any) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ucp.interop.megatron import ConvertOptions, convert
+    from .megatron import ConvertOptions, convert
 
     check_apart(args.src, args.dst)
     options = ConvertOptions(
@@ -126,7 +126,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     check_apart(args.url, args.dir)
     if args.to == MEGATRON_DIST:
-        from ucp.interop.megatron import ConvertOptions, convert
+        from .megatron import ConvertOptions, convert
 
         step = None if args.step == "latest" else args.step
         options = ConvertOptions(from_layout=UNIVERSAL, to_layout=TORCH_DIST, step=step, **_streaming_kwargs(args))
@@ -137,7 +137,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         _print_dropped(converted)
         return 0
     if args.to == "hf":
-        from ucp.interop.hf import export_hf
+        from .hf import export_hf
 
         report = export_hf(
             args.url,
@@ -152,7 +152,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"({report.bytes_written / 2**20:.1f} MiB) to {args.dir}"
         )
     else:
-        from ucp.interop.dcp import export_dcp
+        from .dcp import export_dcp
 
         dcp_report = export_dcp(
             args.url,
@@ -171,7 +171,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     check_apart(args.src, args.url)
     if args.from_ == MEGATRON_DIST:
-        from ucp.interop.megatron import ConvertOptions, convert
+        from .megatron import ConvertOptions, convert
 
         options = ConvertOptions(
             from_layout=TORCH_DIST,
@@ -186,7 +186,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         return 0
     step = 0 if args.step is None else args.step
     if args.from_ == "hf":
-        from ucp.interop.hf import import_hf
+        from .hf import import_hf
 
         report: Any = import_hf(
             args.src,
@@ -196,7 +196,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             **_streaming_kwargs(args),
         )
     else:
-        from ucp.interop.dcp import import_dcp
+        from .dcp import import_dcp
 
         report = import_dcp(
             args.src,

@@ -31,30 +31,17 @@ from typing import Any
 
 import torch
 
-from ucp import dtypes
-from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.families import FamilyConfig, block_scales, canonical_atoms, expert_names_of, family_for
-from ucp.interop.dtypes import kept_param_dtypes, parse_dtype
-from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.hf import (
-    QuantisedDtypes,
-    hf_config_from_ucp,
-    refuse_cast_of_quantised,
-    stored_hf_config,
-    ucp_config_from_hf,
-)
-from ucp.interop.staging import staged_dir
-from ucp.interop.streaming import (
-    DEFAULT_MEMORY_BUDGET,
-    DEFAULT_WORKERS,
-    group_limit,
-    nbytes,
-    progress_bar,
-    save_atoms,
-)
-from ucp.layout import Layout
-from ucp.sharded_model import AtomKey, ShardedModel, atom_path, model_config_of
-from ucp.workpool import pack
+from ..base import dtypes
+from ..base.workpool import pack
+from ..distributed.sharded_model import AtomKey, ShardedModel, atom_path, model_config_of
+from ..engine.checkpoint import CheckpointReader, open_checkpoint
+from ..sharding.families import FamilyConfig, block_scales, canonical_atoms, expert_names_of, family_for
+from ..sharding.layout import Layout
+from .dtypes import kept_param_dtypes, parse_dtype
+from .errors import InteropError, SourceMismatchError
+from .hf import QuantisedDtypes, hf_config_from_ucp, refuse_cast_of_quantised, stored_hf_config, ucp_config_from_hf
+from .staging import staged_dir
+from .streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS, group_limit, nbytes, progress_bar, save_atoms
 
 METADATA = ".metadata"
 _META_MODULE = "torch.distributed.checkpoint.metadata"

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ucp.interop.errors import InteropError
-from ucp.reshard import LocalTensor
+from ..sharding.reshard import LocalTensor
+from .errors import InteropError
 
 _NAMES = {
     "bf16": torch.bfloat16,

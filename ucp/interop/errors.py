@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ucp.errors import UcpError
+from ..errors import UcpError
 
 
 class InteropError(UcpError):

@@ -17,7 +17,7 @@ Both directions stream within a memory budget (`ucp.interop.streaming`): import 
 of the safetensors files; export writes each file tensor by tensor (`SafetensorsWriter`).
 
 DeepSeek-V3's fp8 checkpoints (`quantization_config` with `quant_method` fp8, `fmt` e4m3, `weight_block_size`) import
-as they are: each quantised weight a float8_e4m3fn atom, its `weight_scale_inv` a float32 atom (`ucp.quantization`);
+as they are: each quantised weight a float8_e4m3fn atom, its `weight_scale_inv` a float32 atom (`ucp.sharding.quantization`);
 an export writes them back bitwise, or with `dtype` dequantised (no scales, no quantization_config).
 """
 
@@ -36,9 +36,11 @@ from typing import Any, Self
 
 import torch
 
-from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.errors import UcpError
-from ucp.families import (
+from ..base.workpool import pack
+from ..distributed.sharded_model import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
+from ..engine.checkpoint import CheckpointReader, open_checkpoint
+from ..errors import UcpError
+from ..sharding.families import (
     DeepseekV3Config,
     FamilyConfig,
     LlamaConfig,
@@ -48,23 +50,13 @@ from ucp.families import (
     canonical_atoms,
     expert_names_of,
 )
-from ucp.families.table import block_size
-from ucp.interop.dtypes import kept_param_dtypes, most_common, parse_dtype, short_name
-from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.staging import staged_dir
-from ucp.interop.streaming import (
-    DEFAULT_MEMORY_BUDGET,
-    DEFAULT_WORKERS,
-    group_limit,
-    nbytes,
-    pipelined,
-    progress_bar,
-    save_atoms,
-)
-from ucp.layout import Layout
-from ucp.quantization import SCALE_DTYPES, WEIGHT_DTYPE, dequantize
-from ucp.sharded_model import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
-from ucp.workpool import pack
+from ..sharding.families.table import block_size
+from ..sharding.layout import Layout
+from ..sharding.quantization import SCALE_DTYPES, WEIGHT_DTYPE, dequantize
+from .dtypes import kept_param_dtypes, most_common, parse_dtype, short_name
+from .errors import InteropError, SourceMismatchError
+from .staging import staged_dir
+from .streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS, group_limit, nbytes, pipelined, progress_bar, save_atoms
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -453,7 +445,7 @@ def export_hf(
     files of at most `max_shard_bytes` and their index). Tensors stream through in groups that fit
     `memory_budget` (`workers` reads at once; each file is written tensor by tensor, the next group read
     meanwhile); the directory appears whole or not at all. `dtype` casts every tensor (default: as stored); it
-    dequantises block-quantised weights (`ucp.quantization.dequantize`: no scales, no quantization_config)."""
+    dequantises block-quantised weights (`ucp.sharding.quantization.dequantize`: no scales, no quantization_config)."""
     reader = open_checkpoint(url, step, storage_options=storage_options)
     reader.io_threads = workers
     config = model_config_of(reader)
@@ -509,7 +501,7 @@ def export_hf(
 
 
 def _torch_dtype_of(zarr_name: str) -> torch.dtype:
-    from ucp import dtypes
+    from ..base import dtypes
 
     return dtypes.torch_dtype(zarr_name)
 
@@ -723,7 +715,7 @@ class QuantisedDtypes:
             )
         if not self.scale_dtypes:
             return config
-        from ucp import dtypes
+        from ..base import dtypes
 
         return dataclasses.replace(config, weight_scale_dtype=dtypes.zarr_name(next(iter(self.scale_dtypes))))
 

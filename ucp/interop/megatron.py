@@ -4,7 +4,7 @@
 checkpoint.
 
 Conversion never holds the model, nor a whole rank file: every target tensor is filled piece by piece from the
-source tensors that hold the same atom box (`ucp.reshard.local_plan` gives both sides' boxes; the source's are
+source tensors that hold the same atom box (`ucp.sharding.reshard.local_plan` gives both sides' boxes; the source's are
 indexed by megatron_source.PieceIndex), each source tensor read from its file only when needed and dropped after,
 and each target file is written tensor by tensor (megatron_target), a few files at a time within the memory budget.
 
@@ -30,32 +30,25 @@ from typing import Any
 
 import torch
 
-from ucp import dtypes
-from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.errors import CheckpointNotFoundError, FormatError, UcpError
-from ucp.families import FamilyConfig, block_scales, buffer_atoms, canonical_atoms, family_for
-from ucp.format import AtomMeta
-from ucp.interop.dtypes import Dtypes
-from ucp.interop.errors import SourceMismatchError
-from ucp.interop.megatron_args import args_for, args_json
-from ucp.interop.megatron_dist import open_torch_dist, write_torch_dist
-from ucp.interop.megatron_optimizer import OptimizerMeta
-from ucp.interop.megatron_save import (
-    TORCH_DIST,
-    TRACKER,
-    UNIVERSAL,
-    megatron_name,
-    parse_megatron_layout,
-    rank_files,
-)
-from ucp.interop.megatron_source import MegatronSource, PieceIndex, SourceCache, open_megatron, source_dtypes
-from ucp.interop.megatron_target import Produce, TargetFiles, write_rank_files
-from ucp.interop.streaming import group_limit, save_atoms
-from ucp.layout import Layout
-from ucp.reshard import LocalTensor, local_plan
-from ucp.sharded_load import piece_reads
-from ucp.sharded_model import AtomKey, ShardedModel, atom_path, check_atom, extra_state, model_config_of
-from ucp.workpool import pack
+from ..base import dtypes
+from ..base.workpool import pack
+from ..distributed.sharded_load import piece_reads
+from ..distributed.sharded_model import AtomKey, ShardedModel, atom_path, check_atom, extra_state, model_config_of
+from ..engine.checkpoint import CheckpointReader, open_checkpoint
+from ..errors import CheckpointNotFoundError, FormatError, UcpError
+from ..format.manifest import AtomMeta
+from ..sharding.families import FamilyConfig, block_scales, buffer_atoms, canonical_atoms, family_for
+from ..sharding.layout import Layout
+from ..sharding.reshard import LocalTensor, local_plan
+from .dtypes import Dtypes
+from .errors import SourceMismatchError
+from .megatron_args import args_for, args_json
+from .megatron_dist import open_torch_dist, write_torch_dist
+from .megatron_optimizer import OptimizerMeta
+from .megatron_save import TORCH_DIST, TRACKER, UNIVERSAL, megatron_name, parse_megatron_layout, rank_files
+from .megatron_source import MegatronSource, PieceIndex, SourceCache, open_megatron, source_dtypes
+from .megatron_target import Produce, TargetFiles, write_rank_files
+from .streaming import group_limit, save_atoms
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A Megatron-LM job's arguments (the `args` Namespace its checkpoints carry) and ucp's model configs, both ways.
 
-Which family a job's model is, and its config, is each family's to say (`ucp.families.megatron_names`: its
+Which family a job's model is, and its config, is each family's to say (`ucp.sharding.families.megatron_names`: its
 `MegatronNames`); here that is applied to a checkpoint's args, a problem named with the file it came from, and what
 is the job's rather than the model's is added: the layout the files are split by, the distributed optimizer's grad
 buffers, and the Hugging Face fields the args carry (RoPE's base, the norm's epsilon, ..., and the whole HF config
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from ucp.errors import UcpError
-from ucp.families import FamilyConfig, family_for, megatron_family
-from ucp.families.megatron_names import arg, gpt_args, gpt_shape
-from ucp.interop.errors import InteropError
-from ucp.interop.megatron_files import ForeignEnum, real_enum
-from ucp.interop.megatron_optimizer import DistributedBuffers
-from ucp.layout import Layout
+from ..errors import UcpError
+from ..sharding.families import FamilyConfig, family_for, megatron_family
+from ..sharding.families.megatron_names import arg, gpt_args, gpt_shape
+from ..sharding.layout import Layout
+from .errors import InteropError
+from .megatron_files import ForeignEnum, real_enum
+from .megatron_optimizer import DistributedBuffers
 
 
 def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tuple[FamilyConfig, dict[str, Any]]:

@@ -42,21 +42,17 @@ from typing import Any
 
 import torch
 
-from ucp.boxes import Box, box_numel, box_shape, full_box, intersect, relative, to_slices, translate
-from ucp.families import FamilyConfig, family_for
-from ucp.families.megatron_names import arg
-from ucp.interop.dcp import METADATA, read_metadata
-from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.megatron_args import args_for, args_layout, bucket_size_of, config_from_args, distributed_buffers
-from ucp.interop.megatron_distrib_optim import (
-    BUCKET_ALIGNMENT,
-    MOMENTS,
-    STATE_OF,
-    grad_buffers,
-    optimizer_entry,
-)
-from ucp.interop.megatron_files import open_torch_file
-from ucp.interop.megatron_optimizer import (
+from ..base.boxes import Box, box_numel, box_shape, full_box, intersect, relative, to_slices, translate
+from ..sharding.families import FamilyConfig, family_for
+from ..sharding.families.megatron_names import arg
+from ..sharding.layout import Layout
+from ..sharding.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
+from .dcp import METADATA, read_metadata
+from .errors import InteropError, SourceMismatchError
+from .megatron_args import args_for, args_layout, bucket_size_of, config_from_args, distributed_buffers
+from .megatron_distrib_optim import BUCKET_ALIGNMENT, MOMENTS, STATE_OF, grad_buffers, optimizer_entry
+from .megatron_files import open_torch_file
+from .megatron_optimizer import (
     LocalOptimState,
     OptimizerMeta,
     check_known_groups,
@@ -65,7 +61,7 @@ from ucp.interop.megatron_optimizer import (
     model_param_groups,
     param_groups,
 )
-from ucp.interop.megatron_save import (
+from .megatron_save import (
     CHECKPOINT_VERSION,
     METADATA_JSON,
     TORCH_DIST,
@@ -74,12 +70,10 @@ from ucp.interop.megatron_save import (
     is_torch_dist,
     iteration_dir,
 )
-from ucp.interop.megatron_source import MegatronSource
-from ucp.interop.megatron_target import Produce, TargetFiles
-from ucp.interop.staging import staged_dir
-from ucp.interop.torch_file import TorchFile
-from ucp.layout import Layout
-from ucp.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
+from .megatron_source import MegatronSource
+from .megatron_target import Produce, TargetFiles
+from .staging import staged_dir
+from .torch_file import TorchFile
 
 COMMON = "common.pt"
 DATA_FILE = "__0_0.distcp"  # what ucp writes: one file, one chunk per layer (and expert)
@@ -373,7 +367,7 @@ def model_shape(
     common.pt or, for one saved without them (megatron-core's dist_checkpointing alone), from `model_config`: a
     Hugging Face config.json of the model, or a JSON object of the job's Megatron-LM arguments (`num_layers`,
     `hidden_size`, ...: what `megatron_args.config_from_args` reads)."""
-    from ucp.interop.hf import ucp_config_from_hf
+    from .hf import ucp_config_from_hf
 
     if model_config is None:
         if args is None:

@@ -36,9 +36,11 @@ from typing import Any
 
 import torch
 
-from ucp.families import FamilyConfig
-from ucp.interop.errors import InteropError
-from ucp.interop.megatron_optimizer import (
+from ..sharding.families import FamilyConfig
+from ..sharding.layout import Layout
+from ..sharding.reshard import LocalParam, local_params
+from .errors import InteropError
+from .megatron_optimizer import (
     MASTER,
     DistributedBuffers,
     Groups,
@@ -51,9 +53,7 @@ from ucp.interop.megatron_optimizer import (
     param_groups,
     registration_key,
 )
-from ucp.interop.torch_file import Deferred
-from ucp.layout import Layout
-from ucp.reshard import LocalParam, local_params
+from .torch_file import Deferred
 
 PARAM_ALIGNMENT = 64  # a parameter starts at a multiple of 64 elements (128-byte aligned for 16-bit values)
 BUCKET_ALIGNMENT = 128  # a bucket ends padded to lcm(DP, 128): a multiple of PARAM_ALIGNMENT whatever DP is

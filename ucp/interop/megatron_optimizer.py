@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from ucp.families import FamilyConfig
-from ucp.interop.errors import InteropError
-from ucp.layout import Layout
-from ucp.reshard import LocalParam, local_params
+from ..sharding.families import FamilyConfig
+from ..sharding.layout import Layout
+from ..sharding.reshard import LocalParam, local_params
+from .errors import InteropError
 
 MASTER = "master"  # ucp's optimizer-state name for fp32 master weights (Megatron's fp32_from_fp16_params)
 GROUP_IDENTIFIER = (

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ucp.errors import LayoutError
-from ucp.interop.errors import InteropError
-from ucp.layout import Layout
+from ..errors import LayoutError
+from ..sharding.layout import Layout
+from .errors import InteropError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"

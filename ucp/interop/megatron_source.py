@@ -19,15 +19,17 @@ from typing import Any, Protocol
 
 import torch
 
-from ucp.boxes import Box, intersect, relative, to_slices
-from ucp.families import FamilyConfig
-from ucp.interop.dtypes import Dtypes, most_common
-from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.megatron_args import args_layout, bucket_size_of, config_from_args
-from ucp.interop.megatron_distrib_optim import read_distributed
-from ucp.interop.megatron_files import is_model_chunk, open_rank_file, open_torch_file
-from ucp.interop.megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer
-from ucp.interop.megatron_save import (
+from ..base.boxes import Box, intersect, relative, to_slices
+from ..sharding.families import FamilyConfig
+from ..sharding.layout import Layout
+from ..sharding.reshard import LocalTensor, Piece, local_plan, local_tensor, owned_pieces, piece_view
+from .dtypes import Dtypes, most_common
+from .errors import InteropError, SourceMismatchError
+from .megatron_args import args_layout, bucket_size_of, config_from_args
+from .megatron_distrib_optim import read_distributed
+from .megatron_files import is_model_chunk, open_rank_file, open_torch_file
+from .megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer
+from .megatron_save import (
     DISTRIB_OPTIM_FILE,
     METADATA_JSON,
     RANK_FILE,
@@ -37,9 +39,7 @@ from ucp.interop.megatron_save import (
     parse_megatron_layout,
     rank_files,
 )
-from ucp.interop.torch_file import TorchFile, TorchFiles
-from ucp.layout import Layout
-from ucp.reshard import LocalTensor, Piece, local_plan, local_tensor, owned_pieces, piece_view
+from .torch_file import TorchFile, TorchFiles
 
 
 class TensorFile(Protocol):

@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
-from ucp.families import FamilyConfig
-from ucp.interop import torch_file
-from ucp.interop.megatron_args import mark_distributed
-from ucp.interop.megatron_distrib_optim import write_distributed
-from ucp.interop.megatron_optimizer import OptimizerMeta, write_optimizer
-from ucp.interop.megatron_save import (
+from ..sharding.families import FamilyConfig
+from ..sharding.layout import Layout
+from ..sharding.reshard import LocalTensor, local_plan, put_local
+from . import torch_file
+from .megatron_args import mark_distributed
+from .megatron_distrib_optim import write_distributed
+from .megatron_optimizer import OptimizerMeta, write_optimizer
+from .megatron_save import (
     CHECKPOINT_VERSION,
     DISTRIB_OPTIM_FILE,
     RANK_FILE,
@@ -33,11 +35,9 @@ from ucp.interop.megatron_save import (
     extra_state_owner,
     rank_files,
 )
-from ucp.interop.staging import staged_dir
-from ucp.interop.streaming import group_limit
-from ucp.interop.torch_file import Deferred
-from ucp.layout import Layout
-from ucp.reshard import LocalTensor, local_plan, put_local
+from .staging import staged_dir
+from .streaming import group_limit
+from .torch_file import Deferred
 
 Produce = Callable[[int, LocalTensor], torch.Tensor]  # (target rank, local tensor) -> its values
 

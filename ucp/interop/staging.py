@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ucp.interop.errors import DestinationExistsError
+from .errors import DestinationExistsError
 
 
 def check_destination(dst: str | os.PathLike) -> Path:

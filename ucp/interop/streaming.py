@@ -20,14 +20,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from ucp import dtypes, heap
-from ucp.checkpoint import SaveOptions, chunk_jobs, group_paths
-from ucp.format import AtomMeta
-from ucp.pipeline import ChunkJob, SavePipeline, SavePlan
-from ucp.session import SaveSession, remove_unused_root
-from ucp.sharded_model import AtomKey, ShardedModel, atom_metas
-from ucp.sharded_save import manifest_for
-from ucp.storage import open_storage
+from ..base import dtypes, heap
+from ..distributed.sharded_model import AtomKey, ShardedModel, atom_metas
+from ..distributed.sharded_save import manifest_for
+from ..engine.checkpoint import SaveOptions, chunk_jobs, group_paths
+from ..engine.pipeline import ChunkJob, SavePipeline, SavePlan
+from ..format.manifest import AtomMeta
+from ..protocol.session import SaveSession, remove_unused_root
+from ..storage import open_storage
 
 DEFAULT_MEMORY_BUDGET = 4 << 30
 DEFAULT_WORKERS = 8

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import _weights_only_unpickler
 
-from ucp import heap
+from ..base import heap
 
 PICKLE_PROTOCOL = 2  # torch.save's default
 

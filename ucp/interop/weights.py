@@ -4,7 +4,7 @@ Such a job needs the parameters in its own layout and dtype and nothing else: op
 more of a pretraining checkpoint) is never read, and each rank reads only the regions of the atoms it holds
 (`ucp.distributed.load_sharded` with no optimizer states), whatever layout wrote the checkpoint.
 
-Block-quantised weights (DeepSeek-V3's fp8, `ucp.quantization`) load as stored (float8 weights and their float32
+Block-quantised weights (DeepSeek-V3's fp8, `ucp.sharding.quantization`) load as stored (float8 weights and their float32
 scales, each rank the scales of its blocks: TP splits on block edges only), or dequantised, in any layout the
 unquantised model takes: with `dtype`, or into tensors of another dtype.
 """
@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
-from ucp.checkpoint import CheckpointReader, open_checkpoint
-from ucp.errors import StateError
-from ucp.families import FamilyConfig, block_scales, expert_names_of
-from ucp.families.table import block_size
-from ucp.interop.dtypes import parse_dtype
-from ucp.layout import Layout, parse_layout
-from ucp.quantization import FLOAT8, SCALE_SUFFIX, dequantize, scale_name
-from ucp.reshard import local_plan
-from ucp.sharded_load import LoadReport, load_sharded
-from ucp.sharded_model import ShardedModel, atom_path, model_config_of
+from ..distributed.sharded_load import LoadReport, load_sharded
+from ..distributed.sharded_model import ShardedModel, atom_path, model_config_of
+from ..engine.checkpoint import CheckpointReader, open_checkpoint
+from ..errors import StateError
+from ..sharding.families import FamilyConfig, block_scales, expert_names_of
+from ..sharding.families.table import block_size
+from ..sharding.layout import Layout, parse_layout
+from ..sharding.quantization import FLOAT8, SCALE_SUFFIX, dequantize, scale_name
+from ..sharding.reshard import local_plan
+from .dtypes import parse_dtype
 
 
 @dataclass
@@ -76,7 +76,7 @@ def load_weights(
     `into` tensor of such a dtype, they load dequantised, in any layout the unquantised model takes (a TP split
     may cut a block: ranks share its scale): the rank's local tensors are the dequantised model's, each read as its
     fp8 regions and the scales of the blocks they fall in, and filled with their float32 products rounded once
-    (`ucp.quantization.dequantize`: the same bits as dequantising the whole atom), the scales left out and `config`
+    (`ucp.sharding.quantization.dequantize`: the same bits as dequantising the whole atom), the scales left out and `config`
     saying no quantisation. Otherwise each comes as stored (float8, with its `..._scale_inv` scales beside it), and
     a TP split must then fall on block edges (`LayoutError`); an `into` tensor of a float8 weight is filled as
     stored, one of another dtype dequantised, both in place."""
@@ -124,7 +124,7 @@ def _load_quantised(
     """`load_weights` of a model with block-quantised weights, some of them asked for as stored. `into` tensors are
     filled in place by the load (`load_sharded`: a float8 one as stored, one of another dtype dequantised with the
     scales of its blocks); the weights without one come as stored (a rank's scales are those of its blocks,
-    `ucp.partition`), then, where `cast` asks for another dtype than float8, dequantised with their local scales,
+    `ucp.sharding.partition`), then, where `cast` asks for another dtype than float8, dequantised with their local scales,
     which are then left out."""
     stored, report = load_sharded(reader, model, rank, into=given, device=device)
     block = block_size(model.config)

@@ -21,15 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ..errors import NotAFileError, StateError, StorageError, UcpError
-from .base import (
-    DEFAULT_IO_THREADS,
-    Buffer,
-    Capabilities,
-    IOStats,
-    Storage,
-    check_relative_key,
-    nothing_to_advance,
-)
+from .base import DEFAULT_IO_THREADS, Buffer, Capabilities, IOStats, Storage, check_relative_key, nothing_to_advance
 
 _PARALLEL_DIR_SYNCS = 32  # a flush with fewer directories syncs them in the calling thread
 

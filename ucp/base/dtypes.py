@@ -1,0 +1,93 @@
+"""Data types: torch <-> Zarr v3 names, and the extension data types (`bfloat16`, the float8s) for zarr-python.
+
+Zarr v3 names the core types (bool, int8..int64, uint8, float16/32/64). bfloat16, float8_e4m3fn, float8_e5m2 and
+float8_e8m0fnu are the extension data types of those names, which tensorstore reads natively; for zarr-python see
+`ucp.zarr_bfloat16`. The float8s hold block-quantised weights (DeepSeek-V3's), whose scales are atoms of their own
+(`ucp.sharding.quantization`): float32, or float8_e8m0fnu (a power of two per byte, as DeepSeek-V3.1's `scale_fmt: ue8m0`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import FormatError, StateError
+
+# Zarr v3 data type name -> (torch dtype, fill value as JSON)
+_BY_NAME: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
+}
+_BY_TORCH: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
+
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(_BY_NAME)
+
+
+def zarr_name(dtype: torch.dtype) -> str:
+    """The Zarr v3 data type name of a torch dtype."""
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise StateError(
+            f"tensors of dtype {dtype} cannot be stored; supported: {', '.join(SUPPORTED_DTYPES)}"
+        ) from None
+
+
+def check_dense(tensor: torch.Tensor, where: str) -> torch.Tensor:
+    """`tensor` if its values are laid out in memory, as ucp stores and loads them (strided, with data); otherwise a
+    StateError naming `where` and what to do instead."""
+    if tensor.layout != torch.strided:
+        raise StateError(
+            f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor: ucp stores dense tensors "
+            "(save tensor.to_dense(), or its parts as tensors of their own)"
+        )
+    if tensor.device.type == "meta":
+        raise StateError(f"{where} is on the meta device: it has no values to save")
+    return tensor
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a Zarr v3 data type name."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise FormatError(f"unknown data type {name!r}; ucp reads {', '.join(SUPPORTED_DTYPES)}") from None
+
+
+def itemsize(name: str) -> int:
+    return torch_dtype(name).itemsize
+
+
+def fill_value(name: str) -> bool | int | float:
+    """The fill value written in array metadata (never used for data: every chunk is written)."""
+    if name == "bool":
+        return False
+    return 0.0 if torch_dtype(name).is_floating_point else 0
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The little-endian bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # one element (or none) counts as contiguous whatever its stride (x[0:1, 0] keeps x's row stride), and a
+        # byte view of it must have stride 1: the same element, its stride set to 1
+        flat = flat.as_strided((flat.numel(),), (1,))
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.numpy().data.cast("B")
+
+
+def register_bfloat16_with_zarr() -> None:
+    """Teach zarr-python the extension data types `bfloat16`, `float8_e4m3fn`, `float8_e5m2` and `float8_e8m0fnu`
+    (kept out of `import ucp`: zarr is slow to import)."""
+    from .. import zarr_bfloat16  # noqa: F401  (registers on import)

@@ -1,0 +1,532 @@
+"""Save and load one step: plan the atoms, move the chunks (many in flight), commit, verify on read.
+
+Planning (which atoms, how they are chunked) is separate from storage (how bytes move, `ucp.storage`); a save
+runs as one attempt of the protocol in `ucp.protocol.session`, the commit lives in `ucp.protocol.commit`, the on-disk documents in
+`ucp.format.manifest`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+
+from ..base import dtypes
+from ..base.boxes import Box, full_box, intersect, relative, to_slices
+from ..base.chunking import ChunkingPolicy, choose_chunks
+from ..base.devices import load_device, on_host
+from ..base.workpool import ObjectCall, run_sized
+from ..errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
+from ..format import tree
+from ..format.manifest import (
+    MAX_DOCUMENT_BYTES,
+    PACKS_GROUP,
+    ZARR_JSON,
+    AtomMeta,
+    ObjectSum,
+    PackedChunk,
+    StepManifest,
+    check_step,
+    chunk_indices,
+    is_attempt_dirname,
+    loads,
+    parse_step_dirname,
+)
+from ..format.packs import pack_object_key
+from ..protocol import codec, commit
+from ..protocol.session import SaveSession
+from ..storage import ReadableStorage, Storage, open_storage
+from ..version import __version__
+from .landing import Landing, open_landing
+from .pipeline import ChunkJob, SavePipeline, SavePlan, one_shot_staging
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    chunking: ChunkingPolicy = field(default_factory=ChunkingPolicy)
+    io_threads: int | None = None  # requests in flight; None: the storage's default (16 local, 2/core tmpfs, 64 S3)
+    fsync: bool = True  # local files: fsync every object and new directory before the commit
+
+    def __post_init__(self) -> None:
+        threads = self.io_threads
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(
+                f"SaveOptions.io_threads must be at least 1 (or None: the storage's default), got {threads!r}"
+            )
+
+
+def io_threads_for(options: SaveOptions, storage: Storage) -> int:
+    return options.io_threads or storage.capabilities.io_threads
+
+
+def default_role(path: str) -> str:
+    """The role an atom plays, from the conventional top-level keys (docs/FORMAT.md)."""
+    if path.startswith("model/"):
+        return "param"
+    if path.startswith("optimizer/"):
+        return "optimizer_state"
+    if path.startswith("rng/"):
+        return "rng"
+    return "tensor"
+
+
+def plan_atoms(
+    tensors: Mapping[str, torch.Tensor],
+    policy: ChunkingPolicy,
+    attributes: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[AtomMeta]:
+    """Describe every tensor as an atom; raises StateError for unsupported dtypes before anything is written."""
+    metas = []
+    for path, t in tensors.items():
+        extra = (attributes or {}).get(path)
+        shape = tuple(t.shape)
+        metas.append(
+            _describe(path, shape, t.dtype, policy, extra) if extra else _described(path, shape, t.dtype, policy)
+        )
+    return metas
+
+
+def _describe(
+    path: str, shape: tuple[int, ...], dtype: torch.dtype, policy: ChunkingPolicy, extra: Mapping[str, Any]
+) -> AtomMeta:
+    packed = policy.packs(math.prod(shape) * dtype.itemsize)
+    chunk_shape, inner = choose_chunks(shape, dtype.itemsize, policy, packed=packed)
+    attrs = {"role": default_role(path), **dict(extra)}
+    return checked(AtomMeta(path, shape, dtypes.zarr_name(dtype), chunk_shape, inner, attrs, packed=packed))
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _described(path: str, shape: tuple[int, ...], dtype: torch.dtype, policy: ChunkingPolicy) -> AtomMeta:
+    """An atom with only its role for attributes, described once per process: a job saves the same atoms every
+    time, and describing and checking 20,000 small ones took ~0.4 s of each save's blocking time. (AtomMeta is
+    frozen and nothing changes its attributes after planning, so one object serves every save.)"""
+    return _describe(path, shape, dtype, policy, {})
+
+
+def checked(meta: AtomMeta) -> AtomMeta:
+    """An atom to write, within the bounds that every reader holds metadata to (refused before any write)."""
+    try:
+        meta.validate()
+    except FormatError as e:
+        raise StateError(f"cannot save {e} (the format's bounds, docs/FORMAT.md section 8)") from None
+    return meta
+
+
+# ------------------------------------------------------------------------------------------------ write
+
+
+def next_step(storage: Storage) -> int:
+    steps = commit.committed_steps(storage)
+    return steps[-1] + 1 if steps else 0
+
+
+def chunk_jobs(metas: Iterable[AtomMeta], tensors: Mapping[str, torch.Tensor]) -> list[ChunkJob]:
+    """Every chunk object of atoms held whole in `tensors` (keyed by atom path)."""
+    jobs = []
+    for m in metas:
+        tensor = tensors[m.path]
+        if m.single_chunk:  # (most atoms of a state of many small ones: the chunk is the tensor)
+            jobs.append(ChunkJob(m, (0,) * len(m.shape), functools.partial(_whole, tensor)))
+        else:
+            jobs += [ChunkJob(m, i, functools.partial(tensor.__getitem__, s)) for i, s in m.chunk_slices]
+    return jobs
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def group_paths(metas: Iterable[AtomMeta]) -> list[str]:
+    """The groups a Zarr reader walks to reach every Zarr array of a step, parents first: every intermediate group
+    (dict level) above an atom that is an array of its own, and the packs' group if any atom is packed. A level
+    that holds only packed atoms is no Zarr node (its atoms are found through the manifest)."""
+    paths, packed = [], False
+    for m in metas:
+        if m.packed:
+            packed = True
+        else:
+            paths.append(m.path)
+    if packed:
+        paths.append(f"{PACKS_GROUP}/pack")  # (a pack's name is one level below the group)
+    groups = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+    return sorted(groups, key=lambda g: (g.count("/"), g))
+
+
+def plan_save(
+    state: dict[str, Any],
+    storage: Storage,
+    step: int | None,
+    options: SaveOptions,
+    *,
+    layout: str | None = None,
+    atom_attributes: Mapping[str, Mapping[str, Any]] | None = None,
+) -> SavePlan:
+    """The plan of a single-process save: every atom and chunk, then the commit. Bad states are refused here,
+    before anything is written."""
+    json_tree, tensors = tree.flatten(state)
+    # (a tensor on a device is copied to staging memory whatever its strides: no copy of it is made here)
+    tensors = {p: t.detach().contiguous() if on_host(t) else t.detach() for p, t in tensors.items()}
+    metas = plan_atoms(tensors, options.chunking, atom_attributes)
+    step = next_step(storage) if step is None else check_step(step)
+    manifest = StepManifest(
+        step=step,
+        tree=json_tree,
+        atoms={m.path: m for m in metas},
+        layout=layout,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        writer=f"ucp {__version__}",
+    )
+    jobs = chunk_jobs(metas, tensors)
+    session = SaveSession.begin(storage, step)
+    return SavePlan(session, metas, group_paths(metas), jobs, manifest, pack_bytes=options.chunking.pack_bytes)
+
+
+def save(
+    state: dict[str, Any],
+    url: str,
+    *,
+    step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    layout: str | None = None,
+    options: SaveOptions | None = None,
+    atom_attributes: Mapping[str, Mapping[str, Any]] | None = None,
+    storage: Storage | None = None,
+) -> commit.CommitRecord:
+    """Save `state` (nested dict of tensors and JSON values) as step `step` of the checkpoint root `url`.
+
+    `step=None` takes the step after the latest committed one (0 for an empty root). The step becomes
+    visible only when its commit marker is created, after all its data is durable; if another save commits
+    the same step first, this one raises StepExistsError and removes what it wrote.
+    """
+    options = options or SaveOptions()
+    storage = storage or open_storage(url, storage_options, fsync=options.fsync)
+    plan = plan_save(state, storage, step, options, layout=layout, atom_attributes=atom_attributes)
+    # (a sync save needs no writer process; it stages only what is on a device)
+    pipeline = SavePipeline(io_threads_for(options, storage), one_shot_staging(plan.metadata), writer="threads")
+    try:
+        record = pipeline.submit(plan, "sync").result()
+    finally:
+        pipeline.close()
+    assert record is not None
+    return record
+
+
+# ------------------------------------------------------------------------------------------------- read
+
+
+class CheckpointReader:
+    """One committed step, opened for reading: its manifest, and verified reads of its atoms."""
+
+    def __init__(
+        self,
+        storage: ReadableStorage,
+        step: int | str | None = "latest",
+        *,
+        io_threads: int | None = None,
+        committed: tuple[commit.CommitRecord, bytes] | None = None,
+    ):
+        """`committed`: the step's commit record and manifest bytes, when they came from elsewhere than `storage`
+        (the hot tier's peers); they are checked against each other as when read."""
+        self.storage = storage
+        if committed is None:
+            self.step, self.record = commit.resolve_step(storage, step)
+        else:
+            self.record = committed[0]
+            self.step = self.record.step
+        self.prefix = self.record.prefix  # the committed attempt's directory (the step directory in format 1.0)
+        where = f"{storage.url}/{self.prefix}/{ZARR_JSON}"
+        if committed is None:
+            try:
+                manifest_bytes = commit.read_manifest_bytes(storage, self.record)
+            except ObjectMissingError as e:
+                raise self._removed_or(e) from None
+        else:
+            manifest_bytes = commit.check_manifest_bytes(committed[1], self.record, where)
+        self.manifest = StepManifest.from_group_json(loads(manifest_bytes, where), where)
+        if self.manifest.step != self.step:
+            raise FormatError(f"{where} describes step {self.manifest.step}, not {self.step}")
+        if self.manifest.format_version.split(".")[0] != self.record.format_version.split(".")[0]:
+            raise FormatError(
+                f"{where} is format {self.manifest.format_version}, its commit marker {self.record.format_version}"
+            )
+        nbytes = sum(m.nbytes for m in self.manifest.atoms.values())
+        if (self.record.atoms, self.record.nbytes) != (len(self.manifest.atoms), nbytes):
+            raise FormatError(
+                f"{where} describes {len(self.manifest.atoms)} atoms of {nbytes} bytes, but its commit recorded "
+                f"{self.record.atoms} atoms of {self.record.nbytes} bytes"
+            )
+        tree.check_root(self.manifest.tree)
+        self.tree_atoms = tree.tree_atoms(self.manifest.tree)  # (checked once: every atom the tree names, in order)
+        missing = set(self.tree_atoms) - set(self.manifest.atoms)
+        if missing:
+            raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
+        self.io_threads = io_threads or storage.capabilities.io_threads
+        self._pack_atoms: dict[str, list[str]] | None = None
+
+    @property
+    def atoms(self) -> dict[str, AtomMeta]:
+        return self.manifest.atoms
+
+    def _atom_key(self, meta: AtomMeta, name: str) -> str:
+        return f"{self.prefix}/{meta.path}/{name}"
+
+    def check_atom_metadata(self, meta: AtomMeta) -> None:
+        """The atom's zarr.json must exist and agree with the committed manifest (what other Zarr readers see). A
+        packed atom has none; each pack's is checked as a pack's (`ucp.engine.inspection`)."""
+        if meta.packed:
+            return
+        try:
+            raw = self.storage.read(self._atom_key(meta, ZARR_JSON), 0, MAX_DOCUMENT_BYTES + 1)
+        except FileNotFoundError:
+            raise self._removed_or(
+                ObjectMissingError(f"atom {meta.path!r} is missing from step {self.step} (no {meta.path}/{ZARR_JSON})")
+            ) from None
+        meta.check_zarr_json(loads(raw, f"atom {meta.path!r} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
+
+    def object_key(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
+        """The storage key of the object that holds chunk `index` of `meta` in this step (of a packed atom: its
+        pack's)."""
+        if meta.packed:
+            return pack_object_key(self.prefix, self.packed_chunk(meta, index).pack)
+        return meta.object_key(self.prefix, index)
+
+    def recorded(self, meta: AtomMeta, index: tuple[int, ...]) -> ObjectSum | None:
+        """The size and checksum the commit recorded for the object that holds chunk `index` of `meta` (of a packed
+        atom: its pack's; None in format 1.0)."""
+        if meta.packed:
+            return self.manifest.packs[self.packed_chunk(meta, index).pack]
+        objects = self.manifest.objects
+        return None if objects is None else objects[meta.path][meta.object_number(index)]
+
+    def read_key(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
+        """The storage key that a read of chunk `index` of `meta` reads from: its object, or its pack."""
+        return (
+            pack_object_key(self.prefix, self.packed_chunk(meta, index).pack)
+            if meta.packed
+            else self.object_key(meta, index)
+        )
+
+    def packed_chunk(self, meta: AtomMeta, index: tuple[int, ...]) -> PackedChunk:
+        """Where chunk `index` of a packed atom lies (format 3)."""
+        return self.manifest.packed[meta.path][meta.object_number(index)]
+
+    def pack_holds(self, name: str) -> str:
+        """What pack `name` holds, for an error: its atoms (the first ones by name) and how many."""
+        if self._pack_atoms is None:
+            held: dict[str, set[str]] = {}
+            for path, chunks in self.manifest.packed.items():
+                for c in chunks:
+                    held.setdefault(c.pack, set()).add(path)
+            self._pack_atoms = {pack: sorted(paths) for pack, paths in held.items()}
+        atoms = self._pack_atoms.get(name, [])
+        more = f" and {len(atoms) - 8} more" if len(atoms) > 8 else ""
+        return f"pack {name} of step {self.step} holds the atoms {', '.join(map(repr, atoms[:8]))}{more}"
+
+    def read_object(self, meta: AtomMeta, index: tuple[int, ...], dest_for: codec.DestFn) -> None:
+        """Read, verify (against the commit's record too) and deliver the wanted parts of one stored object (of a
+        packed atom: its chunk's byte range of a pack)."""
+        if meta.packed:
+            sink = codec.packed_sink(meta, index, dest_for)
+            if sink is not None:
+                self._read_packed([(self.packed_chunk(meta, index), sink, meta, index)])
+            return
+        try:
+            codec.read_object(
+                self.storage,
+                self.object_key(meta, index),
+                meta,
+                index,
+                dest_for,
+                self._where(meta, index),
+                self.recorded(meta, index),
+            )
+        except ObjectMissingError as e:
+            raise self._removed_or(e) from None
+
+    def _removed_or(self, missing: ObjectMissingError) -> UcpError:
+        """What a missing object means: the step was removed meanwhile (retention, `delete`) if its commit marker no
+        longer names this attempt, else damage (`missing` itself). A reader of a step that is being deleted is told
+        so, not that its checkpoint is damaged."""
+        if self.record.attempt is not None:  # (a format 1.0 step has no attempt to tell apart)
+            try:
+                now = commit.read_marker(self.storage, self.step)
+            except UcpError:
+                now = None
+            if now is None or now.attempt != self.record.attempt:
+                return StepRemovedError(
+                    f"step {self.step} at {self.storage.url} was removed while it was being read ({missing})"
+                )
+        elif not self.storage.exists(commit.marker_key(self.step)):
+            return StepRemovedError(f"step {self.step} at {self.storage.url} was removed while it was being read")
+        return missing
+
+    def _where(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
+        """What to call a chunk in an error."""
+        return f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
+
+    def _read_packed(self, chunks: list[codec.PackedRead]) -> None:
+        """Read packed chunks of one pack in one request, each verified."""
+        name = chunks[0][0].pack
+        key = pack_object_key(self.prefix, name)
+        try:
+            codec.read_packed(self.storage, key, chunks, self._where, functools.partial(self.pack_holds, name))
+        except ObjectMissingError as e:
+            raise self._removed_or(e) from None
+
+    def read_chunk_into(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
+        """Read, verify and decode one stored object into `out` (the full atom's tensor, in host memory)."""
+        self.read_object(meta, index, codec.full_region(out))
+
+    def read_region(
+        self, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor, landing: Landing | None = None
+    ) -> None:
+        """Read the part of chunk object `index` that falls in region `box` of the atom into `view` (shaped like
+        `box`): straight into it, or, for a `view` on a device, through `landing` (the load path to a device: read and
+        verified in page-locked host memory, then copied asynchronously)."""
+        if landing is None:
+            assert on_host(view), "a read into a device's memory goes through a Landing"
+            self.read_object(meta, index, codec.region(box, view))
+            return
+        part = intersect(meta.chunk_box(index), box)
+        if part is not None:
+            target = view[to_slices(relative(part, box))]
+            landing.land(target, lambda host: self.read_object(meta, index, codec.region(part, host)))
+
+    def region_read(
+        self, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor, landing: Landing | None = None
+    ) -> ObjectCall:
+        """The read of the part of chunk object `index` that falls in region `box` of an atom into `view`
+        (`read_region`), as a call to run with others, with its object's bytes and key."""
+        return ObjectCall(
+            functools.partial(self.read_region, meta, index, box, view, landing),
+            meta.object_bytes,
+            self.read_key(meta, index),
+        )
+
+    def region_reads(
+        self, meta: AtomMeta, box: Box, view: torch.Tensor, landing: Landing | None = None
+    ) -> list[ObjectCall]:
+        """The reads that fill `view` (shaped like `box`, in the atom's stored dtype) with region `box` of an atom, one
+        per chunk object it overlaps (`region_read`; `landing` for a `view` on a device); run them in any order, at
+        once."""
+        return [self.region_read(meta, i, box, view, landing) for i in chunks_touching(meta, box)]
+
+    def run_reads(self, reads: list[ObjectCall]) -> int:
+        """Run object reads, many in flight; returns the bytes read from storage."""
+        before = self.storage.stats.bytes_read
+        with cf.ThreadPoolExecutor(self.io_threads) as pool:
+            run_sized(pool, reads, self.storage.capabilities.serial_small_reads, self.storage.prefetching)
+        return self.storage.stats.bytes_read - before
+
+    def read_atoms(self, paths: Iterable[str], *, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Read whole atoms, every chunk verified; many objects in flight. With `device` (e.g. "cuda") the tensors are
+        made there and the objects land in them through page-locked host memory (`ucp.engine.landing`).
+
+        Reads are planned from the committed manifest alone (its checksum is in the commit marker), so an atom's
+        own zarr.json, which only other Zarr readers need, is not read here: `ucp verify` checks that it agrees."""
+        metas = [self.atoms[p] for p in paths]
+        place = load_device(device)
+        out = {m.path: allocate(m, device=place) for m in metas}
+        with open_landing(out.values(), metas) as landing:
+            tasks = [
+                ObjectCall(
+                    functools.partial(self.read_chunk_into, m, i, out[m.path])
+                    if landing is None  # (whole chunks straight into host memory: the least work per object)
+                    else functools.partial(self.read_region, m, i, full_box(m.shape), out[m.path], landing),
+                    m.object_bytes,
+                    self.read_key(m, i),
+                )
+                for m in metas
+                if not m.packed or landing is not None  # (on a device, each packed chunk lands as any chunk does)
+                for i in chunk_indices(m.grid)
+            ]
+            if landing is None:
+                tasks += self._pack_reads([m for m in metas if m.packed], out)
+            self.run_reads(tasks)
+        return out
+
+    def _pack_reads(self, metas: list[AtomMeta], out: dict[str, torch.Tensor]) -> list[ObjectCall]:
+        """Packed atoms read whole into host memory: one read per pack, straight into the atoms' tensors (the
+        alignment gaps into scratch)."""
+        by_pack: dict[str, list[codec.PackedRead]] = {}
+        for m in metas:
+            if m.single_chunk:  # (most: the chunk is the atom)
+                (chunk,) = self.manifest.packed[m.path]
+                by_pack.setdefault(chunk.pack, []).append((chunk, codec.ChunkSink.whole(out[m.path]), m, ()))
+                continue
+            for index in chunk_indices(m.grid):
+                chunk = self.packed_chunk(m, index)
+                sink = codec.packed_sink(m, index, codec.full_region(out[m.path]))
+                by_pack.setdefault(chunk.pack, []).append((chunk, sink, m, index))  # type: ignore[arg-type]
+        return [
+            ObjectCall(
+                functools.partial(self._read_packed, chunks),
+                self.manifest.packs[name][0],
+                pack_object_key(self.prefix, name),
+            )
+            for name, chunks in by_pack.items()
+        ]
+
+    def load_state(self, *, device: torch.device | str | None = None) -> dict[str, Any]:
+        """The step's state as it was saved; its tensors on `device` (default: host memory)."""
+        return tree.unflatten(self.manifest.tree, self.read_atoms(self.tree_atoms, device=device))
+
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.atoms.values())
+
+    def chunk_count(self) -> int:
+        """Objects that hold the atoms' data: the chunk objects of unpacked atoms, and the packs."""
+        return sum(math.prod(m.grid) for m in self.atoms.values() if not m.packed) + len(self.manifest.packs)
+
+
+def chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
+    """The grid indices of the chunk objects of `meta` that region `box` overlaps."""
+    if meta.single_chunk and all(b > a for a, b in box):  # (most atoms of a state of many small ones)
+        return [(0,) * len(box)]
+    ranges = [range(a // c, (b - 1) // c + 1) if b > a else range(0) for (a, b), c in zip(box, meta.chunk_shape)]
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*prefix, i) for prefix in out for i in r]
+    return out
+
+
+def allocate(meta: AtomMeta, *, zero: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
+    """The tensor an atom is read into (on `device`, default host memory); a size the machine (or the device)
+    cannot give is a StateError naming the atom."""
+    try:
+        make = torch.zeros if zero else torch.empty
+        return make(meta.shape, dtype=dtypes.torch_dtype(meta.dtype), device=device)
+    except (RuntimeError, MemoryError) as e:
+        where = f" on {device}" if device is not None else ""
+        raise StateError(f"cannot allocate {meta.nbytes} bytes{where} for atom {meta.path!r}: {e}") from None
+
+
+def open_checkpoint(
+    url: str, step: int | str | None = "latest", *, storage_options: dict[str, Any] | None = None
+) -> CheckpointReader:
+    """Open a committed step for reading. `url` is a checkpoint root, or a step directory inside one."""
+    root, _, last = url.rstrip("/").rpartition("/")
+    if is_attempt_dirname(last):  # the committed attempt's group: its step directory names the step
+        root, _, last = root.rpartition("/")
+    named = parse_step_dirname(last) if root else None
+    if named is not None and step in (None, "latest"):
+        url, step = root, named
+    return CheckpointReader(open_storage(url, storage_options), step)
+
+
+def load(
+    url: str,
+    *,
+    step: int | str | None = "latest",
+    storage_options: dict[str, Any] | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """Load a committed step as the nested dict it was saved from, bitwise identical: its tensors in host memory, or
+    on `device` (e.g. "cuda", "cuda:1"), where they land straight from page-locked read buffers."""
+    return open_checkpoint(url, step, storage_options=storage_options).load_state(device=device)

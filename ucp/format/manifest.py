@@ -1,0 +1,585 @@
+"""What is on disk: names, the metadata documents, and the bounds a reader holds them to (docs/FORMAT.md).
+
+A checkpoint root holds one directory per step. Each save attempt of a step writes its own directory inside it
+(`step_N/attempt-<id>/`): a Zarr v3 group whose `zarr.json` carries the ucp manifest (format version, step,
+layout, the state tree, every atom's description and every object's size and checksum), with each atom a Zarr
+v3 array below it. The step's commit marker (`step_N/ucp-commit.json`) names the one attempt that committed.
+Format 1.0 steps (no attempts: the group is `step_N/` itself) are still read.
+
+Everything read from metadata is bounded here before anything is sized from it, so a hostile or damaged
+document gets a FormatError, never an allocation, an overflow or a Python error.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from ..base import dtypes
+from ..errors import FormatError, StateError, UnsupportedVersionError
+
+FORMAT_VERSION = "3.0"
+FORMAT_MAJOR = 3
+ZARR_JSON = "zarr.json"
+COMMIT_MARKER = "ucp-commit.json"
+ATTEMPT_RECORD = "ucp-attempt.json"  # an attempt's owner (who saves it, until when), written first
+PACKS_GROUP = "ucp-packs"  # format 3: the group of an attempt's packs (ucp.format.packs)
+CRC_BYTES = 4  # the crc32c codec appends a 4-byte little-endian checksum
+INDEX_ENTRY_BYTES = 16  # sharding index: (offset, nbytes) as two little-endian uint64
+EMPTY_INDEX_ENTRY = 2**64 - 1
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_ATTEMPT_DIR = re.compile(r"^attempt-[0-9a-f]{32}$")
+_PACK_NAME = re.compile(rf"^{PACKS_GROUP}/p[0-9]{{1,9}}-[0-9]{{1,9}}$")
+# An atom path whose components are all plain names: none empty, ".", ".." or with a backslash or NUL.
+_PLAIN_PATH = re.compile(r"(?!\.\.?(?:/|$))[^/\\\x00]+(?:/(?!\.\.?(?:/|$))[^/\\\x00]+)*\Z")
+# Names a state key may not take: they would collide with Zarr's or ucp's own files.
+RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD, PACKS_GROUP})
+
+# Bounds on what metadata may declare (docs/FORMAT.md section 8). Writers stay inside them; readers refuse more.
+MAX_NDIM = 32
+MAX_ATOM_BYTES = 1 << 46  # 64 TiB
+MAX_OBJECT_BYTES = 1 << 32  # one stored object (plain chunk or shard): 4 GiB
+MAX_OBJECTS_PER_ATOM = 1 << 24
+MAX_INNER_PER_OBJECT = 1 << 20
+MAX_MARKER_BYTES = 1 << 16  # a commit marker or an attempt record
+MAX_DOCUMENT_BYTES = 1 << 24  # an atom's or group's zarr.json
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_TREE_DEPTH = 64  # nesting of the state: dicts and lists (and JSON values) inside each other
+MAX_JSON_DEPTH = 2 * MAX_TREE_DEPTH + 32  # brackets inside each other in any document ucp parses
+MAX_KEY_BYTES = 255  # a state key is a file or object name
+MAX_ATOM_PATH_BYTES = 768  # leaves room for the root, step and attempt in a 1,024-byte S3 key
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def check_step(step: object) -> int:
+    """A step number to save: a non-negative integer (step directories hold at least 8 digits, more if needed)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateError(f"a step must be a non-negative integer, got {step!r:.80}")
+    return step
+
+
+def parse_step_dirname(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_attempt_dirname(name: object) -> bool:
+    return isinstance(name, str) and _ATTEMPT_DIR.match(name) is not None
+
+
+def is_pack_name(name: object) -> bool:
+    """A pack's name below its attempt: `ucp-packs/p<writer>-<number>` (section 4.1)."""
+    return isinstance(name, str) and _PACK_NAME.match(name) is not None
+
+
+def check_format_version(version: object, where: str) -> None:
+    """Refuse a newer major version (or a malformed one) with a clear error."""
+    if not isinstance(version, str) or not re.fullmatch(r"[0-9]{1,6}\.[0-9]{1,6}", version):
+        raise FormatError(f"{where}: format_version {version!r:.80} is not of the form MAJOR.MINOR")
+    major = int(version.split(".")[0])
+    if major > FORMAT_MAJOR:
+        raise UnsupportedVersionError(
+            f"{where} was written in UCP format {version}; this ucp reads major version {FORMAT_MAJOR} "
+            "and older. Upgrade ucp to read it."
+        )
+
+
+def dumps(doc: Any) -> bytes:
+    """Strict JSON (no NaN/Infinity), so that every Zarr reader can parse what ucp writes."""
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()  # compact: the C encoder
+
+
+def loads(data: bytes | bytearray | memoryview, where: str, limit: int = MAX_MANIFEST_BYTES) -> Any:
+    """Parse a metadata document: at most `limit` bytes, nested at most MAX_JSON_DEPTH deep, strict JSON."""
+    if len(data) > limit:
+        raise FormatError(f"{where} is {len(data)} bytes, more than the {limit} a ucp document may take")
+    if _nesting(data) > MAX_JSON_DEPTH:
+        raise FormatError(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        return json.loads(bytes(data), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"{where} is not valid JSON ({e})") from None
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def _nesting(data: bytes | bytearray | memoryview) -> int:
+    """The deepest bracket nesting of a JSON text (brackets inside strings counted too: an upper bound), found
+    without recursion, so that a deeply nested document is refused before the parser recurses into it."""
+    import numpy as np
+
+    raw = np.frombuffer(bytes(data), dtype=np.uint8)
+    opens = (raw == ord("[")) | (raw == ord("{"))
+    closes = (raw == ord("]")) | (raw == ord("}"))
+    if not opens.any():
+        return 0
+    return int(np.cumsum(opens.astype(np.int64) - closes.astype(np.int64)).max())
+
+
+def json_int(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> int:
+    """A JSON integer (not a bool, float or string) within [low, high], or a FormatError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise FormatError(f"{where}: {what} must be an integer in [{low}, {high}], got {value!r:.80}")
+    return value
+
+
+def json_ints(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise FormatError(f"{where}: {what} must be a list of at most {MAX_NDIM} integers, got {value!r:.80}")
+    if all(type(v) is int and low <= v <= high for v in value):  # (the common case, without a call per value)
+        return tuple(value)
+    return tuple(json_int(v, where, what, low, high) for v in value)
+
+
+# ---------------------------------------------------------------------------------------------- atoms
+
+
+@dataclass(frozen=True)
+class AtomMeta:
+    """One atom: a Zarr v3 array holding one full logical tensor.
+
+    `chunk_shape` is the regular grid of stored objects (one writer each). With `inner_chunk_shape`, each
+    object is a shard (`sharding_indexed` codec) of inner chunks that can be read one by one.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...] | None = None
+    attributes: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Format 2 shards carry a table of their inner chunks' checksums after the index (section 4); 1.0 shards do not.
+    crc_table: bool = field(default=True, compare=False)
+    # Format 3: the atom's chunks are byte ranges of packs (ucp.format.packs), not objects of its own; it has no zarr.json.
+    packed: bool = field(default=False, compare=False)
+
+    # Derived once per atom (the fields are frozen): a save or load of many small atoms asks for these per object.
+    @functools.cached_property
+    def itemsize(self) -> int:
+        return dtypes.itemsize(self.dtype)
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @functools.cached_property
+    def grid(self) -> tuple[int, ...]:
+        """Number of chunks (objects) along each dimension."""
+        return tuple(-(-s // c) for s, c in zip(self.shape, self.chunk_shape))
+
+    @functools.cached_property
+    def inner_grid(self) -> tuple[int, ...]:
+        """Inner chunks per shard along each dimension (all ones when not sharded)."""
+        if self.inner_chunk_shape is None:
+            return tuple(1 for _ in self.shape)
+        return tuple(c // i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
+
+    @functools.cached_property
+    def single_chunk(self) -> bool:
+        """One chunk object holds the whole array (its grid is all ones)."""
+        if self.chunk_shape == self.shape:  # (most atoms: said without working out the grid)
+            return all(self.shape)
+        return all(n == 1 for n in self.grid)
+
+    @functools.cached_property
+    def chunk_slices(self) -> tuple[tuple[tuple[int, ...], tuple[slice, ...]], ...]:
+        """Every chunk object's index and the slices of the array it holds, in C order."""
+        return tuple((i, tuple(slice(a, b) for a, b in self.chunk_box(i))) for i in chunk_indices(self.grid))
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The atom's entry in the manifest (a new dict: the caller adds its objects)."""
+        return dict(self._manifest_doc)
+
+    @functools.cached_property
+    def _manifest_doc(self) -> dict[str, Any]:
+        # made once per atom: a job saves the same (cached) atoms every time, 20,000 of them for a state of many
+        # small ones (ucp.engine.checkpoint._described)
+        doc: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype, "chunk_shape": list(self.chunk_shape)}
+        if self.inner_chunk_shape is not None:
+            doc["inner_chunk_shape"] = list(self.inner_chunk_shape)
+        doc["attributes"] = self.attributes
+        return doc
+
+    @classmethod
+    def from_manifest(cls, path: str, doc: Any, crc_table: bool = True) -> AtomMeta:
+        if type(doc) is dict and "inner_chunk_shape" not in doc:
+            # Most atoms are one chunk, the whole atom, of a known dtype: checked at once (a state of many small
+            # atoms has 20,000 of them); anything else takes the full checks below, which name the problem.
+            shape, dtype, attributes = doc.get("shape"), doc.get("dtype"), doc.get("attributes", {})
+            if (
+                type(shape) is list
+                and shape == doc.get("chunk_shape")
+                and len(shape) <= MAX_NDIM
+                and all(type(s) is int and 1 <= s <= MAX_ATOM_BYTES for s in shape)
+                and dtype in dtypes.SUPPORTED_DTYPES
+                and type(attributes) is dict
+                and _plain_path(path)
+            ):
+                meta = cls(path, tuple(shape), dtype, tuple(shape), None, attributes, crc_table, "packed" in doc)
+                if meta.nbytes <= MAX_OBJECT_BYTES:
+                    return meta
+        where = f"manifest entry of atom {path!r:.200}"
+        if not isinstance(doc, dict):
+            raise FormatError(f"{where} is not a JSON object")
+        check_atom_path(path, where)
+        shape = json_ints(doc.get("shape"), where, "shape", 0, MAX_ATOM_BYTES)
+        chunk_shape = json_ints(doc.get("chunk_shape"), where, "chunk_shape", 1, MAX_ATOM_BYTES)
+        inner = doc.get("inner_chunk_shape")
+        inner_shape = None if inner is None else json_ints(inner, where, "inner_chunk_shape", 1, MAX_ATOM_BYTES)
+        dtype, attributes = doc.get("dtype"), doc.get("attributes", {})
+        if not isinstance(dtype, str) or not isinstance(attributes, dict):
+            raise FormatError(f"{where}: dtype must be a string and attributes an object")
+        meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table, "packed" in doc)
+        meta.validate()
+        return meta
+
+    def validate(self) -> None:
+        """Refuse a description that is inconsistent or exceeds the format's bounds, before anything is sized by it."""
+        where = f"atom {self.path!r:.200}"
+        try:
+            dtypes.torch_dtype(self.dtype)
+        except Exception as e:  # noqa: BLE001 -- whatever the dtype table says, it is a format problem here
+            raise FormatError(f"{where}: {e}") from None
+        if (
+            self.inner_chunk_shape is None
+            and self.chunk_shape == self.shape
+            and len(self.shape) <= MAX_NDIM
+            and min(self.shape, default=1) >= 1
+            and self.nbytes <= MAX_OBJECT_BYTES
+        ):
+            return  # one chunk, the whole atom, within every bound (most atoms of a state of many small ones)
+        if len(self.shape) > MAX_NDIM or len(self.chunk_shape) != len(self.shape) or any(s < 0 for s in self.shape):
+            raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} does not fit shape {list(self.shape)}")
+        if any(c < 1 for c in self.chunk_shape):
+            raise FormatError(f"{where}: chunk_shape {list(self.chunk_shape)} has a non-positive extent")
+        if self.nbytes > MAX_ATOM_BYTES:
+            raise FormatError(
+                f"{where}: shape {list(self.shape)} declares {self.nbytes} bytes, more than the format's {MAX_ATOM_BYTES}"
+            )
+        if math.prod(self.chunk_shape) * self.itemsize > MAX_OBJECT_BYTES:
+            raise FormatError(
+                f"{where}: chunk_shape {list(self.chunk_shape)} declares objects larger than {MAX_OBJECT_BYTES} bytes"
+            )
+        if math.prod(self.grid) > MAX_OBJECTS_PER_ATOM:
+            raise FormatError(
+                f"{where}: {math.prod(self.grid)} chunk objects, more than the format's {MAX_OBJECTS_PER_ATOM}"
+            )
+        if self.packed and self.inner_chunk_shape is not None:
+            raise FormatError(f"{where}: a packed atom has no inner chunks (it lists inner_chunk_shape)")
+        if self.inner_chunk_shape is not None:
+            inner = self.inner_chunk_shape
+            if len(inner) != len(self.shape) or any(i < 1 or c % i for c, i in zip(self.chunk_shape, inner)):
+                raise FormatError(f"{where}: inner_chunk_shape {list(inner)} does not divide {list(self.chunk_shape)}")
+            if math.prod(self.inner_grid) > MAX_INNER_PER_OBJECT:
+                raise FormatError(
+                    f"{where}: {math.prod(self.inner_grid)} inner chunks per shard, more than the format's {MAX_INNER_PER_OBJECT}"
+                )
+
+    def zarr_json(self) -> dict[str, Any]:
+        """The array's Zarr v3 metadata document."""
+        chunk_codecs: list[dict[str, Any]] = [
+            {"name": "bytes", "configuration": {"endian": "little"}},
+            {"name": "crc32c"},
+        ]
+        if self.inner_chunk_shape is None:
+            codecs = chunk_codecs
+        else:
+            codecs = [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.inner_chunk_shape),
+                        "codecs": chunk_codecs,
+                        "index_codecs": chunk_codecs,
+                        "index_location": "start",
+                    },
+                }
+            ]
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.shape),
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunk_shape)}},
+            # "." keeps every chunk object of an atom in the atom's own directory (fewer directories to create)
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+            "fill_value": dtypes.fill_value(self.dtype),
+            "codecs": codecs,
+            "attributes": {"ucp": self.attributes},
+        }
+
+    def check_zarr_json(self, doc: Any) -> None:
+        """Raise FormatError naming what an atom's zarr.json says differently from the committed manifest."""
+        expected = self.zarr_json()
+        if not isinstance(doc, dict):
+            raise FormatError(f"atom {self.path!r}: zarr.json is not a JSON object")
+        for key in ("node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs"):
+            if doc.get(key) != expected[key]:
+                raise FormatError(
+                    f"atom {self.path!r}: zarr.json says {key} = {json.dumps(doc.get(key))}, but the committed "
+                    f"manifest says {json.dumps(expected[key])} (the metadata was edited after the save)"
+                )
+
+    def chunk_key(self, index: tuple[int, ...]) -> str:
+        """Object key of the chunk at grid position `index`, relative to the atom's directory."""
+        return ".".join(["c", *map(str, index)])
+
+    def object_key(self, prefix: str, index: tuple[int, ...]) -> str:
+        """Storage key of chunk object `index` of this atom in the step directory `prefix`."""
+        return f"{prefix}/{self.path}/{self.chunk_key(index)}"
+
+    def object_number(self, index: tuple[int, ...]) -> int:
+        """Position of chunk `index` in C order over the grid (its entry in the manifest's `objects`)."""
+        number = 0
+        for i, n in zip(index, self.grid):
+            number = number * n + i
+        return number
+
+    def chunk_box(self, index: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """The region [start, stop) per dimension of the array that chunk `index` holds (clipped at the edge)."""
+        return tuple((i * c, min((i + 1) * c, s)) for i, c, s in zip(index, self.chunk_shape, self.shape))
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of data in one stored object (a whole chunk, padding included; a shard's head not counted)."""
+        return math.prod(self.chunk_shape) * self.itemsize
+
+    def stored_chunk_bytes(self) -> int:
+        """Bytes of data in one stored (unsharded or inner) chunk, padding included."""
+        shape = self.inner_chunk_shape or self.chunk_shape
+        return math.prod(shape) * self.itemsize
+
+
+def check_atom_path(path: object, where: str) -> str:
+    """An atom path: '/'-separated state keys, none empty, '.', '..' or longer than a file name may be."""
+    if not isinstance(path, str) or not path or len(path.encode(errors="replace")) > MAX_ATOM_PATH_BYTES:
+        raise FormatError(
+            f"{where}: atom path {path!r:.100} is empty, not a string or longer than {MAX_ATOM_PATH_BYTES} bytes"
+        )
+    if _plain_path(path):
+        return path  # (the common case, checked at once)
+    for name in path.split("/"):
+        if (
+            name in ("", ".", "..")
+            or "\\" in name
+            or "\x00" in name
+            or len(name.encode(errors="replace")) > MAX_KEY_BYTES
+        ):
+            raise FormatError(f"{where}: atom path {path!r:.100} has a component that is not a plain name")
+    return path
+
+
+def _plain_path(path: object) -> bool:
+    """An atom path that is plainly fine: ASCII, every component a plain name and, the whole being no longer than a
+    key may be, every component short enough."""
+    return type(path) is str and 0 < len(path) <= MAX_KEY_BYTES and path.isascii() and bool(_PLAIN_PATH.match(path))
+
+
+def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """All positions of a grid in C order (one empty position for a 0-d grid; none if any extent is 0)."""
+    out: list[tuple[int, ...]] = [()]
+    for n in grid:
+        out = [(*prefix, i) for prefix in out for i in range(n)]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ step manifest
+
+
+ObjectSum = tuple[int, int]  # a stored object's (size in bytes, CRC-32C), as the writer recorded it (section 4)
+
+
+@dataclass(frozen=True)
+class PackedChunk:
+    """Where a packed atom's chunk lies (section 4.1): bytes [offset, offset + nbytes) of the pack's data, whose
+    CRC-32C is `crc`."""
+
+    pack: str
+    offset: int
+    nbytes: int
+    crc: int
+
+    def to_json(self) -> list:
+        return [self.pack, self.offset, self.nbytes, self.crc]
+
+
+@dataclass
+class StepManifest:
+    """The ucp attributes of a step's root group. `objects` gives, per atom, every chunk object's size and
+    checksum in C order over its grid (format 2; None for a 1.0 step, which did not record them). In format 3,
+    a packed atom's chunks are in `packed` instead (C order too), and `packs` gives each pack object's size and
+    checksum."""
+
+    step: int
+    tree: dict[str, Any]
+    atoms: dict[str, AtomMeta]
+    layout: str | None = None
+    created_at: str = ""
+    writer: str = ""
+    format_version: str = FORMAT_VERSION
+    objects: dict[str, list[ObjectSum]] | None = None
+    packed: dict[str, list[PackedChunk]] = field(default_factory=dict)
+    packs: dict[str, ObjectSum] = field(default_factory=dict)
+
+    def to_group_json(self) -> dict[str, Any]:
+        atoms = {}
+        for path, atom in self.atoms.items():
+            atoms[path] = atom.to_manifest()
+            if atom.packed:
+                atoms[path]["packed"] = [c.to_json() for c in self.packed[path]]
+            elif self.objects is not None:
+                atoms[path]["objects"] = [list(o) for o in self.objects[path]]
+        ucp_attrs = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "layout": self.layout,
+            "created_at": self.created_at,
+            "writer": self.writer,
+            "tree": self.tree,
+            "atoms": atoms,
+        }
+        if self.packs:
+            ucp_attrs["packs"] = {name: list(s) for name, s in self.packs.items()}
+        return {"zarr_format": 3, "node_type": "group", "attributes": {"ucp": ucp_attrs}}
+
+    @classmethod
+    def from_group_json(cls, doc: Any, where: str) -> StepManifest:
+        attrs = doc.get("attributes") if isinstance(doc, dict) else None
+        attrs = attrs.get("ucp") if isinstance(attrs, dict) else None
+        if not isinstance(attrs, dict):
+            raise FormatError(f"{where} is not a ucp step (its zarr.json has no 'ucp' attributes)")
+        version = attrs.get("format_version")
+        check_format_version(version, where)
+        major = int(str(version).split(".")[0])
+        atoms_doc, tree = attrs.get("atoms"), attrs.get("tree")
+        if not isinstance(atoms_doc, dict) or not isinstance(tree, dict):
+            raise FormatError(f"{where}: the ucp manifest needs an 'atoms' object and a 'tree' object")
+        for name in ("layout", "created_at", "writer"):
+            if attrs.get(name) is not None and not isinstance(attrs[name], str):
+                raise FormatError(f"{where}: {name} must be a string")
+        atoms = {p: AtomMeta.from_manifest(p, a, crc_table=major >= 2) for p, a in atoms_doc.items()}
+        if major < 3 and any(m.packed for m in atoms.values()):
+            raise FormatError(f"{where}: format {version} has no packed atoms")
+        objects = (
+            {p: _object_sums(atoms[p], a.get("objects"), where) for p, a in atoms_doc.items() if not atoms[p].packed}
+            if major >= 2
+            else None
+        )
+        packs = _pack_sums(attrs.get("packs", {}), where)
+        packed = _packed_chunks(atoms, {p: a["packed"] for p, a in atoms_doc.items() if atoms[p].packed}, packs, where)
+        return cls(
+            step=json_int(attrs.get("step"), where, "step"),
+            tree=tree,
+            atoms=atoms,
+            layout=attrs.get("layout"),
+            created_at=attrs.get("created_at") or "",
+            writer=attrs.get("writer") or "",
+            format_version=version,  # type: ignore[arg-type]
+            objects=objects,
+            packed=packed,
+            packs=packs,
+        )
+
+
+def _object_sums(meta: AtomMeta, doc: object, where: str) -> list[ObjectSum]:
+    """An atom's `objects` list: one [nbytes, crc32c] pair per chunk object (the grid's size was bounded first)."""
+    count = math.prod(meta.grid)
+    if not isinstance(doc, list) or len(doc) != count:
+        raise FormatError(f"{where}: atom {meta.path!r:.200} must list {count} objects as [nbytes, crc32c] pairs")
+    plain = None if meta.inner_chunk_shape is not None else meta.stored_chunk_bytes() + CRC_BYTES
+    sums = []
+    for entry in doc:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise FormatError(f"{where}: atom {meta.path!r:.200} has an object entry that is not [nbytes, crc32c]")
+        nbytes = json_int(entry[0], where, "an object's nbytes", 0, MAX_OBJECT_BYTES + (1 << 24))
+        if plain is not None and nbytes != plain:
+            raise FormatError(
+                f"{where}: atom {meta.path!r:.200} records an object of {nbytes} bytes; its chunks take {plain}"
+            )
+        sums.append((nbytes, json_int(entry[1], where, "an object's crc32c", 0, 2**32 - 1)))
+    return sums
+
+
+def _pack_sums(doc: object, where: str) -> dict[str, ObjectSum]:
+    """The manifest's `packs`: {name: [nbytes, crc32c]} of each pack's one chunk object (data, then CRC-32C)."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: packs must be an object of [nbytes, crc32c] pairs")
+    sums = {}
+    for name, entry in doc.items():
+        if not is_pack_name(name) or not isinstance(entry, list) or len(entry) != 2:
+            raise FormatError(f"{where}: pack entry {name!r:.100} is not a pack name with [nbytes, crc32c]")
+        nbytes = json_int(entry[0], where, f"pack {name}'s nbytes", CRC_BYTES + 1, MAX_OBJECT_BYTES + CRC_BYTES)
+        sums[name] = (nbytes, json_int(entry[1], where, f"pack {name}'s crc32c", 0, 2**32 - 1))
+    return sums
+
+
+def _packed_chunks(
+    atoms: dict[str, AtomMeta], docs: dict[str, Any], packs: dict[str, ObjectSum], where: str
+) -> dict[str, list[PackedChunk]]:
+    """Each packed atom's chunks, checked: one per chunk of its grid, each in a listed pack, inside its data, on an
+    element boundary, of the chunk's size, and no two overlapping, so that no read goes outside a pack."""
+    out: dict[str, list[PackedChunk]] = {}
+    spans: list[tuple[str, int, int, str]] = []
+    for path, doc in docs.items():
+        meta = atoms[path]
+        single = meta.single_chunk  # (most packed atoms: one chunk, the whole atom)
+        count = 1 if single else math.prod(meta.grid)
+        if not isinstance(doc, list) or len(doc) != count:
+            raise FormatError(f"{where}: packed atom {path!r:.200} must list {count} [pack, offset, nbytes, crc32c]")
+        chunks = []
+        for index, entry in zip([()] if single else chunk_indices(meta.grid), doc):
+            if type(entry) is not list or len(entry) != 4 or entry[0] not in packs:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} has an entry {entry!r:.100} that is not "
+                    "[a listed pack, offset, nbytes, crc32c]"
+                )
+            name, offset, nbytes, crc = entry
+            data_bytes = packs[name][0] - CRC_BYTES
+            if not (_small_int(offset) and _small_int(nbytes) and type(crc) is int and 0 <= crc < 2**32):
+                json_int(offset, where, f"atom {path!r:.200}'s offset in {name}", 0, MAX_OBJECT_BYTES)
+                json_int(nbytes, where, f"atom {path!r:.200}'s nbytes in {name}", 0, MAX_OBJECT_BYTES)
+                json_int(crc, where, f"atom {path!r:.200}'s crc32c", 0, 2**32 - 1)
+            expected = meta.nbytes if single else math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
+            if nbytes != expected:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} records {nbytes} bytes in {name} for a chunk of {expected}"
+                )
+            if offset + nbytes > data_bytes:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} lies at [{offset}, {offset + nbytes}) of {name}, outside its "
+                    f"{data_bytes} bytes of data"
+                )
+            if offset % meta.itemsize:
+                raise FormatError(
+                    f"{where}: packed atom {path!r:.200} starts at offset {offset} of {name}, not on an element "
+                    f"boundary of {meta.dtype} ({meta.itemsize} bytes)"
+                )
+            chunks.append(PackedChunk(name, offset, nbytes, crc))
+            spans.append((name, offset, offset + nbytes, path))
+        out[path] = chunks
+    spans.sort()
+    for (name, _, end, path), (other, start, _, other_path) in itertools.pairwise(spans):
+        if name == other and start < end:
+            raise FormatError(f"{where}: packed atoms {path!r:.200} and {other_path!r:.200} overlap in {name}")
+    return out
+
+
+def _small_int(value: object) -> bool:
+    """A JSON integer within an object's bounds (the common case of json_int, without its error message)."""
+    return type(value) is int and 0 <= value <= MAX_OBJECT_BYTES  # (type, not isinstance: a bool is no integer)
+
+
+def group_json() -> dict[str, Any]:
+    """Metadata of an intermediate group (a dict level of the state)."""
+    return {"zarr_format": 3, "node_type": "group", "attributes": {}}

@@ -1,0 +1,147 @@
+"""The state tree: a nested dict of tensors and JSON values <-> a JSON tree plus a flat map of atoms.
+
+Node kinds (docs/FORMAT.md): {"dict": {key: node}}, {"list": [node]}, {"atom": path}, {"value": json} and
+{"float": "nan" | "inf" | "-inf"} (strict JSON has no non-finite numbers). A subtree that holds only
+plain JSON is stored as one {"value": ...} node. Tuples come back as lists.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..base import dtypes
+from ..errors import FormatError, StateError
+from .manifest import MAX_ATOM_PATH_BYTES, MAX_KEY_BYTES, MAX_TREE_DEPTH, RESERVED_NAMES
+
+
+def check_key(key: object, where: str) -> str:
+    """A state key becomes a Zarr node name: refuse anything that could escape or collide."""
+    if not isinstance(key, str):
+        raise StateError(f"{where}: keys must be strings, got {type(key).__name__} {key!r}")
+    if key in ("", ".", "..") or "/" in key or "\\" in key:
+        raise StateError(
+            f"{where}: key {key!r} would escape the checkpoint root or name no node (no '/', '\\', '.', '..' or '')"
+        )
+    if key.startswith("__") or key in RESERVED_NAMES or any(ord(ch) < 32 for ch in key):
+        raise StateError(
+            f"{where}: key {key!r} is reserved (names starting with '__', {sorted(RESERVED_NAMES)}, control characters)"
+        )
+    if len(key.encode(errors="surrogatepass")) > MAX_KEY_BYTES:
+        raise StateError(
+            f"{where}: key {key[:40]!r}... is longer than {MAX_KEY_BYTES} bytes (it names a file or object)"
+        )
+    return key
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """True if `value` is JSON that strict JSON can hold (finite numbers, str keys, not too deeply nested)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if depth >= MAX_TREE_DEPTH:
+        raise StateError(f"a value in the state is nested more than {MAX_TREE_DEPTH} levels deep")
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split a state into its JSON tree and its tensors, keyed by atom path ('a/b/c')."""
+    if not isinstance(state, dict):
+        raise StateError(f"a state must be a dict, got {type(state).__name__}")
+    tensors: dict[str, torch.Tensor] = {}
+
+    def encode(value: Any, path: list[str]) -> dict[str, Any]:
+        where = "state[" + "][".join(repr(p) for p in path) + "]" if path else "state"
+        if len(path) >= MAX_TREE_DEPTH:
+            raise StateError(f"{where[:200]}...: the state is nested more than {MAX_TREE_DEPTH} levels deep")
+        if isinstance(value, torch.Tensor):
+            if not path:
+                raise StateError("a tensor needs a key: the state itself must be a dict")
+            atom = "/".join(path)
+            if len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
+                raise StateError(f"{where[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
+            tensors[atom] = dtypes.check_dense(value, where)
+            return {"atom": atom}
+        if isinstance(value, np.generic) and isinstance(value.item(), (bool, int, float)):
+            value = value.item()
+        if isinstance(value, float) and not math.isfinite(value):
+            return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if isinstance(value, dict):
+            if path and _plain(value, len(path)):
+                return {"value": value}
+            return {"dict": {check_key(k, where): encode(v, [*path, k]) for k, v in value.items()}}
+        if isinstance(value, (list, tuple)):
+            if _plain(value, len(path)):
+                return {"value": list(value)}
+            return {"list": [encode(v, [*path, str(i)]) for i, v in enumerate(value)]}
+        if _plain(value):
+            return {"value": value}
+        raise StateError(
+            f"{where}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved; "
+            "leaves must be torch tensors or JSON values (None, bool, int, float, str, lists and dicts of them)"
+        )
+
+    return encode(state, []), tensors
+
+
+def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Rebuild the state from its tree (checked by `tree_atoms`) and loaded tensors."""
+
+    def decode(node: dict[str, Any]) -> Any:
+        ((kind, body),) = node.items()
+        if kind == "value":
+            return body
+        if kind == "atom":
+            return tensors[body]
+        if kind == "dict":
+            return {k: decode(v) for k, v in body.items()}
+        if kind == "list":
+            return [decode(v) for v in body]
+        return float(body)  # "float"
+
+    check_root(tree)
+    tree_atoms(tree)
+    return decode(tree)
+
+
+_BODY_TYPES = {"dict": dict, "list": list, "atom": str}
+
+
+def check_root(tree: Any) -> None:
+    if not (isinstance(tree, dict) and len(tree) == 1 and isinstance(tree.get("dict"), dict)):
+        raise FormatError("the state tree's root is not a dict node")
+
+
+def tree_atoms(tree: Any) -> list[str]:
+    """Atom paths referenced by a (sub)tree, in tree order; a FormatError for any malformed node or nesting deeper
+    than the format allows (checked without recursion, so that `unflatten` can recurse safely afterwards)."""
+    out: list[str] = []
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise FormatError(f"the state tree is nested more than {MAX_TREE_DEPTH} levels deep")
+        if not isinstance(node, dict) or len(node) != 1:
+            raise FormatError(f"state tree node {node!r:.100} is malformed")
+        ((kind, body),) = node.items()
+        if kind in _BODY_TYPES and not isinstance(body, _BODY_TYPES[kind]):
+            raise FormatError(f"state tree node {kind!r} holds a {type(body).__name__}")
+        if kind == "atom":
+            out.append(body)
+        elif kind == "dict":
+            stack += [(v, depth + 1) for v in reversed(body.values())]
+        elif kind == "list":
+            stack += [(v, depth + 1) for v in reversed(body)]
+        elif kind == "float" and body not in ("nan", "inf", "-inf"):
+            raise FormatError(f"state tree float node {body!r:.40} is not nan, inf or -inf")
+        elif kind not in ("value", "float"):
+            raise FormatError(f"state tree node kind {kind!r:.40} is unknown")
+    return out

@@ -1,0 +1,116 @@
+"""How Megatron-LM's arguments name a family's models (the GPT model, local spec, that the rules' `local` names are
+the tensors of).
+
+Each family's `MegatronNames` says which jobs' args describe one of its models, builds its config from them and
+the args back from its config; the shape every family shares (layers, hidden size, heads, vocabulary, and the
+SwiGLU / RMSNorm / RoPE decoder that all of them are) is read and written here once (`gpt_shape`, `gpt_args`).
+Pure functions of the args: ucp.interop.megatron_args applies them to a checkpoint's args (naming the file at
+fault) and adds what is the job's and not the model's (its layout, its grad buffers, the HF fields its args carry).
+A problem with the args is a UcpError naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from ...errors import UcpError
+from .config import FamilyConfig
+
+C = TypeVar("C", bound=FamilyConfig)
+
+
+def arg(args: Any, name: str, default: Any = None) -> Any:
+    """An argument of Megatron-LM's (an argparse.Namespace, or any object with its attributes); absent or None:
+    `default`."""
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def required(args: Any, name: str) -> Any:
+    """An argument the model's shape cannot do without."""
+    value = arg(args, name)
+    if value is None:
+        raise UcpError(f"args has no {name}: cannot tell the model's shape")
+    return value
+
+
+def experts(args: Any) -> int:
+    """The routed experts of a MoE job (0: a dense model)."""
+    return int(arg(args, "num_experts", 0))
+
+
+def latent_attention(args: Any) -> bool:
+    """Whether the job's attention is multi-latent (MLA, DeepSeek's)."""
+    return bool(arg(args, "multi_latent_attention", False))
+
+
+def _hf_as_is(args: Any, hf: dict[str, Any]) -> dict[str, Any]:
+    return hf
+
+
+def _holds(config: FamilyConfig, hf: Mapping[str, Any]) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class MegatronNames(Generic[C]):
+    """A family's Megatron-LM arguments, both ways. `claims`: whether a job's args describe a model of the family
+    (the families' claims exclude each other: `ucp.sharding.families.megatron_family`); `config`: its config from the args
+    and the shared shape (`gpt_shape`); `args`: the family's own arguments for a config, with the HF fields the
+    config does not model (`hf`, e.g. a router's settings); `hf_fields`: those HF fields as the args say them, added
+    to what every family's args carry; `refuses`: why no Megatron job computes a model of this config (None: one
+    does); `layers_apart`: the args `args` writes make megatron-core's layers differ (a `moe_layer_freq` list), so
+    that its torch_dist format keys each layer on its own."""
+
+    claims: Callable[[Any], bool]
+    config: Callable[[Any, dict[str, Any]], C]
+    args: Callable[[C, Mapping[str, Any]], dict[str, Any]]
+    hf_fields: Callable[[Any, dict[str, Any]], dict[str, Any]] = _hf_as_is
+    refuses: Callable[[C, Mapping[str, Any]], str | None] = _holds
+    layers_apart: bool = False
+
+
+def gpt_shape(args: Any, vocab_size: int | None = None) -> dict[str, Any]:
+    """The config fields every family shares, from a job's args (`vocab_size`: the true vocabulary, where the args
+    know only the padded one); refuses a decoder that no family is (not SwiGLU, linear biases, not RMSNorm)."""
+    if not arg(args, "swiglu", False):
+        raise UcpError("args.swiglu is off; ucp's families are SwiGLU (gate/up fused in linear_fc1)")
+    if arg(args, "add_bias_linear", False):
+        raise UcpError("linear biases (add_bias_linear) have no atom in ucp's families")
+    if arg(args, "normalization", "RMSNorm") != "RMSNorm":
+        raise UcpError(f"normalization={args.normalization!r}; ucp's families use RMSNorm")
+    heads, hidden = required(args, "num_attention_heads"), required(args, "hidden_size")
+    vocab = vocab_size or arg(args, "vocab_size") or arg(args, "padded_vocab_size")
+    if vocab is None:
+        raise UcpError("args has neither vocab_size nor padded_vocab_size")
+    return {
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "num_hidden_layers": required(args, "num_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": arg(args, "num_query_groups", heads) if arg(args, "group_query_attention") else heads,
+        "head_dim": arg(args, "kv_channels") or hidden // heads,
+        "tie_word_embeddings": not arg(args, "untie_embeddings_and_output_weights", False),
+        "make_vocab_size_divisible_by": arg(args, "make_vocab_size_divisible_by", 128),
+    }
+
+
+def gpt_args(config: FamilyConfig) -> dict[str, Any]:
+    """The arguments of the shape every family shares (`gpt_shape`, the other way)."""
+    return {
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "group_query_attention": config.num_key_value_heads != config.num_attention_heads,
+        "num_query_groups": config.num_key_value_heads,
+        "kv_channels": config.head_dim,
+        "swiglu": True,
+        "add_bias_linear": False,
+        "normalization": "RMSNorm",
+        "position_embedding_type": "rope",
+        "untie_embeddings_and_output_weights": not config.tie_word_embeddings,
+        "vocab_size": config.vocab_size,
+        "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
+    }
