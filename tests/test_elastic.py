@@ -73,7 +73,7 @@ def test_a_job_shrinks_and_grows_back_under_torchrun_with_the_same_losses(tmp_pa
         job.lose("b")
         shutil.rmtree(node_b)  # the lost node's memory goes with it
         job.wait_for(lambda: max(hot_steps(node_a, ckpt), default=0) >= 14, "hot step 14 after the shrink", timeout=240)
-        b = job.start("b")
+        b = job.join("b")
         job.wait(600)
     finally:
         job.stop()

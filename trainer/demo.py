@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, run_dir: Path, ckpt: str) -> None:
         )
         run_report.log_node_event(run_dir / "metrics.jsonl", "b", "back", time.time())
         print(f"== node b is back (empty): a torchrun agent with 2 processes, hot tier in {node_dir('b')}", flush=True)
-        job.start("b")
+        job.join("b")
         job.wait(900)
     except RuntimeError as e:
         raise SystemExit(f"the demo failed: {e}") from None

@@ -77,10 +77,7 @@ class Node:
         tree = self.processes()
         killed_at = time.time()
         for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _signal(pid, signal.SIGKILL)
         self.proc.wait()
         deadline = time.monotonic() + 10
         while any(alive(p) for p in tree) and time.monotonic() < deadline:
@@ -89,6 +86,24 @@ class Node:
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def rendezvous_waiting(endpoint: str, run_id: str, nnodes: str) -> Callable[[], int]:
+    """How many nodes wait in the job's rendezvous for the next round (what each agent checks to re-form the
+    job), read without joining it."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+
+    low, _, high = nnodes.partition(":")
+    conf = dict(item.split("=") for item in RDZV_CONF.split(","))
+    params = RendezvousParameters("c10d", endpoint, run_id, int(low), int(high or low), is_host="false", **conf)
+    return rendezvous_handler_registry.create_handler(params).num_nodes_waiting
 
 
 def endpoint() -> str:
@@ -192,6 +207,23 @@ class Job:
             env=self.env,
         )
         return self.nodes[name]
+
+    def join(self, name: str, timeout: float = 300) -> Node:
+        """Start node `name` into the running job and hold the running nodes' workers (SIGSTOP) until the
+        rendezvous lists the newcomer as waiting: the agents then re-form the job at their next check (every
+        --monitor-interval). Unheld, a short job on a busy machine can finish its last steps before the new agent
+        has even imported torch, and never grow."""
+        running = [pid for node in self.nodes.values() for pid in node.processes() if pid != node.proc.pid]
+        for pid in running:
+            _signal(pid, signal.SIGSTOP)
+        try:
+            node = self.start(name)
+            waiting = rendezvous_waiting(self.endpoint, self.run_id, self.nnodes)
+            self.wait_for(lambda: waiting() > 0, f"node {name} in the rendezvous", timeout)
+            return node
+        finally:
+            for pid in running:
+                _signal(pid, signal.SIGCONT)
 
     def lose(self, name: str) -> float:
         """Kill node `name` as a power cut would; returns when (time.time())."""
