@@ -15,6 +15,8 @@ import ucp
 from ucp.base.devices import Copies, SideStreams, on_host
 from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
 from ucp.engine.landing import Landing
+from ucp.engine.pipeline import _release, _Staged
+from ucp.engine.staging import StagingPool
 from ucp.errors import StateError
 from ucp.protocol.comm import LocalComm
 from ucp.sharding.layout import parse_layout
@@ -66,6 +68,34 @@ def test_a_landing_reuses_a_bounded_pool_from_many_threads():
 def test_a_landing_refuses_an_object_larger_than_its_pool():
     with Landing(1024, pinned=False) as landing, pytest.raises(ucp.UcpError, match="smaller than one chunk"):
         landing.land(torch.empty(1024), lambda host: None)
+
+
+class _QueuedCopy:
+    """Stands for the CUDA event of a copy into staging memory that is still queued on a device: `synchronize` says
+    how many slots of the arena were still held when the copy was waited for."""
+
+    def __init__(self, slot, fails: bool = False):
+        self.slot, self.fails = slot, fails
+        self.held_when_waited: int | None = None
+
+    def synchronize(self) -> None:
+        self.held_when_waited = self.slot.arena.live
+        if self.fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_staging_slot_goes_back_only_once_its_copy_has_ended(fails):
+    """A chunk whose write is cancelled, or never handed over because the snapshot failed, may still have its copy
+    from the device queued: its slot is released only after that copy is waited for (a copy that failed too still
+    gives its slot back), never while the copy could still write into memory another chunk is given."""
+    pool = StagingPool(1 << 20)
+    slots = [pool.acquire(4096) for _ in range(2)]
+    copies = [_QueuedCopy(slot, fails) for slot in slots]
+    staged = [_Staged(None, slot.memory, slot, copy) for slot, copy in zip(slots, copies)]  # type: ignore[arg-type]
+    _release(pool, staged, None)
+    assert [c.held_when_waited for c in copies] == [2, 1]  # (each waited for while its own slot was still held)
+    assert slots[0].arena.live == 0
 
 
 def test_loads_take_a_device(tmp_path):
