@@ -21,6 +21,7 @@ from ucp.errors import StateError
 from ucp.protocol.comm import LocalComm
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
+from ucp.training_state import rng_state, set_rng_state
 
 from .dist_worker import CONFIG, OPTIONS, STATES, full_state, same
 from .helpers import assert_same_state
@@ -178,3 +179,27 @@ def test_prepare_of_a_sharded_save(tmp_path):
         assert manager.pipeline.staging.arenas == arenas
         restored, saved_extra, _ = manager.restore_sharded(model, 0)
     assert same(restored, local) and torch.equal(saved_extra["rng"], extra["rng"])
+
+
+def test_rng_states_on_a_gpu_machine(monkeypatch):
+    """As torch on a machine with 2 GPUs answers: a process that never used CUDA saves no CUDA generator states and
+    does not initialise CUDA to ask (a CPU job there makes no GPU context because of ucp), and one that did saves a
+    state per device; a restore sets the states of the devices this machine has, from a job saved on more."""
+    gpus = 2
+    asked: list[str] = []
+    set_states: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: asked.append("initialised") or [])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_states.append)
+    assert "cuda" not in rng_state() and asked == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(gpus)]
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    saved = rng_state()
+    assert [torch.equal(saved["cuda"][str(i)], s) for i, s in enumerate(states)] == [True] * gpus
+    saved["cuda"] = {str(i): torch.full((16,), i, dtype=torch.uint8) for i in range(8)}  # (saved on 8 GPUs)
+    set_rng_state(saved)
+    (restored,) = set_states
+    assert [int(s[0]) for s in restored] == list(range(gpus))
