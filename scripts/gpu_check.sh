@@ -10,8 +10,11 @@
 # Needs a Python whose torch sees a GPU (torch with CUDA installed there). The project is used from this checkout
 # (PYTHONPATH), not installed. Whatever else it needs and the Python lacks (zarr, crc32c, s3fs, safetensors, pytest,
 # ...) is installed from a directory of wheels when one is given (--wheels DIR, or UCP_WHEELS, or ./wheels or
-# shared/wheels where present), without the network: `pip download -d wheels ".[test]"` on a machine that has it makes
-# one (and `pip download -d wheels kvikio-cu13`, or -cu12 as torch's CUDA is, to have kvikio measured).
+# shared/wheels where present), without the network: on a machine that has it, `pip download -d wheels
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 zarr
+# numcodecs crc32c s3fs` makes one for the GPU machine's Python (give its version: wheels of crc32c and numcodecs are
+# built per version; `.[test]` would bring torch too), with kvikio-cu13 (or -cu12, as torch's CUDA is) to have kvikio
+# measured.
 # Writes to $OUT (default ./gpu-check): gpu-tests.xml and gpu-tests.log (pytest), bench-gpu.json and bench-gpu.txt
 # (python -m bench_io gpu), collectives.json (with two or more GPUs: NCCL), and gpu-check.json, a summary of it all,
 # which it also prints.
