@@ -46,6 +46,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +318,18 @@ class Bench:
                 f.close()
         return out
 
+    def guarded(self, phase: str, method: str, medium: str, repeat: int, step: Callable[[], None]) -> bool:
+        """Run `step`, a method's work around its timed part (making a manager and its staging memory, writing the raw
+        files): a failure there is recorded as that method's, and the benchmark goes on with the others."""
+        try:
+            step()
+            return True
+        except Exception as e:  # noqa: BLE001 -- recorded as the method's failure
+            row = Row(phase, method, medium, repeat, self.nbytes, ok=False, error=f"{type(e).__name__}: {e}"[:300])
+            self.rows.append(row)
+            self._progress(row)
+            return False
+
     # -- a medium
 
     def run_medium(self, directory: str, saves: list[str], loads: list[str]) -> None:
@@ -329,7 +342,10 @@ class Bench:
                 for method in saves:
                     if self.over_budget(f"{medium} r{repeat} {method}"):
                         continue
-                    self.save(method, root, medium, repeat)
+                    if not self.guarded(
+                        "save", method, medium, repeat, partial(self.save, method, root, medium, repeat)
+                    ):
+                        continue  # (nothing to load)
                     for load in READS.get(method, ()):
                         if load in loads:
                             self.load(load, root, medium, repeat)
@@ -337,7 +353,8 @@ class Bench:
                         shutil.rmtree(root / method, ignore_errors=True)
                 raw = [m for m in ("pinned-raw", "kvikio") if m in loads]
                 if raw and not self.over_budget(f"{medium} r{repeat} raw loads"):
-                    self.write_raw(root / "raw")
+                    if not self.guarded("load", "pinned-raw", medium, repeat, partial(self.write_raw, root / "raw")):
+                        raw = []
                     for method in raw:
                         if method == "kvikio" and not _kvikio_importable(self.notes):
                             continue
@@ -481,6 +498,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def write_json(
+    args: argparse.Namespace, device: torch.device, bench: Bench, trainer: dict[str, Any] | None, started: float
+) -> None:
+    doc = {
+        "config": {k: v for k, v in vars(args).items()},
+        "machine": device_description(device),
+        "rows": [asdict(r) for r in bench.rows],
+        "medians": summarize(bench.rows),
+        "notes": bench.notes,
+        "left_out": bench.skipped,
+        "trainer": trainer,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
@@ -496,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.run_medium(directory, args.saves, args.loads)
     trainer = None
     if args.trainer_steps > 0 and not bench.over_budget("trainer"):
+        if args.json:  # (what was measured so far, should the trainer runs be stopped from outside)
+            write_json(args, device, bench, {"error": "not finished"}, started)
         print("bench_io gpu: the reference trainer, with checkpoints and without", flush=True)
         with tempfile.TemporaryDirectory(dir=args.dirs.split(",")[0]) as work:
             try:
@@ -515,17 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     if bench.skipped:
         print(f"left out (the time budget was spent): {', '.join(bench.skipped)}")
     if args.json:
-        doc = {
-            "config": {k: v for k, v in vars(args).items()},
-            "machine": device_description(device),
-            "rows": [asdict(r) for r in bench.rows],
-            "medians": summaries,
-            "notes": bench.notes,
-            "left_out": bench.skipped,
-            "trainer": trainer,
-            "elapsed_s": time.perf_counter() - started,
-        }
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+        write_json(args, device, bench, trainer, started)
     failed = [r for r in bench.rows if not r.ok] or (trainer is not None and "error" in trainer)
     return 1 if failed else 0
 

@@ -10,8 +10,11 @@
 # Needs a Python whose torch sees a GPU (torch with CUDA installed there). The project is used from this checkout
 # (PYTHONPATH), not installed. Whatever else it needs and the Python lacks (zarr, crc32c, s3fs, safetensors, pytest,
 # ...) is installed from a directory of wheels when one is given (--wheels DIR, or UCP_WHEELS, or ./wheels or
-# shared/wheels where present), without the network: `pip download -d wheels ".[test]"` on a machine that has it makes
-# one (and `pip download -d wheels kvikio-cu13`, or -cu12 as torch's CUDA is, to have kvikio measured).
+# shared/wheels where present), without the network: on a machine that has it, `pip download -d wheels
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 zarr
+# numcodecs crc32c s3fs` makes one for the GPU machine's Python (give its version: wheels of crc32c and numcodecs are
+# built per version; `.[test]` would bring torch too), with kvikio-cu13 (or -cu12, as torch's CUDA is) to have kvikio
+# measured.
 # Writes to $OUT (default ./gpu-check): gpu-tests.xml and gpu-tests.log (pytest), bench-gpu.json and bench-gpu.txt
 # (python -m bench_io gpu), collectives.json (with two or more GPUs: NCCL), and gpu-check.json, a summary of it all,
 # which it also prints.
@@ -42,10 +45,15 @@ mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
 started=$(date +%s)
+# A setup that fails (no GPU, wheels missing) skips the checks, but the summary is written all the same, saying why.
+setup_error=""
+fail_setup() {
+    setup_error=$1
+    echo "gpu_check: $1" >&2
+}
 
 if [ "$device" = cuda ] && ! "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check: $python's torch sees no GPU ($("$python" -c 'import torch; print(torch.__version__)' 2>&1))" >&2
-    exit 2
+    fail_setup "$python's torch sees no GPU ($("$python" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1))"
 fi
 
 # What the checks import, by module and the distribution that provides it: those the Python lacks come from the wheels.
@@ -62,14 +70,15 @@ if [ -z "$wheels" ]; then
         if [ -d "$candidate" ]; then wheels=$candidate; break; fi
     done
 fi
-if [ -n "$missing" ]; then
+if [ -n "$missing" ] && [ -z "$setup_error" ]; then
     if [ -z "$wheels" ] || [ ! -d "$wheels" ]; then
-        echo "gpu_check: this Python lacks $missing: give a directory of wheels (--wheels DIR)" >&2
-        exit 2
+        fail_setup "this Python lacks $missing: give a directory of wheels (--wheels DIR)"
+    else
+        echo "gpu_check: installing $missing from $wheels"
+        # shellcheck disable=SC2086  # (a list of distribution names)
+        "$python" -m pip install -q --no-index --find-links "$wheels" $missing \
+            || fail_setup "pip could not install $missing from $wheels"
     fi
-    echo "gpu_check: installing $missing from $wheels"
-    # shellcheck disable=SC2086  # (a list of distribution names)
-    "$python" -m pip install -q --no-index --find-links "$wheels" $missing || exit 2
 fi
 # kvikio is optional: measured where it imports (installed from the wheels when one is there)
 if [ -n "$wheels" ] && ! "$python" -c 'import kvikio' 2>/dev/null; then
@@ -81,46 +90,64 @@ if [ -n "$wheels" ] && ! "$python" -c 'import kvikio' 2>/dev/null; then
     done
 fi
 
-gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())')
+gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 gpu=$("$python" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")')
 echo "gpu_check: $gpus x $gpu, torch $("$python" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
 
-# 1. the gpu tests (trainer runs included)
-t0=$(date +%s)
-timeout "$tests_timeout" "$python" -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py --timeout 150 \
-    --junitxml="$out/gpu-tests.xml" -o junit_family=xunit1 2>&1 | tee "$out/gpu-tests.log"
-tests_rc=${PIPESTATUS[0]}
-tests_s=$(( $(date +%s) - t0 ))
+# 1. the gpu tests (trainer runs included). At the time limit pytest is interrupted (SIGINT), not killed: it then
+# still writes the report of the tests it ran (the one interrupted is left out), and the summary says it was stopped.
+tests_rc=skipped
+tests_s=0
+if [ -z "$setup_error" ]; then
+    t0=$(date +%s)
+    timeout -s INT -k 30 "$tests_timeout" "$python" -m pytest -p no:cacheprovider -q -m gpu tests/test_gpu.py \
+        --timeout 150 --junitxml="$out/gpu-tests.xml" -o junit_family=xunit1 2>&1 | tee "$out/gpu-tests.log"
+    tests_rc=${PIPESTATUS[0]}
+    tests_s=$(( $(date +%s) - t0 ))
+fi
 
 # 2. the benchmark: a device-resident state against the floors and the alternatives, and the trainer's step time
-t0=$(date +%s)
-timeout "$bench_timeout" "$python" -m bench_io gpu --device "$device" --size "$size" --repeats "$repeats" --dirs /dev/shm \
-    --trainer-steps 20 --trainer-every 5 --budget-s "$bench_budget" --json "$out/bench-gpu.json" 2>&1 \
-    | tee "$out/bench-gpu.txt"
-bench_rc=${PIPESTATUS[0]}
-bench_s=$(( $(date +%s) - t0 ))
+# (it writes its JSON once the media are measured and again after the trainer runs: a stop at the limit keeps the first)
+bench_rc=skipped
+bench_s=0
+if [ -z "$setup_error" ]; then
+    t0=$(date +%s)
+    timeout -k 10 "$bench_timeout" "$python" -m bench_io gpu --device "$device" --size "$size" --repeats "$repeats" \
+        --dirs /dev/shm --trainer-steps 20 --trainer-every 5 --budget-s "$bench_budget" --json "$out/bench-gpu.json" \
+        2>&1 | tee "$out/bench-gpu.txt"
+    bench_rc=${PIPESTATUS[0]}
+    bench_s=$(( $(date +%s) - t0 ))
+fi
 
 # 3. NCCL collectives, where two GPUs make a world
 collectives_rc=skipped
-if [ "$gpus" -ge 2 ]; then
+if [ -z "$setup_error" ] && [ "$gpus" -ge 2 ]; then
     timeout 60 "$python" -m bench_io collectives --worlds 2 --backend nccl --max-bytes 64MiB \
         --json "$out/collectives.json" 2>&1 | tail -20
     collectives_rc=${PIPESTATUS[0]}
 fi
 
-"$python" - "$out" "$tests_rc" "$tests_s" "$bench_rc" "$bench_s" "$collectives_rc" "$started" <<'EOF'
+"$python" - "$out" "$tests_rc" "$tests_s" "$bench_rc" "$bench_s" "$collectives_rc" "$started" "$setup_error" <<'EOF'
 import json, sys, time, xml.etree.ElementTree as ET
 from pathlib import Path
-out, tests_rc, tests_s, bench_rc, bench_s, collectives_rc, started = sys.argv[1:]
+out, tests_rc, tests_s, bench_rc, bench_s, collectives_rc, started, setup_error = sys.argv[1:]
 out = Path(out)
-summary = {"tests": {"exit": int(tests_rc), "seconds": int(tests_s)}, "bench": {"exit": int(bench_rc), "seconds": int(bench_s)},
+def code(rc):
+    return int(rc) if rc.lstrip("-").isdigit() else rc
+summary = {"tests": {"exit": code(tests_rc), "seconds": int(tests_s)}, "bench": {"exit": code(bench_rc), "seconds": int(bench_s)},
            "collectives": collectives_rc, "total_seconds": int(time.time()) - int(started)}
+if setup_error:
+    summary["setup_error"] = setup_error
+for part, rc in (("tests", tests_rc), ("bench", bench_rc)):
+    if rc in ("124", "137"):
+        summary[part]["stopped"] = "at its time limit: what it had not finished is missing"
 try:
     suite = ET.parse(out / "gpu-tests.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     cases = [(c.get("classname", "") + "::" + c.get("name", ""),
               "failed" if c.find("failure") is not None or c.find("error") is not None
-              else "skipped" if c.find("skipped") is not None else "passed") for c in suite.iter("testcase")]
+              else "skipped" if c.find("skipped") is not None else "passed")
+             for c in suite.iter("testcase") if c.get("name")]  # (an interrupted test has no name there)
     summary["tests"]["cases"] = dict(cases)
     summary["tests"]["counts"] = {k: sum(1 for _, s in cases if s == k) for k in ("passed", "failed", "skipped")}
 except (OSError, ET.ParseError, AttributeError) as e:
@@ -138,6 +165,11 @@ except (OSError, ValueError, KeyError) as e:
 print()
 print(f"gpu_check summary ({summary['total_seconds']} s): tests {summary['tests'].get('counts', summary['tests'])}, "
       f"exit {tests_rc} in {tests_s} s; benchmark exit {bench_rc} in {bench_s} s; collectives {collectives_rc}")
+if setup_error:
+    print(f"  setup failed, nothing checked: {setup_error}")
+for part in ("tests", "bench"):
+    if "stopped" in summary[part]:
+        print(f"  {part} stopped {summary[part]['stopped']}")
 for name, state in summary["tests"].get("cases", {}).items():
     if state != "passed":
         print(f"  {state}: {name}")

@@ -161,3 +161,28 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     medians = {(m["phase"], m["method"]) for m in doc["medians"]}
     assert {("save", "floor"), ("save", "ucp-async-first"), ("load", "floor"), ("load", "ucp")} <= medians
     assert {("save", "dcp-async"), ("load", "safetensors"), ("load", "torch"), ("load", "pinned-raw")} <= medians
+
+
+def test_a_gpu_benchmark_method_whose_setup_fails_is_recorded_and_the_others_run(tmp_path: Path, monkeypatch) -> None:
+    """A method that fails outside its timed part (here the async manager's `prepare`, as page-locking can on a GPU
+    machine) is a failed row of that method: the benchmark measures the others, writes its JSON and exits 1."""
+    import ucp
+    from bench_io import gpu
+
+    def no_page_locked_memory(self, *args, **kwargs):
+        raise ucp.UcpError("cannot page-lock 67108864 bytes of staging memory for the GPU (cudaHostRegister)")
+
+    monkeypatch.setattr(ucp.CheckpointManager, "prepare", no_page_locked_memory)
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--size", "2MiB", "--tensors", "2", "--repeats", "1", "--dirs", str(tmp_path)]
+    args += ["--saves", "floor,ucp-async,ucp-sync", "--loads", "floor,ucp", "--trainer-steps", "0", "--json", str(out)]
+    assert gpu.main(args) == 1
+    rows = json.loads(out.read_text())["rows"]
+    failed = [(r["phase"], r["method"]) for r in rows if not r["ok"]]
+    assert failed == [("save", "ucp-async")] and "cudaHostRegister" in rows[1]["error"]
+    assert {(r["phase"], r["method"]) for r in rows if r["ok"]} == {
+        ("save", "floor"),
+        ("save", "ucp-sync"),
+        ("load", "floor"),
+        ("load", "ucp"),
+    }

@@ -15,10 +15,13 @@ import ucp
 from ucp.base.devices import Copies, SideStreams, on_host
 from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
 from ucp.engine.landing import Landing
+from ucp.engine.pipeline import _release, _Staged
+from ucp.engine.staging import StagingPool
 from ucp.errors import StateError
 from ucp.protocol.comm import LocalComm
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
+from ucp.training_state import rng_state, set_rng_state
 
 from .dist_worker import CONFIG, OPTIONS, STATES, full_state, same
 from .helpers import assert_same_state
@@ -66,6 +69,34 @@ def test_a_landing_reuses_a_bounded_pool_from_many_threads():
 def test_a_landing_refuses_an_object_larger_than_its_pool():
     with Landing(1024, pinned=False) as landing, pytest.raises(ucp.UcpError, match="smaller than one chunk"):
         landing.land(torch.empty(1024), lambda host: None)
+
+
+class _QueuedCopy:
+    """Stands for the CUDA event of a copy into staging memory that is still queued on a device: `synchronize` says
+    how many slots of the arena were still held when the copy was waited for."""
+
+    def __init__(self, slot, fails: bool = False):
+        self.slot, self.fails = slot, fails
+        self.held_when_waited: int | None = None
+
+    def synchronize(self) -> None:
+        self.held_when_waited = self.slot.arena.live
+        if self.fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_staging_slot_goes_back_only_once_its_copy_has_ended(fails):
+    """A chunk whose write is cancelled, or never handed over because the snapshot failed, may still have its copy
+    from the device queued: its slot is released only after that copy is waited for (a copy that failed too still
+    gives its slot back), never while the copy could still write into memory another chunk is given."""
+    pool = StagingPool(1 << 20)
+    slots = [pool.acquire(4096) for _ in range(2)]
+    copies = [_QueuedCopy(slot, fails) for slot in slots]
+    staged = [_Staged(None, slot.memory, slot, copy) for slot, copy in zip(slots, copies)]  # type: ignore[arg-type]
+    _release(pool, staged, None)
+    assert [c.held_when_waited for c in copies] == [2, 1]  # (each waited for while its own slot was still held)
+    assert slots[0].arena.live == 0
 
 
 def test_loads_take_a_device(tmp_path):
@@ -148,3 +179,27 @@ def test_prepare_of_a_sharded_save(tmp_path):
         assert manager.pipeline.staging.arenas == arenas
         restored, saved_extra, _ = manager.restore_sharded(model, 0)
     assert same(restored, local) and torch.equal(saved_extra["rng"], extra["rng"])
+
+
+def test_rng_states_on_a_gpu_machine(monkeypatch):
+    """As torch on a machine with 2 GPUs answers: a process that never used CUDA saves no CUDA generator states and
+    does not initialise CUDA to ask (a CPU job there makes no GPU context because of ucp), and one that did saves a
+    state per device; a restore sets the states of the devices this machine has, from a job saved on more."""
+    gpus = 2
+    asked: list[str] = []
+    set_states: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: asked.append("initialised") or [])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_states.append)
+    assert "cuda" not in rng_state() and asked == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(gpus)]
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    saved = rng_state()
+    assert [torch.equal(saved["cuda"][str(i)], s) for i, s in enumerate(states)] == [True] * gpus
+    saved["cuda"] = {str(i): torch.full((16,), i, dtype=torch.uint8) for i in range(8)}  # (saved on 8 GPUs)
+    set_rng_state(saved)
+    (restored,) = set_states
+    assert [int(s[0]) for s in restored] == list(range(gpus))

@@ -83,9 +83,17 @@ def host_copy(state: dict) -> dict:
     }
 
 
-def scribble(state: dict, seed: int) -> None:
-    """Change every tensor of `state` in place, on the device (queued on the current stream, as training would)."""
-    fresh = cuda_state(seed, device=str(state["big"].device))
+def busy() -> None:
+    """Queue a few tenths of a second of GPU work on the current stream. A save's copies wait for it (they copy what
+    the caller had queued before the save), so an async save returns, and a lazy snapshot is done, while they are
+    all still queued: a change queued right after overtakes them unless the caller's stream waits for them. (Without
+    it, the copies have long ended before a change queued from Python can run, and the test could not fail.)"""
+    torch.cuda._sleep(400_000_000)  # (GPU clock cycles: 0.2 s at 2 GHz)
+
+
+def scribble(state: dict, fresh: dict) -> None:
+    """Change every tensor of `state` in place to `fresh`'s values, on the device (queued on the current stream, as
+    training would: no work of the host's between the save's return and the change)."""
     state["big"].copy_(fresh["big"])
     for dtype in DTYPES:
         name = str(dtype).removeprefix("torch.")
@@ -122,18 +130,21 @@ def test_every_save_of_cuda_tensors_is_the_state_when_save_returned(tmp_path, mo
     """Every dtype, views, 0-d and empty tensors on the GPU, changed in place on the device right after `save()`
     returns (lazy: after `wait_snapshot`, as its contract says): the step holds the values of the call, bit for bit,
     loaded to host memory and onto the device."""
-    state = cuda_state(1)
+    state, fresh = cuda_state(1), cuda_state(2)
     expected = host_copy(state)
     url = str(tmp_path / "ckpt")
     if mode == "ucp.save":
+        busy()
         ucp.save(state, url, step=0, options=SMALL)
-        scribble(state, 2)
+        scribble(state, fresh)
     else:
         with ucp.CheckpointManager(url, options=SMALL, mode=mode, writer=writer) as manager:
+            manager.prepare(state)  # (the staging memory, made here: the save's blocking part is the copies alone)
+            busy()
             handle = manager.save(0, state)
             if mode == "lazy":
                 handle.wait_snapshot()
-            scribble(state, 2)
+            scribble(state, fresh)
             handle.result()
     assert_same_state(expected, ucp.load(url))
     loaded = ucp.load(url, device="cuda")
@@ -146,12 +157,15 @@ def test_tensors_on_another_gpu_than_the_current_one(tmp_path, mode):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     torch.cuda.set_device(0)
-    state = cuda_state(3, device="cuda:1")
+    state, fresh = cuda_state(3, device="cuda:1"), cuda_state(4, device="cuda:1")
     expected = host_copy(state)
     with ucp.CheckpointManager(str(tmp_path), options=SMALL, mode=mode) as manager:
+        with torch.cuda.device(1):
+            busy()
         handle = manager.save(0, state)
         handle.wait_snapshot()
-        scribble(state, 4)
+        with torch.cuda.device(1):
+            scribble(state, fresh)
         handle.result()
         loaded = manager.restore(device="cuda:1")
     assert on_device(loaded, torch.device("cuda", 1))
@@ -164,6 +178,11 @@ def _to(state: dict, device: str) -> dict:
 
 def _zeros(state: dict) -> dict:
     return {k: _zeros(v) if isinstance(v, dict) else torch.zeros_like(v) for k, v in state.items()}
+
+
+def _fill_zero(state: dict) -> None:
+    for v in state.values():
+        _fill_zero(v) if isinstance(v, dict) else v.zero_()
 
 
 def _same(a: dict, b: dict) -> None:
@@ -205,6 +224,8 @@ def test_sharded_saves_from_cuda_tensors_and_loads_onto_the_gpu(tmp_path):
                 into["model"][name] = torch.zeros(t.shape[::-1], device="cuda").t()
         cast = names[1]
         into["model"][cast] = torch.zeros(into["model"][cast].shape, dtype=torch.bfloat16, device="cuda")
+        busy()  # (the tensors are zeroed again behind it: the load's copies must land after that, not before)
+        _fill_zero(into)
         local, _ = load_sharded(reader, model, rank, into=into)
         assert local["model"][names[0]] is into["model"][names[0]]
         expected["model"][cast] = expected["model"][cast].to(torch.bfloat16)

@@ -83,7 +83,8 @@ def rng_state() -> dict[str, Any]:
             "cached_gaussian": float(np_gauss),
         },
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # (a process that never used CUDA: asking would
+        # initialise it, and a CPU job on a GPU machine would then page-lock its staging memory on a GPU's context)
         state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
     return state
 
@@ -98,7 +99,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         (n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
     )
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([state["cuda"][str(i)].cpu() for i in range(len(state["cuda"]))])
+        # (the devices of this machine that the saving one had too: a job saved on 8 GPUs resumes on fewer)
+        devices = min(len(state["cuda"]), torch.cuda.device_count())
+        torch.cuda.set_rng_state_all([state["cuda"][str(i)].cpu() for i in range(devices)])
 
 
 def training_state(

@@ -99,8 +99,9 @@ class Copies:
     Made in the caller's thread: it marks what the caller has queued so far on its current stream of the current
     device. A copy on that device waits for the mark (so a snapshot taken in a background thread still waits only
     for what was queued before the save, not for the next forward pass); a copy on another device waits for that
-    device's current stream when first used. `to_host` and `to_device` queue a copy and return the CUDA event that
-    marks it done, or None when the copy was synchronous (no CUDA tensor in it). Safe to use from several threads.
+    device's current stream (the copying thread's) each time. `to_host` and `to_device` queue a copy and return the
+    CUDA event that marks it done, or None when the copy was synchronous (no CUDA tensor in it). Safe to use from
+    several threads.
     """
 
     def __init__(self, streams: SideStreams):
@@ -167,6 +168,10 @@ class Copies:
             dst.copy_(src, non_blocking=True)  # (the side stream is current: `sourcing`)
             done.record(stream)
             return done
+        if index != self._home:
+            # Values on a device other than the caller's may have been made just now on that device's current stream
+            # (a chunk assembled from pieces on it, outside `sourcing`), after the first wait for it: wait each time.
+            stream.wait_stream(torch.cuda.current_stream(index))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             done.record(stream)

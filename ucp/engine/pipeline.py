@@ -377,8 +377,15 @@ class _ProcessWrites:
 
 
 def _release(staging: StagingPool, batch: Sequence[_Staged], _future: cf.Future | None) -> None:
+    """Give the batch's slots back, each once its copy from a device has ended: a chunk whose write was cancelled or
+    never handed over (a failed snapshot) may still have a copy queued, which would otherwise write into memory
+    given to another chunk, or unmapped and unregistered with its arena."""
     for s in batch:
         if s.slot is not None:
+            try:
+                s.wait_ready()
+            except BaseException as e:  # noqa: BLE001 -- the save has failed already; its memory goes back anyway
+                log.debug("a failed save's copy to staging memory: %s", e)
             staging.release(s.slot)
 
 
