@@ -164,6 +164,15 @@ def test_logits_match_transformers_mixtral(tied):
     assert_same_logits(stage, hf, cfg.vocab_size)
 
 
+def test_set_reads_a_float_without_a_dot():
+    # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float key takes it as the number it spells, refuses a word
+    cfg = load_config(TINY, ["optim.lr=1e-3", "optim.min_lr=2E-5", "model.rms_norm_eps=1e-06", "optim.eps=.5"])
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.model.rms_norm_eps, cfg.optim.eps) == (1e-3, 2e-5, 1e-6, 0.5)
+    assert isinstance(cfg.optim.lr, float)
+    with pytest.raises(ValueError, match=r"optim\.lr must be a number, got 'fast'"):
+        load_config(TINY, ["optim.lr=fast"])
+
+
 def test_load_balancing_loss_matches_transformers_for_one_layer():
     # transformers pools the loss over all layers; ours is per layer (then averaged): equal for one layer.
     cfg = load_config(TINY, ["model.num_layers=1"]).model
