@@ -22,6 +22,7 @@ from trainer.model import DecoderStage, StageSpec
 from trainer.parallel.mesh import Layout, coords_of, group_partitions, parse_layout
 from trainer.parallel.pipeline import split_layers
 from trainer.parallel.tensor import padded_vocab_size, shard_gate_up, shard_qkv, shard_vocab
+from trainer.train import open_metrics
 from trainer.weights import canonical_shapes, init_from_seed, initial_atom, load_canonical, ucp_config
 from ucp.errors import LayoutError
 
@@ -171,6 +172,15 @@ def test_set_reads_a_float_without_a_dot():
     assert isinstance(cfg.optim.lr, float)
     with pytest.raises(ValueError, match=r"optim\.lr must be a number, got 'fast'"):
         load_config(TINY, ["optim.lr=fast"])
+
+
+def test_metrics_file_in_a_new_directory(tmp_path):
+    # trainer/README's `--metrics-file ./run1/metrics.jsonl` of a fresh run: nothing has made run1/ yet
+    path = tmp_path / "run1" / "metrics.jsonl"
+    for line in ("1", "2"):
+        with open_metrics(str(path)) as f:
+            f.write(line + "\n")
+    assert path.read_text() == "1\n2\n"  # appended, as a restarted run's
 
 
 def test_load_balancing_loss_matches_transformers_for_one_layer():
