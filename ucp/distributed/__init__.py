@@ -12,8 +12,8 @@ in one process (for tests, offline tools and benchmarks).
 
 The parts live in modules of their own: `ucp.distributed.sharded_model` (the model and its atoms),
 `ucp.distributed.sharded_save`, `ucp.distributed.read_plan` (what a rank's load reads, as data),
-`ucp.distributed.sharded_load`, `ucp.distributed.tiers` (the hot tier); this module names them together, as the README
-and callers import them.
+`ucp.distributed.sharded_load`; this module names them together, as the README and callers import them. The hot
+tier, `ucp.distributed.tiers`, is imported by its own name.
 """
 
 from __future__ import annotations
