@@ -233,7 +233,7 @@ def methods(ucp_url: str, hf: Callable[[Params | None], Callable[[], int]], st_p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench_io coldstart", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--s3", action="store_true", help="also measure against an embedded S3 server (moto) on 127.0.0.1")
     p.add_argument("--repeats", type=int, default=3)

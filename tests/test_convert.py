@@ -345,8 +345,16 @@ def test_a_failed_conversion_leaves_nothing_at_dst(megatron_tp2, tmp_path, monke
 def test_cli_convert(megatron_tp2, tmp_path, capsys):
     argv = ["convert", str(megatron_tp2), str(tmp_path / "u2"), "--from", "tp2", "--to", "universal", "--no-progress"]
     assert ucp_cli.main(argv) == 0
-    assert "converted 41 atoms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # a ucp target has atoms, not rank files: the summary names where they went, no count of files
+    assert f"converted 41 atoms from tp2 to universal: 0.2 MiB written to {tmp_path / 'u2'}\n" in out
     assert ucp.open_checkpoint(str(tmp_path / "u2")).step == 3
+    argv = ["convert", str(tmp_path / "u2"), str(tmp_path / "m1"), "--from", "universal", "--to", "tp1"]
+    assert ucp_cli.main([*argv, "--no-progress"]) == 0
+    assert "to tp1: 1 files, 0.2 MiB written (a tensor that several ranks hold" in capsys.readouterr().out
+    argv = ["convert", str(tmp_path / "u2"), str(tmp_path / "d1"), "--from", "universal", "--to", "torch_dist"]
+    assert ucp_cli.main([*argv, "--no-progress"]) == 0
+    assert "to torch_dist: 1 files, 0.2 MiB written\n" in capsys.readouterr().out  # torch_dist: each tensor once
     assert ucp_cli.main(["convert", str(megatron_tp2), str(tmp_path / "x"), "--from", "tp2pp2", "--to", "tp1"]) == 1
     assert "args say tp2pp1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

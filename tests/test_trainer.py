@@ -22,6 +22,7 @@ from trainer.model import DecoderStage, StageSpec
 from trainer.parallel.mesh import Layout, coords_of, group_partitions, parse_layout
 from trainer.parallel.pipeline import split_layers
 from trainer.parallel.tensor import padded_vocab_size, shard_gate_up, shard_qkv, shard_vocab
+from trainer.train import open_metrics
 from trainer.weights import canonical_shapes, init_from_seed, initial_atom, load_canonical, ucp_config
 from ucp.errors import LayoutError
 
@@ -162,6 +163,24 @@ def test_logits_match_transformers_mixtral(tied):
     stage = DecoderStage(cfg, StageSpec(layers=list(range(cfg.num_layers)), first=True, last=True))
     load_canonical(stage, _hf_atoms(hf, cfg).__getitem__, tp_rank=0)
     assert_same_logits(stage, hf, cfg.vocab_size)
+
+
+def test_set_reads_a_float_without_a_dot():
+    # YAML 1.1 (PyYAML) reads 1e-3 as a string: a float key takes it as the number it spells, refuses a word
+    cfg = load_config(TINY, ["optim.lr=1e-3", "optim.min_lr=2E-5", "model.rms_norm_eps=1e-06", "optim.eps=.5"])
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.model.rms_norm_eps, cfg.optim.eps) == (1e-3, 2e-5, 1e-6, 0.5)
+    assert isinstance(cfg.optim.lr, float)
+    with pytest.raises(ValueError, match=r"optim\.lr must be a number, got 'fast'"):
+        load_config(TINY, ["optim.lr=fast"])
+
+
+def test_metrics_file_in_a_new_directory(tmp_path):
+    # trainer/README's `--metrics-file ./run1/metrics.jsonl` of a fresh run: nothing has made run1/ yet
+    path = tmp_path / "run1" / "metrics.jsonl"
+    for line in ("1", "2"):
+        with open_metrics(str(path)) as f:
+            f.write(line + "\n")
+    assert path.read_text() == "1\n2\n"  # appended, as a restarted run's
 
 
 def test_load_balancing_loss_matches_transformers_for_one_layer():

@@ -151,12 +151,25 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def _number(value: Any, where: str) -> Any:
+    """A float field's value given as a string, as the number it spells: PyYAML reads YAML 1.1, whose floats need a
+    dot, so `1e-3` (in a file or `--set optim.lr=1e-3`) comes as the string "1e-3"."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{where} must be a number, got {value!r}") from None
+
+
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(values) - names
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(values) - set(fields)
     if unknown:
-        raise ValueError(f"unknown config key(s) in {where}: {sorted(unknown)}; known: {sorted(names)}")
-    return cls(**values)
+        raise ValueError(f"unknown config key(s) in {where}: {sorted(unknown)}; known: {sorted(fields)}")
+    # annotations are strings here (`from __future__ import annotations`)
+    floats = {name for name, f in fields.items() if f.type in ("float", "float | None")}
+    return cls(**{k: _number(v, f"{where}.{k}") if k in floats else v for k, v in values.items()})
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

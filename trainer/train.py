@@ -38,6 +38,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -379,7 +381,7 @@ def train(trainer: Trainer, started: float | None = None, regrouped: int = 0) ->
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
 
-    with open(cfg.train.metrics_file, "a") if write_metrics else contextlib.nullcontext() as metrics_file:
+    with open_metrics(cfg.train.metrics_file) if write_metrics else contextlib.nullcontext() as metrics_file:
         try:
             for step in range(trainer.optimizer.step + 1, cfg.train.steps + 1):
                 metrics = trainer.train_step(step, checkpointer.before_update if checkpointer else None)
@@ -441,6 +443,13 @@ def train(trainer: Trainer, started: float | None = None, regrouped: int = 0) ->
         # wait could last a collective timeout) the save in flight stays uncommitted; the next job collects it.
         if checkpointer is not None:
             checkpointer.close()
+
+
+def open_metrics(metrics_file: str) -> IO[str]:
+    """The metrics file, opened to append to; its directory is made if missing (`--metrics-file run1/metrics.jsonl`
+    of a fresh run: the checkpoint root beside it appears only at the first commit)."""
+    Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+    return open(metrics_file, "a")
 
 
 def last_logged_step_time(metrics_file: str) -> tuple[int, float] | None:

@@ -1,4 +1,5 @@
-"""Distributed save and load: every rank writes the chunks it owns and reads only what its layout needs.
+"""Layer 6, distributed: parallel save and load, where every rank writes the chunks it owns and reads only what its
+layout needs. May import the layers below: base, format, storage, protocol, engine, sharding.
 
 Planning is local: each rank derives what it writes and reads from (model config, layout, rank) alone
 (`ucp.sharding.reshard`), so no rank gathers another's plan. Coordination is the attempt id (broadcast), one fragment
@@ -9,8 +10,10 @@ Collectives go through a small `Comm` interface (`ucp.protocol.comm`): `TorchCom
 checkpoint traffic is host memory even when training runs on NCCL); `VirtualWorld` runs every rank of a layout
 in one process (for tests, offline tools and benchmarks).
 
-The parts live in modules of their own: `ucp.distributed.sharded_model` (the model and its atoms), `ucp.distributed.sharded_save`,
-`ucp.distributed.read_plan` (what a rank's load reads, as data), `ucp.distributed.sharded_load`; this module names them together, as the README and callers import them.
+The parts live in modules of their own: `ucp.distributed.sharded_model` (the model and its atoms),
+`ucp.distributed.sharded_save`, `ucp.distributed.read_plan` (what a rank's load reads, as data),
+`ucp.distributed.sharded_load`; this module names them together, as the README and callers import them. The hot
+tier, `ucp.distributed.tiers`, is imported by its own name.
 """
 
 from __future__ import annotations

@@ -115,10 +115,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         **_streaming_kwargs(args),
     )
     report = convert(args.src, args.dst, options)
-    print(
-        f"converted {report.atoms} atoms from {args.from_} to {args.to}: {report.files} files, "
-        f"{report.bytes_written / 2**20:.1f} MiB written (a tensor that several ranks hold is in each of their files)"
-    )
+    written = f"{report.bytes_written / 2**20:.1f} MiB written"
+    if args.to == UNIVERSAL:  # atoms in a ucp checkpoint: no files to count
+        summary = f"{written} to {args.dst}"
+    elif args.to == TORCH_DIST:  # one copy of each tensor, however many ranks hold it
+        summary = f"{report.files} files, {written}"
+    else:
+        summary = f"{report.files} files, {written} (a tensor that several ranks hold is in each of their files)"
+    print(f"converted {report.atoms} atoms from {args.from_} to {args.to}: {summary}")
     _print_dropped(report)
     return 0
 
