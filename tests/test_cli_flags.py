@@ -297,3 +297,17 @@ def test_help_and_argument_errors_answer_without_importing_torch(argv: list[str]
         [sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120, check=False, env=os.environ
     )
     assert proc.stderr.strip().splitlines()[-1] == "IMPORTED []", proc.stderr[-2000:]
+
+
+def test_every_public_name_resolves_and_every_error_class_is_public() -> None:
+    """`ucp.X` for each name of `ucp.__all__` (imported on first use), and every error a caller may catch, the
+    storage ones included (a job catches `ucp.StorageAuthError` as it catches `ucp.StepExistsError`)."""
+    import inspect
+
+    import ucp
+    from ucp import errors
+
+    for name in ucp.__all__:
+        assert getattr(ucp, name) is not None, name
+    error_classes = {n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, errors.UcpError)}
+    assert error_classes <= set(ucp.__all__), error_classes - set(ucp.__all__)

@@ -351,10 +351,10 @@ def test_cli_convert(megatron_tp2, tmp_path, capsys):
     assert ucp.open_checkpoint(str(tmp_path / "u2")).step == 3
     argv = ["convert", str(tmp_path / "u2"), str(tmp_path / "m1"), "--from", "universal", "--to", "tp1"]
     assert ucp_cli.main([*argv, "--no-progress"]) == 0
-    assert "to tp1: 1 files, 0.2 MiB written (a tensor that several ranks hold" in capsys.readouterr().out
+    assert "to tp1: 1 file, 0.2 MiB written (a tensor that several ranks hold" in capsys.readouterr().out
     argv = ["convert", str(tmp_path / "u2"), str(tmp_path / "d1"), "--from", "universal", "--to", "torch_dist"]
     assert ucp_cli.main([*argv, "--no-progress"]) == 0
-    assert "to torch_dist: 1 files, 0.2 MiB written\n" in capsys.readouterr().out  # torch_dist: each tensor once
+    assert "to torch_dist: 1 file, 0.2 MiB written\n" in capsys.readouterr().out  # torch_dist: each tensor once
     assert ucp_cli.main(["convert", str(megatron_tp2), str(tmp_path / "x"), "--from", "tp2pp2", "--to", "tp1"]) == 1
     assert "args say tp2pp1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

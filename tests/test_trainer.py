@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,6 +174,33 @@ def test_set_reads_a_float_without_a_dot():
     assert isinstance(cfg.optim.lr, float)
     with pytest.raises(ValueError, match=r"optim\.lr must be a number, got 'fast'"):
         load_config(TINY, ["optim.lr=fast"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config", "{tmp}/nosuch.yaml"], "cannot read the config {tmp}/nosuch.yaml: No such file or directory"),
+        (["--config", "{tmp}"], "cannot read the config {tmp}: Is a directory"),
+        (["--config", "{tmp}/list.yaml"], "the config {tmp}/list.yaml must map sections to settings, not hold a list"),
+        (["--config", "{tmp}/bad.yaml"], "the config {tmp}/bad.yaml is not YAML"),
+        (["--set", "train.nosuch=1"], "unknown config key(s) in train: ['nosuch']"),
+        (["--set", "optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
+    ],
+)
+def test_a_wrong_config_is_one_line_and_a_failed_exit(tmp_path, argv, message):
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer", *argv, "--steps", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("trainer: " + message.format(tmp=tmp_path)), out.stderr
 
 
 def test_metrics_file_in_a_new_directory(tmp_path):

@@ -202,7 +202,14 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ValueError(f"cannot read the config {path}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"the config {path} is not YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"the config {path} must map sections to settings, not hold a {type(raw).__name__}")
     for assignment in overrides:
         apply_override(raw, assignment)
     return config_from_dict(raw)

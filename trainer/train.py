@@ -472,7 +472,11 @@ def last_logged_step_time(metrics_file: str) -> tuple[int, float] | None:
 def main(argv: list[str] | None = None, started: float | None = None) -> None:
     """`started`: a perf_counter value taken when the process began (default: now)."""
     started = time.perf_counter() if started is None else started
-    cfg = build_config(parse_args(argv))
+    args = parse_args(argv)
+    try:
+        cfg = build_config(args)
+    except ValueError as e:  # a wrong config or setting: one line, as for the ucp commands
+        raise SystemExit(f"trainer: {e}") from None
     try:
         trainer = build_trainer(cfg)
         regroup = None

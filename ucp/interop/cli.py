@@ -116,12 +116,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     )
     report = convert(args.src, args.dst, options)
     written = f"{report.bytes_written / 2**20:.1f} MiB written"
+    files = f"{report.files} file{'' if report.files == 1 else 's'}"
     if args.to == UNIVERSAL:  # atoms in a ucp checkpoint: no files to count
         summary = f"{written} to {args.dst}"
     elif args.to == TORCH_DIST:  # one copy of each tensor, however many ranks hold it
-        summary = f"{report.files} files, {written}"
+        summary = f"{files}, {written}"
     else:
-        summary = f"{report.files} files, {written} (a tensor that several ranks hold is in each of their files)"
+        summary = f"{files}, {written} (a tensor that several ranks hold is in each of their files)"
     print(f"converted {report.atoms} atoms from {args.from_} to {args.to}: {summary}")
     _print_dropped(report)
     return 0
