@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+import ucp
 from ucp.interop import InteropError
 from ucp.interop.megatron import convert
 from ucp.interop.megatron_files import load_rank_file
@@ -167,11 +168,15 @@ def test_other_layouts_and_ucp_round_trip_every_file_bitwise(distopt, tmp_path, 
     src, _ = distopt
     via = random.Random(trial * 7919 + os.getpid()).choice(["tp1", "tp2", "tp2ep2", "tp2pp2", "tp1ep4", "tp2pp2ep4"])
     convert(str(src), str(tmp_path / "mid"), from_layout=SOURCE, to_layout=via)
-    convert(str(tmp_path / "mid"), str(tmp_path / "back"), from_layout=via, to_layout=SOURCE)
+    there = convert(str(tmp_path / "mid"), str(tmp_path / "back"), from_layout=via, to_layout=SOURCE)
     assert_bitwise_equal(files_of(tmp_path / "back"), files_of(src), f"via {via}")
-    convert(str(src), str(tmp_path / "u"), from_layout=SOURCE, to_layout="universal")
-    convert(str(tmp_path / "u"), str(tmp_path / "from_u"), from_layout="universal", to_layout=SOURCE)
+    imported = convert(str(src), str(tmp_path / "u"), from_layout=SOURCE, to_layout="universal")
+    exported = convert(str(tmp_path / "u"), str(tmp_path / "from_u"), from_layout="universal", to_layout=SOURCE)
     assert_bitwise_equal(files_of(tmp_path / "from_u"), files_of(src), "via universal")
+    # the atoms each conversion says it carried: every one of the checkpoint's, the optimizer's states with them
+    atoms = ucp.open_checkpoint(str(tmp_path / "u")).atoms
+    assert any(path.startswith("optimizer/") for path in atoms)
+    assert imported.atoms == exported.atoms == there.atoms == len(atoms), (len(atoms), imported, exported, there)
 
 
 def decouple(groups: list[dict]) -> None:

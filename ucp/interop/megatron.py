@@ -55,7 +55,7 @@ from .streaming import group_limit, save_atoms
 class ConvertReport:
     source: str
     destination: str
-    atoms: int
+    atoms: int  # carried: each parameter's, and each optimizer state's where the optimizer was carried
     files: int
     bytes_written: int
     dropped: tuple[str, ...] = ()  # source entries not carried (e.g. "rng_state" into another layout)
@@ -192,6 +192,12 @@ def _universal_extra(source: MegatronSource) -> dict[str, Any]:
     return extra
 
 
+def carried_atoms(config: FamilyConfig, states: tuple[str, ...]) -> list[AtomKey]:
+    """The atoms a conversion carries: every parameter, and its optimizer `states` (a buffer has none)."""
+    buffers = buffer_atoms(config)
+    return [(a, s) for a in canonical_atoms(config) for s in ((None,) if a in buffers else (None, *states))]
+
+
 def _to_universal(source: MegatronSource, url: str, options: ConvertOptions) -> ConvertReport:
     """Megatron -> ucp, written in layout tp1pp1 by `streaming.save_atoms`: atoms move in groups within the
     budget, each atom filled from the source regions holding it; a group's source tensors are read from their
@@ -199,7 +205,7 @@ def _to_universal(source: MegatronSource, url: str, options: ConvertOptions) -> 
     index = PieceIndex.of(source)
     dtypes_ = source_dtypes(source)
     shapes = {name: tuple(shape) for name, (shape, _) in canonical_atoms(source.config).items()}
-    keys = [(a, s) for a in shapes for s in ((None,) if a in buffer_atoms(source.config) else (None, *source.states))]
+    keys = carried_atoms(source.config, source.states)
     sizes = {(a, s): math.prod(shapes[a]) * dtypes_.atom(a, s).itemsize for a, s in keys}
 
     def load(keys: list[AtomKey]) -> dict[AtomKey, torch.Tensor]:
@@ -218,7 +224,7 @@ def _to_universal(source: MegatronSource, url: str, options: ConvertOptions) -> 
         progress=options.progress,
     )
     dropped = ("rng_state",) if "rng_state" in source.files[0] else ()  # per rank: no layout-free form
-    return ConvertReport(str(source.root), url, len(shapes), 0, written, dropped + source.not_carried)
+    return ConvertReport(str(source.root), url, len(keys), 0, written, dropped + source.not_carried)
 
 
 def _target_layout(to_layout: str) -> tuple[Layout, str]:
@@ -284,9 +290,8 @@ def _reshard(source: MegatronSource, dst: str, options: ConvertOptions) -> Conve
     files, written = _write(dst, target, lambda _rank, lt: index.local(lt, dtypes_.of(lt)), dtypes_.of, options)
     dropped: tuple[str, ...] = ("rng_state",) if has_rng and not same else ()
     dropped += ("optimizer",) if source.optimizer is not None and optimizer is None else ()
-    return ConvertReport(
-        str(source.root), dst, len(canonical_atoms(source.config)), files, written, dropped + source.not_carried
-    )
+    atoms = len(carried_atoms(source.config, target.states))
+    return ConvertReport(str(source.root), dst, atoms, files, written, dropped + source.not_carried)
 
 
 def _from_universal(src: str, dst: str, options: ConvertOptions) -> ConvertReport:
@@ -338,7 +343,7 @@ def _from_universal(src: str, dst: str, options: ConvertOptions) -> ConvertRepor
     )
     has_optimizer = any(p.startswith("optimizer/") for p in reader.atoms)
     dropped = ("optimizer",) if target.optimizer is None and has_optimizer else ()
-    return ConvertReport(src, dst, len(canonical_atoms(config)), files, written, dropped)
+    return ConvertReport(src, dst, len(atom_meta), files, written, dropped)
 
 
 def _atom_metas(
