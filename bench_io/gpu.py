@@ -18,7 +18,8 @@ Loads:
   floor        page-locked reads of ucp's object files, each checksummed (CRC-32C), no copy to the device
   ucp          ucp.load(device=...): reads into reused page-locked buffers, async copies on a side stream
   ucp+to       ucp.load, then .to(device) of every tensor (from pageable memory)
-  safetensors  load_file(device=...); dcp: dcp.load into preallocated device tensors; torch: torch.load(map_location)
+  safetensors  load_file(device=...); dcp: dcp.load into preallocated device tensors; torch: torch.load(map_location,
+               weights_only=True: no pickled code runs)
   pinned-raw   the page-locked path alone: raw files (one per tensor) read into page-locked slots and copied
                asynchronously (ucp.engine.landing.Landing, no checksum)
   kvikio       where kvikio imports: the same raw files read by kvikio.CuFile straight into device memory
