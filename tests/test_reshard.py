@@ -330,12 +330,12 @@ def test_write_grid():
 def test_chunk_write_plan_is_consistent(text):
     cfg = config(hidden_size=5, intermediate_size=6, num_local_experts=4)
     layout = parse_layout(text)
+    atoms = canonical_atoms(cfg)
 
-    def chunk_shape(atom, shape):
-        return tuple(min(3, n) for n in shape)
+    def chunk_shape(atom, state):
+        return tuple(min(3, n) for n in atoms[atom][0])
 
     plans = [chunk_write_plan(cfg, layout, r, chunk_shape) for r in range(layout.world_size)]
-    atoms = canonical_atoms(cfg)
     written = Counter()
     for r, plan in enumerate(plans):
         for atom, state, chunk in plan.writes:
@@ -476,8 +476,8 @@ def test_chunk_write_plan_property(case, edge):
     """Every chunk is written exactly once, and every fragment sent is received by the chunk's writer."""
     cfg, layout, _ = case
 
-    def chunk_shape(atom, shape):
-        return tuple(min(edge, n) for n in shape)
+    def chunk_shape(atom, state):
+        return tuple(min(edge, n) for n in canonical_atoms(cfg)[atom][0])
 
     plans = [chunk_write_plan(cfg, layout, r, chunk_shape) for r in range(layout.world_size)]
     writes = Counter(w for p in plans for w in p.writes)

@@ -136,7 +136,7 @@ def plan_reads(
         given = given_tensor(into, lt.key, lt.shape)
         wanted = given.dtype if given is not None else dtype
         scaled = [dequantised(atoms, meta, shapes, wanted) for meta in metas]
-        stored = dtypes.torch_dtype(metas[0].dtype) if metas else torch.float32
+        stored = dtypes.torch_dtype(metas[0].dtype if metas else _kind_dtype(atoms, lt.state))
         if any(scaled):  # dequantised straight into the dtype asked for (float32 if none)
             stored = wanted or torch.float32
             if stored in FLOAT8:
@@ -147,6 +147,13 @@ def plan_reads(
             LocalRead(lt.key, lt.shape, lt.state, stored, padded, None if given is None else given.dtype, items)
         )
     return ReadPlan(model.layout, rank, dtype, tuple(tensors))
+
+
+def _kind_dtype(atoms: Mapping[str, AtomMeta], state: str | None) -> str:
+    """The dtype of a local tensor that holds padding only (a padded vocabulary's last rows on the last TP ranks): that
+    of the step's other atoms of its kind (the parameters, or that optimizer state), float32 where it has none."""
+    prefix, suffix = ("model/", "") if state is None else ("optimizer/state/", f"/{state}")
+    return next((m.dtype for p, m in atoms.items() if p.startswith(prefix) and p.endswith(suffix)), "float32")
 
 
 def _item(piece: Piece, meta: AtomMeta, scales: Scales | None, dtype: torch.dtype) -> ReadItem:

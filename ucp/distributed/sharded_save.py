@@ -83,7 +83,7 @@ class RankSaver:
             for p in lt.pieces:
                 self.owned.setdefault((p.atom, lt.state), []).append((p.atom_box, piece_view(tensor, p)))
         self.transfers = chunk_write_plan(
-            model.config, model.layout, rank, lambda a, _s: self.metas[(a, None)].chunk_shape, model.optim_states
+            model.config, model.layout, rank, lambda a, s: self.metas[(a, s)].chunk_shape, model.optim_states
         )
 
     def _region(self, key: AtomKey, box: Box) -> torch.Tensor:

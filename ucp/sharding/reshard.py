@@ -487,7 +487,7 @@ def chunk_write_plan(
     config: Any,
     layout: Layout,
     rank: int,
-    chunk_shape: Callable[[str, tuple[int, ...]], tuple[int, ...]],
+    chunk_shape: Callable[[str, str | None], tuple[int, ...]],
     optim_states: tuple[str, ...] = DEFAULT_STATES,
 ) -> ChunkWritePlan:
     """Assign every storage chunk one writer (invariant 6) when writer boundaries fall inside chunks.
@@ -496,8 +496,9 @@ def chunk_write_plan(
     of that chunk sends its fragment to the writer (point to point), which writes the chunk whole once all
     fragments have arrived. Chunks inside one rank's owned boxes (all of them under TP/PP/EP splits whose
     boundaries the chunk grid respects) need no exchange; with ZeRO only chunks that straddle a flat-range
-    boundary do, a few per rank. ``chunk_shape(atom, shape)`` gives the regular chunk grid of each atom
-    (the same for the parameter and its optimizer states).
+    boundary do, a few per rank. ``chunk_shape(atom, state)`` gives the regular chunk grid of the atom
+    (state None) and of each of its optimizer states: each has its own, since states of another dtype than the
+    parameter's (fp32 moments of bf16 weights) cut the same bytes into more elements.
 
     Cost: the rank's own plan, plus ``atom_owners`` (T representative ranks) for atoms whose chunks it shares.
     """
@@ -518,7 +519,7 @@ def chunk_write_plan(
     written: set[tuple[str, str | None, Box]] = set()
     for (atom, state), boxes in mine.items():
         shape = table[atom].shape
-        grid = tuple(chunk_shape(atom, shape))
+        grid = tuple(chunk_shape(atom, state))
         for box in boxes:
             for chunk in _chunks_of(box, grid, shape):
                 first = tuple((a, a + 1) for a, _ in chunk)
@@ -576,14 +577,18 @@ def shard(
     opt = full_state.get("optimizer", {}).get("state")
     if opt is None:
         optim_states = ()
-    default_dtype = next(iter(model.values())).dtype if model else torch.float32
+    # a local tensor of padding only (a vocabulary's padded rows on the last TP ranks) has the dtype of its kind
+    default_dtype = {None: next(iter(model.values())).dtype if model else torch.float32}
+    for states in (opt or {}).values():
+        for name, t in states.items():
+            default_dtype.setdefault(name, t.dtype)
     local: dict[str, Any] = {}
     for lt in local_plan(config, layout, rank, optim_states):
 
         def source(atom: str, lt: LocalTensor = lt) -> torch.Tensor:
             return _get(model, (atom,), "full state") if lt.state is None else _get(opt, (atom, lt.state), "full state")
 
-        dtype = source(lt.pieces[0].atom).dtype if lt.pieces else default_dtype
+        dtype = source(lt.pieces[0].atom).dtype if lt.pieces else default_dtype.get(lt.state, torch.float32)
         out = torch.zeros(lt.shape, dtype=dtype)
         for p in lt.pieces:
             block = source(p.atom)[to_slices(p.atom_box)]
