@@ -96,11 +96,19 @@ class Begun:
 
 @dataclass(frozen=True)
 class RankWrites:
-    """One rank to the coordinator: the objects it wrote (key -> size and checksum) and where the packed chunks it
-    wrote lie. (A rank that failed sends its failure instead.)"""
+    """One rank to the coordinator: the objects it wrote (key relative to the attempt's directory -> size and
+    checksum) and where the packed chunks it wrote lie. (A rank that failed sends its failure instead.) The keys are
+    relative because the coordinator takes a record per object of every rank: the attempt's directory, repeated in
+    each, was a third of what crossed."""
 
     objects: dict[str, ObjectSum]
     packed: PackedRows
+
+    @classmethod
+    def of(cls, prefix: str, objects: dict[str, ObjectSum], packed: PackedRows) -> RankWrites:
+        """What a process wrote below the attempt directory `prefix` (`objects` keyed below the root)."""
+        cut = len(prefix) + 1
+        return cls({key[cut:]: sums for key, sums in objects.items()}, packed)
 
     def to_json(self) -> dict:
         return {"objects": self.objects, "packed": self.packed}
@@ -110,14 +118,15 @@ class RankWrites:
         return cls({k: (int(v[0]), int(v[1])) for k, v in doc["objects"].items()}, doc["packed"])
 
     @staticmethod
-    def merged(ranks: list[RankWrites]) -> tuple[dict[str, ObjectSum], PackedRows]:
-        """Every rank's objects and packed chunks together (a TP-split atom's chunks come from several ranks)."""
-        if len(ranks) == 1:
-            return ranks[0].objects, ranks[0].packed
+    def merged(ranks: list[RankWrites], prefix: str) -> tuple[dict[str, ObjectSum], PackedRows]:
+        """Every rank's objects (keyed below the root again: `prefix` is the attempt's directory) and packed chunks
+        together (a TP-split atom's chunks come from several ranks)."""
         objects: dict[str, ObjectSum] = {}
         packed: PackedRows = {}
         for r in ranks:
-            objects.update(r.objects)
+            objects.update((f"{prefix}/{key}", sums) for key, sums in r.objects.items())
+            if len(ranks) == 1:
+                return objects, r.packed
             for path, chunks in r.packed.items():
                 packed.setdefault(path, []).extend(chunks)
         return objects, packed
@@ -265,7 +274,7 @@ class SaveSession:
         def written() -> RankWrites:
             if error is not None:
                 raise error
-            return RankWrites(self._objects, self._packed)  # (as recorded: every write of this process has ended)
+            return RankWrites.of(self.prefix, self._objects, self._packed)  # (every write of this process has ended)
 
         def decide(ranks: list[RankWrites]) -> Committed:
             nonlocal record
@@ -274,7 +283,7 @@ class SaveSession:
             if self._cancelled:
                 raise UcpError(f"the save of step {self.step} was abandoned by its process; not committed")
             self._check_lease()
-            record = self._commit(manifest, *RankWrites.merged(ranks))
+            record = self._commit(manifest, *RankWrites.merged(ranks, self.prefix))
             return Committed(self.step, self.attempt)
 
         def remove() -> None:
