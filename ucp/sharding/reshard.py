@@ -578,7 +578,7 @@ def shard(
     if opt is None:
         optim_states = ()
     # a local tensor of padding only (a vocabulary's padded rows on the last TP ranks) has the dtype of its kind
-    default_dtype = {None: next(iter(model.values())).dtype if model else torch.float32}
+    default_dtype: dict[str | None, torch.dtype] = {None: next(iter(model.values())).dtype if model else torch.float32}
     for states in (opt or {}).values():
         for name, t in states.items():
             default_dtype.setdefault(name, t.dtype)
