@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from ucp.distributed.tiers import Checked, Holdings, Needs, NodePlace, Published
+from ucp.distributed.tiers import Candidates, Checked, Directory, Holdings, NodeMap, NodePlace, Published
 from ucp.errors import FormatError, IntegrityError, StepExistsError, StorageError, UcpError, error_kind
 from ucp.protocol import coordination
 from ucp.protocol.comm import LocalComm
@@ -241,8 +241,10 @@ def test_the_messages_of_the_save_session_and_the_hot_tier_cross_as_json_unchang
             Committed(rng.randrange(1 << 40), "attempt-y"),
             NodePlace(f"host{rng.randrange(9)}", f"/dev/shm/node-{rng.randrange(9)}"),
             Holdings(sorted(rng.sample(range(1000), rng.randrange(4))), rng.choice([None, rng.randrange(1000)])),
-            Checked([rng.random() < 0.5 for _ in range(n)], [f"damaged {i}" for i in range(rng.randrange(3))]),
-            Needs(sorted(rng.sample(range(10_000), rng.randrange(20)))),
+            NodeMap([rng.randrange(9) for _ in range(n)]),
+            Candidates([(rng.randrange(1 << 40), rng.randrange(1 << 20)) for _ in range(3)], rng.choice([None, 7])),
+            Checked(sorted(rng.sample(range(1 << 31), n)), [f"damaged {i}" for i in range(rng.randrange(3))]),
+            Directory.of([rng.sample(range(1 << 20), rng.randrange(4)) for _ in range(n)], ["damaged x"]),
             Published(
                 bytes(rng.randrange(256) for _ in range(rng.randrange(64))), '{"é": 1}'.encode() * rng.randrange(3)
             ),
