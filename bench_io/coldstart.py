@@ -49,7 +49,8 @@ from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 from ucp.storage import open_storage
 
-from .targets import MotoServer, drop_page_cache
+from .s3_servers import MotoServer
+from .targets import drop_page_cache
 
 
 @dataclass

@@ -24,8 +24,6 @@ import ctypes
 import mmap
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from trainer.launch import free_port
 from ucp.errors import BucketNotFoundError, StorageError, UcpError
 from ucp.storage import Storage, file_system_type, open_storage, storage_error
+
+from .s3_servers import MotoServer
 
 CACHE_MODES = ("auto", "drop_caches", "fadvise", "none")
 
@@ -299,39 +298,6 @@ def s3_filesystem(storage_options: dict[str, Any]) -> Any:
     config = dict(options.pop("config_kwargs", {}) or {})
     config.setdefault("max_pool_connections", 64)
     return s3fs.S3FileSystem(use_listings_cache=False, config_kwargs=config, **options)
-
-
-class MotoServer:
-    """moto's S3 server as a subprocess on 127.0.0.1 (not a thread: it would share our GIL)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        exe = Path(sys.executable).with_name("moto_server")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-        self.proc = subprocess.Popen(
-            [*cmd, "-H", "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {self.proc.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.close()
-        raise RuntimeError("moto_server did not start within 30 s")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class S3Target(Target):

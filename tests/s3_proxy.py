@@ -1,7 +1,12 @@
-"""An HTTP proxy on 127.0.0.1 in front of the S3 server (moto) that fails chosen requests, as an unlucky network
-and store would: before forwarding (the store unchanged, the client sees an error), after forwarding (the store
-changed, the client sees an error, so its retry meets its own first success), or by resetting the connection
-after forwarding (the answer lost). Requests are sorted into kinds by what a save sends (`kind_of`)."""
+"""An HTTP proxy on 127.0.0.1 in front of an S3 server (moto or radosgw) that fails chosen requests, as an unlucky
+network and store would: before forwarding (the store unchanged, the client sees an error), after forwarding (the
+store changed, the client sees an error, so its retry meets its own first success), or by resetting the connection
+after forwarding (the answer lost). Requests are sorted into kinds by what a save sends (`kind_of`).
+
+`FaultProxy(upstream, strip=("If-None-Match",))` also drops headers from every request it forwards, as a gateway or
+an older S3-compatible store that ignores conditional writes does. The request's Host header is forwarded as the
+client sent it: it is signed (SigV4), and a store that checks signatures (radosgw) refuses a request whose Host
+was changed."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+import crc32c
 
 KINDS = ("chunk", "metadata", "owner", "marker", "clock", "delete", "list", "read")
 MODES = ("before", "after", "reset")
@@ -37,6 +44,15 @@ def kind_of(method: str, path: str, query: str) -> str:
     return "read"
 
 
+@dataclass(frozen=True)
+class Put:
+    """A PUT as the client sent it: its path, its headers (lower-case names) and the CRC-32C of its body."""
+
+    path: str
+    headers: dict[str, str]
+    body_crc32c: int
+
+
 @dataclass
 class Fault:
     kind: str
@@ -52,8 +68,11 @@ class Fault:
 class FaultProxy:
     """`arm(kind, nth, mode, times)` makes the nth next request of a kind fail; `counts` says what went through."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, strip: tuple[str, ...] = ()):
         self.upstream = urlsplit(upstream)
+        self.strip = {h.lower() for h in strip}
+        self.stripped: collections.Counter[str] = collections.Counter()  # requests forwarded without a header, by it
+        self.puts: list[Put] = []  # every PUT, as the client sent it
         self.counts: collections.Counter[str] = collections.Counter()
         self.fired: list[tuple[str, str, str]] = []  # (kind, mode, path) of each failed request
         self._fault: Fault | None = None
@@ -113,6 +132,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         body = self._body()
         split = urlsplit(self.path)
+        if self.command == "PUT":
+            put = Put(split.path, {k.lower(): v for k, v in self.headers.items()}, crc32c.crc32c(body))
+            with self.proxy._lock:
+                self.proxy.puts.append(put)
         fault = self.proxy._decide(kind_of(self.command, split.path, split.query), self.path)
         mode = fault.mode if fault is not None else None
         refusal = (
@@ -121,14 +144,15 @@ class _Handler(BaseHTTPRequestHandler):
         if refusal is not None and mode == "before":
             return self._answer(*refusal)
         upstream = http.client.HTTPConnection(self.proxy.upstream.hostname, self.proxy.upstream.port, timeout=60)
-        headers = {
-            k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection", "transfer-encoding")
-        }
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
+        for name in [k for k in headers if k.lower() in self.proxy.strip]:
+            del headers[name]
+            with self.proxy._lock:
+                self.proxy.stripped[name.lower()] += 1
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             headers["Content-Length"] = str(len(body))
-        headers["Host"] = f"{self.proxy.upstream.hostname}:{self.proxy.upstream.port}"
         try:
-            upstream.request(self.command, self.path, body=body, headers=headers)
+            upstream.request(self.command, self.path, body=body, headers=headers)  # (its Host too)
             response = upstream.getresponse()
             data = response.read()
         finally:
