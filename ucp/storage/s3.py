@@ -18,6 +18,9 @@ PROTOCOLS = frozenset({"s3", "s3a"})
 # an unreachable endpoint fails a command within about 30 s. s3fs retries throttling ("SlowDown") on its own.
 S3_ATTEMPTS = 3
 S3_SINGLE_PUT_BYTES = 100 << 20  # s3fs puts an object below this in one request, larger ones in parts
+S3_MAX_PUT_BYTES = 5 << 30  # the most one PutObject takes (AWS's limit)
+# An exclusive create's probe: a key of its own (a fresh suffix each time) under the root, created twice, removed
+EXCLUSIVE_PROBE_KEY = ".ucp-exclusive-probe"
 S3_CONNECT_TIMEOUT_S = 10
 S3_POOL_CONNECTIONS = 64  # botocore's default pool of 10 caps concurrency
 
@@ -43,14 +46,22 @@ def client_options(storage_options: dict[str, Any], environ: dict[str, str]) -> 
     return options
 
 
-def put_checksum(data: bytes | bytearray | memoryview) -> dict[str, str]:
+def put_checksum(data: bytes | bytearray | memoryview, single_put: bool = False) -> dict[str, str]:
     """The object's CRC-32C as a put's checksum (a C pass at ~10 GB/s with the GIL released): S3 checks the upload
-    against it and keeps it (moto keeps it unchecked), and botocore computes none of its own (by default a CRC-32 of
-    every byte, in zlib). Objects s3fs uploads in parts keep botocore's part checksums: none is given for those."""
-    if len(data) >= S3_SINGLE_PUT_BYTES:
+    against it and keeps it (moto keeps it unchecked; radosgw 16 neither checks nor keeps it: ucp relies on it
+    nowhere, its own checksums are in the format), and botocore computes none of its own (by default a CRC-32 of
+    every byte, in zlib). Objects s3fs uploads in parts keep botocore's part checksums: none is given for those,
+    unless the caller puts the object in one request whatever its size (`single_put`)."""
+    if len(data) >= S3_SINGLE_PUT_BYTES and not single_put:
         return {}
     value = base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
     return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": value}  # (the algorithm too, or it is not kept)
+
+
+def endpoint_of(fs: Any) -> str | None:
+    """The endpoint URL an s3fs file system sends its requests to, if it names one (None: AWS's own, or not S3)."""
+    kwargs = getattr(fs, "client_kwargs", None)
+    return (kwargs.get("endpoint_url") if isinstance(kwargs, dict) else None) or getattr(fs, "endpoint_url", None)
 
 
 def check_bucket(fs: Any, root: str, url: str) -> None:
