@@ -3,6 +3,7 @@ read; what is S3's own is in `s3`, how its failures become ucp errors in `errors
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import posixpath
@@ -128,8 +129,11 @@ class FsspecStorage(Storage):
                     honoured = False
                 except FileExistsError:  # (the second; or the first, whose retry met its own first success)
                     honoured = True
-                finally:
-                    self.delete(key)
+                except BaseException:
+                    with contextlib.suppress(StorageError):  # (the probe's failure is what to say)
+                        self.delete(key)
+                    raise
+                self.delete(key)
                 _CONDITIONAL_PUTS[where] = honoured
                 if not honoured:
                     log.warning("%s: the store ignores If-None-Match: its creates are not exclusive", self.url)
