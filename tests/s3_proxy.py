@@ -133,7 +133,9 @@ class FaultProxy:
         self._server.server_close()
 
 
-def _signed_again(method: str, path: str, headers: dict[str, str], body: bytes, keys: tuple[str, str]) -> dict[str, str]:
+def _signed_again(
+    method: str, path: str, headers: dict[str, str], body: bytes, keys: tuple[str, str]
+) -> dict[str, str]:
     """The request's headers signed again (SigV4, the region of its first signature) with `keys`."""
     from botocore.auth import S3SigV4Auth
     from botocore.awsrequest import AWSRequest
