@@ -109,13 +109,24 @@ def s3_bucket(s3_server, monkeypatch):
 
     Yields ``(bucket_name, storage_options)``; ``storage_options`` work with s3fs / fsspec.
     """
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret)
+    yield fresh_bucket(s3_server, monkeypatch)
+
+
+@pytest.fixture
+def moto_bucket(moto_server, monkeypatch):
+    """`s3_bucket` on moto alone: for a test that asks for it by name (`request.getfixturevalue`), which a fixture
+    parametrized over the servers cannot answer."""
+    yield fresh_bucket(moto_server, monkeypatch)
+
+
+def fresh_bucket(server, monkeypatch) -> tuple[str, dict]:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
     bucket = f"ucp-test-{uuid.uuid4().hex[:12]}"
-    make_bucket(s3_server.storage_options, bucket)
-    yield bucket, s3_server.storage_options
+    make_bucket(server.storage_options, bucket)
+    return bucket, server.storage_options
 
 
 def make_bucket(options: dict, bucket: str) -> None:

@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 import crc32c
 
 KINDS = ("chunk", "metadata", "owner", "marker", "clock", "delete", "list", "read")
-MODES = ("before", "after", "reset", "flip")
+MODES = ("before", "after", "reset")  # how a request fails
+DAMAGE = "flip"  # a mode that does not fail it: the store's answer comes back with a byte flipped
 INJECTED = "injected by the test's proxy"
 
 
@@ -106,7 +107,7 @@ class FaultProxy:
         message: str | None = INJECTED,
         match: str = "",
     ) -> None:
-        assert kind in KINDS and mode in MODES and nth >= 1 and times >= 1
+        assert kind in KINDS and mode in (*MODES, DAMAGE) and nth >= 1 and times >= 1
         with self._lock:
             self._fault, self.fired = Fault(kind, nth, mode, times, status, code, message, match), []
 
@@ -209,7 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)  # (the request reached the store; its answer never comes back)
             return None
         kept = [(k, v) for k, v in response.getheaders() if k.lower() not in ("transfer-encoding", "connection")]
-        if mode == "flip" and data:
+        if mode == DAMAGE and data:
             at = len(data) // 2
             data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
         return self._answer(response.status, kept, data)

@@ -35,7 +35,7 @@ from ucp.storage import S3_SINGLE_PUT_BYTES, open_storage
 from ucp.storage.s3 import EXCLUSIVE_PROBE_KEY
 
 from .helpers import DRAW, assert_same_state
-from .s3_proxy import FaultProxy
+from .s3_proxy import DAMAGE, FaultProxy
 
 QUICK = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 60}
 
@@ -304,7 +304,7 @@ def test_checksums_are_ucps_own(s3_bucket, proxy):
     url = f"s3://{bucket}/sums"
     saved = {"model": {"w": torch.randn(256, 1024), "b": torch.randn(8)}}
     ucp.save(saved, url, step=1, storage_options=options)
-    proxy.arm("read", 1, "flip", match="/w/c.")
+    proxy.arm("read", 1, DAMAGE, match="/w/c.")
     with pytest.raises(IntegrityError, match="model/w"):
         ucp.load(url, storage_options=through(options, proxy))
     assert proxy.fired, "no answer was damaged"
