@@ -77,6 +77,20 @@ def radosgw_missing() -> str | None:
     return f"radosgw is not installed (no {', '.join(missing)}): {RADOSGW_INSTALL} (Debian 12's Ceph 16)"
 
 
+def s3_server_version(name: str) -> str:
+    """The version of a server kind as installed here ("16.2.15" for radosgw, moto's package version), or "?"."""
+    try:
+        if name == "radosgw":
+            out = subprocess.run(["radosgw", "--version"], capture_output=True, text=True, timeout=30, check=False)
+            words = out.stdout.split()
+            return words[words.index("version") + 1] if "version" in words else "?"
+        from importlib.metadata import version
+
+        return version(name)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return "?"
+
+
 def start_s3_server(name: str) -> S3Server:
     """A server of kind `name` (S3_SERVERS), started and answering."""
     if name == "moto":

@@ -23,6 +23,7 @@ import crc32c
 KINDS = ("chunk", "metadata", "owner", "marker", "clock", "delete", "list", "read")
 MODES = ("before", "after", "reset")  # how a request fails
 DAMAGE = "flip"  # a mode that does not fail it: the store's answer comes back with a byte flipped
+CUT = "cut"  # the store's answer comes back cut off halfway through its body, the connection closed
 INJECTED = "injected by the test's proxy"
 
 
@@ -107,7 +108,7 @@ class FaultProxy:
         message: str | None = INJECTED,
         match: str = "",
     ) -> None:
-        assert kind in KINDS and mode in (*MODES, DAMAGE) and nth >= 1 and times >= 1
+        assert kind in KINDS and mode in (*MODES, DAMAGE, CUT) and nth >= 1 and times >= 1
         with self._lock:
             self._fault, self.fired = Fault(kind, nth, mode, times, status, code, message, match), []
 
@@ -213,6 +214,18 @@ class _Handler(BaseHTTPRequestHandler):
         if mode == DAMAGE and data:
             at = len(data) // 2
             data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
+        if mode == CUT:
+            self.close_connection = True
+            self.send_response(response.status)
+            for k, v in kept:
+                if k.lower() != "content-length":
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.connection.shutdown(2)
+            return None
         return self._answer(response.status, kept, data)
 
     def _answer(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:

@@ -56,7 +56,7 @@ def test_cli_inspect_and_verify_on_s3(s3_bucket):
 
 def test_every_object_is_put_with_its_crc32c_and_read_without_a_second_check(s3_server, s3_bucket):
     """Each put carries the object's CRC-32C (seen by a proxy in front of the store) and botocore adds no CRC-32 of its
-    own; a store that keeps checksums keeps it (moto does; radosgw 16 keeps none, and ucp relies on it nowhere: its
+    own, nor a SHA-256 of the body to sign (which it does over plain http); a store that keeps checksums keeps it (moto does; radosgw 16 keeps none, and ucp relies on it nowhere: its
     own checksums are in the format). botocore does not check whole-object checksums on reads (ucp checks every
     byte itself)."""
     import base64
@@ -78,6 +78,7 @@ def test_every_object_is_put_with_its_crc32c_and_read_without_a_second_check(s3_
     for put in puts:
         assert put.headers.get("x-amz-checksum-crc32c") == base64.b64encode(put.body_crc32c.to_bytes(4, "big")).decode()
         assert "x-amz-checksum-crc32" not in put.headers, put.path  # (botocore computed no checksum of its own)
+        assert put.headers.get("x-amz-content-sha256") == "UNSIGNED-PAYLOAD", put.path  # (nor a SHA-256 of the body)
     client = boto3.client(
         "s3", endpoint_url=options["endpoint_url"], aws_access_key_id=options["key"],
         aws_secret_access_key=options["secret"],

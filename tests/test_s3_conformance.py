@@ -7,7 +7,8 @@ where it is installed; DESIGN.md, "Real S3 stores differ"):
 - errors are told by the store's answer (status and code), not by the exception's class or text: radosgw's 412 has
   no message (s3fs raises OSError(22, None) for it), a 404 may be the key's or the bucket's, a 500's message may read
   like another error;
-- ranged reads, to the end, past the end, of an empty object; a whole object is one request;
+- ranged reads, to the end, past the end, of an empty object; a whole object is one request; a body cut off on the
+  way is read again;
 - packs and objects larger than s3fs's multipart threshold round-trip;
 - checksums are ucp's own: a store may keep none (radosgw) or accept a wrong one, and botocore checks none on reads.
 
@@ -35,7 +36,7 @@ from ucp.storage import S3_SINGLE_PUT_BYTES, open_storage
 from ucp.storage.s3 import EXCLUSIVE_PROBE_KEY
 
 from .helpers import DRAW, assert_same_state
-from .s3_proxy import DAMAGE, FaultProxy
+from .s3_proxy import CUT, DAMAGE, FaultProxy
 
 QUICK = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 60}
 
@@ -268,6 +269,11 @@ def test_ranged_reads_to_and_past_the_end_and_a_whole_object_in_one_request(s3_b
     proxy.requests.clear()
     assert bytes(storage.read("obj")) == data
     assert [(r.method, r.headers.get("range")) for r in proxy.requests] == [("GET", "bytes=0-")]
+    # a body cut off on the way is read again (read_into streams it into the buffers as it arrives)
+    proxy.arm("read", 1, CUT, match="/obj")
+    whole = memoryview(bytearray(size + 1))
+    assert storage.read_into("obj", 0, [whole]) == size and bytes(whole[:size]) == data
+    assert proxy.fired, "no answer was cut off"
 
 
 # ------------------------------------------------------------------------------- packs and large objects

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 
 from ..errors import NonExclusiveStoreError, StorageError, UcpError
 from . import s3
@@ -151,14 +152,36 @@ class FsspecStorage(Storage):
             # (a start of 0 is given, a range: without one s3fs first asks for the object's size, a second request)
             data = self.fs.cat_file(path, start=start, end=end)
         except Exception as e:
-            if range_not_satisfiable(e):  # (nothing at or beyond the object's end, an empty object's included)
-                data = b""
-            elif object_missing(e):
-                raise FileNotFoundError(errno.ENOENT, "no such object", path) from e
-            else:
-                raise self._error("read", key, e) from e
+            failure = self._unreadable(key, path, e)
+            if failure is not None:
+                raise failure from e
+            data = b""
         self.stats.record_read(len(data))
         return memoryview(data)
+
+    def _unreadable(self, key: str, path: str, e: Exception) -> Exception | None:
+        """A failed read as what to raise, told by the store's answer: FileNotFoundError for a missing object, a
+        storage error for anything else; None for a range at or past the object's end (an empty object's included):
+        no bytes, as a file read past its end gives none."""
+        if range_not_satisfiable(e):
+            return None
+        if object_missing(e):
+            return FileNotFoundError(errno.ENOENT, "no such object", path)
+        return self._error("read", key, e)
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        if not self._s3:
+            return super().read_into(key, offset, buffers)
+        path = self._path(key)
+        try:  # (streamed into the buffers: no copy of the whole body first)
+            got = fsspec.asyn.sync(self.fs.loop, s3.get_into, self.fs, path, offset, buffers)
+        except Exception as e:
+            failure = self._unreadable(key, path, e)
+            if failure is not None:
+                raise failure from e
+            got = 0
+        self.stats.record_read(got)
+        return got
 
     def exists(self, key: str) -> bool:
         try:
