@@ -299,6 +299,7 @@ def main() -> None:
     parser.add_argument("--baseline", default=BASELINE, help="the revision to compare with (git)")
     parser.add_argument("--worlds", default="1024,4096,16384,65536,98304")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--png", help="and draw them here (matplotlib, the bench extra)")
     parser.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -351,7 +352,35 @@ def main() -> None:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.png:
+        chart(rows, args.png)
     print(table(rows))
+
+
+def chart(rows: list[dict[str, Any]], path: str) -> None:
+    """The curves, log-log: each figure of the table against the world size, baseline dashed, this tree solid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = [r["world"] for r in rows]
+    panels = {
+        "rank 0 receives at commit (MB)": [r["rank0_gather_mb"] for r in rows],
+        "a rank receives to plan a restore (MB)": [r["restore_plan_mb_per_rank"] for r in rows],
+        "senders_to, one rank (CPU s)": [r["senders_to_s"] for r in rows],
+        "ZeRO plan of rank 0 (CPU s)": [[p["0"]["cpu_s"] for p in r["planning"]] for r in rows],
+        "rank 0's commit (CPU s)": [r["rank0_commit_cpu_s"] for r in rows],
+    }
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    for ax, (title, values) in zip(axes, panels.items()):
+        for side, style in ((0, "--"), (1, "-")):
+            points = [(w, v[side]) for w, v in zip(worlds, values) if v[side] is not None]
+            ax.plot(*zip(*points), style, marker="o", label=("baseline", "this tree")[side])
+        ax.set(xscale="log", yscale="log", title=title, xlabel="ranks")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
