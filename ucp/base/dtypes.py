@@ -8,27 +8,47 @@ float8_e8m0fnu are the extension data types of those names, which tensorstore re
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..errors import FormatError, StateError
 
-# Zarr v3 data type name -> (torch dtype, fill value as JSON)
-_BY_NAME: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "float8_e8m0fnu": torch.float8_e8m0fnu,
+
+class DTypeFacts(NamedTuple):
+    """What ucp needs to know of one data type, worked out once (a load of many small atoms asks per atom)."""
+
+    name: str  # the Zarr v3 data type name
+    torch: torch.dtype
+    itemsize: int
+    fill_value: bool | int | float  # written in array metadata (never used for data: every chunk is written)
+
+
+def _facts(name: str, dtype: torch.dtype) -> DTypeFacts:
+    fill = False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
+    return DTypeFacts(name, dtype, dtype.itemsize, fill)
+
+
+# Zarr v3 data type name -> its facts
+_BY_NAME: dict[str, DTypeFacts] = {
+    name: _facts(name, dtype)
+    for name, dtype in (
+        ("bool", torch.bool),
+        ("int8", torch.int8),
+        ("int16", torch.int16),
+        ("int32", torch.int32),
+        ("int64", torch.int64),
+        ("uint8", torch.uint8),
+        ("float16", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("float32", torch.float32),
+        ("float64", torch.float64),
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+        ("float8_e5m2", torch.float8_e5m2),
+        ("float8_e8m0fnu", torch.float8_e8m0fnu),
+    )
 }
-_BY_TORCH: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
+_BY_TORCH: dict[torch.dtype, str] = {f.torch: name for name, f in _BY_NAME.items()}
 
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(_BY_NAME)
 
@@ -41,6 +61,14 @@ def zarr_name(dtype: torch.dtype) -> str:
         raise StateError(
             f"tensors of dtype {dtype} cannot be stored; supported: {', '.join(SUPPORTED_DTYPES)}"
         ) from None
+
+
+def facts(name: str) -> DTypeFacts:
+    """The facts of a Zarr v3 data type name; a FormatError for a name ucp does not read."""
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        raise FormatError(f"unknown data type {name!r:.80}; ucp reads {', '.join(SUPPORTED_DTYPES)}") from None
 
 
 def check_dense(tensor: torch.Tensor, where: str) -> torch.Tensor:
@@ -58,21 +86,16 @@ def check_dense(tensor: torch.Tensor, where: str) -> torch.Tensor:
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a Zarr v3 data type name."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise FormatError(f"unknown data type {name!r}; ucp reads {', '.join(SUPPORTED_DTYPES)}") from None
+    return facts(name).torch
 
 
 def itemsize(name: str) -> int:
-    return torch_dtype(name).itemsize
+    return facts(name).itemsize
 
 
 def fill_value(name: str) -> bool | int | float:
     """The fill value written in array metadata (never used for data: every chunk is written)."""
-    if name == "bool":
-        return False
-    return 0.0 if torch_dtype(name).is_floating_point else 0
+    return facts(name).fill_value
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:

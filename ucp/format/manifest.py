@@ -12,13 +12,12 @@ document gets a FormatError, never an allocation, an overflow or a Python error.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from ..base import dtypes
 from ..errors import FormatError, StateError, UnsupportedVersionError
@@ -145,12 +144,16 @@ def json_ints(value: object, where: str, what: str, low: int = 0, high: int = 1 
 # ---------------------------------------------------------------------------------------------- atoms
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AtomMeta:
     """One atom: a Zarr v3 array holding one full logical tensor.
 
     `chunk_shape` is the regular grid of stored objects (one writer each). With `inner_chunk_shape`, each
     object is a shard (`sharding_indexed` codec) of inner chunks that can be read one by one.
+
+    What a save or load of many small atoms asks per object (`itemsize`, `nbytes`, `grid`, `single_chunk`) is worked
+    out once, when the atom is made: fields, not properties (a property cached per instance took a lock per access).
+    Making one raises FormatError for a data type ucp does not know.
     """
 
     path: str
@@ -163,48 +166,38 @@ class AtomMeta:
     crc_table: bool = field(default=True, compare=False)
     # Format 3: the atom's chunks are byte ranges of packs (ucp.format.packs), not objects of its own; it has no zarr.json.
     packed: bool = field(default=False, compare=False)
+    itemsize: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
+    grid: tuple[int, ...] = field(init=False, repr=False, compare=False)  # chunks (objects) along each dimension
+    single_chunk: bool = field(init=False, repr=False, compare=False)  # one chunk object holds the whole array
 
-    # Derived once per atom (the fields are frozen): a save or load of many small atoms asks for these per object.
-    @functools.cached_property
-    def itemsize(self) -> int:
-        return dtypes.itemsize(self.dtype)
+    def __post_init__(self) -> None:
+        itemsize = dtypes.facts(self.dtype).itemsize
+        shape, chunk = self.shape, self.chunk_shape
+        if chunk == shape:  # (most atoms: one chunk, the whole atom)
+            grid = (1,) * len(shape) if all(shape) else tuple(0 if s == 0 else 1 for s in shape)
+        else:
+            grid = tuple(-(-s // c) if c > 0 else 0 for s, c in zip(shape, chunk))
+        put = object.__setattr__
+        put(self, "itemsize", itemsize)
+        put(self, "nbytes", math.prod(shape) * itemsize)
+        put(self, "grid", grid)
+        put(self, "single_chunk", bool(all(shape)) and all(n == 1 for n in grid))
 
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
-
-    @functools.cached_property
-    def grid(self) -> tuple[int, ...]:
-        """Number of chunks (objects) along each dimension."""
-        return tuple(-(-s // c) for s, c in zip(self.shape, self.chunk_shape))
-
-    @functools.cached_property
+    @property
     def inner_grid(self) -> tuple[int, ...]:
         """Inner chunks per shard along each dimension (all ones when not sharded)."""
         if self.inner_chunk_shape is None:
             return tuple(1 for _ in self.shape)
         return tuple(c // i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
 
-    @functools.cached_property
-    def single_chunk(self) -> bool:
-        """One chunk object holds the whole array (its grid is all ones)."""
-        if self.chunk_shape == self.shape:  # (most atoms: said without working out the grid)
-            return all(self.shape)
-        return all(n == 1 for n in self.grid)
-
-    @functools.cached_property
+    @property
     def chunk_slices(self) -> tuple[tuple[tuple[int, ...], tuple[slice, ...]], ...]:
         """Every chunk object's index and the slices of the array it holds, in C order."""
         return tuple((i, tuple(slice(a, b) for a, b in self.chunk_box(i))) for i in chunk_indices(self.grid))
 
     def to_manifest(self) -> dict[str, Any]:
-        """The atom's entry in the manifest (a new dict: the caller adds its objects)."""
-        return dict(self._manifest_doc)
-
-    @functools.cached_property
-    def _manifest_doc(self) -> dict[str, Any]:
-        # made once per atom: a job saves the same (cached) atoms every time, 20,000 of them for a state of many
-        # small ones (ucp.engine.checkpoint._described)
+        """The atom's entry in a format 3.0 manifest (the caller adds its objects)."""
         doc: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype, "chunk_shape": list(self.chunk_shape)}
         if self.inner_chunk_shape is not None:
             doc["inner_chunk_shape"] = list(self.inner_chunk_shape)
@@ -240,17 +233,16 @@ class AtomMeta:
         dtype, attributes = doc.get("dtype"), doc.get("attributes", {})
         if not isinstance(dtype, str) or not isinstance(attributes, dict):
             raise FormatError(f"{where}: dtype must be a string and attributes an object")
-        meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table, "packed" in doc)
+        try:
+            meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table, "packed" in doc)
+        except FormatError as e:  # (an unknown data type)
+            raise FormatError(f"{where}: {e}") from None
         meta.validate()
         return meta
 
     def validate(self) -> None:
         """Refuse a description that is inconsistent or exceeds the format's bounds, before anything is sized by it."""
-        where = f"atom {self.path!r:.200}"
-        try:
-            dtypes.torch_dtype(self.dtype)
-        except Exception as e:  # noqa: BLE001 -- whatever the dtype table says, it is a format problem here
-            raise FormatError(f"{where}: {e}") from None
+        where = f"atom {self.path!r:.200}"  # (its data type is known: making it checked that)
         if (
             self.inner_chunk_shape is None
             and self.chunk_shape == self.shape
@@ -400,10 +392,9 @@ def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
 ObjectSum = tuple[int, int]  # a stored object's (size in bytes, CRC-32C), as the writer recorded it (section 4)
 
 
-@dataclass(frozen=True)
-class PackedChunk:
+class PackedChunk(NamedTuple):
     """Where a packed atom's chunk lies (section 4.1): bytes [offset, offset + nbytes) of the pack's data, whose
-    CRC-32C is `crc`."""
+    CRC-32C is `crc`. (A tuple: a load of many small atoms makes one per atom.)"""
 
     pack: str
     offset: int
