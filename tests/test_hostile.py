@@ -23,7 +23,7 @@ from ucp.format.manifest import COMMIT_MARKER, step_dirname
 from ucp.protocol.attempt import collect_garbage
 from ucp.storage import LocalStorage
 
-from .helpers import reseal_manifest, step_path
+from .helpers import manifest_view, reseal_manifest, step_path
 
 OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=2048, pack_below=0), fsync=False)
 
@@ -35,6 +35,7 @@ def make(root: Path) -> dict:
 
 
 def manifest_doc(root: Path) -> dict:
+    """The step's zarr.json as it is (format 3.1: the manifest's top document, its atom records in index parts)."""
     return json.loads((step_path(root, 3) / "zarr.json").read_text())
 
 
@@ -89,7 +90,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 )
 def test_declared_sizes_are_bounded_before_anything_is_allocated(tmp_path, edit, fragment):
     make(tmp_path)
-    doc = manifest_doc(tmp_path)
+    doc = manifest_view(tmp_path, 3)  # (in format 3.1 the entry is written back into its index part)
     doc["attributes"]["ucp"]["atoms"]["model/w"].update(edit)
     reseal_manifest(tmp_path, doc, 3)
     start = time.monotonic()
@@ -114,12 +115,12 @@ def test_deep_nesting_is_refused_without_recursing(tmp_path, where):
             '{"format_version": "2.0", "step": 3, "x": ' + "[" * 20_000 + "]" * 20_000 + "}"
         )  # (under 64 KiB)
     else:
-        doc = manifest_doc(tmp_path)
+        doc = manifest_view(tmp_path, 3)
         if where == "tree":
             doc["attributes"]["ucp"]["tree"]["dict"]["opt"] = {"value": "DEEP"}
-        else:
+        else:  # (in format 3.1, in the atom's index part)
             doc["attributes"]["ucp"]["atoms"]["model/w"]["attributes"]["x"] = "DEEP"
-        reseal_manifest_text(tmp_path, json.dumps(doc).replace('"DEEP"', deep))
+        reseal_manifest(tmp_path, doc, 3, text_edit=lambda text: text.replace('"DEEP"', deep))
     with pytest.raises(ucp.FormatError, match="nested more than"):
         ucp.load(str(tmp_path), step=3)
     assert ucp.CheckpointManager(str(tmp_path)).steps() == ([] if where == "marker" else [3])

@@ -81,7 +81,7 @@ def test_a_v3_save_into_a_v1_root_sits_beside_the_v1_steps(tmp_path):
     assert manager.steps() == [4, 5]
     manager.save(6, {"w": torch.arange(5.0)})
     assert manager.steps() == [4, 5, 6]
-    assert ucp.open_checkpoint(str(root)).manifest.format_version == "3.0"
+    assert ucp.open_checkpoint(str(root)).manifest.format_version == "3.1"
     assert torch.equal(ucp.load(str(root))["w"], torch.arange(5.0))
     assert ucp.load(str(root), step=5)["model"]["w"].shape == (48, 40)
 

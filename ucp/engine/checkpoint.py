@@ -24,6 +24,8 @@ from ..base.devices import load_device, on_host
 from ..base.workpool import ObjectCall, run_sized
 from ..errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
 from ..format import tree
+from ..format.index import IndexedManifest
+from ..format.index import parse as parse_manifest
 from ..format.manifest import (
     MAX_DOCUMENT_BYTES,
     PACKS_GROUP,
@@ -229,10 +231,13 @@ class CheckpointReader:
         step: int | str | None = "latest",
         *,
         io_threads: int | None = None,
-        committed: tuple[commit.CommitRecord, bytes] | None = None,
+        committed: tuple[commit.CommitRecord, bytes]
+        | tuple[commit.CommitRecord, bytes, Mapping[str, bytes]]
+        | None = None,
     ):
-        """`committed`: the step's commit record and manifest bytes, when they came from elsewhere than `storage`
-        (the hot tier's peers); they are checked against each other as when read."""
+        """`committed`: the step's commit record and manifest bytes (and, in format 3.1, its index parts by name below
+        the attempt), when they came from elsewhere than `storage` (the hot tier's peers); they are checked against each
+        other as when read. Index parts not given are read from `storage` when an atom of theirs is asked for."""
         self.storage = storage
         if committed is None:
             self.step, self.record = commit.resolve_step(storage, step)
@@ -248,30 +253,76 @@ class CheckpointReader:
                 raise self._removed_or(e) from None
         else:
             manifest_bytes = commit.check_manifest_bytes(committed[1], self.record, where)
-        self.manifest = StepManifest.from_group_json(loads(manifest_bytes, where), where)
+        self._given_parts: Mapping[str, bytes] = committed[2] if committed is not None and len(committed) > 2 else {}
+        self.manifest_bytes = len(manifest_bytes)
+        self.manifest = parse_manifest(loads(manifest_bytes, where), where, self._read_index)
         if self.manifest.step != self.step:
             raise FormatError(f"{where} describes step {self.manifest.step}, not {self.step}")
         if self.manifest.format_version.split(".")[0] != self.record.format_version.split(".")[0]:
             raise FormatError(
                 f"{where} is format {self.manifest.format_version}, its commit marker {self.record.format_version}"
             )
-        nbytes = sum(m.nbytes for m in self.manifest.atoms.values())
-        if (self.record.atoms, self.record.nbytes) != (len(self.manifest.atoms), nbytes):
+        if isinstance(self.manifest, IndexedManifest):  # (its atoms and tree are read when asked for)
+            count, nbytes = self.manifest.total_atoms, self.manifest.total_bytes
+            tree.check_root(self.manifest.tree_at())
+        else:
+            count, nbytes = len(self.manifest.atoms), sum(m.nbytes for m in self.manifest.atoms.values())
+        if (self.record.atoms, self.record.nbytes) != (count, nbytes):
             raise FormatError(
-                f"{where} describes {len(self.manifest.atoms)} atoms of {nbytes} bytes, but its commit recorded "
+                f"{where} describes {count} atoms of {nbytes} bytes, but its commit recorded "
                 f"{self.record.atoms} atoms of {self.record.nbytes} bytes"
             )
-        tree.check_root(self.manifest.tree)
-        self.tree_atoms = tree.tree_atoms(self.manifest.tree)  # (checked once: every atom the tree names, in order)
-        missing = set(self.tree_atoms) - set(self.manifest.atoms)
-        if missing:
-            raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
         self.io_threads = io_threads or storage.capabilities.io_threads
-        self._pack_atoms: dict[str, list[str]] | None = None
+        self._tree_atoms: list[str] | None = None
+        if not isinstance(self.manifest, IndexedManifest):
+            self._check_tree()
 
     @property
-    def atoms(self) -> dict[str, AtomMeta]:
+    def atoms(self) -> Mapping[str, AtomMeta]:
+        """Every atom of the step, by path (in format 3.1 each atom's record is read when first asked for)."""
         return self.manifest.atoms
+
+    @property
+    def tree_atoms(self) -> list[str]:
+        """Every atom the state tree names, in tree order (checked once: each one is in the manifest)."""
+        if self._tree_atoms is None:
+            self._check_tree()
+        assert self._tree_atoms is not None
+        return self._tree_atoms
+
+    def _check_tree(self) -> None:
+        where = f"{self.storage.url}/{self.prefix}/{ZARR_JSON}"
+        state_tree = self.manifest.tree
+        tree.check_root(state_tree)
+        paths = tree.tree_atoms(state_tree)
+        if isinstance(self.manifest, IndexedManifest):
+            self.manifest.load(self.manifest.parts(paths), self.io_threads)
+        atoms = self.manifest.atoms
+        missing = [p for p in paths if p not in atoms]
+        if missing:
+            raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
+        self._tree_atoms = paths
+
+    def _read_index(self, name: str, size: int) -> bytes:
+        """One of a format 3.1 step's index objects (`name` below the attempt), at most `size` + 1 bytes (the manifest
+        checks it against its size and checksum)."""
+        given = self._given_parts.get(name)
+        if given is not None:
+            return given
+        key = f"{self.prefix}/{name}"
+        try:
+            return bytes(self.storage.read(key, 0, size + 1))
+        except FileNotFoundError:
+            raise self._removed_or(
+                ObjectMissingError(f"{self.storage.url}/{key} (an index part of step {self.step}) is missing")
+            ) from None
+
+    def index_parts(self) -> dict[str, bytes]:
+        """Every index object of a format 3.1 step, by name below the attempt (none before 3.1): what a copy of the
+        step needs beside its manifest (the hot tier's)."""
+        if not isinstance(self.manifest, IndexedManifest):
+            return {}
+        return {name: self._read_index(name, size) for name, size in self.manifest.index_objects()}
 
     def _atom_key(self, meta: AtomMeta, name: str) -> str:
         return f"{self.prefix}/{meta.path}/{name}"
@@ -300,9 +351,9 @@ class CheckpointReader:
         """The size and checksum the commit recorded for the object that holds chunk `index` of `meta` (of a packed
         atom: its pack's; None in format 1.0)."""
         if meta.packed:
-            return self.manifest.packs[self.packed_chunk(meta, index).pack]
-        objects = self.manifest.objects
-        return None if objects is None else objects[meta.path][meta.object_number(index)]
+            return self.manifest.pack_sum(self.packed_chunk(meta, index).pack)
+        objects = self.manifest.objects_of(meta.path)
+        return None if objects is None else objects[meta.object_number(index)]
 
     def read_key(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
         """The storage key that a read of chunk `index` of `meta` reads from: its object, or its pack."""
@@ -314,17 +365,12 @@ class CheckpointReader:
 
     def packed_chunk(self, meta: AtomMeta, index: tuple[int, ...]) -> PackedChunk:
         """Where chunk `index` of a packed atom lies (format 3)."""
-        return self.manifest.packed[meta.path][meta.object_number(index)]
+        return self.manifest.packed_of(meta.path)[meta.object_number(index)]
 
     def pack_holds(self, name: str) -> str:
-        """What pack `name` holds, for an error: its atoms (the first ones by name) and how many."""
-        if self._pack_atoms is None:
-            held: dict[str, set[str]] = {}
-            for path, chunks in self.manifest.packed.items():
-                for c in chunks:
-                    held.setdefault(c.pack, set()).add(path)
-            self._pack_atoms = {pack: sorted(paths) for pack, paths in held.items()}
-        atoms = self._pack_atoms.get(name, [])
+        """What pack `name` holds, for an error: its atoms (the first ones by name) and how many (in format 3.1, of
+        the index parts read)."""
+        atoms = self.manifest.atoms_in_pack(name)
         more = f" and {len(atoms) - 8} more" if len(atoms) > 8 else ""
         return f"pack {name} of step {self.step} holds the atoms {', '.join(map(repr, atoms[:8]))}{more}"
 
@@ -457,7 +503,7 @@ class CheckpointReader:
         by_pack: dict[str, list[codec.PackedRead]] = {}
         for m in metas:
             if m.single_chunk:  # (most: the chunk is the atom)
-                (chunk,) = self.manifest.packed[m.path]
+                (chunk,) = self.manifest.packed_of(m.path)
                 by_pack.setdefault(chunk.pack, []).append((chunk, codec.ChunkSink.whole(out[m.path]), m, ()))
                 continue
             for index in chunk_indices(m.grid):
@@ -467,7 +513,7 @@ class CheckpointReader:
         return [
             ObjectCall(
                 functools.partial(self._read_packed, chunks),
-                self.manifest.packs[name][0],
+                self.manifest.pack_sum(name)[0],
                 pack_object_key(self.prefix, name),
             )
             for name, chunks in by_pack.items()

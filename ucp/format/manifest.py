@@ -22,12 +22,13 @@ from typing import Any, NamedTuple, NoReturn
 from ..base import dtypes
 from ..errors import FormatError, StateError, UnsupportedVersionError
 
-FORMAT_VERSION = "3.0"
+FORMAT_VERSION = "3.1"  # 3.1: the manifest's atom records in index parts (ucp.format.index)
 FORMAT_MAJOR = 3
 ZARR_JSON = "zarr.json"
 COMMIT_MARKER = "ucp-commit.json"
 ATTEMPT_RECORD = "ucp-attempt.json"  # an attempt's owner (who saves it, until when), written first
 PACKS_GROUP = "ucp-packs"  # format 3: the group of an attempt's packs (ucp.format.packs)
+INDEX_DIR = "ucp-index"  # format 3.1: the manifest's index parts, below the attempt (ucp.format.index)
 CRC_BYTES = 4  # the crc32c codec appends a 4-byte little-endian checksum
 INDEX_ENTRY_BYTES = 16  # sharding index: (offset, nbytes) as two little-endian uint64
 EMPTY_INDEX_ENTRY = 2**64 - 1
@@ -38,7 +39,7 @@ _PACK_NAME = re.compile(rf"^{PACKS_GROUP}/p[0-9]{{1,9}}-[0-9]{{1,9}}$")
 # An atom path whose components are all plain names: none empty, ".", ".." or with a backslash or NUL.
 _PLAIN_PATH = re.compile(r"(?!\.\.?(?:/|$))[^/\\\x00]+(?:/(?!\.\.?(?:/|$))[^/\\\x00]+)*\Z")
 # Names a state key may not take: they would collide with Zarr's or ucp's own files.
-RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD, PACKS_GROUP})
+RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD, PACKS_GROUP, INDEX_DIR})
 
 # Bounds on what metadata may declare (docs/FORMAT.md section 8). Writers stay inside them; readers refuse more.
 MAX_NDIM = 32
@@ -423,7 +424,38 @@ class StepManifest:
     packed: dict[str, list[PackedChunk]] = field(default_factory=dict)
     packs: dict[str, ObjectSum] = field(default_factory=dict)
 
+    # What a reader asks of any manifest, this one (format 3.0 and older, read whole) or an indexed one (format 3.1,
+    # `ucp.format.index.IndexedManifest`, read in part).
+
+    def objects_of(self, path: str) -> list[ObjectSum] | None:
+        """The size and checksum of each chunk object of an unpacked atom, C order over its grid (None in 1.0)."""
+        return None if self.objects is None else self.objects[path]
+
+    def packed_of(self, path: str) -> list[PackedChunk]:
+        """Where each chunk of a packed atom lies, C order over its grid."""
+        return self.packed[path]
+
+    def pack_sum(self, name: str) -> ObjectSum:
+        """The size and checksum of a pack's object."""
+        return self.packs[name]
+
+    def atoms_in_pack(self, name: str) -> list[str]:
+        """The atoms with a chunk in pack `name`."""
+        return sorted(path for path, chunks in self.packed.items() if any(c.pack == name for c in chunks))
+
+    def tree_at(self, *keys: str) -> Any:
+        """The node of the state tree at `keys` (dict keys from the root), or None."""
+        node: Any = self.tree
+        for key in keys:
+            body = node.get("dict") if isinstance(node, dict) else None
+            if not isinstance(body, dict) or key not in body:
+                return None
+            node = body[key]
+        return node
+
     def to_group_json(self) -> dict[str, Any]:
+        """The step group's zarr.json in format 3.0 (what 3.0 writers wrote; ucp writes 3.1,
+        `ucp.format.index.encode`)."""
         atoms = {}
         for path, atom in self.atoms.items():
             atoms[path] = atom.to_manifest()
