@@ -45,6 +45,7 @@ from .manifest import (
     ObjectSum,
     PackedChunk,
     StepManifest,
+    WholePacked,
     check_atom_path,
     check_format_version,
     chunk_indices,
@@ -52,6 +53,7 @@ from .manifest import (
     is_pack_name,
     json_int,
     loads,
+    plain_paths,
 )
 
 # Records (atoms and their chunks) per atom part: ~100 KiB of JSON, so that a reader that needs one atom reads little
@@ -354,6 +356,18 @@ class IndexPart:
             return [PackedChunk(*r) for r in zip(rec.pack[a:b], rec.offset[a:b], rec.nbytes[a:b], rec.crc[a:b])]
         return list(zip(rec.nbytes[a:b], rec.crc[a:b]))
 
+    def whole_packed(self, i: int) -> WholePacked | None:
+        """The i-th atom's one packed chunk if it has one chunk and is packed (most atoms of a state of many small
+        ones), with what its tensor needs; None for any other."""
+        atoms, rec = self._atoms, self._records
+        r = rec.first[i]
+        if not atoms.packed[i] or rec.first[i + 1] - r != 1:
+            return None
+        a, b = atoms.starts[i], atoms.starts[i + 1]
+        return WholePacked(
+            tuple(atoms.shape[a:b]), atoms.dtype[i], rec.pack[r], rec.offset[r], rec.nbytes[r], rec.crc[r]
+        )
+
     def holding(self, pack: str) -> list[str]:
         """The atoms of the part with a chunk in `pack`."""
         first = self._records.first
@@ -373,8 +387,9 @@ class IndexPart:
         if type(paths) is not list or len(paths) != entry.atoms:
             raise FormatError(f"{where}: paths must list the part's {entry.atoms} atoms")
         n = len(paths)
-        for p in paths:
-            check_atom_path(p, where)
+        if not plain_paths(paths):
+            for p in paths:
+                check_atom_path(p, where)
         if paths[0] != entry.first or any(a >= b for a, b in itertools.pairwise(paths)):
             raise FormatError(f"{where}: its paths are not ascending from {entry.first!r:.200}")
         if end is not None and not paths[-1] < end:
@@ -547,8 +562,8 @@ def _records(
         limit = data_bytes[np.where(is_packed, pack, 0)]
         single = chunks[atom] == 1
         fail(is_packed & single & (size != nbytes[atom]), "of another size than the atom")
-        fail(is_packed & (offset % itemsize[atom] != 0), "not on an element boundary")
         fail(is_packed & (offset + size > limit), "outside its pack's data")
+        fail(is_packed & (offset % itemsize[atom] != 0), "not on an element boundary")
         for r in np.nonzero(is_packed & ~single)[0].tolist():  # (atoms a writer split: their chunks' sizes)
             i = int(atom[r])
             meta = atoms.meta(i)
@@ -622,6 +637,7 @@ class IndexedManifest:
         self._firsts = [e.first for e in self.entries]
         self._where, self._fetch = where, fetch
         self._parts: dict[int, IndexPart] = {}
+        self._located: dict[str, tuple[IndexPart, int]] = {}  # every atom of the parts read: its part and place
         self._trees: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.atoms = AtomIndex(self)
@@ -635,12 +651,15 @@ class IndexedManifest:
         return number if number >= 0 else None
 
     def locate(self, path: str) -> tuple[IndexPart, int] | None:
-        number = self.part_of(path)
-        if number is None:
-            return None
-        part = self.part(number)
-        i = part.find(path)
-        return None if i is None else (part, i)
+        """The part that holds `path` and its place there (its part read if it was not), or None."""
+        found = self._located.get(path)
+        if found is None:
+            number = self.part_of(path)
+            if number is None or number in self._parts:
+                return None
+            self.part(number)
+            found = self._located.get(path)
+        return found
 
     def part(self, number: int) -> IndexPart:
         part = self._parts.get(number)
@@ -664,8 +683,11 @@ class IndexedManifest:
         end = self._firsts[number + 1] if number + 1 < len(self._firsts) else None
         part = IndexPart.decode(loads(data, where, MAX_PART_BYTES), entry, end, where)
         with self._lock:
-            self.bytes_read += len(data)
-            return self._parts.setdefault(number, part)
+            if number not in self._parts:
+                self.bytes_read += len(data)
+                self._located.update(zip(part.paths, zip(itertools.repeat(part), range(len(part.paths)))))
+                self._parts[number] = part
+            return self._parts[number]
 
     def has_part(self, number: int) -> bool:
         return number in self._parts
@@ -698,12 +720,21 @@ class IndexedManifest:
 
     # -- what a reader asks of any manifest
 
+    def whole_packed(self, path: str) -> WholePacked | None:
+        part, i = self._located.get(path) or self._found(path)
+        return part.whole_packed(i)
+
+    def lacking(self, paths: list[str]) -> list[str]:
+        """Those of `paths` the step has no atom of (their parts read)."""
+        self.load(self.parts(paths))
+        return [p for p in paths if p not in self._located]
+
     def objects_of(self, path: str) -> list[ObjectSum] | None:
-        part, i = self._located(path)
+        part, i = self._found(path)
         return part.records(i)  # type: ignore[return-value]
 
     def packed_of(self, path: str) -> list[PackedChunk]:
-        part, i = self._located(path)
+        part, i = self._found(path)
         return part.records(i)  # type: ignore[return-value]
 
     def pack_sum(self, name: str) -> ObjectSum:
@@ -719,7 +750,7 @@ class IndexedManifest:
             parts = list(self._parts.values())
         return sorted({p for part in parts for p in part.holding(name)})
 
-    def _located(self, path: str) -> tuple[IndexPart, int]:
+    def _found(self, path: str) -> tuple[IndexPart, int]:
         found = self.locate(path)
         if found is None:
             raise KeyError(path)

@@ -114,17 +114,20 @@ def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not strict JSON")
 
 
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
 def _nesting(data: bytes | bytearray | memoryview) -> int:
     """The deepest bracket nesting of a JSON text (brackets inside strings counted too: an upper bound), found
-    without recursion, so that a deeply nested document is refused before the parser recurses into it."""
+    without recursion, so that a deeply nested document is refused before the parser recurses into it. Only the
+    brackets are looked at (a columnar index part of 100 KiB has a few dozen)."""
+    brackets = bytes(data).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= MAX_JSON_DEPTH:
+        return len(brackets)  # (an upper bound, under the limit)
     import numpy as np
 
-    raw = np.frombuffer(bytes(data), dtype=np.uint8)
-    opens = (raw == ord("[")) | (raw == ord("{"))
-    closes = (raw == ord("]")) | (raw == ord("}"))
-    if not opens.any():
-        return 0
-    return int(np.cumsum(opens.astype(np.int64) - closes.astype(np.int64)).max())
+    opens = np.frombuffer(brackets, dtype=np.uint8) & 2 != 0  # ("[" and "{" have bit 1 set, "]" and "}" not)
+    return max(0, int(np.cumsum(np.where(opens, 1, -1), dtype=np.int64).max()))
 
 
 def json_int(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> int:
@@ -373,6 +376,24 @@ def check_atom_path(path: object, where: str) -> str:
     return path
 
 
+# What no plain atom path holds, found in many paths joined by newlines at once: a component that is empty, "." or
+# "..", a backslash or NUL, a component longer than a file name, a path longer than MAX_ATOM_PATH_BYTES.
+_NOT_PLAIN = re.compile(
+    rf"(?:^|/)\.{{0,2}}(?:/|$)|[\\\x00]|[^/\n]{{{MAX_KEY_BYTES + 1},}}|[^\n]{{{MAX_ATOM_PATH_BYTES + 1},}}",
+    re.MULTILINE,
+)
+
+
+def plain_paths(paths: list[Any]) -> bool:
+    """Whether every one of `paths` is plainly a good atom path (strings, ASCII, no newline, every component a plain
+    name of a file name's length): many checked in one pass (an index part's 2,000); False says only that one of
+    them needs `check_atom_path`."""
+    if not all(type(p) is str for p in paths):
+        return False
+    joined = "\n".join(paths)
+    return joined.isascii() and joined.count("\n") == len(paths) - 1 and not _NOT_PLAIN.search(joined)
+
+
 def _plain_path(path: object) -> bool:
     """An atom path that is plainly fine: ASCII, every component a plain name and, the whole being no longer than a
     key may be, every component short enough."""
@@ -406,6 +427,18 @@ class PackedChunk(NamedTuple):
         return [self.pack, self.offset, self.nbytes, self.crc]
 
 
+class WholePacked(NamedTuple):
+    """A packed atom of one chunk (most atoms of a state of many small ones): what reading it whole into a tensor of
+    its own needs, without making its description (a load of many small atoms asks this per atom)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    pack: str
+    offset: int
+    nbytes: int
+    crc: int
+
+
 @dataclass
 class StepManifest:
     """The ucp attributes of a step's root group. `objects` gives, per atom, every chunk object's size and
@@ -427,6 +460,14 @@ class StepManifest:
     # What a reader asks of any manifest, this one (format 3.0 and older, read whole) or an indexed one (format 3.1,
     # `ucp.format.index.IndexedManifest`, read in part).
 
+    def whole_packed(self, path: str) -> WholePacked | None:
+        """The atom's one packed chunk, if it is packed and of one chunk; None for any other."""
+        meta = self.atoms[path]
+        if not (meta.packed and meta.single_chunk):
+            return None
+        (c,) = self.packed[path]
+        return WholePacked(meta.shape, meta.dtype, *c)
+
     def objects_of(self, path: str) -> list[ObjectSum] | None:
         """The size and checksum of each chunk object of an unpacked atom, C order over its grid (None in 1.0)."""
         return None if self.objects is None else self.objects[path]
@@ -438,6 +479,10 @@ class StepManifest:
     def pack_sum(self, name: str) -> ObjectSum:
         """The size and checksum of a pack's object."""
         return self.packs[name]
+
+    def lacking(self, paths: list[str]) -> list[str]:
+        """Those of `paths` the step has no atom of."""
+        return [p for p in paths if p not in self.atoms]
 
     def atoms_in_pack(self, name: str) -> list[str]:
         """The atoms with a chunk in pack `name`."""

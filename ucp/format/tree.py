@@ -8,6 +8,7 @@ plain JSON is stored as one {"value": ...} node. Tuples come back as lists.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -92,8 +93,9 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
     return encode(state, []), tensors
 
 
-def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Rebuild the state from its tree (checked by `tree_atoms`) and loaded tensors."""
+def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], *, checked: bool = False) -> dict[str, Any]:
+    """Rebuild the state from its tree and loaded tensors (the tree checked here, unless the caller `checked` it with
+    `check_root` and `tree_atoms`)."""
 
     def decode(node: dict[str, Any]) -> Any:
         ((kind, body),) = node.items()
@@ -107,9 +109,73 @@ def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[st
             return [decode(v) for v in body]
         return float(body)  # "float"
 
-    check_root(tree)
-    tree_atoms(tree)
+    if not checked:
+        check_root(tree)
+        tree_atoms(tree)
     return decode(tree)
+
+
+@dataclass
+class Matched:
+    """A caller's state matched against a saved tree (`match`): its tensor at each atom path, and the other values
+    the load sets in it (container, key, saved value), once the tensors are filled."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: list[tuple[Any, Any, Any]] = field(default_factory=list)
+
+    def set_values(self) -> None:
+        for container, key, value in self.values:
+            container[key] = value
+
+
+def match(tree: dict[str, Any], into: Any) -> Matched:
+    """Where a load into the caller's state `into` puts each saved atom and value: `into` must have the structure
+    saved (the same keys at every level, lists of the same lengths, a tensor wherever an atom is; a tuple where a list
+    was saved), else a StateError naming the first key that differs. Nothing of `into` is changed here. JSON values
+    are set where the caller holds a dict or list (a tuple keeps its own); a dict saved whole as one JSON value is
+    replaced whole."""
+    out = Matched()
+
+    def walk(node: dict[str, Any], dest: Any, where: str, parent: Any, key: Any) -> None:
+        ((kind, body),) = node.items()
+        if kind == "atom":
+            if not isinstance(dest, torch.Tensor):
+                raise StateError(f"cannot load into {where}: the checkpoint holds a tensor there, not a {_kind(dest)}")
+            out.tensors[body] = dest
+        elif kind == "dict":
+            if not isinstance(dest, dict):
+                raise StateError(f"cannot load into {where}: the checkpoint holds a dict there, not a {_kind(dest)}")
+            missing = [k for k in body if k not in dest]
+            extra = [k for k in dest if k not in body]
+            if missing or extra:
+                what = f"lacks the key {missing[0]!r}" if missing else f"has a key {extra[0]!r} the checkpoint lacks"
+                raise StateError(f"cannot load into {where}: it {what}")
+            for k, child in body.items():
+                walk(child, dest[k], f"{where}[{k!r}]", dest, k)
+        elif kind == "list":
+            if not isinstance(dest, (list, tuple)) or len(dest) != len(body):
+                raise StateError(
+                    f"cannot load into {where}: the checkpoint holds a list of {len(body)} there, not a "
+                    f"{_kind(dest)}{f' of {len(dest)}' if isinstance(dest, (list, tuple)) else ''}"
+                )
+            for i, child in enumerate(body):
+                walk(child, dest[i], f"{where}[{i}]", dest, i)
+        else:  # a JSON value (or a non-finite float)
+            if isinstance(dest, torch.Tensor):
+                raise StateError(f"cannot load into {where}: the checkpoint holds a value there, not a tensor")
+            if not isinstance(parent, tuple):
+                out.values.append((parent, key, body if kind == "value" else float(body)))
+
+    check_root(tree)
+    tree_atoms(tree)  # (checked without recursing: the walk may recurse)
+    if not isinstance(into, dict):
+        raise StateError(f"cannot load into a {_kind(into)}: a state is a dict")
+    walk(tree, into, "state", None, None)
+    return out
+
+
+def _kind(value: object) -> str:
+    return "tensor" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 _BODY_TYPES = {"dict": dict, "list": list, "atom": str}
