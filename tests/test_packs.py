@@ -431,9 +431,11 @@ def atom_record(step: str, path: str) -> dict:
     [pack, offset, nbytes, crc32c] each; else "objects": [nbytes, crc32c] per chunk object)."""
     import bisect
 
-    index = json.load(open(f"{step}/zarr.json"))["attributes"]["ucp"]["index"]
+    index = json.loads(Path(f"{step}/zarr.json").read_bytes())["attributes"]["ucp"]["index"]
     number = bisect.bisect_right([first for first, *_ in index["parts"]], path) - 1
-    part = json.load(open(f"{step}/ucp-index/atoms-{number}.json"))  # (its size and crc32c: index["parts"][number])
+    part = json.loads(
+        Path(f"{step}/ucp-index/atoms-{number}.json").read_bytes()
+    )  # (its size and crc32c: index["parts"][number])
     i = part["paths"].index(path)
     d, k = sum(part["ndim"][:i]), part["ndim"][i]  # its extents in "shape" and "chunk_shape"
     r, c = sum(part["chunks"][:i]), part["chunks"][i]  # its chunk records
