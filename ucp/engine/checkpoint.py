@@ -21,6 +21,7 @@ from ..base import dtypes
 from ..base.boxes import Box, full_box, intersect, relative, to_slices
 from ..base.chunking import ChunkingPolicy, choose_chunks
 from ..base.devices import load_device, on_host
+from ..base.heap import collector_paused
 from ..base.workpool import ObjectCall, run_sized
 from ..errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
 from ..format import tree
@@ -160,6 +161,7 @@ def group_paths(metas: Iterable[AtomMeta]) -> list[str]:
     return sorted(groups, key=lambda g: (g.count("/"), g))
 
 
+@collector_paused()
 def plan_save(
     state: dict[str, Any],
     storage: Storage,
@@ -189,6 +191,7 @@ def plan_save(
     return SavePlan(session, metas, group_paths(metas), jobs, manifest, pack_bytes=options.chunking.pack_bytes)
 
 
+@collector_paused()
 def save(
     state: dict[str, Any],
     url: str,
@@ -225,6 +228,7 @@ def save(
 class CheckpointReader:
     """One committed step, opened for reading: its manifest, and verified reads of its atoms."""
 
+    @collector_paused()
     def __init__(
         self,
         storage: ReadableStorage,
@@ -467,6 +471,7 @@ class CheckpointReader:
             run_sized(pool, reads, self.storage.capabilities.serial_small_reads, self.storage.prefetching)
         return self.storage.stats.bytes_read - before
 
+    @collector_paused()
     def read_atoms(
         self,
         paths: Iterable[str],
@@ -597,6 +602,7 @@ class CheckpointReader:
             reach = span
         return aliases
 
+    @collector_paused()
     def load_state(
         self, *, device: torch.device | str | None = None, into: dict[str, Any] | None = None
     ) -> dict[str, Any]:

@@ -35,12 +35,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NoReturn, Protocol
+from typing import Literal, NamedTuple, NoReturn, Protocol
 
 import torch
 
 from ..base.chunking import ChunkingPolicy
 from ..base.devices import Copies, SideStreams, cuda_in_use, on_host
+from ..base.heap import collector_paused
 from ..base.workpool import SizedPool, chain, wait_all
 from ..errors import UcpError
 from ..format.manifest import ZARR_JSON, AtomMeta, StepManifest, dumps, group_json
@@ -73,13 +74,12 @@ def one_shot_staging(metas: Sequence[AtomMeta]) -> int:
     return max(ONE_SHOT_STAGING_BYTES, 2 * max((m.object_bytes for m in metas), default=0))
 
 
-@dataclass(frozen=True)
-class ChunkJob:
+class ChunkJob(NamedTuple):
     """One chunk object to write: its atom, grid position, and a callable giving its values (the chunk's
-    region of the atom, clipped at the edge; may be a view of live state)."""
+    region of the atom, clipped at the edge; may be a view of live state). (A tuple: one per atom of a save.)"""
 
     meta: AtomMeta
-    index: tuple[int, ...]
+    index: tuple[int, ...]  # type: ignore[assignment]  # (the field hides tuple.index, which nothing calls)
     source: Callable[[], torch.Tensor]
 
     def key(self, prefix: str) -> str:
@@ -457,6 +457,7 @@ class SavePipeline:
         if self.staging.capacity is not None and plan._jobs is None:
             plan.pack_bytes = max(1, min(plan.pack_bytes, self.staging.capacity // 4))
 
+    @collector_paused()
     def submit(self, plan: SavePlan, mode: Mode = "sync") -> SaveHandle:
         if mode not in MODES:
             raise UcpError(f"save mode must be one of {MODES}, got {mode!r}")

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..base import dtypes
+from ..base.heap import collector_paused
 from ..errors import FormatError
 from .manifest import (
     CRC_BYTES,
@@ -78,6 +79,7 @@ def tree_part_name(number: int) -> str:
 # ------------------------------------------------------------------------------------------------- writing
 
 
+@collector_paused()
 def encode(manifest: StepManifest) -> tuple[bytes, list[tuple[str, bytes]]]:
     """The format 3.1 manifest of `manifest` (its objects, packed chunks and packs filled in by the commit): the step
     group's `zarr.json`, and the index parts (name below the attempt, bytes) to write before it."""

@@ -8,6 +8,8 @@ plain JSON is stored as one {"value": ...} node. Tuples come back as lists.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +20,16 @@ from ..base import dtypes
 from ..errors import FormatError, StateError
 from .manifest import MAX_ATOM_PATH_BYTES, MAX_KEY_BYTES, MAX_TREE_DEPTH, RESERVED_NAMES
 
+# A key that is plainly fine (most): ASCII with no control character, '/' or '\\', of a file name's length.
+_PLAIN_KEY = re.compile(rf"[\x20-\x2e\x30-\x5b\x5d-\x7e]{{1,{MAX_KEY_BYTES}}}")
 
-def check_key(key: object, where: str) -> str:
-    """A state key becomes a Zarr node name: refuse anything that could escape or collide."""
+
+def check_key(key: object, where: str | Callable[[], str]) -> str:
+    """A state key becomes a Zarr node name: refuse anything that could escape or collide. (`where` names its place
+    in an error: a callable is called only then.)"""
+    if type(key) is str and _PLAIN_KEY.fullmatch(key) and key not in _SPECIAL and not key.startswith("__"):
+        return key  # (most keys: checked at once)
+    where = where if isinstance(where, str) else where()
     if not isinstance(key, str):
         raise StateError(f"{where}: keys must be strings, got {type(key).__name__} {key!r}")
     if key in ("", ".", "..") or "/" in key or "\\" in key:
@@ -36,6 +45,9 @@ def check_key(key: object, where: str) -> str:
             f"{where}: key {key[:40]!r}... is longer than {MAX_KEY_BYTES} bytes (it names a file or object)"
         )
     return key
+
+
+_SPECIAL = RESERVED_NAMES | {".", ".."}
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
@@ -60,16 +72,19 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
     tensors: dict[str, torch.Tensor] = {}
 
     def encode(value: Any, path: list[str]) -> dict[str, Any]:
-        where = "state[" + "][".join(repr(p) for p in path) + "]" if path else "state"
+        def where() -> str:  # (what to call this place in an error; made only then)
+            return "state[" + "][".join(repr(p) for p in path) + "]" if path else "state"
+
         if len(path) >= MAX_TREE_DEPTH:
-            raise StateError(f"{where[:200]}...: the state is nested more than {MAX_TREE_DEPTH} levels deep")
+            raise StateError(f"{where()[:200]}...: the state is nested more than {MAX_TREE_DEPTH} levels deep")
         if isinstance(value, torch.Tensor):
             if not path:
                 raise StateError("a tensor needs a key: the state itself must be a dict")
             atom = "/".join(path)
-            if len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
-                raise StateError(f"{where[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
-            tensors[atom] = dtypes.check_dense(value, where)
+            if len(atom) > MAX_ATOM_PATH_BYTES // 4 and len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
+                raise StateError(f"{where()[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
+            dense = value.layout == torch.strided and value.device.type != "meta"
+            tensors[atom] = value if dense else dtypes.check_dense(value, where())
             return {"atom": atom}
         if isinstance(value, np.generic) and isinstance(value.item(), (bool, int, float)):
             value = value.item()
@@ -86,7 +101,7 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
         if _plain(value):
             return {"value": value}
         raise StateError(
-            f"{where}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved; "
+            f"{where()}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved; "
             "leaves must be torch tensors or JSON values (None, bool, int, float, str, lists and dicts of them)"
         )
 
