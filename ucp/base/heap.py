@@ -58,3 +58,43 @@ def collector_paused() -> Iterator[None]:
             _pauses -= 1
             if _pauses == 0 and _was_enabled:
                 gc.enable()
+
+
+HUGE_PAGE_BYTES = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
+_PAGE_BYTES = 4096
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    libc = ctypes.util.find_library("c")
+    try:
+        madvise = getattr(ctypes.CDLL(libc, use_errno=True), "madvise", None) if libc else None
+    except OSError:
+        return None
+    if madvise is not None:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def advise_huge_pages(address: int, nbytes: int) -> None:
+    """Ask the kernel to back the whole huge pages inside [address, address + nbytes) of fresh anonymous memory (a
+    tensor a load just made, not yet touched) with transparent huge pages, where it allows them (Linux with THP in
+    `madvise` or `always` mode; elsewhere, or if it refuses, nothing changes). A load's first touch of each 4 KiB
+    page is a fault; of each 2 MiB one, one fault for 512 of them (docs/BENCHMARKS.md, fresh memory)."""
+    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    madvise = _madvise()
+    if end > start and madvise is not None:
+        madvise(start, end - start, _MADV_HUGEPAGE)  # (a refusal, EINVAL without THP, leaves the memory as it was)
+
+
+def populate(address: int, nbytes: int) -> None:
+    """Fault in the pages of [address, address + nbytes) of fresh anonymous memory now, in one system call
+    (MADV_POPULATE_WRITE, Linux 5.14; elsewhere nothing happens): a load's read thread does it for the tensor it is
+    about to fill, beside the other threads' reads, where the read itself would fault page by page."""
+    start = address // _PAGE_BYTES * _PAGE_BYTES
+    madvise = _madvise()
+    if nbytes > 0 and madvise is not None:
+        madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE)  # (EINVAL on older kernels: no harm)
