@@ -639,11 +639,12 @@ class IndexedManifest:
         self._firsts = [e.first for e in self.entries]
         self._where, self._fetch = where, fetch
         self._parts: dict[int, IndexPart] = {}
+        self._raw: dict[int, bytes] = {}  # each part's bytes as read (a distributed load sends them on)
         self._located: dict[str, tuple[IndexPart, int]] = {}  # every atom of the parts read: its part and place
         self._trees: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.atoms = AtomIndex(self)
-        self.bytes_read = 0  # bytes of index parts read (the manifest itself not counted)
+        self.index_bytes = 0  # bytes of the index parts this reader holds, read or received (the manifest not counted)
 
     # -- parts
 
@@ -686,13 +687,19 @@ class IndexedManifest:
         part = IndexPart.decode(loads(data, where, MAX_PART_BYTES), entry, end, where)
         with self._lock:
             if number not in self._parts:
-                self.bytes_read += len(data)
+                self.index_bytes += len(data)
+                self._raw[number] = data
                 self._located.update(zip(part.paths, zip(itertools.repeat(part), range(len(part.paths)))))
                 self._parts[number] = part
             return self._parts[number]
 
     def has_part(self, number: int) -> bool:
         return number in self._parts
+
+    def part_bytes(self, number: int) -> bytes:
+        """Part `number`'s bytes as they were read (checked): what a rank that read it sends the others."""
+        self.part(number)
+        return self._raw[number]
 
     def load(self, numbers: list[int], threads: int = 1) -> None:
         """Read and decode the parts `numbers` not read yet, `threads` at a time (a whole load's: on an object store
@@ -819,7 +826,7 @@ class IndexedManifest:
                     "after the step was committed"
                 )
             with self._lock:
-                self.bytes_read += len(data)
+                self.index_bytes += len(data)
             self._trees[number] = loads(data, where, MAX_TREE_PART_BYTES)
         return self._trees[number]
 
