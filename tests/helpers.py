@@ -102,11 +102,11 @@ def _index_layout(attrs: dict) -> tuple[dict, list[tuple[str, bytes]]]:
     import crc32c
 
     from ucp.base import dtypes
-    from ucp.format.index import PART_RECORDS, atoms_part_name
+    from ucp.format.index import PART_RECORDS, atoms_part_name, path_key
     from ucp.format.manifest import dumps
 
     atoms, packs = attrs.pop("atoms"), attrs.pop("packs", {})
-    paths = sorted(atoms)
+    paths = sorted(atoms, key=path_key)
     parts, directory = [], []
     start = 0
     while start < len(paths):

@@ -429,10 +429,13 @@ def atom_record(step: str, path: str) -> dict:
     """docs/FORMAT.md 3.1's recipe, as written there: an atom's record in a format 3.1 step (the attempt directory
     `step`), found through the manifest's index: its dtype, shape, chunk shape, attributes and chunks ("packed":
     [pack, offset, nbytes, crc32c] each; else "objects": [nbytes, crc32c] per chunk object)."""
-    import bisect
+    import re
+
+    def path_key(path: str) -> tuple:  # the index's order: runs of digits as numbers (then by length), the rest as text
+        return tuple((int(p), len(p)) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", path)))
 
     index = json.loads(Path(f"{step}/zarr.json").read_bytes())["attributes"]["ucp"]["index"]
-    number = bisect.bisect_right([first for first, *_ in index["parts"]], path) - 1
+    number = max(n for n, (first, *_) in enumerate(index["parts"]) if path_key(first) <= path_key(path))
     part = json.loads(
         Path(f"{step}/ucp-index/atoms-{number}.json").read_bytes()
     )  # (its size and crc32c: index["parts"][number])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -76,6 +77,21 @@ def tree_part_name(number: int) -> str:
     return f"{INDEX_DIR}/tree-{number}.json"
 
 
+# ------------------------------------------------------------------------------------------------- the order
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def path_key(path: str) -> tuple[Any, ...]:
+    """The order of atoms in the index (docs/FORMAT.md 3.1): a path as its runs of ASCII digits and of the rest, the
+    digits compared as numbers (then by length: "01" after "1"), the rest as text. So `layers.2` comes before
+    `layers.10` and the experts of one rank of an expert-parallel layout (0 to 31 of 256, say) lie together, where a
+    text order would scatter them over every part of their layer."""
+    pieces = _DIGITS.split(path)
+    return tuple((int(p), len(p)) if i % 2 else p for i, p in enumerate(pieces))
+
+
 # ------------------------------------------------------------------------------------------------- writing
 
 
@@ -85,7 +101,7 @@ def encode(manifest: StepManifest) -> tuple[bytes, list[tuple[str, bytes]]]:
     group's `zarr.json`, and the index parts (name below the attempt, bytes) to write before it."""
     import crc32c
 
-    paths = sorted(manifest.atoms)
+    paths = sorted(manifest.atoms, key=path_key)
     parts: list[tuple[str, bytes]] = []
     directory: list[list[Any]] = []
     start = 0
@@ -239,7 +255,7 @@ def _directory(index: Any, where: str) -> tuple[int, int, list[PartEntry], list[
                 f"{where}: index part entry {entry!r:.100} is not [first path, atoms, bytes, size, crc32c]"
             )
         first = check_atom_path(entry[0], f"{where}: index part")
-        if entries and not entries[-1].first < first:
+        if entries and not path_key(entries[-1].first) < path_key(first):
             raise FormatError(f"{where}: the index's parts are not in the order of their first paths at {first!r:.200}")
         entries.append(
             PartEntry(
@@ -343,7 +359,7 @@ class IndexPart:
         self.paths = atoms.paths
 
     def find(self, path: str) -> int | None:
-        i = bisect.bisect_left(self.paths, path)
+        i = bisect.bisect_left(self.paths, path_key(path), key=path_key)
         return i if i < len(self.paths) and self.paths[i] == path else None
 
     def meta(self, i: int) -> AtomMeta:
@@ -378,9 +394,9 @@ class IndexPart:
         )
 
     @classmethod
-    def decode(cls, doc: Any, entry: PartEntry, end: str | None, where: str) -> IndexPart:
+    def decode(cls, doc: Any, entry: PartEntry, end: tuple[Any, ...] | None, where: str) -> IndexPart:
         """A part from its document, checked: every column of the right length and type, the paths plain, ascending
-        and inside [entry.first, end), every declared size within the format's bounds (section 8), every chunk
+        and inside [entry.first, end) (`end`: the next part's first path's `path_key`), every declared size within the format's bounds (section 8), every chunk
         record consistent with its atom and every packed chunk inside its pack, aligned and overlapping no other of
         the part; its atoms and bytes as the directory lists them. Anything else is a FormatError."""
         if type(doc) is not dict:
@@ -392,9 +408,11 @@ class IndexPart:
         if not plain_paths(paths):
             for p in paths:
                 check_atom_path(p, where)
-        if paths[0] != entry.first or any(a >= b for a, b in itertools.pairwise(paths)):
-            raise FormatError(f"{where}: its paths are not ascending from {entry.first!r:.200}")
-        if end is not None and not paths[-1] < end:
+        # (each path found through a dict once its part is read: only the part's bounds must hold for the directory's
+        # search, and no path may appear twice)
+        if paths[0] != entry.first or len(set(paths)) != n:
+            raise FormatError(f"{where}: its paths do not start at {entry.first!r:.200} or one appears twice")
+        if end is not None and not path_key(paths[-1]) < end:
             raise FormatError(f"{where}: path {paths[-1]!r:.200} belongs to the next part")
         names = doc.get("dtypes")
         if type(names) is not list:
@@ -636,7 +654,7 @@ class IndexedManifest:
             raise FormatError(f"{where}: the ucp manifest needs a 'tree' object")
         self._head = head
         self.total_atoms, self.total_bytes, self.entries, self._tree_sums = _directory(attrs.get("index"), where)
-        self._firsts = [e.first for e in self.entries]
+        self._firsts = [path_key(e.first) for e in self.entries]
         self._where, self._fetch = where, fetch
         self._parts: dict[int, IndexPart] = {}
         self._raw: dict[int, bytes] = {}  # each part's bytes as read (a distributed load sends them on)
@@ -650,7 +668,7 @@ class IndexedManifest:
 
     def part_of(self, path: str) -> int | None:
         """The number of the part that holds `path` if the step has it (by the directory alone: nothing read)."""
-        number = bisect.bisect_right(self._firsts, path) - 1
+        number = bisect.bisect_right(self._firsts, path_key(path)) - 1
         return number if number >= 0 else None
 
     def locate(self, path: str) -> tuple[IndexPart, int] | None:
