@@ -47,7 +47,10 @@ def _tensors(state: object, out: list | None = None) -> list[torch.Tensor]:
 
 
 def _snapshot(state: object) -> list[tuple[int, bytes]]:
-    return [(t.data_ptr(), bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())) for t in _tensors(state)]
+    return [
+        (t.data_ptr(), b"" if t.is_meta else bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        for t in _tensors(state)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +134,10 @@ def test_a_state_of_another_structure_is_refused_before_anything_changes(saved):
     into = _zeros_like_state(state)
     into["step"] = torch.zeros(1)
     _refused(root, into, r"state\['step'\].*holds a value there, not a tensor")
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    _refused(
+        root, edited(lambda node: node.__setitem__(leaf, meta)), f"atom '{victim}' into a tensor on the meta device"
+    )
 
 
 def test_one_tensor_given_for_two_atoms_is_filled_as_load_state_dict_fills_it(tmp_path):
