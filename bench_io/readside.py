@@ -11,7 +11,8 @@
   `ucp.save` / `ucp.load` against raw-crc with 8 threads; `ucp.load` into fresh memory and `ucp.load(into=)` of
   tensors the caller holds (allocated and touched before the timer, as a resuming job's are) against DCP's load
   (`dcp.load`, no process group) into tensors it allocates inside the timing (`empty`, as `bench_io`'s dcp method),
-  and into the same held tensors.
+  and into the same held tensors. Before each load the memory the last one freed goes back to the kernel
+  (`malloc_trim`), so that what a load allocates is fresh memory, as a starting job's is.
 
 Methods alternate within each repeat, so that a shared machine's drift spreads over all of them; the figures are
 medians, and each ratio is the median (and the range) of the per-repeat ratios. Every load is checked against the
@@ -202,6 +203,7 @@ def run_mixed(args: argparse.Namespace, t: Timings) -> dict[str, Any]:
     from bench_io.methods import RawCrc, _quiet
     from bench_io.state import transformer_state
     from ucp import load as ucp_load
+    from ucp.base.heap import trim
 
     state = transformer_state(args.mixed, seed=args.seed)
     raw = RawCrc(io_threads=8)
@@ -248,6 +250,7 @@ def run_mixed(args: argparse.Namespace, t: Timings) -> dict[str, Any]:
             ):
                 if name == "ucp into" and "into" not in inspect.signature(ucp_load).parameters:
                     continue  # (a ucp from before `into=`: the baseline of the change that added it)
+                trim()  # (the memory the last load freed back to the kernel: a load that allocates gets fresh pages)
                 _check(state, t.timed(f"mixed {name} load", load), name)
             for d in dirs.values():
                 shutil.rmtree(d)

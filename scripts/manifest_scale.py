@@ -97,17 +97,18 @@ def measure(what: str, url: str, atoms: int) -> dict:
     from ucp.sharding.layout import parse_layout
     from ucp.storage import open_storage
 
+    count, table = 0, 0.0
+    config = config_for(atoms)
+    if what == "plan":  # (what making the family's table of every atom of the model takes, which a plan does first)
+        from ucp.sharding.families import canonical_atoms
+
+        table = time.perf_counter()
+        canonical_atoms(config)
+        table = time.perf_counter() - table
     storage = open_storage(url)
     start = time.perf_counter()
     reader = CheckpointReader(storage, "latest")
-    count, table = 0, 0.0
     if what == "plan":
-        from ucp.sharding.families import canonical_atoms
-
-        config = config_for(atoms)
-        table = time.perf_counter()
-        canonical_atoms(config)  # (the family's table of every atom of the model, which a plan makes first)
-        table = time.perf_counter() - table
         plan = plan_reads(reader.atoms, ShardedModel(config, parse_layout(LAYOUT), STATES), 0)
         count = len({item.atom for t in plan.tensors for item in t.items})
     manifest_read = storage.stats.bytes_read  # (the marker, the manifest and the index parts read so far)

@@ -21,7 +21,7 @@ from ..base import dtypes
 from ..base.boxes import Box, full_box, intersect, relative, to_slices
 from ..base.chunking import ChunkingPolicy, choose_chunks
 from ..base.devices import load_device, on_host
-from ..base.heap import advise_huge_pages, collector_paused, populate
+from ..base.heap import collector_paused
 from ..base.workpool import ObjectCall, run_sized
 from ..errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
 from ..format import tree
@@ -498,7 +498,6 @@ class CheckpointReader:
         out: dict[str, torch.Tensor] = {}
         packs: dict[str, list[codec.PackedRead]] = {}  # packed atoms read whole into host memory, by pack
         others: list[AtomMeta] = []
-        fresh: set[str] = set()  # large tensors made here: the read of the first chunk populates them
         for path in paths:
             try:
                 whole = manifest.whole_packed(path)
@@ -516,8 +515,6 @@ class CheckpointReader:
                 continue
             meta = self.atoms[path]
             out[path] = dest if dest is not None else allocate(meta, device=place)
-            if dest is None and meta.nbytes >= FRESH_HUGE_BYTES and place is None:
-                fresh.add(path)
             others.append(meta)
         tasks = [
             ObjectCall(
@@ -530,15 +527,13 @@ class CheckpointReader:
                 lands = landing if landing is not None and not on_host(out[m.path]) else None
                 tasks += [
                     ObjectCall(
-                        functools.partial(
-                            self._read_fresh if k == 0 and m.path in fresh else self.read_chunk_into, m, i, out[m.path]
-                        )
+                        functools.partial(self.read_chunk_into, m, i, out[m.path])
                         if lands is None  # (whole chunks straight into host memory: the least work per object)
                         else functools.partial(self.read_region, m, i, full_box(m.shape), out[m.path], lands),
                         m.object_bytes,
                         self.read_key(m, i),
                     )
-                    for k, i in enumerate(chunk_indices(m.grid))
+                    for i in chunk_indices(m.grid)
                 ]
             self.run_reads(tasks)
         if into is not None:
@@ -547,13 +542,6 @@ class CheckpointReader:
                     into[path].copy_(aliases[path])
             out = {p: into[p] for p in paths}
         return out
-
-    def _read_fresh(self, meta: AtomMeta, index: tuple[int, ...], out: torch.Tensor) -> None:
-        """`read_chunk_into` of the first chunk of a large tensor this load made, its pages faulted in first, all at
-        once, by this read thread (beside the others' reads) rather than one by one as the reads touch them
-        (docs/BENCHMARKS.md, fresh memory)."""
-        populate(out.data_ptr(), out.numel() * out.element_size())
-        self.read_chunk_into(meta, index, out)
 
     def _pack_key(self, pack: str) -> str:
         return pack_object_key(self.prefix, pack)
@@ -660,21 +648,12 @@ def _allocate(
     shape: tuple[int, ...], dtype: torch.dtype, path: str, device: torch.device | str | None, zero: bool = False
 ) -> torch.Tensor:
     try:
-        tensor = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-        nbytes = tensor.numel() * tensor.element_size()
-        if not zero and nbytes >= FRESH_HUGE_BYTES and tensor.device.type == "cpu":
-            # (its pages are not touched yet: the read that fills them faults one 2 MiB page where it would 512)
-            advise_huge_pages(tensor.data_ptr(), nbytes)
-        return tensor
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as e:
         where = f" on {device}" if device is not None else ""
         raise StateError(
             f"cannot allocate {math.prod(shape) * dtype.itemsize} bytes{where} for atom {path!r}: {e}"
         ) from None
-
-
-# Tensors a load makes of at least this many bytes get huge pages where the kernel gives them (`heap.advise_huge_pages`).
-FRESH_HUGE_BYTES = 4 << 20
 
 
 def _direct(dest: torch.Tensor) -> bool:
