@@ -128,6 +128,9 @@ def copy_strided(dest: torch.Tensor, src: torch.Tensor) -> None:
     torch spreads a large copy over its OpenMP threads, which then spin on the cores that a load's read threads need
     (a 1 GiB load of column blocks, on 2 cores: 0.4 CPU-s of spinning). Their memory is viewed from its address,
     not through `tensor.numpy()` (which would mark the storage unresizable)."""
+    if dest.device.type != "cpu" or src.device.type != "cpu":
+        dest.copy_(src)
+        return
     import numpy as np
 
     def view(t: torch.Tensor) -> np.ndarray:

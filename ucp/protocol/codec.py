@@ -378,8 +378,10 @@ class ChunkSink:
 
     def deliver(self) -> None:
         """Copy what was read into scratch memory to the destination (nothing to do when read in place)."""
-        if self.scratch is not None:
-            self.dest.copy_(self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))])
+        if self.scratch is not None:  # (by numpy in this thread, not torch's spinning OpenMP threads: copy_strided)
+            dtypes.copy_strided(
+                self.dest, self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))]
+            )
 
 
 DestFn = Callable[[Box], "tuple[torch.Tensor, tuple[int, ...]] | None"]
