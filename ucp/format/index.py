@@ -88,8 +88,9 @@ def path_key(path: str) -> tuple[Any, ...]:
     digits compared as numbers (then by length: "01" after "1"), the rest as text. So `layers.2` comes before
     `layers.10` and the experts of one rank of an expert-parallel layout (0 to 31 of 256, say) lie together, where a
     text order would scatter them over every part of their layer."""
-    pieces = _DIGITS.split(path)
-    return tuple((int(p), len(p)) if i % 2 else p for i, p in enumerate(pieces))
+    pieces: list[Any] = _DIGITS.split(path)
+    pieces[1::2] = [(int(p), len(p)) for p in pieces[1::2]]
+    return tuple(pieces)
 
 
 # ------------------------------------------------------------------------------------------------- writing
@@ -739,8 +740,9 @@ class IndexedManifest:
         ]
 
     def parts(self, paths: list[str] | None = None) -> list[int]:
-        """The parts that hold `paths` (every part if None), each once, ascending."""
-        if paths is None:
+        """The parts that hold `paths` (every part if None, or if they are a good share of the step's atoms: then
+        reading every part costs less than finding each path's), each once, ascending."""
+        if paths is None or len(paths) * 4 > self.total_atoms:
             return list(range(len(self.entries)))
         found = {self.part_of(p) for p in paths}
         return sorted(n for n in found if n is not None)
