@@ -79,6 +79,14 @@ def default_role(path: str) -> str:
     return "tensor"
 
 
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as a save reads them: without autograd history, contiguous in host memory (a tensor on a
+    device is copied to staging memory whatever its strides: no copy of it is made here)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t.contiguous() if t.is_cpu else t
+
+
 def plan_atoms(
     tensors: Mapping[str, torch.Tensor],
     policy: ChunkingPolicy,
@@ -174,8 +182,7 @@ def plan_save(
     """The plan of a single-process save: every atom and chunk, then the commit. Bad states are refused here,
     before anything is written."""
     json_tree, tensors = tree.flatten(state)
-    # (a tensor on a device is copied to staging memory whatever its strides: no copy of it is made here)
-    tensors = {p: t.detach().contiguous() if on_host(t) else t.detach() for p, t in tensors.items()}
+    tensors = {p: _values(t) for p, t in tensors.items()}
     metas = plan_atoms(tensors, options.chunking, atom_attributes)
     step = next_step(storage) if step is None else check_step(step)
     manifest = StepManifest(
