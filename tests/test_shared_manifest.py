@@ -80,6 +80,7 @@ def test_each_index_part_is_read_once_for_the_whole_job(saved, tmp_path):
         assert r["digests"] == {p: digest(flat[p]) for p in wanted[rank]}, rank
 
 
+@pytest.mark.slow
 def test_a_part_no_rank_can_read_fails_every_rank(saved, tmp_path):
     root, flat = saved
     broken = tmp_path / "broken"
