@@ -21,6 +21,7 @@ error), with the typed messages below. Single-process saves, `VirtualWorld`, the
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import math
 import threading
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Self
 
 from ..errors import StepExistsError, StorageError, UcpError
+from ..format import index as step_index
 from ..format.manifest import (
     FORMAT_VERSION,
     ZARR_JSON,
@@ -353,7 +355,9 @@ class SaveSession:
         manifest.packed = {path: self._packed_chunks(meta, packed) for path, meta in atoms if meta.packed}
         names = sorted({c.pack for chunks in manifest.packed.values() for c in chunks})
         manifest.packs = {name: objects[pack_object_key("", name)[1:]] for name in names}  # (keys are relative)
-        manifest_bytes = dumps(manifest.to_group_json())
+        manifest_bytes, parts = step_index.encode(manifest)  # (format 3.1: the manifest and its index parts)
+        with cf.ThreadPoolExecutor(min(len(parts), 16) or 1, thread_name_prefix="ucp-index") as pool:
+            list(pool.map(lambda part: self.storage.write(f"{self.prefix}/{part[0]}", [part[1]]), parts))
         self.storage.write(f"{self.prefix}/{ZARR_JSON}", [manifest_bytes])
         self.storage.flush()
         nbytes = sum(a.nbytes for a in manifest.atoms.values())
