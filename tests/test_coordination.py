@@ -250,6 +250,10 @@ def test_the_messages_of_the_save_session_and_the_hot_tier_cross_as_json_unchang
             ),
         ]
         for message in messages:
+            if isinstance(message, RankWrites):  # (its sums stay the [size, crc] pairs JSON gives: rank 0 takes many)
+                assert json.loads(json.dumps(roundtrip(message).to_json())) == json.loads(json.dumps(message.to_json()))
+                assert all(list(v) == list(message.objects[k]) for k, v in roundtrip(message).objects.items())
+                continue
             assert roundtrip(message) == message, message
 
 
@@ -260,7 +264,7 @@ def test_several_ranks_writes_are_merged_one_rank_s_taken_as_recorded():
         prefix, {f"{prefix}/k/b": (3, 4)}, {"p": [[1, "pack-r1-0", 0, 8, 6]], "q": [[0, "pack-r1-0", 64, 8, 7]]}
     )
     assert a.objects == {"k/a": (1, 2)}  # (what crosses: keys below the attempt's directory)
-    objects, packed = RankWrites.merged([a, b], prefix)
-    assert objects == {f"{prefix}/k/a": (1, 2), f"{prefix}/k/b": (3, 4)}
+    objects, packed = RankWrites.merged([a, b])
+    assert objects == {"k/a": (1, 2), "k/b": (3, 4)}
     assert packed == {"p": [[0, "pack-r0-0", 0, 8, 5], [1, "pack-r1-0", 0, 8, 6]], "q": [[0, "pack-r1-0", 64, 8, 7]]}
-    assert RankWrites.merged([a], prefix)[1] is a.packed
+    assert RankWrites.merged([a])[1] is a.packed

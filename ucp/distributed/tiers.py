@@ -195,17 +195,24 @@ class Directory:
 @dataclass(frozen=True)
 class Published:
     """Rank 0 to every rank: the commit marker and the manifest of the step it committed in its node's directory,
-    byte for byte (the marker holds the manifest's checksum)."""
+    and the manifest's index parts (format 3.1), byte for byte (the marker holds the manifest's checksum, the
+    manifest each part's)."""
 
     marker: bytes
     manifest: bytes
+    index: dict[str, bytes] = field(default_factory=dict)  # name below the attempt -> bytes
 
     def to_json(self) -> dict:
-        return {"marker": base64.b64encode(self.marker).decode(), "manifest": base64.b64encode(self.manifest).decode()}
+        return {
+            "marker": base64.b64encode(self.marker).decode(),
+            "manifest": base64.b64encode(self.manifest).decode(),
+            "index": {name: base64.b64encode(data).decode() for name, data in self.index.items()},
+        }
 
     @classmethod
     def from_json(cls, doc: Any) -> Published:
-        return cls(base64.b64decode(doc["marker"]), base64.b64decode(doc["manifest"]))
+        index = {name: base64.b64decode(data) for name, data in doc["index"].items()}
+        return cls(base64.b64decode(doc["marker"]), base64.b64decode(doc["manifest"]), index)
 
 
 # ------------------------------------------------------------------------------------------------ nodes
@@ -454,11 +461,14 @@ class HotTier:
 
         def committed() -> Published:
             marker = bytes(self.storage.read(commit.marker_key(session.step)))
-            return Published(marker, bytes(self.storage.read(f"{session.prefix}/{ZARR_JSON}")))
+            manifest = bytes(self.storage.read(f"{session.prefix}/{ZARR_JSON}"))
+            return Published(marker, manifest, CheckpointReader(self.storage, session.step).index_parts())
 
         published = broadcast(self.comm, committed, Published)
         if self.is_leader and self.nodes.node_of[self.rank] != self.nodes.node_of[0]:
             ensure_root(self.storage)
+            for name, data in published.index.items():
+                self.storage.write(f"{session.prefix}/{name}", [data])
             self.storage.write(f"{session.prefix}/{ZARR_JSON}", [published.manifest])
             self.storage.flush()
             if not commit.create_once(self.storage, commit.marker_key(session.step), published.marker):
@@ -570,7 +580,7 @@ class HotTier:
         usable = set(keys) - {k for i, k in enumerate(keys) if my_node not in directory.holders(i)}
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
         source = TierSource(self.storage, usable, fetched, durable_reader)
-        tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes))
+        tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes, chosen.index))
         if not isinstance(plan, ReadPlan):
             raise plan
         local, report = run_plan(tiered, plan, into=into, device=device)
@@ -650,9 +660,11 @@ class HotTier:
             try:
                 marker = bytes(self.storage.read(commit.marker_key(choice.step)))
                 where = f"{self.storage.url}/{commit.marker_key(choice.step)}"
-                held_by = Published(
-                    marker, commit.read_manifest_bytes(self.storage, commit.parse_marker(marker, choice.step, where))
-                )
+                record = commit.parse_marker(marker, choice.step, where)
+                manifest = commit.read_manifest_bytes(self.storage, record)
+                # (format 3.1: the manifest's index parts go with it)
+                index = CheckpointReader(self.storage, committed=(record, manifest)).index_parts()
+                held_by = Published(marker, manifest, index)
             except (UcpError, OSError) as e:
                 held_by = f"hot tier: rank {self.rank} cannot read step {choice.step}'s marker and manifest: {e}"
         if choice.holder != 0:  # (handed to rank 0, which broadcasts it; an empty marker says it failed)
@@ -660,16 +672,18 @@ class HotTier:
             def received(_peer: int, items: dict[str, memoryview]) -> None:
                 nonlocal held_by
                 marker, manifest = bytes(items["marker"]), bytes(items["manifest"])
-                held_by = Published(marker, manifest) if marker else manifest.decode()
+                index = {k.removeprefix("index/"): bytes(v) for k, v in items.items() if k.startswith("index/")}
+                held_by = Published(marker, manifest, index) if marker else manifest.decode()
 
             ours = (
                 (held_by.marker, held_by.manifest) if isinstance(held_by, Published) else (b"", str(held_by).encode())
             )
+            parts = held_by.index if isinstance(held_by, Published) else {}
+            items = [from_bytes("marker", ours[0]), from_bytes("manifest", ours[1])]
+            items += [from_bytes(f"index/{name}", data) for name, data in parts.items()]
             send_rounds(
                 self.comm,
-                {0: [[from_bytes("marker", ours[0]), from_bytes("manifest", ours[1])]]}
-                if self.rank == choice.holder
-                else {},
+                {0: [items]} if self.rank == choice.holder else {},
                 [choice.holder] if self.rank == 0 else [],
                 received,
             )
@@ -681,7 +695,7 @@ class HotTier:
 
         step = broadcast(self.comm, documents, Published)
         record = commit.parse_marker(step.marker, choice.step, f"hot tier step {choice.step} from rank {choice.holder}")
-        reader = CheckpointReader(self.storage, committed=(record, step.manifest))
+        reader = CheckpointReader(self.storage, committed=(record, step.manifest, step.index))
         objects = _object_list(reader.atoms)
         share, ranks_here = self.nodes.position[self.rank], len(self.nodes.ranks(self.nodes.node_of[self.rank]))
 
@@ -709,7 +723,7 @@ class HotTier:
 
         failed = f"hot tier: checking step {choice.step}"
         found = all_reduce(self.comm, check, directory, Checked, Directory, failed=lambda f: f.error(failed))
-        choice.reader, choice.manifest_bytes, choice.directory = reader, step.manifest, found
+        choice.reader, choice.manifest_bytes, choice.index, choice.directory = reader, step.manifest, step.index, found
         choice.damaged = found.damaged
 
 
@@ -723,11 +737,12 @@ class _Choice:
     durable_too: bool  # the durable URL holds it committed as well
     reader: CheckpointReader | None = None
     manifest_bytes: bytes = b""
+    index: dict[str, bytes] = field(default_factory=dict)  # the manifest's index parts (format 3.1)
     directory: Directory | None = None  # which nodes hold each object intact
     damaged: list[str] = field(default_factory=list)
 
 
-def _object_list(atoms: dict[str, AtomMeta]) -> list[tuple[str, tuple[int, ...]]]:
+def _object_list(atoms: Mapping[str, AtomMeta]) -> list[tuple[str, tuple[int, ...]]]:
     return [(path, index) for path, meta in atoms.items() for index in chunk_indices(meta.grid)]
 
 

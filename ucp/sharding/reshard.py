@@ -139,8 +139,23 @@ def _fused_groups(rules: list[Rule]) -> list[list[Rule]]:
 def local_params(config: Any, layout: Layout, coords: RankCoords) -> list[LocalParam]:
     """The local parameters of a rank at ``coords``, in local-state order: chunk by chunk (v = 0..V-1); in a
     chunk, first-chunk tensors, then layer by layer the layer's tensors then its local experts' tensors expert
-    by expert, then last-chunk tensors."""
-    family = family_for(config)
+    by expert, then last-chunk tensors. (Remembered for the last coordinates asked: the writers of a chunk are found
+    from the layouts of the ranks that write it, asked again for every atom they share.)"""
+    return list(
+        _local_params_cached(family_for(config).name, json.dumps(config.to_json(), sort_keys=True), layout, coords)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_params_cached(
+    family_name: str, config_json: str, layout: Layout, coords: RankCoords
+) -> tuple[LocalParam, ...]:
+    family = FAMILIES[family_name]
+    config = family.config_cls.from_json(json.loads(config_json))
+    return tuple(_local_params(family, config, layout, coords))
+
+
+def _local_params(family: Any, config: Any, layout: Layout, coords: RankCoords) -> list[LocalParam]:
     counts, starts = _chunk_starts(layout, config)
     n_experts = getattr(config, "num_local_experts", 0) or 0
     per_ep = n_experts // layout.ep
