@@ -676,17 +676,24 @@ def aws_environment(options: dict[str, Any]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@contextlib.contextmanager
-def _quiet_threads() -> Iterator[None]:
-    """DCP's writer threads print each failure's traceback (64 of them) before DCP raises it: once is enough."""
+_QUIET_HOOK: list[Any] = []
+
+
+def _quiet_threads() -> None:
+    """DCP's writer threads print each failure of s3torchconnector's client (64 of them, some after DCP has raised
+    the first): once, in the measurement's error, is enough. Other threads' failures are printed as before."""
     import threading
 
-    hook = threading.excepthook
-    threading.excepthook = lambda args: None
-    try:
-        yield
-    finally:
-        threading.excepthook = hook
+    if _QUIET_HOOK:
+        return
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        if type(args.exc_value).__name__ != "S3Exception":
+            previous(args)
+
+    _QUIET_HOOK.append(hook)
+    threading.excepthook = hook
 
 
 def _region() -> str:
@@ -716,8 +723,9 @@ class DcpS3Torch(Dcp):
         from s3torchconnector.dcp import S3StorageWriter
 
         self._shapes = {p: (t.shape, t.dtype) for p, t in state.flat.items()}
+        _quiet_threads()
         try:
-            with aws_environment(directory.storage_options), _dcp(), _quiet_threads():
+            with aws_environment(directory.storage_options), _dcp():
                 writer = S3StorageWriter(
                     _region(), (directory / "dcp").url, s3client_config=self._config(), thread_count=self.io_threads
                 )
