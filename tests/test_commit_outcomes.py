@@ -34,7 +34,7 @@ def state(seed: int) -> dict:
 
 @pytest.fixture
 def proxy(s3_server):
-    p = FaultProxy(s3_server)
+    p = FaultProxy(s3_server.url)
     try:
         yield p
     finally:
