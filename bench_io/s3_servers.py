@@ -15,7 +15,6 @@ started it. Debian 12's Ceph (16, "pacific") has no standalone backend: radosgw 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import signal
@@ -29,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, Self
 
+from trainer.elastic import alive as process_alive
 from trainer.launch import free_port
 
 RADOSGW_PACKAGES = ("radosgw", "ceph-mon", "ceph-osd")
@@ -211,18 +211,8 @@ def remove_stale_clusters(parent: Path) -> None:
             pids = [int(p.read_text().strip() or 0) for p in (old / "run").glob("*.pid")]
         except (OSError, ValueError):
             continue
-        if not any(_alive(pid) for pid in pids if pid > 0):
+        if not any(process_alive(pid) for pid in pids if pid > 0):
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Radosgw:

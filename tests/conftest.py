@@ -18,6 +18,7 @@ from bench_io.s3_servers import S3_SERVERS
 
 from .helpers import load_factor
 from .launch import SEED_VARIABLE, free_port
+from .s3_proxy import FaultProxy
 
 
 def pytest_configure(config):
@@ -110,6 +111,16 @@ def s3_bucket(s3_server, monkeypatch):
     Yields ``(bucket_name, storage_options)``; ``storage_options`` work with s3fs / fsspec.
     """
     yield fresh_bucket(s3_server, monkeypatch)
+
+
+@pytest.fixture
+def proxy(s3_server):
+    """A `FaultProxy` in front of the session's S3 server (tests/s3_proxy.py): faults armed per request."""
+    p = FaultProxy(s3_server.url)
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 @pytest.fixture

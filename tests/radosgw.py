@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench_io.s3_servers import RADOSGW_START_S, Radosgw, S3Endpoint
+from trainer.elastic import alive as process_alive
 
 REPO = Path(__file__).resolve().parents[1]
 ENDPOINT = "endpoint.json"
@@ -46,23 +47,13 @@ def _locked(directory: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _served(directory: Path) -> S3Endpoint | None:
     """The endpoint of the run's keeper, if one is serving."""
     try:
         doc = json.loads((directory / ENDPOINT).read_text())
     except (OSError, ValueError):
         return None
-    return S3Endpoint.from_json(doc["endpoint"]) if _alive(doc["keeper"]) else None
+    return S3Endpoint.from_json(doc["endpoint"]) if process_alive(doc["keeper"]) else None
 
 
 @contextmanager
@@ -134,7 +125,7 @@ def keep(directory: Path) -> None:
             with _locked(directory):
                 clients = list((directory / CLIENTS).iterdir())
                 for client in clients:
-                    if not _alive(int(client.name)):
+                    if not process_alive(int(client.name)):
                         client.unlink(missing_ok=True)
                 alive = any(c.exists() for c in clients)
                 claimed = claimed or alive

@@ -41,15 +41,6 @@ from .s3_proxy import CUT, DAMAGE, FaultProxy
 QUICK = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 60}
 
 
-@pytest.fixture
-def proxy(s3_server):
-    p = FaultProxy(s3_server.url)
-    try:
-        yield p
-    finally:
-        p.close()
-
-
 def through(options: dict, proxy: FaultProxy) -> dict:
     """`options` with every request going through `proxy`, retried once."""
     return {**options, "endpoint_url": proxy.url, "config_kwargs": QUICK}
