@@ -27,7 +27,7 @@ import uuid
 import numpy as np
 
 from dataloaders import IndexedDatasetWriter, PretrainLoader
-from dataloaders.blockcache import filesystem
+from dataloaders.fetch import filesystem
 from trainer.launch import free_port
 
 
