@@ -22,7 +22,7 @@ from .manifest import Manifest, ShardInfo
 from .order import SHUFFLES, EpochOrder, WindowOrder
 from .pretrain import PretrainLoader
 from .sft import SFTLoader
-from .tokenize import ByteTokenizer, load_tokenizer, prepare
+from .tokenize import ByteTokenizer, TokenIds, load_tokenizer, prepare
 
 __all__ = [
     "SHUFFLES",
@@ -49,6 +49,7 @@ __all__ = [
     "ShardInfo",
     "ShardNotFoundError",
     "StateError",
+    "TokenIds",
     "WindowOrder",
     "load_tokenizer",
     "open_corpus",
