@@ -19,6 +19,10 @@ from .manifest import MANIFEST_NAME, Manifest, ShardInfo
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 tokens per shard
 
 
+# The widest token dtype of a shard is int32 (``optimal_dtype``): an id must fit it.
+MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255, end-of-document 256. Needs no vocabulary file."""
 
@@ -72,8 +76,8 @@ class TokenIds:
     name = "ids"
 
     def __init__(self, vocab_size: int | None = None, eos_id: int | None = None) -> None:
-        if vocab_size is not None and vocab_size <= 0:
-            raise InputFormatError(f"vocab_size must be positive, got {vocab_size}")
+        if vocab_size is not None and not 0 < vocab_size <= MAX_TOKEN_ID + 1:
+            raise InputFormatError(f"vocab_size must be in [1, {MAX_TOKEN_ID + 1}] (int32 tokens), got {vocab_size}")
         if eos_id is not None and (eos_id < 0 or (vocab_size is not None and eos_id >= vocab_size)):
             raise InputFormatError(f"eos_id {eos_id} is outside the vocabulary [0, {vocab_size})")
         self.vocab_size = vocab_size
@@ -116,11 +120,15 @@ def iter_documents(url: str, text_key: str = "text", storage_options: dict | Non
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int | None, where: str) -> None:
-    """Refuse ids outside ``[0, vocab_size)`` (or negative), naming the first one and its index."""
-    bad = ids < 0 if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+    """Refuse ids outside ``[0, vocab_size)`` (without one: negative, or too large for a shard's int32), naming
+    the first one and its index."""
+    top = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    bad = (ids < 0) | (ids >= top)
     if bad.any():
         j = int(np.argmax(bad))
-        limit = "negative" if vocab_size is None else f"outside the vocabulary [0, {vocab_size})"
+        limit = f"outside the vocabulary [0, {vocab_size})" if vocab_size is not None else (
+            "negative" if ids[j] < 0 else f"too large for a shard's int32 tokens (at most {MAX_TOKEN_ID})"
+        )  # fmt: skip
         raise InputFormatError(f"{where}: token id {int(ids[j])} at index {j} is {limit}")
 
 
@@ -135,6 +143,10 @@ def _load_npy(url: str, storage_options: dict | None) -> np.ndarray:
     except FileNotFoundError as e:
         raise InputFormatError(f"input {url} not found") from e
     except (ValueError, OSError, EOFError) as e:
+        if "object" in str(e) or "pickle" in str(e):  # numpy's words for an array of Python objects
+            raise InputFormatError(
+                f"{url}: an array of Python objects (ragged rows?), expected one integer array of token ids"
+            ) from e
         raise InputFormatError(f"{url}: not a .npy array of token ids: {e}") from e
     if arr.dtype.kind not in "iu":
         raise InputFormatError(f"{url}: dtype {arr.dtype}, expected integer token ids")
@@ -154,9 +166,9 @@ def iter_token_documents(
         rows = arr.reshape(1, -1) if arr.ndim == 1 else arr
         row_bytes = rows.shape[1] * rows.dtype.itemsize
         for r in range(rows.shape[0]):
-            ids = np.asarray(rows[r], dtype=np.int64)
-            _check_ids(ids, vocab_size, f"{url}: row {r}" if arr.ndim == 2 else url)
-            yield ids, row_bytes
+            row = np.asarray(rows[r])
+            _check_ids(row, vocab_size, f"{url}: row {r}" if arr.ndim == 2 else url)  # before a cast could wrap
+            yield row.astype(np.int64), row_bytes
         return
     if not url.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
         raise InputFormatError(f"{url}: token ids come in .jsonl (a list of integers per line) or .npy files")
@@ -175,6 +187,10 @@ def iter_token_documents(
             for j, x in enumerate(seq):
                 if type(x) is not int:
                     raise InputFormatError(f"{where}: token {j} is {x!r}, not an integer id")
+                if x > MAX_TOKEN_ID:  # (checked here: past int64, numpy would raise an OverflowError of its own)
+                    raise InputFormatError(
+                        f"{where}: token id {x} at index {j} is too large for a shard's int32 tokens"
+                    )
             ids = np.asarray(seq, dtype=np.int64)
             _check_ids(ids, vocab_size, where)
             yield ids, len(line)
