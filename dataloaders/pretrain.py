@@ -30,6 +30,7 @@ DEFAULT_LANES = 64
 DEFAULT_WINDOW_BYTES = 1 << 20
 DEFAULT_SPAN_WINDOWS = 4
 DEFAULT_DISK_CACHE_BYTES = 16 << 30
+MIN_LANE_WINDOWS = 4
 
 
 class PretrainSource:
@@ -63,11 +64,17 @@ class PretrainSource:
         self.order: EpochOrder | WindowOrder
         self.windows: WindowReader | None = None
         if shuffle == "windows":
-            if window_bytes <= 0 or span_windows <= 0:
+            if window_bytes <= 0 or span_windows <= 0 or lanes <= 0:
                 raise DataLoaderError(
-                    f"window_bytes and span_windows must be positive, got {window_bytes} and {span_windows}"
+                    f"lanes, window_bytes and span_windows must be positive, got {lanes}, {window_bytes} and "
+                    f"{span_windows}"
                 )
-            window = max(1, window_bytes // (seq_len * corpus.dtype.itemsize))
+            # A lane holds at least MIN_LANE_WINDOWS windows: a rank reads its own run of windows plus at most the two
+            # it shares with its neighbours, so a window as large as a lane (a small corpus) would read twice the bytes.
+            window = max(
+                1,
+                min(window_bytes // (seq_len * corpus.dtype.itemsize), self.num_samples // (MIN_LANE_WINDOWS * lanes)),
+            )
             self.order = WindowOrder(self.num_samples, seed, self.manifest_hash, lanes, window, window * span_windows)
             reader = WindowReader(corpus, seq_len, window, self.num_samples, 0)
             needed = self.working_set(reader.window_bytes, ranks)

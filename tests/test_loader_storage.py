@@ -393,3 +393,28 @@ def test_prepare_token_ids_to_s3(tmp_path, s3_bucket):
     flat = ids.reshape(-1)
     np.testing.assert_array_equal(next(loader)["input_ids"].numpy(), [flat[i * 63 : i * 63 + 63] for i in range(4)])
     loader.close()
+
+
+def test_dataloader_bench_runs(tmp_path, capsys):
+    """bench_io.dataloader_bench end to end on a small corpus on tmpfs (Streaming is not installed here)."""
+    from bench_io.dataloader_bench import main
+
+    out = tmp_path / "dl.json"
+    argv = ["--size-mb", "8", "--seq-len", "256", "--targets", "tmpfs", "--loaders", "ucp,ucp-global"]
+    assert (
+        main([*argv, "--repeats", "1", "--global-batches", "5", "--tmpfs-dir", str(tmp_path), "--out", str(out)]) == 0
+    )
+    rows = {r["loader"]: r for r in json.loads(out.read_text())["results"]}
+    n = 8 * (1 << 20) // 2 // 256
+    assert rows["ucp"]["samples"] == (n - 1) // 64 * 8  # an epoch of rank 0 of 8
+    assert 1.0 <= rows["ucp"]["amplification"] <= 1.5 < rows["ucp-global"]["amplification"]
+    assert "ucp-global" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [{"lanes": 0}, {"window_bytes": 0}, {"span_windows": -1}, {"shuffle": "py1e"}])
+def test_windowed_order_options_refused(tmp_path, bad):
+    from dataloaders import DataLoaderError
+
+    make_corpus(tmp_path)
+    with pytest.raises(DataLoaderError, match=next(iter(bad))):
+        PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, **bad)
