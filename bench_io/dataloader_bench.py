@@ -230,6 +230,31 @@ def target_url(target: str, servers: dict, tmp_dirs: list, tmpfs_dir: str) -> tu
     return f"s3://{bucket}", opts
 
 
+def probe_ranges(target: str, servers: dict) -> dict:
+    """What one ranged GET costs on ``target``: 1 MiB of a 1 MiB object and of a 64 MiB one (a shard), 32 such
+    ranges at once, one 8 MiB range (a Streaming download part): medians of 10 in ms, and seconds."""
+    root, opts = target_url(target, servers, [], tempfile.gettempdir())
+    fs, path = filesystem(root, opts)
+    rng = np.random.default_rng(0)
+    fs.pipe_file(f"{path}/small", rng.bytes(1 << 20))
+    fs.pipe_file(f"{path}/big", rng.bytes(64 << 20))
+    out: dict = {"target": target}
+    for name in ("small", "big"):
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            fs.cat_file(f"{path}/{name}", start=0, end=1 << 20)
+            times.append(time.perf_counter() - t)
+        out[f"1MiB_of_{name}_ms"] = statistics.median(times) * 1e3
+    t = time.perf_counter()
+    fs.cat_ranges([f"{path}/big"] * 32, [i << 20 for i in range(32)], [(i + 1) << 20 for i in range(32)])
+    out["32_ranges_of_big_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    fs.cat_file(f"{path}/big", start=0, end=8 << 20)
+    out["8MiB_of_big_s"] = time.perf_counter() - t
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench_io.dataloader_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -247,12 +272,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", default="moto,radosgw", help="comma-separated: tmpfs, moto, radosgw")
     ap.add_argument("--tmpfs-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--probe-ranges", action="store_true", help="only time ranged GETs on each S3 target")
     args = ap.parse_args(argv)
+    if args.probe_ranges:
+        servers: dict = {}
+        try:
+            for target in [t.strip() for t in args.targets.split(",") if t.strip() and t.strip() != "tmpfs"]:
+                print(json.dumps(probe_ranges(target, servers)))
+        finally:
+            for server in servers.values():
+                server.close()
+        return 0
     loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
     batches = args.batches
 
     results = []
-    servers: dict = {}
+    servers = {}
     tmp_dirs: list[str] = []
     try:
         for target in [t.strip() for t in args.targets.split(",") if t.strip()]:
