@@ -17,6 +17,7 @@ from dataloaders import (
     DiskCache,
     InputFormatError,
     PretrainLoader,
+    StateError,
     TokenIds,
     WindowOrder,
     open_corpus,
@@ -128,8 +129,17 @@ def test_a_state_of_one_order_is_refused_by_another(tmp_path):
     a = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, shuffle="windows")
     next(a)
     b = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, shuffle="global")
-    with pytest.raises(Exception, match="shuffle"):
+    with pytest.raises(StateError, match="shuffle"):
         b.load_state_dict(a.state_dict())
+    # A state written before the order was recorded meant the global order.
+    next(b)
+    old = {k: v for k, v in b.state_dict().items() if k != "shuffle"}
+    c = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, shuffle="global")
+    c.load_state_dict(old)
+    assert next(c).sample_ids.tolist() == next(b).sample_ids.tolist()
+    with pytest.raises(StateError, match="shuffle"):
+        a.load_state_dict(old)
+    c.close()
     a.close()
     b.close()
 
@@ -149,8 +159,13 @@ def test_windowed_epoch_reads_each_window_once(tmp_path, case):
     """The IO aim: over an epoch, rank 0 of dp 8 reads at most 1.5x the sample bytes it consumes (here in windows
     of 1-4 KiB over a 0.5 MB corpus; the benchmark measures the defaults at 256 MiB)."""
     make_corpus(tmp_path, n_shards=2, docs_per_shard=400, max_len=600, seed=case)
-    kw = {"seq_len": DRAW.choice([16, 32, 64]), "global_batch_size": 64, "seed": DRAW.randrange(2**31)}
+    kw = {
+        "seq_len": DRAW.choice([16, 32, 64]),
+        "global_batch_size": [64, 128, 256][case],
+        "seed": DRAW.randrange(2**31),
+    }
     kw |= {"window_bytes": DRAW.choice([1024, 2048, 4096]), "span_windows": DRAW.choice([1, 2, 4])}
+    kw |= {"lanes": DRAW.choice([16, 32, 64])}
     loader, used = epoch_reads(str(tmp_path), None, **kw)
     stats = loader.io_stats
     data = stats.bytes_read - stats.index_bytes
