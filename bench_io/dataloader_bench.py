@@ -23,6 +23,7 @@ Targets: ``tmpfs``, ``moto`` and ``radosgw`` (bench_io.s3_servers: a throwaway o
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -284,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                 server.close()
         return 0
     loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
+    if "streaming" in loaders and importlib.util.find_spec("streaming") is None:
+        ap.error("the streaming loader needs mosaicml-streaming installed; or pass --loaders ucp,ucp-global")
     batches = args.batches
 
     results = []
