@@ -22,7 +22,7 @@ from .errors import DataLoaderError
 from .fetch import IOStats
 from .loader import ElasticLoader
 from .order import SHUFFLES, EpochOrder, WindowOrder
-from .windows import WindowReader
+from .windows import WindowReader, window_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +76,17 @@ class PretrainSource:
                 min(window_bytes // (seq_len * corpus.dtype.itemsize), self.num_samples // (MIN_LANE_WINDOWS * lanes)),
             )
             self.order = WindowOrder(self.num_samples, seed, self.manifest_hash, lanes, window, window * span_windows)
-            reader = WindowReader(corpus, seq_len, window, self.num_samples, 0)
-            needed = self.working_set(reader.window_bytes, ranks)
+            nbytes = window_nbytes(window, seq_len, corpus.dtype)
+            needed = self.working_set(nbytes, ranks)
             if cache_bytes is None:
                 cache_bytes = needed
             elif cache_bytes < needed:
                 log.warning(
                     "cache_bytes=%d is below what one rank of %d draws from at once in the windowed order "
                     "(%d bytes: %d lanes, %d windows of %d bytes each): windows will be read more than once",
-                    cache_bytes, ranks, needed, self.lanes_per_rank(ranks), span_windows, reader.window_bytes,
+                    cache_bytes, ranks, needed, self.lanes_per_rank(ranks), span_windows, nbytes,
                 )  # fmt: skip
-            reader.cache.capacity_bytes = reader.capacity_bytes = cache_bytes
-            self.windows = reader
+            self.windows = WindowReader(corpus, seq_len, window, self.num_samples, cache_bytes)
         else:
             self.order = EpochOrder(self.num_samples, seed, self.manifest_hash, shuffle == "global")
 

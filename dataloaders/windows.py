@@ -19,6 +19,11 @@ from .corpus import Corpus
 log = logging.getLogger(__name__)
 
 
+def window_nbytes(window: int, seq_len: int, dtype: np.dtype) -> int:
+    """The bytes of one whole window of ``window`` samples: its tokens and the last sample's label."""
+    return (window * seq_len + 1) * dtype.itemsize
+
+
 class WindowReader:
     """Rows ``[n, seq_len + 1]`` of samples, read by whole windows of ``window`` samples through a memory cache."""
 
@@ -28,7 +33,7 @@ class WindowReader:
         self.window = window
         self.num_samples = num_samples
         self.dtype = corpus.dtype
-        self.window_bytes = (window * seq_len + 1) * self.dtype.itemsize
+        self.window_bytes = window_nbytes(window, seq_len, self.dtype)
         self.capacity_bytes = capacity_bytes
         self.cache = MemoryCache(capacity_bytes, corpus.stats)
 
