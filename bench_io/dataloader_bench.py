@@ -119,7 +119,7 @@ def seed_of_run() -> int:
 
 def run_ucp(url: str, args, storage_options: dict | None, shuffle: str, batches: int) -> dict:
     t0 = time.perf_counter()
-    kw: dict = {"cache_bytes": 256 << 20} if shuffle == "global" else {}
+    kw: dict = {"cache_bytes": 256 << 20} if shuffle == "global" else {"span_windows": args.span_windows}
     loader = PretrainLoader(
         url, seq_len=args.seq_len, global_batch_size=args.global_batch, dp_rank=0, dp_size=args.dp_size,
         seed=seed_of_run(), storage_options=storage_options, shuffle=shuffle, prefetch=args.prefetch,
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=0, help="batches per run of ucp and streaming (0: an epoch)")
     ap.add_argument("--global-batches", type=int, default=100, help="batches per run of ucp-global")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--span-windows", type=int, default=4, help="ucp's windowed order: windows a span (default 4)")
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--loaders", default="ucp,ucp-global,streaming", help="comma-separated: ucp, ucp-global, streaming")
