@@ -260,7 +260,11 @@ class ElasticLoader:
         for key, value in self.sources[0].describe().items():
             saved = state.get(key, LEGACY_STATE.get(key))
             if saved != value:
-                raise StateError(f"state has {key}={saved!r}, this loader has {key}={value!r}")
+                hint = ""
+                if key == "shuffle" and isinstance(saved, dict) and "mode" in saved:
+                    # (a state saved before the windowed order became the default is in the global order)
+                    hint = f"; resume it with shuffle={saved['mode']!r} (and that order's parameters)"
+                raise StateError(f"state has {key}={saved!r}, this loader has {key}={value!r}{hint}")
         if state.get("seed") != self.seed:
             raise StateError(f"state has seed {state.get('seed')}, this loader has seed {self.seed}")
         consumed = state.get("consumed_samples")

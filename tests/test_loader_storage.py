@@ -23,6 +23,7 @@ from dataloaders import (
     open_corpus,
     prepare,
 )
+from trainer.data import PretrainTokens
 
 from .helpers import DRAW
 from .test_dataloaders import global_ids, make_corpus, take
@@ -129,7 +130,7 @@ def test_a_state_of_one_order_is_refused_by_another(tmp_path):
     a = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, shuffle="windows")
     next(a)
     b = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, shuffle="global")
-    with pytest.raises(StateError, match="shuffle"):
+    with pytest.raises(StateError, match="resume it with shuffle='windows'"):
         b.load_state_dict(a.state_dict())
     # A state written before the order was recorded meant the global order.
     next(b)
@@ -137,8 +138,12 @@ def test_a_state_of_one_order_is_refused_by_another(tmp_path):
     c = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, shuffle="global")
     c.load_state_dict(old)
     assert next(c).sample_ids.tolist() == next(b).sample_ids.tolist()
-    with pytest.raises(StateError, match="shuffle"):
+    with pytest.raises(StateError, match="resume it with shuffle='global'"):
         a.load_state_dict(old)
+    # ... which is how the trainer resumes a run saved then (data.shuffle: global)
+    tokens = PretrainTokens(tmp_path, seq_len=8, global_batch=4, dp_rank=0, dp_size=1, seed=0, shuffle="global")
+    tokens.load_state_dict(old)
+    assert tokens.loader.consumed_samples == old["consumed_samples"]
     c.close()
     a.close()
     b.close()
