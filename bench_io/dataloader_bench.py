@@ -1,49 +1,46 @@
-"""Data-loader throughput: tokens/s delivered to one data-parallel rank, against a raw read of the same bytes.
+"""Token loaders on object storage: what one data-parallel rank reads, and how fast, beside MosaicML Streaming.
 
-Prepares a synthetic corpus of random (incompressible) uint16 tokens in MMIDIDX shards on each target
-(tmpfs: /dev/shm; S3: a moto server on 127.0.0.1, started in a child process unless --endpoint-url is given),
-then for each repeat builds a fresh PretrainLoader (cold block cache) as rank 0 of --dp-size and consumes
---batches batches. The baseline reads exactly the block ranges that loader run fetched, with fsspec
-``cat_ranges`` and the same block size, so the ratio is the loader's own overhead (sampling, copies, threads).
-``amplification`` is bytes read / token bytes delivered: random samples pull whole blocks
-(``--block-size 0`` reads exact sample ranges, uncached).
+Writes a synthetic corpus of random (incompressible) uint16 tokens twice to each target, as MMIDIDX shards (ucp's
+loaders) and as Streaming's MDS shards of the same samples (sample ``i`` = tokens ``[iL, iL + L + 1)``, one
+``bytes`` column; Streaming's default 64 MiB shards), then, for each repeat and each loader, builds a fresh loader
+(cold caches, another seed) as rank 0 of ``--dp-size`` and consumes batches:
 
-    python -m bench_io.dataloader_bench --size-mb 64 --repeats 3 --out dl.json
+- ``ucp``: ``PretrainLoader`` in its default windowed order, over a whole epoch of the rank (``--batches 0``);
+- ``ucp-global``: the exact global order (``shuffle="global"``, 1 MiB blocks, a 256 MiB cache), over
+  ``--global-batches`` batches only (it reads nearly the whole corpus for a few MB of samples: the "before");
+- ``streaming``: ``StreamingDataset`` (0.13; shuffled, py1e) through a torch ``DataLoader`` (no worker processes:
+  its downloads run in its own threads), as node 0 of ``--dp-size`` one-rank nodes, over the same number of batches
+  as ``ucp``.
+
+Reported per loader (medians): tokens/s from the first batch asked for to the last, bytes read from storage
+(ucp: ``io_stats``, the ``.idx`` files included; Streaming: every GET body botocore received, ``index.json``
+included), GET requests, and ``amplification`` = bytes read / the sample bytes consumed (L uint16 tokens a sample).
+Targets: ``tmpfs``, ``moto`` and ``radosgw`` (bench_io.s3_servers: a throwaway one-node Ceph where installed).
+
+    python -m bench_io.dataloader_bench --size-mb 256 --targets moto,radosgw --repeats 3 --out dl.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 
 import numpy as np
 
-from dataloaders import IndexedDatasetWriter, PretrainLoader
-from dataloaders.blockcache import filesystem
+from bench_io.s3_servers import start_s3_server
+from dataloaders import IndexedDatasetWriter, PretrainLoader, open_corpus
+from dataloaders.fetch import filesystem
 from trainer.launch import free_port
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """moto's ThreadedMotoServer in a child process, so its Python threads do not share the loader's GIL."""
-    port = free_port()
-    code = (
-        "import time; from moto.server import ThreadedMotoServer; "
-        f"s = ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False); s.start(); "
-        "print('ready', flush=True); time.sleep(10**9)"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    if proc.stdout.readline().strip() != "ready":
-        proc.kill()
-        raise RuntimeError("moto server did not start")
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def write_corpus(root: str, size_mb: int, n_shards: int, storage_options: dict | None, seed: int = 0) -> int:
@@ -62,137 +59,288 @@ def write_corpus(root: str, size_mb: int, n_shards: int, storage_options: dict |
     return total
 
 
-def run_loader(url: str, args, storage_options: dict | None) -> dict:
+def write_mds(ucp_url: str, mds_url: str, seq_len: int, storage_options: dict | None) -> int:
+    """Streaming's MDS shards of the ucp corpus's samples (written locally, then uploaded); returns the samples."""
+    from streaming import MDSWriter
+
+    corpus = open_corpus(ucp_url, storage_options)
+    n = (corpus.num_tokens - 1) // seq_len
+    local = tempfile.mkdtemp(prefix="dlbench-mds-")
+    try:
+        with MDSWriter(out=local, columns={"tokens": "bytes"}) as w:
+            chunk = 1024
+            for first in range(0, n, chunk):
+                stop = min(n, first + chunk)
+                tokens = corpus.read([(first * seq_len, stop * seq_len + 1)])[0].astype(np.uint16)
+                for i in range(stop - first):
+                    w.write({"tokens": tokens[i * seq_len : (i + 1) * seq_len + 1].tobytes()})
+        fs, path = filesystem(mds_url, storage_options)
+        if "file" in fs.protocol or "local" in fs.protocol:
+            shutil.copytree(local, path)
+        else:
+            fs.put(local.rstrip("/") + "/", path, recursive=True)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    return n
+
+
+class GetCounter:
+    """The GETs botocore sends while counting (Streaming's downloads), and the body bytes they received."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def counting(self):
+        import botocore.endpoint
+
+        orig = botocore.endpoint.Endpoint._send
+
+        def send(endpoint, request):
+            response = orig(endpoint, request)
+            if request.method == "GET":
+                with self._lock:
+                    self.requests += 1
+                    self.bytes += int(response.headers.get("Content-Length", 0))
+            return response
+
+        botocore.endpoint.Endpoint._send = send
+        try:
+            yield self
+        finally:
+            botocore.endpoint.Endpoint._send = orig
+
+
+def seed_of_run() -> int:
+    return int(time.time_ns() % 100_000)  # another order each repeat: no help from a warm OS or server cache
+
+
+def run_ucp(url: str, args, storage_options: dict | None, shuffle: str, batches: int) -> dict:
     t0 = time.perf_counter()
+    kw: dict = {"cache_bytes": 256 << 20} if shuffle == "global" else {"span_windows": args.span_windows}
     loader = PretrainLoader(
-        url,
-        seq_len=args.seq_len,
-        global_batch_size=args.global_batch,
-        dp_rank=0,
-        dp_size=args.dp_size,
-        seed=int(time.time_ns() % 1000),  # another order each repeat: no help from a warm OS or server cache
-        storage_options=storage_options,
-        block_size=args.block_size,
-        cache_bytes=args.cache_mb << 20,
-        prefetch=args.prefetch,
-        num_threads=args.threads,
-    )
-    loader.io_stats.record_ranges = True
+        url, seq_len=args.seq_len, global_batch_size=args.global_batch, dp_rank=0, dp_size=args.dp_size,
+        seed=seed_of_run(), storage_options=storage_options, shuffle=shuffle, prefetch=args.prefetch,
+        num_threads=args.threads, **kw,
+    )  # fmt: skip
     t1 = time.perf_counter()
-    tokens = 0
-    for _ in range(args.batches):
-        tokens += next(loader)["input_ids"].numel()
+    tokens = rows = 0
+    for _ in range(batches):
+        x = next(loader)["input_ids"]
+        tokens += x.numel()
+        rows += x.shape[0]
     t2 = time.perf_counter()
-    loader.close(wait=True)  # reads of batches prefetched but not consumed count too, in both columns
+    loader.close(wait=True)  # reads of batches prefetched but not consumed count too
     stats = loader.io_stats
-    ranges = list(stats.ranges)
-    fs, _ = filesystem(url, storage_options)
-    t3 = time.perf_counter()
-    raw = fs.cat_ranges([p for p, _, _ in ranges], [s for _, s, _ in ranges], [e for _, _, e in ranges])
-    t4 = time.perf_counter()
-    assert sum(len(r) for r in raw) == stats.bytes_read
-    return {
-        "open_s": t1 - t0,
-        "loader_s": t2 - t1,
-        "tokens": tokens,
-        "bytes_read": stats.bytes_read,
-        "requests": stats.requests,
-        "raw_s": t4 - t3,
-    }
+    return {"open_s": t1 - t0, "loader_s": t2 - t1, "tokens": tokens, "samples": rows,
+            "bytes_read": stats.bytes_read, "index_bytes": stats.index_bytes, "requests": stats.requests}  # fmt: skip
 
 
-def summarize(target: str, runs: list[dict]) -> dict:
+@contextmanager
+def environment(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_streaming(mds_url: str, args, storage_options: dict | None, batches: int) -> dict:
+    import torch
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    L = args.seq_len
+
+    def collate(rows: list[dict]) -> dict:
+        tokens = torch.from_numpy(
+            np.stack([np.frombuffer(r["tokens"], dtype=np.uint16) for r in rows]).astype(np.int64)
+        )
+        return {"input_ids": tokens[:, :L], "labels": tokens[:, 1:]}
+
+    # Node 0 of dp_size one-rank nodes, without the other ranks: Streaming reads its world from these variables, and
+    # its barriers go through torch.distributed when it is initialized, here as a group of this process alone.
+    env = {"WORLD_SIZE": str(args.dp_size), "RANK": "0", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    if storage_options and "endpoint_url" in storage_options:
+        env |= {"S3_ENDPOINT_URL": storage_options["endpoint_url"], "AWS_ACCESS_KEY_ID": storage_options["key"],
+                "AWS_SECRET_ACCESS_KEY": storage_options["secret"]}  # fmt: skip
+    local = tempfile.mkdtemp(prefix="dlbench-streaming-")
+    counter = GetCounter()
+    try:
+        clean_stale_shared_memory()
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        with environment(**env), counter.counting():
+            micro = args.global_batch // args.dp_size
+            t0 = time.perf_counter()
+            ds = StreamingDataset(
+                remote=mds_url, local=local, shuffle=True, shuffle_seed=seed_of_run(), batch_size=micro
+            )
+            dl = torch.utils.data.DataLoader(ds, batch_size=micro, num_workers=0, collate_fn=collate)
+            t1 = time.perf_counter()
+            tokens = rows = 0
+            it = iter(dl)
+            for _ in range(batches):
+                x = next(it)["input_ids"]
+                tokens += x.numel()
+                rows += x.shape[0]
+            t2 = time.perf_counter()
+            del it, dl, ds
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        shutil.rmtree(local, ignore_errors=True)
+    return {"open_s": t1 - t0, "loader_s": t2 - t1, "tokens": tokens, "samples": rows,
+            "bytes_read": counter.bytes, "index_bytes": 0, "requests": counter.requests}  # fmt: skip
+
+
+def summarize(target: str, loader: str, runs: list[dict], seq_len: int) -> dict:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    tok_s = statistics.median(r["tokens"] / r["loader_s"] for r in runs)
-    raw_tok_s = statistics.median(r["tokens"] / r["raw_s"] for r in runs)
     return {
         "target": target,
-        "loader_tokens_per_s": tok_s,
-        "loader_read_MBps": statistics.median(r["bytes_read"] / r["loader_s"] / 1e6 for r in runs),
-        "raw_tokens_per_s": raw_tok_s,
-        "raw_read_MBps": statistics.median(r["bytes_read"] / r["raw_s"] / 1e6 for r in runs),
-        "ratio": tok_s / raw_tok_s,
-        "amplification": med["bytes_read"] / (med["tokens"] * 2),
-        "open_s": med["open_s"],
+        "loader": loader,
+        "tokens_per_s": statistics.median(r["tokens"] / r["loader_s"] for r in runs),
+        "samples": med["samples"],
+        "sample_MB": med["samples"] * seq_len * 2 / 1e6,
+        "read_MB": med["bytes_read"] / 1e6,
+        "amplification": statistics.median(r["bytes_read"] / (r["samples"] * seq_len * 2) for r in runs),
         "requests": med["requests"],
+        "open_s": med["open_s"],
         "runs": runs,
     }
+
+
+def target_url(target: str, servers: dict, tmp_dirs: list, tmpfs_dir: str) -> tuple[str, dict | None]:
+    """The root URL of a fresh corpus on ``target`` and its storage options (starting its server the first time)."""
+    if target == "tmpfs":
+        root = tempfile.mkdtemp(prefix="dlbench-", dir=tmpfs_dir)
+        tmp_dirs.append(root)
+        return root, None
+    if target not in servers:
+        servers[target] = start_s3_server(target)
+    opts = dict(servers[target].endpoint.storage_options) | {"config_kwargs": {"max_pool_connections": 32}}
+    bucket = f"dlbench-{uuid.uuid4().hex[:8]}"
+    fs, _ = filesystem(f"s3://{bucket}", opts)
+    fs.mkdir(bucket)
+    return f"s3://{bucket}", opts
+
+
+def probe_ranges(target: str, servers: dict) -> dict:
+    """What one ranged GET costs on ``target``: 1 MiB of a 1 MiB object and of a 64 MiB one (a shard), 32 such
+    ranges at once, one 8 MiB range (a Streaming download part): medians of 10 in ms, and seconds."""
+    root, opts = target_url(target, servers, [], tempfile.gettempdir())
+    fs, path = filesystem(root, opts)
+    rng = np.random.default_rng(0)
+    fs.pipe_file(f"{path}/small", rng.bytes(1 << 20))
+    fs.pipe_file(f"{path}/big", rng.bytes(64 << 20))
+    out: dict = {"target": target}
+    for name in ("small", "big"):
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            fs.cat_file(f"{path}/{name}", start=0, end=1 << 20)
+            times.append(time.perf_counter() - t)
+        out[f"1MiB_of_{name}_ms"] = statistics.median(times) * 1e3
+    t = time.perf_counter()
+    fs.cat_ranges([f"{path}/big"] * 32, [i << 20 for i in range(32)], [(i + 1) << 20 for i in range(32)])
+    out["32_ranges_of_big_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    fs.cat_file(f"{path}/big", start=0, end=8 << 20)
+    out["8MiB_of_big_s"] = time.perf_counter() - t
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench_io.dataloader_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--size-mb", type=int, default=128, help="corpus size in MiB of uint16 tokens (default 128)")
+    ap.add_argument("--size-mb", type=int, default=256, help="corpus size in MiB of uint16 tokens (default 256)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--dp-size", type=int, default=8, help="the measured rank is rank 0 of this many")
-    ap.add_argument("--batches", type=int, default=50, help="batches consumed per repeat")
+    ap.add_argument("--batches", type=int, default=0, help="batches per run of ucp and streaming (0: an epoch)")
+    ap.add_argument("--global-batches", type=int, default=100, help="batches per run of ucp-global")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--block-size", type=int, default=1 << 20, help="cache block in bytes; 0: exact ranges")
-    ap.add_argument("--cache-mb", type=int, default=256)
+    ap.add_argument("--span-windows", type=int, default=4, help="ucp's windowed order: windows a span (default 4)")
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--targets", default="tmpfs,s3", help="comma-separated: tmpfs, s3")
+    ap.add_argument("--loaders", default="ucp,ucp-global,streaming", help="comma-separated: ucp, ucp-global, streaming")
+    ap.add_argument("--targets", default="moto,radosgw", help="comma-separated: tmpfs, moto, radosgw")
     ap.add_argument("--tmpfs-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    ap.add_argument("--endpoint-url", default=None, help="an S3 endpoint to use instead of starting moto")
-    ap.add_argument("--bucket", default=None, help="existing bucket (default: a new one)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--probe-ranges", action="store_true", help="only time ranged GETs on each S3 target")
     args = ap.parse_args(argv)
+    if args.probe_ranges:
+        servers: dict = {}
+        try:
+            for target in [t.strip() for t in args.targets.split(",") if t.strip() and t.strip() != "tmpfs"]:
+                print(json.dumps(probe_ranges(target, servers)))
+        finally:
+            for server in servers.values():
+                server.close()
+        return 0
+    loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
+    if "streaming" in loaders and importlib.util.find_spec("streaming") is None:
+        ap.error("the streaming loader needs mosaicml-streaming installed; or pass --loaders ucp,ucp-global")
+    batches = args.batches
 
     results = []
-    moto = None
-    tmp_root = None
+    servers = {}
+    tmp_dirs: list[str] = []
     try:
         for target in [t.strip() for t in args.targets.split(",") if t.strip()]:
-            if target == "tmpfs":
-                tmp_root = tempfile.mkdtemp(prefix="dlbench-", dir=args.tmpfs_dir)
-                url, opts = os.path.join(tmp_root, "corpus"), None
-            elif target == "s3":
-                endpoint = args.endpoint_url
-                if endpoint is None:
-                    moto, endpoint = start_moto()
-                    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-                    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-                opts = {"endpoint_url": endpoint, "config_kwargs": {"max_pool_connections": 32}}
-                if moto is not None:
-                    opts.update(key="testing", secret="testing")
-                bucket = args.bucket or f"dlbench-{uuid.uuid4().hex[:8]}"
-                fs, _ = filesystem(f"s3://{bucket}", opts)
-                if not fs.exists(bucket):
-                    fs.mkdir(bucket)
-                url = f"s3://{bucket}/corpus"
-            else:
-                ap.error(f"unknown target {target!r}")
+            root, opts = target_url(target, servers, tmp_dirs, args.tmpfs_dir)
+            url = root + "/corpus"
             t = time.perf_counter()
             n_tokens = write_corpus(url, args.size_mb, args.shards, opts)
+            n_samples = (n_tokens - 1) // args.seq_len
+            if "streaming" in loaders:
+                write_mds(url, root + "/mds", args.seq_len, opts)
             print(f"[{target}] wrote {n_tokens} tokens in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-            runs = [run_loader(url, args, opts) for _ in range(args.repeats)]
-            results.append(summarize(target, runs))
+            # An epoch of rank 0: whole global batches, the same count for every loader.
+            epoch = batches or n_samples // args.global_batch
+            for _ in range(args.repeats):
+                for name in loaders:
+                    if name == "ucp":
+                        run = run_ucp(url, args, opts, "windows", epoch)
+                    elif name == "ucp-global":
+                        run = run_ucp(url, args, opts, "global", args.global_batches)
+                    elif name == "streaming":
+                        run = run_streaming(root + "/mds", args, opts, epoch)
+                    else:
+                        ap.error(f"unknown loader {name!r}")
+                    print(f"[{target}] {name}: {json.dumps(run)}", file=sys.stderr)
+                    results.append((target, name, run))
     finally:
-        if moto is not None:
-            moto.kill()
-            moto.wait()
-        if tmp_root is not None:
-            shutil.rmtree(tmp_root, ignore_errors=True)
+        for server in servers.values():
+            server.close()
+        for d in tmp_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
-    micro = args.global_batch // args.dp_size
+    table = []
+    for target in dict.fromkeys(t for t, _, _ in results):
+        for name in loaders:
+            runs = [r for t, n, r in results if t == target and n == name]
+            if runs:
+                table.append(summarize(target, name, runs, args.seq_len))
     print(
-        f"\ncorpus {args.size_mb} MiB uint16, seq_len {args.seq_len}, global batch {args.global_batch}, "
-        f"dp {args.dp_size} (rank 0: {micro} samples/batch), {args.batches} batches, block {args.block_size} B, "
-        f"median of {args.repeats}"
+        f"\ncorpus {args.size_mb} MiB uint16, seq_len {args.seq_len}, global batch {args.global_batch}, rank 0 of dp "
+        f"{args.dp_size} ({args.global_batch // args.dp_size} samples a batch); median of {args.repeats}"
     )
-    header = f"{'target':<8}{'loader tok/s/rank':>19}{'raw tok/s':>14}{'ratio':>7}{'loader MB/s':>13}"
-    header += f"{'raw MB/s':>10}{'ampl.':>7}{'open s':>8}"
-    print(header)
-    for r in results:
-        print(
-            f"{r['target']:<8}{r['loader_tokens_per_s']:>19,.0f}{r['raw_tokens_per_s']:>14,.0f}{r['ratio']:>7.2f}"
-            f"{r['loader_read_MBps']:>13.1f}{r['raw_read_MBps']:>10.1f}{r['amplification']:>7.1f}{r['open_s']:>8.2f}"
-        )
+    print(f"{'target':<9}{'loader':<12}{'tokens/s':>12}{'samples':>9}{'sample MB':>11}{'read MB':>10}{'ampl.':>8}"
+          f"{'GETs':>7}{'open s':>8}")  # fmt: skip
+    for r in table:
+        print(f"{r['target']:<9}{r['loader']:<12}{r['tokens_per_s']:>12,.0f}{r['samples']:>9.0f}{r['sample_MB']:>11.1f}"
+              f"{r['read_MB']:>10.1f}{r['amplification']:>8.2f}{r['requests']:>7.0f}{r['open_s']:>8.2f}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "results": table}, f, indent=1)
     return 0
 
 

@@ -3,8 +3,9 @@
 This package imports nothing else of the project.
 """
 
-from .blockcache import BlockCache, IOStats
+from .blockcache import BlockCache, MemoryCache
 from .corpus import Corpus, open_corpus
+from .diskcache import DiskCache
 from .errors import (
     BatchSizeError,
     DataLoaderError,
@@ -14,21 +15,27 @@ from .errors import (
     ShardNotFoundError,
     StateError,
 )
+from .fetch import Fetcher, IOStats
 from .indexed import IndexedDataset, IndexedDatasetWriter, parse_index
 from .loader import Batch, ElasticLoader
 from .manifest import Manifest, ShardInfo
+from .order import SHUFFLES, EpochOrder, WindowOrder
 from .pretrain import PretrainLoader
 from .sft import SFTLoader
-from .tokenize import ByteTokenizer, load_tokenizer, prepare
+from .tokenize import ByteTokenizer, TokenIds, load_tokenizer, prepare
 
 __all__ = [
+    "SHUFFLES",
     "Batch",
     "BatchSizeError",
     "BlockCache",
     "ByteTokenizer",
     "Corpus",
     "DataLoaderError",
+    "DiskCache",
     "ElasticLoader",
+    "EpochOrder",
+    "Fetcher",
     "IOStats",
     "IndexFormatError",
     "IndexedDataset",
@@ -36,11 +43,14 @@ __all__ = [
     "InputFormatError",
     "Manifest",
     "ManifestMismatchError",
+    "MemoryCache",
     "PretrainLoader",
     "SFTLoader",
     "ShardInfo",
     "ShardNotFoundError",
     "StateError",
+    "TokenIds",
+    "WindowOrder",
     "load_tokenizer",
     "open_corpus",
     "parse_index",

@@ -1,4 +1,5 @@
-"""``python -m dataloaders prepare INPUT... --out URL``: tokenize text / JSONL into MMIDIDX shards.
+"""``python -m dataloaders prepare INPUT... --out URL``: tokenize text / JSONL (or take token ids: ``--tokenized``)
+into MMIDIDX shards.
 ``python -m dataloaders info URL``: print a dataset's manifest."""
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from .errors import DataLoaderError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dataloaders", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="tokenize text files or JSONL into MMIDIDX shards")
-    p.add_argument("inputs", nargs="+", help="text files (one document each) or .jsonl files (one per line)")
+    p = sub.add_parser("prepare", help="tokenize text files or JSONL (or take token ids) into MMIDIDX shards")
+    p.add_argument(
+        "inputs", nargs="+",
+        help="text files (one document each) or .jsonl files (one per line); with --tokenized, .jsonl files of "
+        "integer lists (or objects whose --text-key field is one) and .npy integer arrays (a document per row)",
+    )  # fmt: skip
     p.add_argument("--out", required=True, help="output directory URL (local path, s3://bucket/prefix, ...)")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json")
+    p.add_argument("--tokenized", action="store_true", help="the inputs are token ids already (no tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="with --tokenized: ids must be below it (default: the largest id + 1)")  # fmt: skip
+    p.add_argument("--eos-id", type=int, default=None, help="with --tokenized: append this id to each document")
     p.add_argument("--text-key", default="text", help="JSONL field holding the text (default: text)")
     p.add_argument("--shard-tokens", type=int, default=None, help="start a new shard after this many tokens")
     p.add_argument("--no-eos", action="store_true", help="do not append the end-of-document token")
@@ -26,15 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("sources", nargs="+")
     i.add_argument("--storage-options", default="{}")
     args = parser.parse_args(argv)
+    if args.cmd == "prepare":
+        if args.tokenized and args.tokenizer != "byte":
+            parser.error("--tokenized inputs are token ids already: they take no --tokenizer")
+        if not args.tokenized and (args.vocab_size is not None or args.eos_id is not None):
+            parser.error("--vocab-size and --eos-id go with --tokenized")
     try:
         opts = json.loads(args.storage_options)
         if args.cmd == "prepare":
-            from .tokenize import DEFAULT_SHARD_TOKENS, load_tokenizer, prepare
+            from .tokenize import DEFAULT_SHARD_TOKENS, TokenIds, load_tokenizer, prepare
 
             res = prepare(
                 args.inputs,
                 args.out,
-                load_tokenizer(args.tokenizer),
+                TokenIds(args.vocab_size, args.eos_id) if args.tokenized else load_tokenizer(args.tokenizer),
                 text_key=args.text_key,
                 shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
                 append_eos=not args.no_eos,

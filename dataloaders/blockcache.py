@@ -1,103 +1,55 @@
-"""Ranged reads of shard files through a bounded LRU cache of aligned blocks.
+"""Bounded in-memory caches: a generic LRU of byte-sized values, and the block cache of ranged shard reads.
 
-Object stores pay per request, local files per syscall: reading aligned blocks and keeping the recent ones
-amortises both, while the cache bound keeps memory flat however large the corpus. Files are never
-``open()``-ed, because s3fs would then pull 50 MiB of readahead per seek; every byte comes from
-``cat_ranges`` and is counted in :class:`IOStats`, so tests and benchmarks can check what was read.
+Object stores pay per request, local files per syscall: reading aligned blocks (or, in the windowed order,
+whole windows) and keeping the recent ones amortises both, while the bound keeps memory flat however large the
+corpus. A key that another thread is already fetching is waited for, not fetched twice.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from typing import Any
 
 import fsspec
 
-from .errors import IndexFormatError, ShardNotFoundError
+from .fetch import Fetcher, IOStats
 
 DEFAULT_BLOCK_SIZE = 1 << 20
 DEFAULT_CACHE_BYTES = 256 << 20
 
 
-@dataclass
-class IOStats:
-    """Counters of the bytes and requests that actually went to storage (cache hits excluded)."""
-
-    bytes_read: int = 0
-    requests: int = 0
-    cache_hits: int = 0
-    ranges: list[tuple[str, int, int]] = field(default_factory=list)  # kept only when ``record_ranges``
-    record_ranges: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, path: str, start: int, end: int) -> None:
-        with self._lock:
-            self.bytes_read += end - start
-            self.requests += 1
-            if self.record_ranges:
-                self.ranges.append((path, start, end))
-
-    def hit(self, n: int = 1) -> None:
-        with self._lock:
-            self.cache_hits += n
+def _nbytes(value: Any) -> int:
+    return memoryview(value).nbytes
 
 
-def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem of ``url`` and the path within it."""
-    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return fs, path
+class MemoryCache:
+    """A thread-safe LRU of values (bytes or numpy arrays) bounded by their total size in bytes.
 
-
-class BlockCache:
-    """A thread-safe LRU cache of ``block_size``-aligned blocks of several files, bounded by ``capacity_bytes``.
-
-    Missing blocks of one request are fetched with a single ``cat_ranges`` call (concurrent for remote stores);
-    a block that another thread is already fetching is waited for, not fetched twice.
+    ``get_many(keys, fetch)`` returns every key's value; the missing ones are fetched with one call of ``fetch``
+    (which returns them in order), while keys that another thread is fetching are waited for.
     """
 
-    def __init__(
-        self,
-        fs: fsspec.AbstractFileSystem,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        capacity_bytes: int = DEFAULT_CACHE_BYTES,
-        stats: IOStats | None = None,
-    ) -> None:
-        if block_size < 0:
-            raise ValueError(f"block_size must be positive (or 0: exact ranges, no cache), got {block_size}")
-        self.fs = fs
-        self.block_size = block_size
-        # At least one block must fit; a bound below one block would thrash on every read.
-        self.capacity_bytes = max(capacity_bytes, block_size)
-        self.stats = stats if stats is not None else IOStats()
-        self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+    def __init__(self, capacity_bytes: int, stats: IOStats) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.stats = stats
+        self._values: OrderedDict[Hashable, Any] = OrderedDict()
         self._size = 0
-        self._inflight: dict[tuple[str, int], Future] = {}
+        self._inflight: dict[Hashable, Future] = {}
         self._lock = threading.Lock()
 
-    def read_many(self, requests: list[tuple[str, int, int, int]]) -> list[bytes]:
-        """Read byte ranges ``(path, start, end, file_size)``; returns the bytes of each, in order."""
-        bs = self.block_size
-        needed: dict[tuple[str, int], int] = {}  # block key -> file size, in first-seen order
-        for path, start, end, size in requests:
-            if start < 0 or end > size or start > end:
-                raise ValueError(f"range [{start}, {end}) outside {path} of {size} bytes")
-        if bs == 0:
-            return self._read_exact(requests)
-        for path, start, end, size in requests:
-            if end > start:
-                for b in range(start // bs, (end - 1) // bs + 1):
-                    needed.setdefault((path, b), size)
-        have: dict[tuple[str, int], bytes] = {}
-        waiting: dict[tuple[str, int], Future] = {}  # blocks another thread is fetching right now
-        mine: dict[tuple[str, int], Future] = {}
+    def get_many(self, keys: Iterable[Hashable], fetch: Callable[[list[Hashable]], list[Any]]) -> dict[Hashable, Any]:
+        have: dict[Hashable, Any] = {}
+        waiting: dict[Hashable, Future] = {}  # keys another thread is fetching right now
+        mine: dict[Hashable, Future] = {}
         with self._lock:
-            for key in needed:
-                blk = self._blocks.get(key)
-                if blk is not None:
-                    self._blocks.move_to_end(key)
-                    have[key] = blk
+            for key in dict.fromkeys(keys):
+                value = self._values.get(key)
+                if value is not None:
+                    self._values.move_to_end(key)
+                    have[key] = value
                 elif key in self._inflight:
                     waiting[key] = self._inflight[key]
                 else:
@@ -106,7 +58,7 @@ class BlockCache:
             self.stats.hit(len(have) + len(waiting))
         if mine:
             try:
-                self._fetch(list(mine), needed, have)
+                got = fetch(list(mine))
             except BaseException as e:
                 with self._lock:
                     for key, fut in mine.items():
@@ -114,17 +66,70 @@ class BlockCache:
                         fut.set_exception(e)
                 raise
             with self._lock:
-                for key, fut in mine.items():
+                for (key, fut), value in zip(mine.items(), got, strict=True):
                     del self._inflight[key]
-                    fut.set_result(have[key])
-                    if key not in self._blocks:
-                        self._blocks[key] = have[key]
-                        self._size += len(have[key])
-                while self._size > self.capacity_bytes and self._blocks:
-                    _, old = self._blocks.popitem(last=False)
-                    self._size -= len(old)
+                    fut.set_result(value)
+                    have[key] = value
+                    if key not in self._values:
+                        self._values[key] = value
+                        self._size += _nbytes(value)
+                while self._size > self.capacity_bytes and self._values:
+                    _, old = self._values.popitem(last=False)
+                    self._size -= _nbytes(old)
         for key, fut in waiting.items():
             have[key] = fut.result()
+        return have
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._size
+
+
+class BlockCache:
+    """``block_size``-aligned blocks of several files in a :class:`MemoryCache` bounded by ``capacity_bytes``.
+
+    Missing blocks of one request are fetched with a single :class:`~dataloaders.fetch.Fetcher` call (concurrent
+    for remote stores, through the node's disk cache when there is one). ``block_size=0`` reads exactly the
+    ranges asked for, uncached.
+    """
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        capacity_bytes: int = DEFAULT_CACHE_BYTES,
+        stats: IOStats | None = None,
+        fetcher: Fetcher | None = None,
+    ) -> None:
+        if block_size < 0:
+            raise ValueError(f"block_size must be positive (or 0: exact ranges, no cache), got {block_size}")
+        self.fs = fs
+        self.fetcher = fetcher if fetcher is not None else Fetcher(fs, stats)
+        self.stats = self.fetcher.stats
+        self.block_size = block_size
+        # At least one block must fit; a bound below one block would thrash on every read.
+        self.capacity_bytes = max(capacity_bytes, block_size)
+        self._cache = MemoryCache(self.capacity_bytes, self.stats)
+
+    def read_many(self, requests: list[tuple[str, int, int, int]]) -> list[bytes]:
+        """Read byte ranges ``(path, start, end, file_size)``; returns the bytes of each, in order."""
+        bs = self.block_size
+        for path, start, end, size in requests:
+            if start < 0 or end > size or start > end:
+                raise ValueError(f"range [{start}, {end}) outside {path} of {size} bytes")
+        if bs == 0:
+            # Random samples over a corpus far larger than any cache would otherwise pull a whole block each.
+            return self.fetcher.read([(p, s, e) for p, s, e, _ in requests], cache=False)
+        sizes: dict[tuple[str, int], int] = {}  # block key -> file size, in first-seen order
+        for path, start, end, size in requests:
+            if end > start:
+                for b in range(start // bs, (end - 1) // bs + 1):
+                    sizes.setdefault((path, b), size)
+
+        def fetch(keys: list) -> list[bytes]:
+            return self.fetcher.read([(p, b * bs, min((b + 1) * bs, sizes[(p, b)])) for p, b in keys])
+
+        have = self._cache.get_many(sizes, fetch)
         out = []
         for path, start, end, _ in requests:
             if end == start:
@@ -132,52 +137,10 @@ class BlockCache:
                 continue
             first, last = start // bs, (end - 1) // bs
             if first == last:
-                blk = have[(path, first)]
-                out.append(blk[start - first * bs : end - first * bs])
+                out.append(have[(path, first)][start - first * bs : end - first * bs])
             else:
-                parts = [have[(path, b)] for b in range(first, last + 1)]
-                joined = b"".join(parts)
+                joined = b"".join(have[(path, b)] for b in range(first, last + 1))
                 out.append(joined[start - first * bs : end - first * bs])
-        return out
-
-    def _fetch(self, keys: list[tuple[str, int]], sizes: dict, into: dict) -> None:
-        bs = self.block_size
-        paths = [p for p, _ in keys]
-        starts = [b * bs for _, b in keys]
-        ends = [min((b + 1) * bs, sizes[(p, b)]) for p, b in keys]
-        try:
-            datas = self.fs.cat_ranges(paths, starts, ends, on_error="raise")
-        except FileNotFoundError as e:
-            raise ShardNotFoundError(f"shard data vanished while reading: {e}") from e
-        for (p, b), s, e, data in zip(keys, starts, ends, datas, strict=True):
-            if isinstance(data, Exception):
-                raise data
-            if len(data) != e - s:
-                raise IndexFormatError(f"{p}: short read at offset {s}: expected {e - s} bytes, got {len(data)}")
-            self.stats.add(p, s, e)
-            into[(p, b)] = data
-
-    def _read_exact(self, requests: list[tuple[str, int, int, int]]) -> list[bytes]:
-        """``block_size=0``: fetch exactly the requested ranges, uncached (random samples over a corpus far
-        larger than any cache would otherwise pull a whole block per sample)."""
-        todo = [(p, s, e) for p, s, e, _ in requests if e > s]
-        try:
-            datas = self.fs.cat_ranges([p for p, _, _ in todo], [s for _, s, _ in todo], [e for _, _, e in todo])
-        except FileNotFoundError as e:
-            raise ShardNotFoundError(f"shard data vanished while reading: {e}") from e
-        got = iter(datas)
-        out = []
-        for p, s, e, _ in requests:
-            if e == s:
-                out.append(b"")
-                continue
-            data = next(got)
-            if isinstance(data, Exception):
-                raise data
-            if len(data) != e - s:
-                raise IndexFormatError(f"{p}: short read at offset {s}: expected {e - s} bytes, got {len(data)}")
-            self.stats.add(p, s, e)
-            out.append(data)
         return out
 
     def read(self, path: str, start: int, end: int, size: int) -> bytes:
@@ -185,4 +148,4 @@ class BlockCache:
 
     @property
     def cached_bytes(self) -> int:
-        return self._size
+        return self._cache.cached_bytes

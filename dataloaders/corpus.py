@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .blockcache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_BYTES, BlockCache, IOStats, filesystem
+from .blockcache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_BYTES, BlockCache
+from .diskcache import DiskCache
 from .errors import DataLoaderError
+from .fetch import Fetcher, IOStats, filesystem
 from .indexed import IndexedDataset
 from .manifest import Manifest, build_manifest
 
@@ -27,8 +29,21 @@ class Corpus:
     def stats(self) -> IOStats:
         return self.cache.stats
 
-    def read(self, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
-        """Tokens ``[start, end)`` of the stream for each range, as int64; all fetched in one cache call."""
+    @property
+    def fetcher(self) -> Fetcher:
+        return self.cache.fetcher
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The token dtype of every shard (int64 if they differ)."""
+        dtypes = {s.dtype for s in self.shards}
+        return dtypes.pop() if len(dtypes) == 1 else np.dtype(np.int64)
+
+    def read(
+        self, ranges: list[tuple[int, int]], exact: bool = False, dtype: np.dtype | type = np.int64
+    ) -> list[np.ndarray]:
+        """Tokens ``[start, end)`` of the stream for each range, as ``dtype``; all fetched in one call: through
+        the block cache, or (``exact``) as exactly these byte ranges, through the disk cache when there is one."""
         requests, pieces = [], []  # pieces[i] = number of requests of range i
         for start, end in ranges:
             if not 0 <= start <= end <= self.num_tokens:
@@ -46,14 +61,18 @@ class Corpus:
                 n += 1
                 pos = stop
             pieces.append(n)
-        datas = self.cache.read_many([self.shards[s].range_request(a, b) for s, a, b in requests])
+        byte_ranges = [self.shards[s].range_request(a, b) for s, a, b in requests]
+        if exact:
+            datas = self.fetcher.read([(p, a, b) for p, a, b, _ in byte_ranges])
+        else:
+            datas = self.cache.read_many(byte_ranges)
         out, k = [], 0
         for n in pieces:
             parts = [
                 np.frombuffer(datas[k + j], dtype=self.shards[requests[k + j][0]].dtype.newbyteorder("<"))
                 for j in range(n)
             ]
-            out.append(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64))
+            out.append(np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype))
             k += n
         return out
 
@@ -64,8 +83,10 @@ def open_corpus(
     block_size: int = DEFAULT_BLOCK_SIZE,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     stats: IOStats | None = None,
+    disk_cache: DiskCache | None = None,
 ) -> Corpus:
-    """Open shards (prefix URLs or dataset directories, all on one filesystem) as one stream."""
+    """Open shards (prefix URLs or dataset directories, all on one filesystem) as one stream; ``stats`` counts
+    every read, the ``.idx`` files' included."""
     urls = [sources] if isinstance(sources, str) else list(sources)
     if not urls:
         raise DataLoaderError("no shard sources given")
@@ -76,8 +97,9 @@ def open_corpus(
         if other.protocol != fs.protocol:
             raise DataLoaderError(f"shards must share one filesystem: {urls[0]} and {u}")
         paths.append(p)
-    manifest, infos = build_manifest(fs, paths, url_of=fs.unstrip_protocol)
-    cache = BlockCache(fs, block_size=block_size, capacity_bytes=cache_bytes, stats=stats)
+    fetcher = Fetcher(fs, stats, disk_cache)
+    manifest, infos = build_manifest(fs, paths, url_of=fs.unstrip_protocol, stats=fetcher.stats)
+    cache = BlockCache(fs, block_size=block_size, capacity_bytes=cache_bytes, fetcher=fetcher)
     shards = [
         IndexedDataset(fs._strip_protocol(s.url), cache, index=info, name=s.url)
         for s, info in zip(manifest.shards, infos, strict=True)

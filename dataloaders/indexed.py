@@ -20,8 +20,9 @@ from typing import Self
 
 import numpy as np
 
-from .blockcache import BlockCache, filesystem
+from .blockcache import BlockCache
 from .errors import IndexFormatError, ShardNotFoundError
+from .fetch import IOStats, file_version, filesystem
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -210,22 +211,29 @@ class IndexedDatasetWriter:
     def __enter__(self) -> Self:
         return self
 
+    def abort(self) -> None:
+        """Stop without writing the ``.idx`` (a shard without one is no shard); the caller removes the ``.bin``."""
+        self._bin.close()
+        if self._tmp is not None:
+            os.unlink(self._tmp.name)
+            self._tmp = None
+
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
         else:
-            self._bin.close()
-            if self._tmp is not None:
-                os.unlink(self._tmp.name)
+            self.abort()
 
 
-def read_index(prefix: str, fs, name: str | None = None) -> IndexInfo:
+def read_index(prefix: str, fs, name: str | None = None, stats: IOStats | None = None) -> IndexInfo:
     """Read and parse ``prefix.idx`` with ``fs`` (a path within it); missing -> :class:`ShardNotFoundError`."""
     path = idx_url(prefix)
     try:
         data = fs.cat_file(path)
     except FileNotFoundError as e:
         raise ShardNotFoundError(f"shard index {name or path} not found") from e
+    if stats is not None:
+        stats.add(path, 0, len(data), index=True)
     return parse_index(data, name or path)
 
 
@@ -241,18 +249,21 @@ class IndexedDataset:
         self.name = name or prefix_path
         self.cache = cache
         fs = cache.fs
-        self.index = index if index is not None else read_index(prefix_path, fs, self.name + ".idx")
+        self.index = index if index is not None else read_index(prefix_path, fs, self.name + ".idx", cache.stats)
         self.bin_path = bin_url(prefix_path)
         try:
-            self.bin_size = int(fs.size(self.bin_path))
+            info = fs.info(self.bin_path)
         except FileNotFoundError as e:
             raise ShardNotFoundError(f"shard data {self.name}.bin not found") from e
+        cache.stats.metadata()
+        self.bin_size = int(info["size"])
         if self.bin_size != self.index.expected_bin_size:
             raise IndexFormatError(
                 f"{self.name}.bin: size {self.bin_size} bytes, but its .idx describes "
                 f"{self.index.num_tokens} tokens of {self.index.dtype} = {self.index.expected_bin_size} bytes"
             )
         self.dtype = self.index.dtype
+        cache.fetcher.register(self.bin_path, self.bin_size, file_version(info))
 
     def __len__(self) -> int:
         return self.index.num_sequences

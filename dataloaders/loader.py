@@ -1,8 +1,11 @@
 """The elastic, resumable loader core shared by the pretraining and SFT loaders.
 
-Global batch ``b`` holds global positions ``[b*G, (b+1)*G)``; data-parallel rank ``r`` of ``D`` takes the
-contiguous slice ``[b*G + r*G/D, b*G + (r+1)*G/D)``. With several sources, :mod:`.blend` maps each position to a
-source and that source's own position; each source maps its positions to samples with an :class:`EpochOrder`.
+Global batch ``b`` holds global positions ``[b*G, (b+1)*G)``, laid out by lane (each source's order gives each of
+its positions a lane; stably, so in position order within a lane, and in plain position order where the order has
+one lane); data-parallel rank ``r`` of ``D`` takes the contiguous slice ``[r*G/D, (r+1)*G/D)`` of that layout. The
+layout depends on the positions alone, so a global batch is the same list of samples on any number of ranks. With
+several sources, :mod:`.blend` maps each position to a source and that source's own position; each source maps its
+positions to samples with its order (:mod:`.order`).
 
 Background threads read ahead ``prefetch`` batches, but the state counts only the batches handed to the
 caller: a state is a few integers that any data-parallel size can resume from.
@@ -26,6 +29,8 @@ from .errors import BatchSizeError, ManifestMismatchError, StateError
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+# What a state written before a key existed meant by it: the global order was the only shuffled one.
+LEGACY_STATE = {"shuffle": {"mode": "global"}}
 
 
 class SampleSource(Protocol):
@@ -37,6 +42,10 @@ class SampleSource(Protocol):
 
     def samples(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(epoch, sample index)`` of the source's own global positions."""
+        ...
+
+    def lanes(self, positions: np.ndarray) -> np.ndarray:
+        """The lane of each of the source's own global positions (how a global batch is laid out)."""
         ...
 
     def fetch(self, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -139,6 +148,12 @@ class ElasticLoader:
         else:
             src, local, after_list = blend_schedule(self.weights, list(counts), start, self.global_batch_size)
             after = tuple(after_list)
+        lanes = np.empty(self.global_batch_size, dtype=np.int64)
+        for i, source in enumerate(self.sources):
+            sel = src == i
+            lanes[sel] = source.lanes(local[sel])
+        layout = np.argsort(lanes, kind="stable")
+        src, local = src[layout], local[layout]
         lo, hi = self.dp_rank * self.micro, (self.dp_rank + 1) * self.micro
         return _Plan(start, src[lo:hi], local[lo:hi], after)
 
@@ -243,8 +258,13 @@ class ElasticLoader:
         if state.get("kind") != self.kind:
             raise StateError(f"state is for a {state.get('kind')!r} loader, this is a {self.kind!r} loader")
         for key, value in self.sources[0].describe().items():
-            if state.get(key) != value:
-                raise StateError(f"state has {key}={state.get(key)!r}, this loader has {key}={value!r}")
+            saved = state.get(key, LEGACY_STATE.get(key))
+            if saved != value:
+                hint = ""
+                if key == "shuffle" and isinstance(saved, dict) and "mode" in saved:
+                    # (a state saved before the windowed order became the default is in the global order)
+                    hint = f"; resume it with shuffle={saved['mode']!r} (and that order's parameters)"
+                raise StateError(f"state has {key}={saved!r}, this loader has {key}={value!r}{hint}")
         if state.get("seed") != self.seed:
             raise StateError(f"state has seed {state.get('seed')}, this loader has seed {self.seed}")
         consumed = state.get("consumed_samples")

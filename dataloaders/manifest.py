@@ -13,6 +13,7 @@ import posixpath
 from dataclasses import asdict, dataclass
 
 from .errors import ManifestMismatchError, ShardNotFoundError
+from .fetch import IOStats
 from .indexed import IndexInfo, parse_index
 
 MANIFEST_NAME = "manifest.json"
@@ -72,25 +73,32 @@ def _strip_suffix(url: str) -> str:
     return url
 
 
-def resolve_shards(fs, sources: list[str]) -> list[tuple[str, str, dict | None]]:
+def resolve_shards(fs, sources: list[str], stats: IOStats | None = None) -> list[tuple[str, str, dict | None]]:
     """Expand sources (paths within ``fs``) into ``(name, prefix_path, recorded_fingerprint)`` in dataset order.
 
     A source is a shard prefix (``foo`` for ``foo.bin``/``foo.idx``, the suffix may be given), or a directory:
     with a ``manifest.json`` (written by ``prepare``) its shard order is used, else its ``*.idx`` sorted by name.
     """
+    stats = stats if stats is not None else IOStats()
     out: list[tuple[str, str, dict | None]] = []
     for src in sources:
         src = _strip_suffix(src.rstrip("/"))
+        stats.metadata()
         if fs.exists(src + ".idx"):
             out.append((posixpath.basename(src), src, None))
             continue
         man_path = posixpath.join(src, MANIFEST_NAME)
+        stats.metadata()
         if fs.exists(man_path):
-            doc = json.loads(fs.cat_file(man_path))
+            raw = fs.cat_file(man_path)
+            stats.add(man_path, 0, len(raw), index=True)
+            doc = json.loads(raw)
             for rec in doc["shards"]:
                 out.append((rec["name"], posixpath.join(src, rec["name"]), rec))
             continue
+        stats.metadata()
         if fs.isdir(src):
+            stats.metadata()
             idxs = sorted(p for p in fs.ls(src, detail=False) if p.endswith(".idx"))
             if not idxs:
                 raise ShardNotFoundError(f"no .idx shards in directory {src}")
@@ -100,9 +108,13 @@ def resolve_shards(fs, sources: list[str]) -> list[tuple[str, str, dict | None]]
     return out
 
 
-def build_manifest(fs, sources: list[str], url_of=lambda p: p) -> tuple[Manifest, list[IndexInfo]]:
-    """Read every shard's ``.idx`` (concurrently on remote stores) and build the manifest."""
-    resolved = resolve_shards(fs, sources)
+def build_manifest(
+    fs, sources: list[str], url_of=lambda p: p, stats: IOStats | None = None
+) -> tuple[Manifest, list[IndexInfo]]:
+    """Read every shard's ``.idx`` (concurrently on remote stores) and build the manifest; ``stats`` counts the
+    reads (``.idx`` files and ``manifest.json`` as index bytes)."""
+    stats = stats if stats is not None else IOStats()
+    resolved = resolve_shards(fs, sources, stats)
     paths = [p + ".idx" for _, p, _ in resolved]
     datas = fs.cat(paths, on_error="return") if paths else {}
     infos, shards = [], []
@@ -115,6 +127,7 @@ def build_manifest(fs, sources: list[str], url_of=lambda p: p) -> tuple[Manifest
             raise ShardNotFoundError(f"shard index {url_of(path)} not found")
         if isinstance(data, Exception):
             raise data
+        stats.add(path, 0, len(data), index=True)
         info = parse_index(data, url_of(path))
         shard = ShardInfo.from_index(name, url_of(prefix), info)
         if recorded is not None and recorded != shard.fingerprint():

@@ -144,6 +144,9 @@ class SFTSource:
     def samples(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.order.samples(positions)
 
+    def lanes(self, positions: np.ndarray) -> np.ndarray:
+        return self.order.lanes(positions)
+
     def pack(self, p: int) -> dict[str, np.ndarray]:
         L = self.seq_len
         input_ids = np.full(L, self.pad_id, dtype=np.int64)

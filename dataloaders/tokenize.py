@@ -1,4 +1,5 @@
-"""Tokenizers for ``prepare`` and the SFT loader, and the ``prepare`` pipeline (text / JSONL -> MMIDIDX shards)."""
+"""Tokenizers for ``prepare`` and the SFT loader, and the ``prepare`` pipeline (text / JSONL, or token ids already
+made: JSONL of integer lists or ``.npy`` arrays -> MMIDIDX shards)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from .indexed import IndexedDatasetWriter, optimal_dtype
 from .manifest import MANIFEST_NAME, Manifest, ShardInfo
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 tokens per shard
+
+
+# The widest token dtype of a shard is int32 (``optimal_dtype``): an id must fit it.
+MAX_TOKEN_ID = int(np.iinfo(np.int32).max)
 
 
 class ByteTokenizer:
@@ -63,6 +68,25 @@ class HFTokenizer:
         return "sha256:" + hashlib.sha256(self._raw).hexdigest()[:32]
 
 
+class TokenIds:
+    """Inputs that are token ids already: ``.jsonl`` lines that are lists of integers (or objects whose text field
+    is one), ``.npy`` integer arrays (1-D: one document; 2-D: one document per row). ``vocab_size=None``: one more
+    than the largest id in the inputs (a first pass over them); ``eos_id``: appended to each document if given."""
+
+    name = "ids"
+
+    def __init__(self, vocab_size: int | None = None, eos_id: int | None = None) -> None:
+        if vocab_size is not None and not 0 < vocab_size <= MAX_TOKEN_ID + 1:
+            raise InputFormatError(f"vocab_size must be in [1, {MAX_TOKEN_ID + 1}] (int32 tokens), got {vocab_size}")
+        if eos_id is not None and (eos_id < 0 or (vocab_size is not None and eos_id >= vocab_size)):
+            raise InputFormatError(f"eos_id {eos_id} is outside the vocabulary [0, {vocab_size})")
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+
+    def identity(self) -> str:
+        return f"ids:{self.vocab_size}"
+
+
 def load_tokenizer(spec: str | None = None):
     """``None`` or ``"byte"``: :class:`ByteTokenizer`; else the path/URL of a ``tokenizer.json``."""
     if spec is None or spec == "byte":
@@ -90,8 +114,105 @@ def iter_documents(url: str, text_key: str = "text", storage_options: dict | Non
             except json.JSONDecodeError as e:
                 raise InputFormatError(f"{url}:{lineno}: invalid JSON: {e.msg} at column {e.colno}") from e
             if not isinstance(rec, dict) or not isinstance(rec.get(text_key), str):
-                raise InputFormatError(f"{url}:{lineno}: expected an object with a string field {text_key!r}")
+                hint = " (token ids? prepare them with --tokenized)" if isinstance(rec, list) else ""
+                raise InputFormatError(f"{url}:{lineno}: expected an object with a string field {text_key!r}{hint}")
             yield rec[text_key], len(line)
+
+
+def _check_ids(ids: np.ndarray, vocab_size: int | None, where: str) -> None:
+    """Refuse ids outside ``[0, vocab_size)`` (without one: negative, or too large for a shard's int32), naming
+    the first one and its index."""
+    top = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    bad = (ids < 0) | (ids >= top)
+    if bad.any():
+        j = int(np.argmax(bad))
+        limit = f"outside the vocabulary [0, {vocab_size})" if vocab_size is not None else (
+            "negative" if ids[j] < 0 else f"too large for a shard's int32 tokens (at most {MAX_TOKEN_ID})"
+        )  # fmt: skip
+        raise InputFormatError(f"{where}: token id {int(ids[j])} at index {j} is {limit}")
+
+
+def _load_npy(url: str, storage_options: dict | None) -> np.ndarray:
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        if "file" in fs.protocol or "local" in fs.protocol:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)  # no pickle, and no copy of a large file
+        else:
+            with fs.open(path, "rb") as f:
+                arr = np.load(f, allow_pickle=False)
+    except FileNotFoundError as e:
+        raise InputFormatError(f"input {url} not found") from e
+    except (ValueError, OSError, EOFError) as e:
+        if "object" in str(e) or "pickle" in str(e):  # numpy's words for an array of Python objects
+            raise InputFormatError(
+                f"{url}: an array of Python objects (ragged rows?), expected one integer array of token ids"
+            ) from e
+        raise InputFormatError(f"{url}: not a .npy array of token ids: {e}") from e
+    if arr.dtype.kind not in "iu":
+        raise InputFormatError(f"{url}: dtype {arr.dtype}, expected integer token ids")
+    if arr.ndim not in (1, 2):
+        raise InputFormatError(f"{url}: {arr.ndim}-D array, expected 1-D (one document) or 2-D (a document per row)")
+    return arr
+
+
+def iter_token_documents(
+    url: str, text_key: str = "text", storage_options: dict | None = None, vocab_size: int | None = None
+) -> Iterator[tuple[np.ndarray, int]]:
+    """Yield ``(token ids as int64, bytes consumed)`` of inputs that are token ids already (:class:`TokenIds`);
+    an id that is not an integer, negative, or not below ``vocab_size`` is an :class:`InputFormatError` naming
+    the file and its line (a ``.npy`` file: its row)."""
+    if url.endswith(".npy"):
+        arr = _load_npy(url, storage_options)
+        rows = arr.reshape(1, -1) if arr.ndim == 1 else arr
+        row_bytes = rows.shape[1] * rows.dtype.itemsize
+        for r in range(rows.shape[0]):
+            row = np.asarray(rows[r])
+            _check_ids(row, vocab_size, f"{url}: row {r}" if arr.ndim == 2 else url)  # before a cast could wrap
+            yield row.astype(np.int64), row_bytes
+        return
+    if not url.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        raise InputFormatError(f"{url}: token ids come in .jsonl (a list of integers per line) or .npy files")
+    with fsspec.open(url, "rb", compression="infer", **(storage_options or {})) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{url}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputFormatError(f"{where}: invalid JSON: {e.msg} at column {e.colno}") from e
+            seq = rec.get(text_key) if isinstance(rec, dict) else rec
+            if not isinstance(seq, list):
+                raise InputFormatError(f"{where}: expected a list of token ids, or an object whose {text_key!r} is one")
+            for j, x in enumerate(seq):
+                if type(x) is not int:
+                    raise InputFormatError(f"{where}: token {j} is {x!r}, not an integer id")
+                if x > MAX_TOKEN_ID:  # (checked here: past int64, numpy would raise an OverflowError of its own)
+                    raise InputFormatError(
+                        f"{where}: token id {x} at index {j} is too large for a shard's int32 tokens"
+                    )
+            ids = np.asarray(seq, dtype=np.int64)
+            _check_ids(ids, vocab_size, where)
+            yield ids, len(line)
+
+
+def _prepare_inputs(inputs, ids_input, tok, text_key, storage_options, batch_docs, emit, bar) -> None:
+    """Hand every input's documents to ``emit`` as token ids, in order."""
+    for url in inputs:
+        if ids_input:
+            for ids, nbytes in iter_token_documents(url, text_key, storage_options, tok.vocab_size):
+                emit([ids])
+                bar.update(nbytes)
+            continue
+        pending: list[str] = []
+        for text, nbytes in iter_documents(url, text_key, storage_options):
+            if text:
+                pending.append(text)
+            bar.update(nbytes)
+            if len(pending) >= batch_docs:
+                emit(tok.encode_batch(pending))
+                pending = []
+        emit(tok.encode_batch(pending))
 
 
 @dataclass
@@ -112,19 +233,29 @@ def prepare(
     progress: bool = True,
     batch_docs: int = 256,
 ) -> PrepareResult:
-    """Tokenize inputs into ``out/shard_NNNNN.{bin,idx}`` plus ``out/manifest.json``; one document per sequence."""
+    """Tokenize inputs into ``out/shard_NNNNN.{bin,idx}`` plus ``out/manifest.json``; one document per sequence.
+
+    ``tokenizer``: a tokenizer of text (default: bytes), or :class:`TokenIds` for inputs that are token ids."""
     from tqdm import tqdm
 
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
-    dtype = optimal_dtype(tok.vocab_size)
+    ids_input = isinstance(tok, TokenIds)
     fs, out_path = fsspec.core.url_to_fs(out, **(storage_options or {}))
     total = 0
     for u in inputs:
         in_fs, p = fsspec.core.url_to_fs(u, **(storage_options or {}))
         if not in_fs.exists(p):
             raise InputFormatError(f"input {u} not found")
+        if u.endswith(".npy") and not ids_input:
+            raise InputFormatError(f"{u}: a .npy file holds token ids: prepare it with --tokenized (TokenIds)")
         total += in_fs.size(p)
+    if ids_input and tok.vocab_size is None:  # one pass for the largest id: the shards' dtype depends on it
+        top = max((int(ids.max()) for u in inputs for ids, _ in iter_token_documents(u, text_key, storage_options)
+                   if ids.size), default=0)  # fmt: skip
+        tok = TokenIds(max(top, tok.eos_id or 0) + 1, tok.eos_id)
+    dtype = optimal_dtype(tok.vocab_size)
     shards: list[ShardInfo] = []
+    written: list[str] = []  # the prefix of every shard begun
     writer: IndexedDatasetWriter | None = None
     n_docs = 0
 
@@ -136,34 +267,41 @@ def prepare(
             shards.append(ShardInfo.from_index(name, writer.prefix, info))
         writer = None
 
-    def emit(texts: list[str]) -> None:
+    def emit(documents: list) -> None:
         nonlocal writer, n_docs
-        for ids in tok.encode_batch(texts):
+        for doc in documents:
+            ids = np.asarray(doc, dtype=np.int64)
             if append_eos and tok.eos_id is not None:
-                ids = [*ids, tok.eos_id]
-            if not ids:
+                ids = np.append(ids, tok.eos_id)
+            if ids.size == 0:
                 continue
             if writer is None:
                 prefix = posixpath.join(out.rstrip("/"), f"shard_{len(shards):05d}")
                 writer = IndexedDatasetWriter(prefix, dtype, storage_options)
-            writer.add_document(np.asarray(ids, dtype=np.int64))
+                written.append(prefix)
+            writer.add_document(ids)
             n_docs += 1
             if writer.num_tokens >= shard_tokens:
                 finish()
 
-    with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress) as bar:
-        for url in inputs:
-            pending: list[str] = []
-            for text, nbytes in iter_documents(url, text_key, storage_options):
-                if text:
-                    pending.append(text)
-                bar.update(nbytes)
-                if len(pending) >= batch_docs:
-                    emit(pending)
-                    pending = []
-            emit(pending)
-        finish()
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress) as bar:
+            _prepare_inputs(inputs, ids_input, tok, text_key, storage_options, batch_docs, emit, bar)
+            finish()
+    except BaseException:
+        # Bad input (or an interrupt) half way: remove the shards written so far, so that no directory of shards
+        # without a manifest is left to be read as a smaller dataset.
+        if writer is not None:
+            writer.abort()
+        for prefix in written:
+            for path in (prefix + ".bin", prefix + ".idx"):
+                try:
+                    fs.rm_file(fs._strip_protocol(path))
+                except FileNotFoundError:
+                    pass
+        raise
     manifest = Manifest(tuple(shards))
+
     doc = manifest.to_json()
     doc["tokenizer"] = {
         "name": tok.name,

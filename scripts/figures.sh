@@ -30,9 +30,13 @@ python -m bench_io reshard --size 2200MiB --json "$out/reshard-2gib.json" | tee 
 python scripts/async_blocking.py | tee "$out/async-blocking.txt"
 # Writer threads against a writer process (issue 5).
 python -m bench_io gil --size 256MiB --repeats 2 --json "$out/gil.json" | tee "$out/gil.txt"
-# Data loaders: tokens/s per rank from tmpfs and S3 against raw reads of the same bytes (issue 4).
-python -m bench_io.dataloader_bench --size-mb 128 --seq-len 2048 --global-batch 64 --dp-size 8 --batches 50 \
-    --repeats 3 --out "$out/dataloader.json" | tee "$out/dataloader.txt"
+# Token loaders on object storage: an epoch of rank 0 of dp 8 on moto and radosgw beside MosaicML Streaming (needs
+# mosaicml-streaming installed), then the first 100 batches, then what one ranged GET costs (issue 40.3).
+python -m bench_io.dataloader_bench --size-mb 256 --targets moto,radosgw --repeats 5 --out "$out/dataloader-s3.json" \
+    | tee "$out/dataloader-s3.txt"
+python -m bench_io.dataloader_bench --size-mb 256 --targets moto,radosgw --repeats 5 --batches 100 \
+    --loaders ucp,streaming --out "$out/dataloader-s3-100.json" | tee -a "$out/dataloader-s3.txt"
+python -m bench_io.dataloader_bench --probe-ranges | tee -a "$out/dataloader-s3.txt"
 # The trainer: checkpoint overhead, blocking time, time to the first step after a resume (issue 7).
 python scripts/trainer_bench.py --out "$out/trainer.json" | tee "$out/trainer.txt"
 # Weights-only cold start of an SFT/RL job against safetensors, local and S3 (issue 6).

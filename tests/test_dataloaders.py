@@ -31,7 +31,7 @@ from dataloaders import (
     parse_index,
     prepare,
 )
-from dataloaders.blockcache import filesystem
+from dataloaders.fetch import filesystem
 from dataloaders.sft import IGNORE_INDEX, pack_best_fit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -507,7 +507,8 @@ def test_s3_ranged_reads(tmp_path, s3_bucket):
     stream = make_corpus(url, n_shards=2, docs_per_shard=1000, max_len=400, storage_options=opts)
     make_corpus(tmp_path, n_shards=2, docs_per_shard=1000, max_len=400)  # the same bytes, locally
     bin_bytes = 2 * len(stream)
-    kw = {"seq_len": 32, "global_batch_size": 4, "block_size": 4096, "cache_bytes": 64 * 1024, "seed": 11}
+    kw = {"seq_len": 32, "global_batch_size": 4, "block_size": 4096, "cache_bytes": 64 * 1024, "seed": 11,
+          "shuffle": "global"}  # fmt: skip
     s3 = PretrainLoader(url, storage_options=opts, **kw)
     local = PretrainLoader(str(tmp_path), **kw)
     assert s3.manifest_hash == local.manifest_hash  # the hash names content, not location
@@ -560,11 +561,15 @@ def test_failed_read_consumes_nothing_and_is_retried(tmp_path):
 
 def test_exact_range_mode_reads_only_sample_bytes(tmp_path):
     make_corpus(tmp_path)
-    loader = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, block_size=0, prefetch=0)
+    loader = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, block_size=0, prefetch=0, shuffle="global")
     batches = take(loader, 3)
     loader.close(wait=True)
-    assert loader.io_stats.bytes_read == 3 * 4 * 9 * 2  # exactly (8 + 1) uint16 tokens per sample
-    ref = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4)
+    stats = loader.io_stats
+    idx_bytes = sum(p.stat().st_size for p in tmp_path.glob("*.idx"))
+    assert stats.index_bytes == idx_bytes and stats.index_requests == 3  # the .idx files are counted, read once
+    assert stats.bytes_read - stats.index_bytes == 3 * 4 * 9 * 2  # exactly (8 + 1) uint16 tokens per sample
+    assert stats.requests - stats.index_requests == 3 * 4
+    ref = PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=4, shuffle="global")
     for a, b in zip(batches, take(ref, 3), strict=True):
         np.testing.assert_array_equal(a["input_ids"].numpy(), b["input_ids"].numpy())
     ref.close()

@@ -80,6 +80,10 @@ class DataConfig:
     seq_len: int = 32
     global_batch_size: int = 8  # samples per optimizer step, over all DP ranks
     micro_batch_size: int = 1  # samples per forward/backward pass
+    # the pretrain loader's order (dataloaders.PretrainLoader's `shuffle`): "windows" reads each rank's samples
+    # from a few neighbouring byte ranges; "global" is the exact uniform shuffle (what runs saved before the
+    # windowed order existed resume in); "none" the corpus's own order
+    shuffle: str = "windows"
 
 
 @dataclass

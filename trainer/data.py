@@ -61,11 +61,22 @@ class PretrainTokens:
     The loader is sequential and elastic: its state counts consumed samples, which any DP size resumes from.
     """
 
-    def __init__(self, path: str | Path, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(
+        self,
+        path: str | Path,
+        seq_len: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: str = "windows",
+    ):
         from dataloaders import PretrainLoader
 
         self.global_batch = global_batch
-        self.loader = PretrainLoader(str(path), seq_len, global_batch, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+        self.loader = PretrainLoader(
+            str(path), seq_len, global_batch, dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=shuffle
+        )
 
     def get_batch(self, step: int) -> torch.Tensor:
         # A step-indexed call on a sequential loader: a mismatch means the state was not restored.

@@ -104,7 +104,7 @@ class Trainer:
         self.data: TokenSource
         if d.source == "pretrain":
             self.data = PretrainTokens(
-                d.path or DEFAULT_DIR, d.seq_len, d.global_batch_size, c.dp, layout.dp, cfg.train.seed
+                d.path or DEFAULT_DIR, d.seq_len, d.global_batch_size, c.dp, layout.dp, cfg.train.seed, d.shuffle
             )
         elif d.source == "synthetic":
             self.data = SyntheticTokens(m.vocab_size, d.seq_len, d.global_batch_size, c.dp, layout.dp, cfg.train.seed)
