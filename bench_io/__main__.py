@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--size",
         type=parse_size,
-        help="bytes of the main synthetic state (default 1GiB; 256MiB with the embedded S3 server; --quick 4MiB)",
+        help="bytes of the main synthetic state (default 1GiB; 256MiB with the embedded moto server; --quick 4MiB)",
     )
     p.add_argument("--repeats", type=int, help="repeats per measurement, medians reported (default 3; --quick 1)")
     p.add_argument(
