@@ -23,7 +23,7 @@ import argparse
 from typing import Any
 
 from ..cli_common import Applies, add_storage_option, parse_storage_options, storage_option_applies
-from .megatron_save import TORCH_DIST, UNIVERSAL
+from .megatron.save import TORCH_DIST, UNIVERSAL
 from .staging import check_apart
 
 MEGATRON_DIST = "megatron-dist"  # Megatron-LM's torch_dist format, as export/import name it
@@ -94,13 +94,13 @@ def _streaming_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_dropped(report: Any) -> None:
-    """The line saying what a conversion (ucp.interop.megatron.ConvertReport) did not carry, if anything."""
+    """The line saying what a conversion (ucp.interop.megatron.convert.ConvertReport) did not carry, if anything."""
     if report.dropped:
         print(f"not carried: {', '.join(report.dropped)}")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .megatron import ConvertOptions, convert
+    from .megatron.convert import ConvertOptions, convert
 
     check_apart(args.src, args.dst)
     options = ConvertOptions(
@@ -131,7 +131,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     check_apart(args.url, args.dir)
     if args.to == MEGATRON_DIST:
-        from .megatron import ConvertOptions, convert
+        from .megatron.convert import ConvertOptions, convert
 
         step = None if args.step == "latest" else args.step
         options = ConvertOptions(from_layout=UNIVERSAL, to_layout=TORCH_DIST, step=step, **_streaming_kwargs(args))
@@ -176,7 +176,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     check_apart(args.src, args.url)
     if args.from_ == MEGATRON_DIST:
-        from .megatron import ConvertOptions, convert
+        from .megatron.convert import ConvertOptions, convert
 
         options = ConvertOptions(
             from_layout=TORCH_DIST,
