@@ -17,6 +17,7 @@ The shares are found while the engine builds its model, before vLLM turns its pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ...base.boxes import Box, full_box
+from ...base.boxes import Box
 from ...format.manifest import AtomMeta
 from ..errors import InteropError
 from ..streaming import DEFAULT_MEMORY_BUDGET
@@ -82,26 +83,28 @@ def request_of(extra: Mapping[str, Any], model_path: str) -> Request:
 
 @dataclass
 class LoadReport:
-    """What one worker read: the step, the bytes read from storage, and how long it took."""
+    """What one worker read: the step, the bytes read from storage, how long it took, and the weights it read whole
+    for want of knowing its share (`shares`: none where the engine started from ucp, unless its model converts a
+    weight before keeping it; every one where it started from other files)."""
 
     url: str
     step: int
     bytes_read: int
     seconds: float
-    whole: list[str] = field(default_factory=list)  # the weights read whole where the rank keeps a part
+    unknown_shares: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "step": self.step,
-            "bytes_read": self.bytes_read,
-            "seconds": self.seconds,
-            "whole": self.whole,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> LoadReport:
-        return cls(str(doc["url"]), int(doc["step"]), int(doc["bytes_read"]), float(doc["seconds"]), list(doc["whole"]))
+        return cls(
+            str(doc["url"]),
+            int(doc["step"]),
+            int(doc["bytes_read"]),
+            float(doc["seconds"]),
+            list(doc["unknown_shares"]),
+        )
 
 
 def open_for(hf_config: Any, request: Request, engine: str) -> StepWeights:
@@ -132,7 +135,7 @@ def load_step(model: torch.nn.Module, model_config: Any, request: Request, *, in
 
 
 def report_of(weights: StepWeights, regions: Mapping[str, Box], start: float) -> LoadReport:
-    whole = [n for n in weights.plan.names if n not in regions]
+    unknown = [n for n in weights.plan.names if n not in regions]
     seconds = time.perf_counter() - start
     log.info(
         "loaded step %d of %s into vLLM: %d bytes read in %.2f s",
@@ -141,7 +144,7 @@ def report_of(weights: StepWeights, regions: Mapping[str, Box], start: float) ->
         weights.bytes_read,
         seconds,
     )
-    return LoadReport(weights.url, weights.step, weights.bytes_read, seconds, whole if regions else [])
+    return LoadReport(weights.url, weights.step, weights.bytes_read, seconds, unknown)
 
 
 def tensors_for(model: torch.nn.Module, weights: StepWeights, request: Request) -> Iterator[tuple[str, torch.Tensor]]:
@@ -151,7 +154,7 @@ def tensors_for(model: torch.nn.Module, weights: StepWeights, request: Request) 
 
 def kept_shares(model: torch.nn.Module) -> dict[str, Box]:
     """The shares `shares` found when the engine built `model` ({} for an engine that did not start from ucp: every
-    weight is then read whole)."""
+    weight is then read whole, the share of each unknown)."""
     return getattr(model, SHARES, None) or {}
 
 
@@ -218,9 +221,9 @@ def _union(boxes: Iterable[Box]) -> Box:
 
 
 def shares(model: torch.nn.Module, weights: StepWeights) -> dict[str, Box]:
-    """{HF name: the box of it that this worker's model keeps}, for the weights of which it keeps less than the
-    whole (see the module docstring); {} when it keeps every weight whole (no tensor parallelism), or when vLLM's
-    `load_weights` cannot run on meta tensors (every weight is then read whole)."""
+    """{HF name: the box of it that this worker's model keeps (the whole of a weight it does not split)}, for every
+    weight whose share vLLM's loaders show (see the module docstring); the others are read whole. {} when vLLM's
+    `load_weights` cannot run on meta tensors."""
     probes = {n: torch.empty(m.shape, dtype=_dtype(m), device="meta") for n, m in weights.plan.metas.items()}
     recorder = _CopyRecorder({id(t): n for n, t in probes.items()})
     try:
@@ -231,13 +234,11 @@ def shares(model: torch.nn.Module, weights: StepWeights) -> dict[str, Box]:
             "vLLM's load_weights does not run on meta tensors (%s: %s): every weight is read whole", type(e).__name__, e
         )
         return {}
-    out = {}
-    for name, boxes in recorder.copied.items():
-        if boxes and all(b is not None for b in boxes):
-            box = _union(b for b in boxes if b is not None)
-            if box != full_box(weights.plan.metas[name].shape):
-                out[name] = box
-    return out
+    return {
+        name: _union(b for b in boxes if b is not None)
+        for name, boxes in recorder.copied.items()
+        if boxes and all(b is not None for b in boxes)
+    }
 
 
 def _dtype(meta: AtomMeta) -> torch.dtype:
