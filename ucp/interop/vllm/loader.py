@@ -13,6 +13,7 @@ keeps it (fusing q/k/v and gate/up, stacking experts, cutting each tensor-parall
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..errors import InteropError
-from .engine import EXTRA_KEYS, Request, load_step, request_of
+from .engine import EXTRA_KEYS, Request, load_step, open_for, request_of, tensors_for
 
 LOAD_FORMAT = "ucp"
 
@@ -49,6 +50,13 @@ class UcpModelLoader(BaseModelLoader):
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         load_step(model, model_config, self.request(model_config), initial=True)
+
+    def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights vLLM's own `reload_weights` takes when given no tensors: of the step `model_config.model` names
+        (after `reload_weights(weights_path=DIR)`, the model directory DIR), each worker reading its share."""
+        request = self.request(model_config)
+        weights = open_for(model_config.hf_config, request, f"the engine of {model_config.model}")
+        return tensors_for(model, weights, request)
 
 
 def register() -> None:

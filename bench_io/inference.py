@@ -1,0 +1,333 @@
+"""Inference start-up and RL refresh: a vLLM engine from a ucp checkpoint against vLLM's own loads of the same weights.
+
+    python -m bench_io inference --size-gib 1 [--s3] [--repeats 3] [--tp 1]
+
+Writes one bf16 Llama-shaped model of about --size-gib as a ucp checkpoint of two steps (saved from tp2pp2, as a
+pretraining job would; the second step's weights differ) and step 0 as Hugging Face safetensors (`ucp export --to
+hf`), then times in this process (vLLM's CPU build, bf16; with --tp 2 the engine's workers are processes of their
+own), each run with the page cache of every file dropped first (posix_fadvise DONTNEED, no root needed):
+
+- start-up, from `LLM(...)` to the first generated token:
+  - ucp: `LLM(model=model_dir(url), load_format="ucp")` (the model directory made inside the timer);
+  - safetensors: `LLM(model=<the export>)`, vLLM's default loader of the exported copy;
+  - runai_streamer: `LLM(model=<the export>, load_format="runai_streamer")`, where it is installed;
+  - export, then safetensors: `ucp export --to hf` into a fresh directory, then the same (what a ucp checkpoint cost
+    before `load_format="ucp"`);
+- refresh, a running engine taking the second step's weights: `refresh(llm, url, 1)`, against building a new engine
+  from that step (the ucp start-up above) and against vLLM's `reload_weights` from a safetensors copy of it.
+
+With --s3 the checkpoint and the export go to a moto S3 server (a subprocess on 127.0.0.1) and the same rows are
+timed from there: ucp reads the bucket; vLLM's safetensors loader cannot, so its row is a download of the export
+(s3fs, 8 files at once) followed by its load; runai_streamer streams the bucket itself.
+
+Before the timed runs one engine is built and dropped, so that what a process pays once (imports, vLLM's model
+inspection) is paid by none of them. Prints seconds (median of the repeats; the methods alternate within each
+repeat), the bytes each ucp worker read (the refresh's report), and the ratios the aims are about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ucp.distributed import ShardedModel, VirtualWorld
+from ucp.sharding.families import LlamaConfig, canonical_atoms
+from ucp.sharding.layout import parse_layout
+from ucp.sharding.reshard import shard
+
+from .targets import MotoServer, drop_page_cache
+
+PROMPT = {"prompt_token_ids": list(range(1, 17))}
+
+
+def config_for(size_gib: float) -> LlamaConfig:
+    """A Llama-shaped model of about size_gib in bf16: h=1024, 16 heads of 64 (4 KV heads), ffn 4096, vocab 32000."""
+    h, ffn, kv, vocab = 1024, 4096, 256, 32000
+    per_layer = 2 * h * h + 2 * kv * h + 3 * h * ffn + 2 * h
+    fixed = 2 * vocab * h + h
+    layers = max(2, round((size_gib * 2**30 / 2 - fixed) / per_layer))
+    layers += layers % 2  # the source layout has pp2
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    )
+
+
+def write_sources(cfg: LlamaConfig, root: Path, url: str, storage_options: dict | None) -> None:
+    """Steps 0 and 1 of the ucp checkpoint (from tp2pp2), and safetensors exports of each (root/hf0, root/hf1)."""
+    from ucp.interop.hf import export_hf
+
+    layout = parse_layout("tp2pp2")
+    for step in (0, 1):
+        g = torch.Generator().manual_seed(step)
+        atoms = {
+            n: torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16)
+            for n, (shape, _) in canonical_atoms(cfg).items()
+        }
+        local = [shard({"model": atoms}, cfg, layout, r, ()) for r in range(layout.world_size)]
+        del atoms
+        VirtualWorld(layout.world_size).save(
+            local, url, step=step, model=ShardedModel(cfg, layout, optim_states=()), storage_options=storage_options
+        )
+        del local
+        export_hf(url, root / f"hf{step}", step=step, storage_options=storage_options, max_shard_bytes=512 << 20)
+
+
+@dataclass
+class Bench:
+    """The engines' common arguments and where their files are; every run drops the page cache first."""
+
+    root: Path
+    tp: int
+    repeats: int
+    times: dict[str, list[float]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def engine_args(self) -> dict[str, Any]:
+        from ucp.interop.vllm import WORKER_EXTENSION
+
+        return {
+            "skip_tokenizer_init": True,
+            "enforce_eager": True,
+            "dtype": "bfloat16",
+            "max_model_len": 256,
+            "tensor_parallel_size": self.tp,
+            "worker_extension_cls": WORKER_EXTENSION,
+        }
+
+    @contextlib.contextmanager
+    def engine(self, **kw: Any) -> Iterator[Any]:
+        import vllm
+
+        llm = vllm.LLM(**self.engine_args(), **kw)
+        try:
+            llm.generate([PROMPT], vllm.SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+    def cold(self) -> None:
+        drop_page_cache(self.root, "fadvise")
+
+    def time(self, name: str, run: Callable[[], None]) -> None:
+        """One timed run of `run` (page cache dropped first); a failure is noted once and the method left out."""
+        if name in self.notes:
+            return
+        self.cold()
+        start = time.perf_counter()
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 -- a loader that does not work here is reported, not fatal
+            self.notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            return
+        self.times.setdefault(name, []).append(time.perf_counter() - start)
+
+    def start(self, **kw: Any) -> Callable[[], None]:
+        """Engine construction to the first token, the engine then dropped (outside nothing: it is timed too, as a
+        caller who replaces an engine pays it; it is short)."""
+
+        def run() -> None:
+            with self.engine(**kw):
+                pass
+
+        return run
+
+    def median(self, name: str) -> float | None:
+        return statistics.median(self.times[name]) if self.times.get(name) else None
+
+
+def has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def startup_methods(bench: Bench, url: str, hf0: Callable[[], Path], options: dict | None) -> dict[str, Callable]:
+    """(row name -> timed run) of every start-up method, from the ucp checkpoint at `url` or the export `hf0()` gives
+    (a local path: for S3, downloaded inside the timer)."""
+    from ucp.interop.hf import export_hf
+    from ucp.interop.vllm import model_dir
+
+    extra = {"storage_options": options} if options else None
+
+    def ucp_start() -> None:
+        bench.start(
+            model=str(model_dir(url, 0, storage_options=options)), load_format="ucp", model_loader_extra_config=extra
+        )()
+
+    def export_then_load() -> None:
+        out = bench.root / "export-timed"
+        shutil.rmtree(out, ignore_errors=True)
+        export_hf(url, out, step=0, storage_options=options, max_shard_bytes=512 << 20)
+        bench.start(model=str(out))()
+
+    def safetensors() -> None:
+        bench.start(model=str(hf0()))()
+
+    methods = {"ucp": ucp_start, "safetensors": safetensors, "export, then safetensors": export_then_load}
+    if has("runai_model_streamer"):
+        methods["runai_streamer"] = lambda: bench.start(model=str(hf0()), load_format="runai_streamer")()
+    else:
+        bench.notes["runai_streamer"] = "not installed (pip install runai-model-streamer)"
+    return methods
+
+
+def refresh_rows(bench: Bench, url: str, options: dict | None, hf: tuple[Path, Path] | None) -> list[int]:
+    """Time refreshes of one running engine (step 0 -> 1 -> 0 ...), and where the safetensors copies `hf` of the two
+    steps are local, vLLM's own `reload_weights` of them into an engine started from the first; returns the bytes
+    each worker read in the last refresh."""
+    from ucp.interop.vllm import model_dir, refresh
+
+    extra = {"storage_options": options} if options else None
+    label = "s3" if options else "local"
+    bytes_read: list[int] = []
+    with bench.engine(
+        model=str(model_dir(url, 0, storage_options=options)), load_format="ucp", model_loader_extra_config=extra
+    ) as llm:
+        for i in range(bench.repeats):
+
+            def ucp_refresh(step: int = 1 - i % 2) -> None:
+                bytes_read[:] = refresh(llm, url, step, storage_options=options).bytes_read
+
+            bench.time(f"refresh ({label})", ucp_refresh)
+    if hf is not None:
+        with bench.engine(model=str(hf[0])) as llm:
+            for i in range(bench.repeats):
+
+                def reload(path: Path = hf[1 - i % 2]) -> None:
+                    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                    llm.reset_prefix_cache()
+
+                bench.time(f"vLLM reload_weights, safetensors ({label})", reload)
+    return bytes_read
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_io inference", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gib", type=float, default=1.0)
+    p.add_argument("--s3", action="store_true", help="also from an embedded S3 server (moto, a subprocess)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel workers (> 1: each a process of its own)")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    args = p.parse_args(argv)
+    _vllm_environment(args.tp)
+    import vllm  # noqa: F401  (after the environment is set)
+
+    cfg = config_for(args.size_gib)
+    params = sum(torch.Size(s).numel() for s, _ in canonical_atoms(cfg).values())
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        url = str(root / "ucp")
+        write_sources(cfg, root, url, None)
+        print(
+            f"model: Llama, {cfg.num_hidden_layers} layers, {params / 1e6:.0f}M parameters, {params * 2 / 2**30:.2f} "
+            f"GiB bf16; ucp saved from tp2pp2; vLLM {vllm.__version__} on CPU, tp {args.tp}; load "
+            f"{os.getloadavg()[0]:.1f}; repeats: {args.repeats} (median)"
+        )
+        bench = Bench(root, args.tp, args.repeats)
+        bench.start(model=str(root / "hf0"))()  # (what the process pays once)
+        local = startup_methods(bench, url, lambda: root / "hf0", None)
+        for _ in range(args.repeats):
+            for name, run in local.items():
+                bench.time(f"{name} (local)", run)
+        bytes_read = refresh_rows(bench, url, None, (root / "hf0", root / "hf1"))
+        total = sum(m.nbytes for m in _reader(url).atoms.values())
+        if args.s3:
+            _s3(bench, root)
+        report(bench, bytes_read, total)
+    return 0
+
+
+def _reader(url: str) -> Any:
+    import ucp
+
+    return ucp.open_checkpoint(url, 1)
+
+
+def _s3(bench: Bench, root: Path) -> None:
+    import s3fs
+
+    server = MotoServer()
+    try:
+        options = {"endpoint_url": server.url, "key": "bench", "secret": "bench"}
+        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        fs.mkdir("inference")
+        fs.put(str(root / "ucp"), "inference/ucp", recursive=True)
+        fs.put(str(root / "hf0"), "inference/hf0", recursive=True)
+        os.environ.update(
+            {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
+        )  # (runai_streamer's S3 client reads the standard variables)
+
+        def downloaded() -> Path:
+            out = root / "hf0-downloaded"
+            shutil.rmtree(out, ignore_errors=True)
+            fs.get("inference/hf0", str(out), recursive=True)
+            return out
+
+        methods = startup_methods(bench, "s3://inference/ucp", downloaded, options)
+        methods["download, then safetensors"] = methods.pop("safetensors")
+        if "runai_streamer" in methods:
+            methods["runai_streamer"] = bench.start(model="s3://inference/hf0", load_format="runai_streamer")
+        for _ in range(bench.repeats):
+            for name, run in methods.items():
+                bench.time(f"{name} (s3)", run)
+        refresh_rows(bench, "s3://inference/ucp", options, None)
+    finally:
+        server.close()
+
+
+def report(bench: Bench, bytes_read: list[int], total: int) -> None:
+    print(f"{'method':<44} {'seconds':>9}")
+    for name in bench.times:
+        print(f"{name:<44} {bench.median(name):>9.2f}")
+    for name, note in bench.notes.items():
+        print(f"{name:<44} {'-':>9}  {note}")
+    print(f"bytes read per worker in a refresh: {[f'{b / 2**20:.1f} MiB' for b in bytes_read]} of {total / 2**20:.1f}")
+    for where in ("local", "s3"):
+        ucp_start = bench.median(f"ucp ({where})")
+        for baseline in ("safetensors", "download, then safetensors", "export, then safetensors", "runai_streamer"):
+            other = bench.median(f"{baseline} ({where})")
+            if ucp_start and other:
+                print(f"{where}: start-up, ucp / {baseline} = {ucp_start / other:.2f}x")
+        refreshed = bench.median(f"refresh ({where})")
+        if refreshed and ucp_start:
+            print(f"{where}: refresh / a new engine (ucp) = {refreshed / ucp_start:.2f}x")
+        reload = bench.median(f"vLLM reload_weights, safetensors ({where})")
+        if refreshed and reload:
+            print(f"{where}: refresh / vLLM reload_weights of safetensors = {refreshed / reload:.2f}x")
+
+
+def _vllm_environment(tp: int) -> None:
+    """vLLM's CPU build in this process (one worker), or in worker processes (tp > 1), bf16 with its AMX tiles
+    initialised in each (without, its bf16 kernels die with an illegal instruction)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    torch.cpu._init_amx()
+    if tp == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        return
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+    site = Path(tempfile.mkdtemp(prefix="bench-inference-site-"))
+    (site / "sitecustomize.py").write_text("import torch\ntorch.cpu._init_amx()\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
