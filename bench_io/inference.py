@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     args = p.parse_args(argv)
     _vllm_environment(args.tp)
-    import vllm  # noqa: F401  (after the environment is set)
+    import vllm  # (after the environment is set)
 
     cfg = config_for(args.size_gib)
     params = sum(torch.Size(s).numel() for s, _ in canonical_atoms(cfg).values())
