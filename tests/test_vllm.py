@@ -281,6 +281,10 @@ def test_a_refresh_gives_exactly_a_fresh_engines_outputs_from_storage_and_from_m
         assert generate(llm) == fresh[2]
         refresh(llm, str(trained), 1)
         assert generate(llm) == fresh[1]
+        # vLLM's own reload from a model directory goes through ucp's loader too
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir(str(trained), 3))})
+        llm.reset_prefix_cache()
+        assert generate(llm) == fresh[3]
 
 
 def test_an_engine_started_from_safetensors_refreshes_from_ucp(trained, fresh, tmp_path):
@@ -332,28 +336,22 @@ def test_a_damaged_step_fails_the_refresh_and_a_good_one_repairs_it(trained, fre
 
 
 @pytest.fixture(scope="module")
-def s3_apart(tmp_path_factory) -> Iterator[dict[str, str]]:
-    """moto's S3 server (as tests/conftest.py's s3_bucket starts it) in a process of its own, with a bucket "run";
-    yields the storage options. Not in this one: moto's server imports flask, and a vLLM CPU engine cannot start in a
-    process that has flask imported (its kernel registry scans every module's globals with `hasattr`, and flask's
-    context proxies raise `RuntimeError: Working outside of application context`)."""
+def s3_apart() -> Iterator[dict[str, str]]:
+    """moto's S3 server in a process of its own (bench_io's), with a bucket "run"; yields the storage options. Not
+    tests/conftest.py's s3_bucket, whose server runs in this process: moto's server imports flask, and a vLLM CPU
+    engine cannot start in a process that has flask imported (its kernel registry scans every module's globals with
+    `hasattr`, and flask's context proxies raise `RuntimeError: Working outside of application context`)."""
     import s3fs
 
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
-        )
-    endpoint = f"http://127.0.0.1:{port}"
+    from bench_io.targets import MotoServer
+
+    server = MotoServer()
     try:
-        wait_ready(endpoint, server, log, path="/moto-api/")
-        options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        options = {"endpoint_url": server.url, "key": "testing", "secret": "testing"}
         s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir("run")
         yield options
     finally:
-        server.terminate()
-        server.wait(30)
+        server.close()
 
 
 def test_serves_and_refreshes_from_s3(trained, fresh, s3_apart):
@@ -411,18 +409,18 @@ def test_vllm_serve_with_two_workers_loads_each_share_and_refreshes_over_http(tr
         server.wait(60)
 
 
-def wait_ready(base: str, server: subprocess.Popen, log: Path, limit: float = 240.0, path: str = "/health") -> None:
-    """Until `server` answers at `path` (raises with its log if it exits first, or takes more than `limit` s)."""
+def wait_ready(base: str, server: subprocess.Popen, log: Path, limit: float = 240.0) -> None:
+    """Until vLLM's server answers (raises with its log if it exits first, or takes more than `limit` s)."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise AssertionError(f"{server.args} exited {server.returncode}:\n{log.read_text()[-3000:]}")
+            raise AssertionError(f"vLLM's server exited {server.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(base + path, timeout=2):
+            with urllib.request.urlopen(base + "/health", timeout=2):
                 return
         except OSError:
             time.sleep(0.5)
-    raise AssertionError(f"{server.args} not ready in {limit} s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"vLLM's server not ready in {limit} s:\n{log.read_text()[-3000:]}")
 
 
 def complete(base: str) -> list[list[int]]:

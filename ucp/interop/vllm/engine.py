@@ -71,7 +71,7 @@ class Request:
 
 def request_of(extra: Mapping[str, Any], model_path: str) -> Request:
     """The step an engine starts from: `model_loader_extra_config`'s url (and step), else the model directory's
-    `ucp.json`."""
+    `ucp-checkpoint.json`."""
     pointer = None if extra.get("url") else Pointer.read(model_path)
     return Request(
         str(extra["url"]) if pointer is None else pointer.url,

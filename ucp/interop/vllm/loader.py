@@ -5,7 +5,7 @@ vLLM picks a loader by `load_format` from its registry (`vllm.model_executor.mod
 vLLM calls every `vllm.general_plugins` entry point of the installed packages in each of its processes at start, and
 ucp's pyproject.toml names `register` there.
 
-The loader reads the checkpoint that the model directory's `ucp.json` names (`ucp.interop.vllm.source.model_dir`), or
+The loader reads the checkpoint that the model directory's `ucp-checkpoint.json` names (`ucp.interop.vllm.source.model_dir`), or
 the one `model_loader_extra_config` names: `{"url": ..., "step": ..., "storage_options": {...}, "memory_budget":
 bytes}`; it feeds vLLM's own `model.load_weights` with (HF name, tensor) pairs, which puts each tensor where the model
 keeps it (fusing q/k/v and gate/up, stacking experts, cutting each tensor-parallel rank's share).

@@ -4,7 +4,7 @@ config.json that `ucp export --to hf` would write for the step, and the model di
 vLLM reads a model's config from a local directory before any loader runs (its `ModelConfig` parses `config.json`
 there), and takes an `s3://` model for an object-storage repository that it pulls itself. So an engine starts from a
 small directory that `model_dir` writes (`ucp export URL --to vllm DIR` on the command line): config.json, built from
-the model config the checkpoint keeps exactly as an export builds it (`ucp.interop.hf.plan_export`), and `ucp.json`
+the model config the checkpoint keeps exactly as an export builds it (`ucp.interop.hf.plan_export`), and `ucp-checkpoint.json`
 naming the checkpoint and step. No weight is written there: the loader (`ucp.interop.vllm.loader`) reads them from the
 checkpoint itself, through ucp's reader (every chunk checked against its CRC-32C and its commit's record), from any
 URL ucp reads (a local path, `s3://...`, any fsspec URL).
@@ -41,13 +41,13 @@ from ..hf import ExportPlan, plan_export, ucp_config_from_hf
 from ..staging import check_apart, staged_dir
 from ..streaming import DEFAULT_MEMORY_BUDGET, group_limit
 
-POINTER = "ucp.json"  # in a model directory: {"url": the checkpoint, "step": the step it serves}
+POINTER = "ucp-checkpoint.json"  # in a model directory: {"url": the checkpoint, "step": the step it serves}
 CONFIG = "config.json"
 
 
 @dataclass(frozen=True)
 class Pointer:
-    """The checkpoint a model directory serves (its `ucp.json`)."""
+    """The checkpoint a model directory serves (its `ucp-checkpoint.json`)."""
 
     url: str
     step: int
@@ -188,7 +188,7 @@ def model_dir(
     storage_options: dict[str, Any] | None = None,
 ) -> Path:
     """The directory vLLM starts from (`model=` / `vllm serve DIR`) to serve step `step` of checkpoint `url` with
-    `load_format="ucp"`: config.json as `ucp export --to hf` writes it, and `ucp.json` naming the checkpoint and the
+    `load_format="ucp"`: config.json as `ucp export --to hf` writes it, and `ucp-checkpoint.json` naming the checkpoint and the
     step (resolved now: "latest" is the newest committed step at this call). No weights are written. `dir`: where
     (must not exist, or be empty; default a new temporary directory). Returns the directory.
 
