@@ -58,9 +58,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     "llama": ("LlamaForCausalLM", {"num_key_value_heads": 2, "intermediate_size": 256}, "float32", True),
     "mistral": ("MistralForCausalLM", {"num_key_value_heads": 2, "intermediate_size": 256}, "float32", True),
     "qwen2": ("Qwen2ForCausalLM", {"num_key_value_heads": 2, "intermediate_size": 256}, "float32", True),
-    "qwen3": (
+    "qwen3": (  # (tied embeddings, as Qwen3's small models have them)
         "Qwen3ForCausalLM",
-        {"num_key_value_heads": 2, "intermediate_size": 256, "head_dim": 32},
+        {"num_key_value_heads": 2, "intermediate_size": 256, "head_dim": 32, "tie_word_embeddings": True},
         "float32",
         True,
     ),

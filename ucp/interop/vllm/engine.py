@@ -51,14 +51,7 @@ class Request:
     memory_budget: int = DEFAULT_MEMORY_BUDGET
 
     def dumps(self) -> str:
-        return json.dumps(
-            {
-                "url": self.url,
-                "step": self.step,
-                "storage_options": self.storage_options,
-                "memory_budget": self.memory_budget,
-            }
-        )
+        return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def loads(cls, text: str) -> Request:
@@ -114,13 +107,12 @@ def open_for(hf_config: Any, request: Request, engine: str) -> StepWeights:
     return weights
 
 
-def load_step(model: torch.nn.Module, model_config: Any, request: Request, *, initial: bool) -> LoadReport:
-    """Load the requested step into `model` as vLLM's loader does while the engine builds it (`initial`: the shares of
-    a tensor-parallel rank are found first, `shares`, and kept on the model)."""
+def load_step(model: torch.nn.Module, model_config: Any, request: Request) -> LoadReport:
+    """Load the requested step into `model` while the engine builds it: the shares of this worker found first
+    (`shares`) and kept on the model for its refreshes, then only they read."""
     start = time.perf_counter()
     weights = open_for(model_config.hf_config, request, f"the engine of {model_config.model}")
-    if initial:
-        setattr(model, SHARES, shares(model, weights))
+    setattr(model, SHARES, shares(model, weights))
     regions = kept_shares(model)
     with torch.no_grad():
         loaded = load_weights_of(model)(weights.tensors(regions, memory_budget=request.memory_budget))

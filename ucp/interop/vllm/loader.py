@@ -49,7 +49,7 @@ class UcpModelLoader(BaseModelLoader):
         """Nothing to download: the weights are read from the checkpoint where it is."""
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
-        load_step(model, model_config, self.request(model_config), initial=True)
+        load_step(model, model_config, self.request(model_config))
 
     def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights vLLM's own `reload_weights` takes when given no tensors: of the step `model_config.model` names
