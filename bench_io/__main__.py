@@ -234,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import reshard
 
         return reshard.main(argv[1:])
+    if argv[:1] == ["readside"]:
+        from . import readside
+
+        return readside.main(argv[1:])
     if argv[:1] == ["coldstart"]:
         from . import coldstart
 

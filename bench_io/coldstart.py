@@ -20,7 +20,7 @@ Each is timed twice, by where the weights land:
   has them (ucp `load_weights(..., into=params)`; safetensors copied into them, as `load_state_dict` does).
 
 Locally, two floors are timed in the same run: "raw read" of the files each method reads (ucp's chunk objects of the
-model, with ucp's threads on a disk; safetensors' files one after another, as load_file reads them), `preadv` into
+model, with `--raw-threads` threads, 8 by default; safetensors' files one after another, as load_file reads them), `preadv` into
 memory allocated and touched before the timer, no checksum, no parsing. They say what the file count and placement
 cost before any format's work.
 
@@ -47,7 +47,6 @@ from ucp.distributed import ShardedModel, VirtualWorld
 from ucp.sharding.families import MixtralConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
-from ucp.storage import open_storage
 
 from .targets import MotoServer, drop_page_cache
 
@@ -238,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--s3", action="store_true", help="also measure against an embedded S3 server (moto) on 127.0.0.1")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--raw-threads", type=int, default=8, help="threads of the raw read of ucp's files (default 8)")
+    p.add_argument(
+        "--cache",
+        choices=("auto", "drop_caches", "fadvise"),
+        default="fadvise",
+        help="how the page cache is dropped before each run: fadvise (default: these files, no root needed), "
+        "drop_caches (the whole system's, as root), auto (drop_caches if root, else fadvise)",
+    )
     args = p.parse_args(argv)
     cfg = config_for(args.size_gib)
     params = sum(torch.Size(s).numel() for s, _ in canonical_atoms(cfg).values())
@@ -252,15 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
 
         def cold() -> None:
-            drop_page_cache(root, "fadvise")
+            drop_page_cache(root, args.cache)
 
         st_params = safetensors_params(hf)
         for method, fn in methods(url, lambda into: safetensors_local(hf, into), st_params, None):
             rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
         objects, st_files = chunk_objects(Path(url)), sorted(hf.glob("*.safetensors"))
-        threads = open_storage(url).capabilities.io_threads
         for method, fn in (
-            (f"raw read, ucp's {len(objects)} files", raw_read(objects, threads)),
+            (f"raw read, ucp's {len(objects)} files", raw_read(objects, args.raw_threads)),
             (f"raw read, safetensors' {len(st_files)}", raw_read(st_files, 1)),
         ):
             rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))

@@ -199,6 +199,7 @@ class RawObjects(Raw):
         " zarr.json"
     )
     DOC = b'{"zarr_format":3,"node_type":"group","attributes":{}}'
+    INDEX = "ucp-index/atoms-0.json"  # (where ucp's manifest keeps its atoms' records, format 3.1: one more object)
 
     @staticmethod
     def _array_doc(t: torch.Tensor) -> bytes:

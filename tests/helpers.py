@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -66,25 +67,151 @@ def damage_atom(root: Any, atom: str, step: int | str = "latest") -> None:
     path.write_bytes(bytes(data))
 
 
-def reseal_manifest(root: Any, doc: dict, step: int | str = "latest") -> None:
-    """Write `doc` as a committed step's manifest and record its size and checksum in the commit marker, as a
-    writer (or an operator who edits both) would: what is left for a reader to catch is what the manifest says."""
+def manifest_view(root: Any, step: int | str = "latest") -> dict:
+    """A committed step's manifest as one document in format 3.0's layout, whatever the step's format: its group's
+    zarr.json with every atom's entry under attributes.ucp "atoms" (shape, dtype, chunk_shape, inner_chunk_shape,
+    attributes, and "objects" or "packed"), the packs under "packs" and the whole state tree. What a test edits;
+    `reseal_manifest` writes it back in the step's own format (3.1: its index parts laid out again)."""
     import json
+
+    import ucp
+    from ucp.format.index import IndexedManifest
+
+    reader = ucp.open_checkpoint(str(root), step)
+    doc = json.loads((Path(root) / reader.prefix / "zarr.json").read_text())
+    manifest = reader.manifest
+    if not isinstance(manifest, IndexedManifest):
+        return doc
+    attrs = doc["attributes"]["ucp"]
+    atoms = {}
+    for path, meta in manifest.atoms.items():
+        entry = meta.to_manifest()
+        if meta.packed:
+            entry["packed"] = [c.to_json() for c in manifest.packed_of(path)]
+        else:
+            entry["objects"] = [list(o) for o in manifest.objects_of(path) or []]
+        atoms[path] = entry
+    attrs.pop("index")
+    attrs.update(tree=manifest.tree, atoms=atoms, packs={name: list(s) for name, s in manifest.packs.items()})
+    return doc
+
+
+def _index_layout(attrs: dict) -> tuple[dict, list[tuple[str, bytes]]]:
+    """Format 3.1's manifest attributes and index parts for a 3.0-layout view (`manifest_view`), laid out leniently:
+    whatever an edit put in an entry goes into the columns as it is, for a reader to refuse (docs/FORMAT.md 3.1)."""
+    import crc32c
+
+    from ucp.base import dtypes
+    from ucp.format.index import PART_RECORDS, atoms_part_name, path_key
+    from ucp.format.manifest import dumps
+
+    atoms, packs = attrs.pop("atoms"), attrs.pop("packs", {})
+    paths = sorted(atoms, key=path_key)
+    parts, directory = [], []
+    start = 0
+    while start < len(paths):
+        end, records = start, 0
+        while end < len(paths) and (records < PART_RECORDS or end == start):
+            entry = atoms[paths[end]]
+            chunks = entry.get("packed", entry.get("objects"))
+            records += 1 + (len(chunks) if isinstance(chunks, list) else 0)
+            end += 1
+        col: dict[str, list] = {
+            k: [] for k in ("dtype", "ndim", "shape", "chunk_shape", "sharded", "inner_chunk_shape")
+        }
+        col.update({k: [] for k in ("attrs", "packed", "chunks", "pack", "offset", "nbytes", "crc")})
+        dtype_table: list = []
+        attr_table: list = []
+        pack_table: list = list(packs) if not parts else []  # (the first part lists every pack the view has)
+        nbytes = 0
+        for number, path in enumerate(paths[start:end]):
+            entry = atoms[path]
+            for value, table, column in (
+                (entry.get("dtype"), dtype_table, "dtype"),
+                (entry.get("attributes", {}), attr_table, "attrs"),
+            ):
+                if value not in table:
+                    table.append(value)
+                col[column].append(table.index(value))
+            shape = entry.get("shape")
+            col["ndim"].append(len(shape))
+            col["shape"] += shape
+            col["chunk_shape"] += entry.get("chunk_shape")
+            if "inner_chunk_shape" in entry:
+                col["sharded"].append(number)
+                col["inner_chunk_shape"] += entry["inner_chunk_shape"]
+            with contextlib.suppress(Exception):  # (an edited entry: its size is what the reader refuses)
+                nbytes += int(min(max(math.prod(shape) * dtypes.itemsize(entry.get("dtype")), 0), 1 << 46))
+            packed = "packed" in entry
+            col["packed"].append(int(packed))
+            chunks = entry.get("packed" if packed else "objects")
+            chunks = chunks if isinstance(chunks, list) else []
+            col["chunks"].append(len(chunks))
+            for c in chunks:
+                if packed:
+                    known = isinstance(c[0], str) and c[0] in packs
+                    if known and c[0] not in pack_table:
+                        pack_table.append(c[0])
+                    c = [pack_table.index(c[0]) if known else len(packs) + 99, *c[1:]]
+                else:
+                    c = [-1, 0, *c]
+                for column, value in zip(("pack", "offset", "nbytes", "crc"), c):
+                    col[column].append(value)
+        doc = {
+            "paths": paths[start:end],
+            "dtypes": dtype_table,
+            **col,
+            "attributes": attr_table,
+            "packs": [[name, *packs.get(name, [0, 0])] for name in pack_table],
+        }
+        data = dumps(doc)
+        directory.append([paths[start], end - start, nbytes, len(data), crc32c.crc32c(data)])
+        parts.append((atoms_part_name(len(parts)), data))
+        start = end
+    attrs["index"] = {"atoms": len(paths), "bytes": sum(d[2] for d in directory), "parts": directory, "trees": []}
+    return attrs, parts
+
+
+def reseal_manifest(root: Any, doc: dict, step: int | str = "latest", text_edit: Any = None) -> None:
+    """Write `doc` (`manifest_view`'s layout, or the step's zarr.json as it is) as a committed step's manifest and
+    record its size and checksum in the commit marker, as a writer (or an operator who edits both) would: what is
+    left for a reader to catch is what the manifest says (`write_manifest`)."""
+    import ucp
+    from ucp.format.manifest import COMMIT_MARKER
+
+    reader = ucp.open_checkpoint(str(root), step)
+    attempt = Path(root) / reader.prefix
+    write_manifest(
+        attempt, attempt.parent / COMMIT_MARKER if reader.record.attempt else attempt / COMMIT_MARKER, doc, text_edit
+    )
+
+
+def write_manifest(attempt: Path, marker_path: Path, doc: dict, text_edit: Any = None) -> None:
+    """`reseal_manifest` without opening the step (which an earlier edit may have left refused): a format 3.1 view
+    gets its index parts laid out again (and the marker its atoms and bytes); `text_edit` changes each JSON text
+    written before it is sealed."""
+    import json
+    import shutil
 
     import crc32c
 
-    import ucp
-    from ucp.format.manifest import COMMIT_MARKER, dumps
+    from ucp.format.manifest import INDEX_DIR, dumps
 
-    reader = ucp.open_checkpoint(str(root), step)
-    data = dumps(doc)
-    (Path(root) / reader.prefix / "zarr.json").write_bytes(data)
-    marker_path = (
-        Path(root) / reader.prefix.rsplit("/", 1)[0] / COMMIT_MARKER
-        if reader.record.attempt
-        else Path(root) / reader.prefix / COMMIT_MARKER
-    )
+    attrs = doc["attributes"]["ucp"]
+    edit = text_edit or (lambda text: text)
     marker = json.loads(marker_path.read_text())
+    if attrs.get("format_version") == "3.1" and "atoms" in attrs:
+        attrs, parts = _index_layout(dict(attrs))
+        doc = {**doc, "attributes": {**doc["attributes"], "ucp": attrs}}
+        shutil.rmtree(attempt / INDEX_DIR, ignore_errors=True)
+        (attempt / INDEX_DIR).mkdir()
+        for number, (name, data) in enumerate(parts):
+            data = edit(data.decode()).encode()
+            (attempt / name).write_bytes(data)
+            attrs["index"]["parts"][number][3:] = [len(data), crc32c.crc32c(data)]
+        marker.update(atoms=attrs["index"]["atoms"], bytes=attrs["index"]["bytes"])
+    data = edit(dumps(doc).decode()).encode()
+    (attempt / "zarr.json").write_bytes(data)
     marker.update(manifest_crc32c=crc32c.crc32c(data), manifest_bytes=len(data))
     marker_path.unlink()
     marker_path.write_bytes(dumps(marker))
@@ -93,7 +220,6 @@ def reseal_manifest(root: Any, doc: dict, step: int | str = "latest") -> None:
 def reseal_object(root: Any, atom: str, index: tuple[int, ...], data: bytes, step: int | str = "latest") -> None:
     """Replace a committed chunk object with `data` and record its size and checksum in the manifest (and the
     manifest's in the marker), as another writer that wrote `data` would have."""
-    import json
     import struct
 
     import crc32c
@@ -105,7 +231,7 @@ def reseal_object(root: Any, atom: str, index: tuple[int, ...], data: bytes, ste
     meta = reader.atoms[atom]
     (Path(root) / reader.prefix / atom / meta.chunk_key(index)).write_bytes(data)
     crc = crc32c.crc32c(data[: head_nbytes(meta)]) if meta.inner_chunk_shape else struct.unpack("<I", data[-4:])[0]
-    doc = json.loads((Path(root) / reader.prefix / "zarr.json").read_text())
+    doc = manifest_view(root, step)
     doc["attributes"]["ucp"]["atoms"][atom]["objects"][meta.object_number(index)] = [len(data), crc]
     reseal_manifest(root, doc, step)
 

@@ -137,9 +137,22 @@ def test_hand_edited_manifest(ckpt):
     root, _ = ckpt
     manifest = step_dir(root) / "zarr.json"
     doc = json.loads(manifest.read_text())
-    doc["attributes"]["ucp"]["atoms"]["model/w"]["dtype"] = "int32"
+    doc["attributes"]["ucp"]["layout"] = "tp8"
     manifest.write_text(json.dumps(doc))
     with pytest.raises(ucp.FormatError, match="modified after the step was committed"):
+        ucp.load(str(root))
+    assert_cli_error(run_cli("inspect", str(root)), "modified after the step was committed")
+
+
+def test_hand_edited_index_part(ckpt):
+    """Format 3.1's atom records lie in index parts, each bound by its size and checksum in the manifest (which the
+    marker binds): an edited part is refused as an edited manifest is."""
+    root, _ = ckpt
+    part = step_dir(root) / "ucp-index" / "atoms-0.json"
+    doc = json.loads(part.read_text())
+    doc["dtypes"] = ["int32" for _ in doc["dtypes"]]
+    part.write_text(json.dumps(doc))
+    with pytest.raises(ucp.FormatError, match="atoms-0.json is not the one the manifest records.*modified after"):
         ucp.load(str(root))
     assert_cli_error(run_cli("inspect", str(root)), "modified after the step was committed")
 

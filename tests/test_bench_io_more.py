@@ -186,3 +186,17 @@ def test_a_gpu_benchmark_method_whose_setup_fails_is_recorded_and_the_others_run
         ("load", "floor"),
         ("load", "ucp"),
     }
+
+
+def test_readside_measures_every_scenario_and_its_ratios(tmp_path: Path) -> None:
+    """`python -m bench_io readside` at tiny sizes: every scenario runs, every load is checked against what was saved,
+    and the ratios come out (ucp's `into=` beside DCP's)."""
+    from bench_io import readside
+
+    out = tmp_path / "readside.json"
+    argv = ["--repeats", "1", "--small", "40", "--disk", "40", "--mixed", "3MiB", "--dir", str(tmp_path)]
+    assert readside.main([*argv, "--cache", "fadvise", "--json", str(out)]) == 0
+    ratios = json.loads(out.read_text())["ratios"]
+    for name in ("small: load against raw (no CRC)", "disk: cold load against raw-crc, 16 threads",
+                 "mixed: load (into=) against DCP (fresh)"):  # fmt: skip
+        assert ratios[name][0] > 0, name

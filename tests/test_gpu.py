@@ -263,6 +263,25 @@ def test_weights_load_onto_the_gpu_and_into_its_tensors(tmp_path):
     _same(filled.local, on_cpu.local)
 
 
+def test_a_load_into_cuda_tensors_fills_them_in_place(tmp_path):
+    """`ucp.load(into=)` of the caller's CUDA tensors: each lands through the landing path (read and checked in
+    page-locked memory, copied asynchronously), in the same memory as before, bitwise; packed and unpacked atoms."""
+    g = torch.Generator().manual_seed(7)
+    state = {
+        "small": {f"t{i}": torch.randn(i + 1, 3, generator=g) for i in range(20)},  # (packed)
+        "big": torch.randn(700, 600, generator=g).to(torch.bfloat16),  # (a shard of inner chunks)
+        "step": 4,
+    }
+    ucp.save(state, str(tmp_path), options=ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=1 << 19)))
+    into = {"small": {k: torch.zeros_like(v, device="cuda") for k, v in state["small"].items()},
+            "big": torch.zeros_like(state["big"], device="cuda"), "step": 0}  # fmt: skip
+    pointers = [t.data_ptr() for t in [*into["small"].values(), into["big"]]]
+    assert ucp.load(str(tmp_path), into=into) is into
+    assert [t.data_ptr() for t in [*into["small"].values(), into["big"]]] == pointers
+    assert_same_state(state, {"small": {k: v.cpu() for k, v in into["small"].items()}, "big": into["big"].cpu(),
+                              "step": into["step"]})  # fmt: skip
+
+
 def test_restore_training_state_onto_a_gpu_model(tmp_path):
     """A GPU model and AdamW saved with `training_state`, loaded onto the GPU and restored into a new model: the next
     steps are the same bits as the original's (the optimizer's step counters back in host memory, where AdamW

@@ -23,7 +23,7 @@ from ucp.format.manifest import COMMIT_MARKER, step_dirname
 from ucp.protocol.attempt import collect_garbage
 from ucp.storage import LocalStorage
 
-from .helpers import reseal_manifest, step_path
+from .helpers import manifest_view, reseal_manifest, step_path
 
 OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=2048, pack_below=0), fsync=False)
 
@@ -35,6 +35,7 @@ def make(root: Path) -> dict:
 
 
 def manifest_doc(root: Path) -> dict:
+    """The step's zarr.json as it is (format 3.1: the manifest's top document, its atom records in index parts)."""
     return json.loads((step_path(root, 3) / "zarr.json").read_text())
 
 
@@ -89,7 +90,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 )
 def test_declared_sizes_are_bounded_before_anything_is_allocated(tmp_path, edit, fragment):
     make(tmp_path)
-    doc = manifest_doc(tmp_path)
+    doc = manifest_view(tmp_path, 3)  # (in format 3.1 the entry is written back into its index part)
     doc["attributes"]["ucp"]["atoms"]["model/w"].update(edit)
     reseal_manifest(tmp_path, doc, 3)
     start = time.monotonic()
@@ -114,12 +115,12 @@ def test_deep_nesting_is_refused_without_recursing(tmp_path, where):
             '{"format_version": "2.0", "step": 3, "x": ' + "[" * 20_000 + "]" * 20_000 + "}"
         )  # (under 64 KiB)
     else:
-        doc = manifest_doc(tmp_path)
+        doc = manifest_view(tmp_path, 3)
         if where == "tree":
             doc["attributes"]["ucp"]["tree"]["dict"]["opt"] = {"value": "DEEP"}
-        else:
+        else:  # (in format 3.1, in the atom's index part)
             doc["attributes"]["ucp"]["atoms"]["model/w"]["attributes"]["x"] = "DEEP"
-        reseal_manifest_text(tmp_path, json.dumps(doc).replace('"DEEP"', deep))
+        reseal_manifest(tmp_path, doc, 3, text_edit=lambda text: text.replace('"DEEP"', deep))
     with pytest.raises(ucp.FormatError, match="nested more than"):
         ucp.load(str(tmp_path), step=3)
     assert ucp.CheckpointManager(str(tmp_path)).steps() == ([] if where == "marker" else [3])
@@ -394,3 +395,80 @@ def test_fuzzed_atom_metadata_is_reported_by_verify(pristine, tmp_path_factory, 
         assert any("model/w" in p for p in report.problems)
     ucp.load(str(root))  # loads plan from the manifest alone: still fine
     assert changed or report.ok
+
+
+# --------------------------------------------------------------------------------- format 3.1's index parts
+
+
+@pytest.fixture(scope="module")
+def pristine_packed(tmp_path_factory):
+    """A step whose small atoms are packed: an index part of packed and unpacked atoms' records."""
+    root = tmp_path_factory.mktemp("pristine-packed")
+    state = {"model": {"w": torch.randn(32, 64), "b": torch.randn(7), "h": torch.randn(3, 5).to(torch.bfloat16)}}
+    ucp.save(state, str(root), step=3, options=ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=1024)))
+    return root
+
+
+def reseal_part(root: Path, text: str) -> None:
+    """Write `text` as the step's first atom part, its size and checksum in the manifest, the manifest's in the
+    marker (as a writer that wrote this part would)."""
+    import crc32c
+
+    from ucp.format.index import atoms_part_name
+
+    prefix = step_path(root, 3)
+    data = text.encode()
+    (prefix / atoms_part_name(0)).write_bytes(data)
+    doc = manifest_doc(root)
+    doc["attributes"]["ucp"]["index"]["parts"][0][3:] = [len(data), crc32c.crc32c(data)]
+    reseal_manifest_text(root, json.dumps(doc))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_index_parts_get_only_ucp_errors(pristine_packed, tmp_path_factory, data):
+    from ucp.format.index import atoms_part_name
+
+    root = _fresh(pristine_packed, tmp_path_factory)
+    doc = json.loads((step_path(root, 3) / atoms_part_name(0)).read_text())
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(_paths(doc)))
+        doc = _mutate(doc, path, data.draw(JSON), data.draw(st.booleans()))
+    before = _peak_rss()
+    reseal_part(root, json.dumps(doc))
+    every_reader(root)
+    assert _peak_rss() - before < 256 << 20, "a fuzzed index part made a reader allocate"
+
+
+def test_a_3_0_reader_refuses_a_3_1_step_clearly(pristine_packed):
+    """What a reader of format 3.0 does with a 3.1 manifest (ucp's 3.0 parser, kept for 3.0 steps): a FormatError
+    that says what it lacks, never an empty or partial step."""
+    from ucp.format.manifest import StepManifest
+
+    with pytest.raises(ucp.FormatError, match="needs an 'atoms' object"):
+        StepManifest.from_group_json(manifest_doc(pristine_packed), "a 3.1 manifest")
+
+
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        (lambda part: part["paths"].reverse(), "do not start at"),
+        (lambda part: part["paths"].__setitem__(1, part["paths"][0]), "appears twice"),
+        (lambda part: part["chunks"].__setitem__(0, 2**40), "must list"),
+        (lambda part: part["crc"].__setitem__(0, 2**32), "crc32c is not an integer of 32 bits"),
+        (lambda part: part["ndim"].__setitem__(0, 33), "at most 32"),
+        (lambda part: part["pack"].__setitem__(0, 7), "no listed pack"),
+        (lambda part: part["shape"].append(1), "column 'shape' must be a list of"),
+        (lambda part: part.__setitem__("dtypes", ["complex1024"]), "complex1024"),
+    ],
+)
+def test_a_hostile_index_part_is_a_format_error_naming_it(pristine_packed, tmp_path_factory, edit, fragment):
+    from ucp.format.index import atoms_part_name
+
+    root = _fresh(pristine_packed, tmp_path_factory)
+    doc = json.loads((step_path(root, 3) / atoms_part_name(0)).read_text())
+    edit(doc)
+    reseal_part(root, json.dumps(doc))
+    with pytest.raises(ucp.FormatError, match=fragment):
+        ucp.load(str(root), step=3)
+    assert_one_line_error(run_cli("verify", str(root), "--step", "3"), fragment)

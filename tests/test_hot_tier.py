@@ -137,3 +137,23 @@ def test_peer_transfers_of_several_batches_arrive_whole(world):
     (seen with a 2 GiB state on 4 processes: 256 MiB batches)."""
     outputs = spawn(["tests/rounds_worker.py", str(DRAW.randrange(1 << 30)), "20"], world, timeout=120)
     assert all("ok: 20 trials" in out for out in outputs)
+
+
+@pytest.mark.parametrize("seed", [DRAW.randrange(1 << 30) for _ in range(3)])
+def test_each_rank_keeps_the_replicas_of_exactly_the_ranks_whose_buddy_it_is(seed):
+    """`Nodes.senders_to` answers from the rank's node alone (it was a scan of the world per rank: O(W^2) over a job);
+    it must stay the inverse of `buddy` for nodes of any sizes and in any order of ranks."""
+    import random
+
+    from ucp.distributed.tiers import Nodes
+
+    rng = random.Random(seed)
+    count, world = rng.randrange(1, 7), rng.randrange(1, 60)
+    node_of = [rng.randrange(count) for _ in range(world)]
+    order = {n: i for i, n in enumerate(dict.fromkeys(node_of))}  # (nodes numbered by their lowest rank)
+    nodes = Nodes(tuple(order[n] for n in node_of))
+    for rank in range(world):
+        assert nodes.senders_to(rank) == [r for r in range(world) if nodes.buddy(r) == rank], (node_of, rank)
+        assert nodes.is_leader(rank) == (nodes.leader(nodes.node_of[rank]) == rank)
+        if nodes.count > 1:
+            assert nodes.node_of[nodes.buddy(rank)] == (nodes.node_of[rank] + 1) % nodes.count

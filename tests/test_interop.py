@@ -66,5 +66,5 @@ def test_zarr_python_sees_the_step_as_a_group_with_the_manifest(written):
     zarr = pytest.importorskip("zarr")
     step_dir, _ = written
     group = zarr.open_group(str(step_dir), mode="r")
-    assert group.attrs["ucp"]["format_version"] == "3.0"
+    assert group.attrs["ucp"]["format_version"] == "3.1" and group.attrs["ucp"]["index"]["atoms"] > 0
     assert "floats" in group and "float32" in group["floats"]

@@ -26,13 +26,13 @@ from ucp.distributed import ShardedModel, VirtualWorld, load_sharded
 from ucp.engine.checkpoint import CheckpointReader
 from ucp.engine.inspection import describe, format_table, verify
 from ucp.errors import FormatError, IntegrityError
-from ucp.format.manifest import COMMIT_MARKER, CRC_BYTES, PACKS_GROUP, dumps
+from ucp.format.manifest import COMMIT_MARKER, CRC_BYTES, PACKS_GROUP
 from ucp.sharding.families import MixtralConfig
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import assemble, shard
 from ucp.storage import open_storage
 
-from .helpers import DRAW, assert_same_state, step_path
+from .helpers import DRAW, assert_same_state, manifest_view, step_path, write_manifest
 from .test_interop import _ML_DTYPES, _same
 
 DTYPES = [
@@ -143,7 +143,7 @@ def test_random_trees_of_packed_and_unpacked_atoms_round_trip(tmp_path, mode, wr
     finally:
         manager.close()
     reader = ucp.open_checkpoint(str(root))
-    assert reader.manifest.format_version == "3.0"
+    assert reader.manifest.format_version == "3.1"
     assert_same_state(state, reader.load_state(), f"seed {seed}")
     _check_packed(reader)
     # the edges happened as laid out: one-byte, 0-d and empty atoms at the packs' ends and starts
@@ -389,7 +389,7 @@ def test_fuzzed_packed_entries_are_format_errors_before_any_read(tmp_path, monke
     root = tmp_path / "ckpt"
     seed = DRAW.randrange(2**31)
     ucp.save(random_state(seed), str(root), step=1, options=OPTIONS)
-    doc = json.loads((step_path(root) / "zarr.json").read_text())
+    doc = manifest_view(root)  # (format 3.1: written back into its index parts)
     reads = []
     real_read_into = type(open_storage(str(root))).read_into
     monkeypatch.setattr(
@@ -399,12 +399,7 @@ def test_fuzzed_packed_entries_are_format_errors_before_any_read(tmp_path, monke
     marker_path = attempt.parent / COMMIT_MARKER
 
     def reseal(edited: dict) -> None:  # (reseal_manifest opens the step, which the last case left refused)
-        data = dumps(edited)
-        (attempt / "zarr.json").write_bytes(data)
-        marker = json.loads(marker_path.read_text())
-        marker.update(manifest_crc32c=crc32c.crc32c(data), manifest_bytes=len(data))
-        marker_path.unlink()
-        marker_path.write_text(json.dumps(marker))
+        write_manifest(attempt, marker_path, edited)
 
     for what, edited in _fuzz_cases(doc, random.Random(seed)):
         reseal(edited)
@@ -427,8 +422,41 @@ def _recipe_case(tmp_path):
     state["big"] = torch.randn(64, 64)  # (not packed: 16 KiB)
     ucp.save(state, str(tmp_path), options=OPTIONS)
     attempt = _attempt(tmp_path)
-    manifest = json.loads((attempt / "zarr.json").read_text())["attributes"]["ucp"]
-    return state, attempt, manifest
+    return state, attempt, {name: atom_record(str(attempt), name) for name in state}
+
+
+def atom_record(step: str, path: str) -> dict:
+    """docs/FORMAT.md 3.1's recipe, as written there: an atom's record in a format 3.1 step (the attempt directory
+    `step`), found through the manifest's index: its dtype, shape, chunk shape, attributes and chunks ("packed":
+    [pack, offset, nbytes, crc32c] each; else "objects": [nbytes, crc32c] per chunk object)."""
+    import re
+
+    def path_key(path: str) -> tuple:  # the index's order: runs of digits as numbers (then by length), the rest as text
+        return tuple((int(p), len(p)) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", path)))
+
+    index = json.loads(Path(f"{step}/zarr.json").read_bytes())["attributes"]["ucp"]["index"]
+    number = max(n for n, (first, *_) in enumerate(index["parts"]) if path_key(first) <= path_key(path))
+    part = json.loads(
+        Path(f"{step}/ucp-index/atoms-{number}.json").read_bytes()
+    )  # (its size and crc32c: index["parts"][number])
+    i = part["paths"].index(path)
+    d, k = sum(part["ndim"][:i]), part["ndim"][i]  # its extents in "shape" and "chunk_shape"
+    r, c = sum(part["chunks"][:i]), part["chunks"][i]  # its chunk records
+    chunks = zip(*(part[column][r : r + c] for column in ("pack", "offset", "nbytes", "crc")))
+    record = {
+        "dtype": part["dtypes"][part["dtype"][i]],
+        "shape": part["shape"][d : d + k],
+        "chunk_shape": part["chunk_shape"][d : d + k],
+        "attributes": part["attributes"][part["attrs"][i]],
+    }
+    if i in part["sharded"]:
+        e = sum(part["ndim"][j] for j in part["sharded"][: part["sharded"].index(i)])
+        record["inner_chunk_shape"] = part["inner_chunk_shape"][e : e + k]
+    if part["packed"][i]:
+        record["packed"] = [[part["packs"][p][0], offset, n, crc] for p, offset, n, crc in chunks]
+    else:
+        record["objects"] = [[n, crc] for _, _, n, crc in chunks]
+    return record
 
 
 def _decode(raw: np.ndarray, atom: dict) -> np.ndarray:
@@ -444,9 +472,9 @@ def _decode(raw: np.ndarray, atom: dict) -> np.ndarray:
     return raw.view(dtype).reshape(atom["shape"])
 
 
-def _packed_atoms(state: dict, manifest: dict):
-    """(tensor, its manifest entry, its one packed chunk) of every packed atom of the recipe's state."""
-    packed = [(name, t, manifest["atoms"][name]) for name, t in state.items() if "packed" in manifest["atoms"][name]]
+def _packed_atoms(state: dict, records: dict):
+    """(tensor, its record, its one packed chunk) of every packed atom of the recipe's state."""
+    packed = [(name, t, records[name]) for name, t in state.items() if "packed" in records[name]]
     assert len(packed) == len(state) - 1  # (all but "big")
     return [(name, t, atom, *atom["packed"][0]) for name, t, atom in packed]
 

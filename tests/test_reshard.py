@@ -11,10 +11,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ucp.base.boxes import box_numel, flat_range_boxes, is_contiguous, to_slices
+from ucp.base.boxes import box_numel, flat_range_boxes, intersect, is_contiguous, to_slices
 from ucp.sharding.families import MixtralConfig, canonical_atoms
 from ucp.sharding.layout import Layout, parse_layout
-from ucp.sharding.reshard import assemble, atom_owners, chunk_write_plan, local_plan, owned_pieces, shard, write_grid
+from ucp.sharding.reshard import (
+    AtomOwners,
+    assemble,
+    atom_owners,
+    chunk_write_plan,
+    local_plan,
+    owned_pieces,
+    shard,
+    write_grid,
+)
 
 STATES = ("exp_avg", "exp_avg_sq")
 
@@ -490,3 +499,24 @@ def test_chunk_write_plan_property(case, edge):
     sends = Counter((r, t.peer, t.atom, t.state, t.atom_box) for r, p in enumerate(plans) for t in p.sends)
     recvs = Counter((t.peer, r, t.atom, t.state, t.atom_box) for r, p in enumerate(plans) for t in p.recvs)
     assert sends == recvs
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_and_layout(), st.data())
+def test_the_writers_of_a_region_are_those_of_the_atom_that_cross_it(case, data):
+    """`AtomOwners.within(box)` finds a region's writers from its flat extent (ZeRO) instead of listing the atom's:
+    the same pairs as the whole atom's owners that overlap the region, for regions of any shape and place."""
+    cfg, layout, _ = case
+    atoms = canonical_atoms(cfg)
+    atom = data.draw(st.sampled_from(sorted(atoms)))
+    state = data.draw(st.sampled_from([None, *STATES]))
+    shape = atoms[atom][0]
+    box = []
+    for n in shape:
+        a = data.draw(st.integers(0, n - 1))
+        box.append((a, data.draw(st.integers(a + 1, n))))
+    box = tuple(box)
+    owners = AtomOwners(cfg, layout, atom, state)
+    whole = atom_owners(cfg, layout, atom, state)
+    assert owners.within() == whole
+    assert sorted(owners.within(box)) == sorted(o for o in whole if intersect(o[1], box) is not None)

@@ -465,3 +465,29 @@ def test_a_read_only_source_serves_a_load_and_is_refused_by_a_save(tmp_path):
 
 def _files_below(directory: Path) -> list[str]:
     return [str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()]
+
+
+def test_an_object_rewritten_while_read_is_never_seen_torn(tmp_path):
+    """An attempt's owner record is rewritten every third of its lease while gc may read it: on local files a rewrite
+    replaces the file whole (a reader took a truncated file for an unreadable record before)."""
+    import threading
+
+    storage = LocalStorage(str(tmp_path), fsync=False)
+    storage.write("record.json", [b'{"renewed_at": 0}'])
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            storage.write("record.json", [b'{"renewed_at": %d}' % n])
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        seen = {bytes(storage.read("record.json")) for _ in range(3000)}
+    finally:
+        stop.set()
+        writer.join()
+    assert all(s.startswith(b'{"renewed_at": ') and s.endswith(b"}") for s in seen), sorted(seen)[:3]
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # (no temporary file left beside it)

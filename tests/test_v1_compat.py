@@ -1,6 +1,6 @@
-"""Format 1.0 and 2.0 checkpoints (kept as fixtures, written by the 1.0 and 2.0 writers:
-scripts/make_v1_fixture.py) still load bitwise, verify, inspect and load sharded in any layout; a format 3 save
-into a 1.0 root sits beside them."""
+"""Format 1.0, 2.0 and 3.0 checkpoints (kept as fixtures, written by the 1.0, 2.0 and 3.0 writers:
+scripts/make_v1_fixture.py) still load bitwise, verify, inspect and load sharded in any layout; a save of today's
+format into a 1.0 root sits beside them."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from ucp.sharding.reshard import assemble
 FIXTURES = Path(__file__).parent / "fixtures" / "v1"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 V2 = Path(__file__).parent / "fixtures" / "v2"  # the same states, written by the 2.0 writer
+V3 = Path(__file__).parent / "fixtures" / "v3"  # and by the 3.0 writer: some atoms packed, the others sharded
 
 
 def digest(t: torch.Tensor) -> str:
@@ -80,7 +81,7 @@ def test_a_v3_save_into_a_v1_root_sits_beside_the_v1_steps(tmp_path):
     assert manager.steps() == [4, 5]
     manager.save(6, {"w": torch.arange(5.0)})
     assert manager.steps() == [4, 5, 6]
-    assert ucp.open_checkpoint(str(root)).manifest.format_version == "3.0"
+    assert ucp.open_checkpoint(str(root)).manifest.format_version == "3.1"
     assert torch.equal(ucp.load(str(root))["w"], torch.arange(5.0))
     assert ucp.load(str(root), step=5)["model"]["w"].shape == (48, 40)
 
@@ -104,8 +105,8 @@ def test_a_v2_single_process_checkpoint_loads_bitwise_and_verifies(tmp_path):
     assert digest(ucp.load(str(root), step=5)["model"]["w"]) == EXPECTED["single"]["w"][2]
 
 
-@pytest.mark.parametrize("fixtures", [FIXTURES, V2], ids=["v1", "v2"])
-def test_a_v1_or_v2_distributed_checkpoint_loads_in_other_layouts(tmp_path, fixtures):
+@pytest.mark.parametrize("fixtures", [FIXTURES, V2, V3], ids=["v1", "v2", "v3"])
+def test_a_v1_v2_or_v3_distributed_checkpoint_loads_in_other_layouts(tmp_path, fixtures):
     shutil.copytree(fixtures / "sharded", tmp_path / "sharded")
     root = tmp_path / "sharded"
     config = MixtralConfig.from_json(EXPECTED["config"])

@@ -9,9 +9,11 @@ from typing import Any, Self
 import torch
 
 from .base.devices import on_host
+from .distributed.read_plan import plan_paths
 from .distributed.sharded_load import LoadReport, load_sharded
 from .distributed.sharded_model import ShardedModel, extra_state
 from .distributed.sharded_save import RankSaver, extra_atoms, plan_sharded_save
+from .distributed.shared_manifest import open_shared
 from .distributed.tiers import HotTier, RestoreReport
 from .engine.checkpoint import CheckpointReader, SaveOptions, chunk_jobs, io_threads_for, plan_atoms, plan_save
 from .engine.pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
@@ -253,7 +255,16 @@ class CheckpointManager:
         if self.hot is not None and step in ("latest", None):
             local, extra, report, self.last_restore = self.hot.restore_sharded(model, self.storage, into, device)
             return local, extra, report
-        reader = self.reader(step)
+        if self.comm is not None and self.comm.world_size > 1:  # (the manifest read once for all the ranks)
+            reader = open_shared(
+                self.storage,
+                self.comm,
+                step,
+                paths=lambda r: plan_paths(model, rank, r.manifest.tree_at("extra")),
+                io_threads=self.options.io_threads,
+            )
+        else:
+            reader = self.reader(step)
         local, report = load_sharded(reader, model, rank, into=into, device=device)
         self.last_restore = RestoreReport(reader.step, "durable", bytes_durable=report.bytes_read)
         return local, extra_state(reader), report

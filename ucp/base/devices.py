@@ -36,7 +36,7 @@ _PORTABLE = 1
 
 def on_host(tensor: torch.Tensor) -> bool:
     """Whether the CPU reads `tensor`'s bytes where they are (a CPU tensor)."""
-    return tensor.device.type == "cpu"
+    return tensor.is_cpu
 
 
 def load_device(device: torch.device | str | None) -> torch.device | None:

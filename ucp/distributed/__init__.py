@@ -12,7 +12,7 @@ in one process (for tests, offline tools and benchmarks).
 
 The parts live in modules of their own: `ucp.distributed.sharded_model` (the model and its atoms),
 `ucp.distributed.sharded_save`, `ucp.distributed.read_plan` (what a rank's load reads, as data),
-`ucp.distributed.sharded_load`; this module names them together, as the README and callers import them. The hot
+`ucp.distributed.sharded_load`, `ucp.distributed.shared_manifest` (a step's manifest read once for all ranks); this module names them together, as the README and callers import them. The hot
 tier, `ucp.distributed.tiers`, is imported by its own name.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ..protocol.comm import Comm, LocalComm, TorchComm
 from ..sharding.reshard import local_tensor, piece_view
-from .read_plan import ReadPlan, plan_reads
+from .read_plan import ReadPlan, plan_paths, plan_reads
 from .sharded_load import LoadReport, load_sharded, needed_objects, piece_reads, run_plan
 from .sharded_model import (
     AtomKey,
@@ -33,6 +33,7 @@ from .sharded_model import (
     with_layout,
 )
 from .sharded_save import RankSaver, VirtualWorld, manifest_for, plan_sharded_save, save_sharded
+from .shared_manifest import open_shared
 
 __all__ = [
     "AtomKey",
@@ -53,8 +54,10 @@ __all__ = [
     "manifest_for",
     "model_config_of",
     "needed_objects",
+    "open_shared",
     "piece_reads",
     "piece_view",
+    "plan_paths",
     "plan_reads",
     "plan_sharded_save",
     "run_plan",

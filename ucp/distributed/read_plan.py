@@ -22,6 +22,7 @@ from ..base.boxes import Box, box_numel
 from ..engine.checkpoint import chunks_touching
 from ..errors import FormatError, StateError
 from ..format.manifest import AtomMeta
+from ..format.tree import tree_atoms
 from ..sharding.families import canonical_atoms
 from ..sharding.layout import Layout
 from ..sharding.quantization import FLOAT8, SCALE_DTYPES, scale_box, scale_shape
@@ -119,7 +120,8 @@ def plan_reads(
     weight asked for in float8 (StateError)."""
     model = states_held(model, atoms)
     shapes = canonical_atoms(model.config)
-    tensors = []
+    wanted = []  # every local tensor with the atoms of its pieces (all looked up before any tensor is planned)
+    kind_dtypes: dict[str | None, str] = {}  # the dtype of each kind (parameters, or a state) in the rank's atoms
     for lt in local_plan(model.config, model.layout, rank, model.optim_states):
         metas = []
         for p in lt.pieces:
@@ -133,12 +135,17 @@ def plan_reads(
                 )
             check_atom(meta, shapes[p.atom][0])
             metas.append(meta)
+            kind_dtypes.setdefault(lt.state, meta.dtype)
+        wanted.append((lt, metas))
+    tensors = []
+    for lt, metas in wanted:
         given = given_tensor(into, lt.key, lt.shape)
-        wanted = given.dtype if given is not None else dtype
-        scaled = [dequantised(atoms, meta, shapes, wanted) for meta in metas]
-        stored = dtypes.torch_dtype(metas[0].dtype if metas else _kind_dtype(atoms, lt.state))
+        wanted_dtype = given.dtype if given is not None else dtype
+        scaled = [dequantised(atoms, meta, shapes, wanted_dtype) for meta in metas]
+        kind = kind_dtypes.get(lt.state) or _kind_dtype(atoms, lt.state)
+        stored = dtypes.torch_dtype(metas[0].dtype if metas else kind)
         if any(scaled):  # dequantised straight into the dtype asked for (float32 if none)
-            stored = wanted or torch.float32
+            stored = wanted_dtype or torch.float32
             if stored in FLOAT8:
                 raise StateError(f"{'/'.join(lt.key)} is loaded dequantised: it cannot be {stored}")
         items = tuple(_item(p, meta, scales, stored) for p, meta, scales in zip(lt.pieces, metas, scaled))
@@ -149,9 +156,23 @@ def plan_reads(
     return ReadPlan(model.layout, rank, dtype, tuple(tensors))
 
 
+def plan_paths(model: ShardedModel, rank: int, extra: Any = None) -> list[str]:
+    """The atom paths a load of `rank` of `model.layout` reads (without the manifest: from the model alone), those of
+    the optional states included, and those of the state tree node `extra` (the extra state every rank reads): what a
+    distributed load shares the index of (`ucp.distributed.shared_manifest`)."""
+    states = model.optim_states + tuple(s for s in model.optional_states if s not in model.optim_states)
+    paths = {
+        atom_path(p.atom, lt.state) for lt in local_plan(model.config, model.layout, rank, states) for p in lt.pieces
+    }
+    if extra is not None:
+        paths.update(tree_atoms(extra))
+    return sorted(paths)
+
+
 def _kind_dtype(atoms: Mapping[str, AtomMeta], state: str | None) -> str:
     """The dtype of a local tensor that holds padding only (a padded vocabulary's last rows on the last TP ranks): that
-    of the step's other atoms of its kind (the parameters, or that optimizer state), float32 where it has none."""
+    of the step's other atoms of its kind (the parameters, or that optimizer state), float32 where it has none.
+    (Asked only where the rank holds no other atom of that kind: it may read the step's whole index.)"""
     prefix, suffix = ("model/", "") if state is None else ("optimizer/state/", f"/{state}")
     return next((m.dtype for p, m in atoms.items() if p.startswith(prefix) and p.endswith(suffix)), "float32")
 

@@ -14,6 +14,7 @@ import torch
 from ..base import dtypes
 from ..base.boxes import box_shape
 from ..base.devices import load_device, on_host
+from ..base.heap import collector_paused
 from ..base.workpool import ObjectCall
 from ..engine.checkpoint import CheckpointReader
 from ..engine.landing import open_landing
@@ -37,6 +38,7 @@ class LoadReport:
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
 
+@collector_paused()
 def load_sharded(
     reader: CheckpointReader,
     model: ShardedModel,
@@ -69,6 +71,7 @@ def load_sharded(
     return run_plan(reader, plan, into=into, device=device)
 
 
+@collector_paused()
 def run_plan(
     reader: CheckpointReader,
     plan: ReadPlan,

@@ -74,6 +74,8 @@ def states_held(model: ShardedModel, atoms: Mapping[str, AtomMeta]) -> ShardedMo
     """`model` as a load of a step with these atoms reads it: each optional state the step holds (any atom of it)
     becomes an ordinary state, the others are dropped. A state the step holds only in part then fails the load
     with the atom it lacks, as an ordinary state would."""
+    if not model.optional_states:
+        return model  # (nothing to look for: a step of a million atoms is not walked)
     held = {path.rsplit("/", 1)[1] for path in atoms if path.startswith("optimizer/state/")}
     states = model.optim_states + tuple(s for s in model.optional_states if s in held and s not in model.optim_states)
     return dataclasses.replace(model, optim_states=states, optional_states=())
@@ -157,7 +159,7 @@ def model_config_of(reader: CheckpointReader) -> Any:
     """The model family config a distributed checkpoint was written with."""
 
     try:
-        doc = dict(reader.manifest.tree["dict"]["model_config"]["value"])
+        doc = dict(reader.manifest.tree_at("model_config")["value"])
         family = FAMILIES[doc.pop("family")]
     except (KeyError, TypeError):
         raise FormatError(
@@ -176,7 +178,7 @@ def check_atom(meta: AtomMeta, shape: tuple[int, ...]) -> None:
 
 def extra_state(reader: CheckpointReader) -> dict[str, Any]:
     """The `extra` state a distributed save stored (JSON, and tensors read whole)."""
-    node = reader.manifest.tree["dict"].get("extra")
+    node = reader.manifest.tree_at("extra")  # (only the tree part on the way, if any)
     if node is None:
         return {}
     paths = tree.tree_atoms(node)

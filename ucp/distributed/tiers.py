@@ -30,9 +30,11 @@ batches of at most `transfer_bytes`.
 
 from __future__ import annotations
 
+import array
 import base64
 import concurrent.futures as cf
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -49,9 +51,9 @@ from ..engine.checkpoint import CheckpointReader, SaveOptions
 from ..errors import CheckpointNotFoundError, FormatError, IntegrityError, ObjectMissingError, StorageError, UcpError
 from ..format.manifest import ZARR_JSON, AtomMeta, StepManifest, chunk_indices
 from ..protocol import attempt, commit
-from ..protocol.comm import Comm, LocalComm
+from ..protocol.comm import Comm, LocalComm, exchange_sizes
 from ..protocol.commit import CommitRecord
-from ..protocol.coordination import all_gather, broadcast
+from ..protocol.coordination import all_reduce, broadcast
 from ..protocol.session import SaveSession, ensure_root
 from ..storage import Capabilities, IOStats, LocalStorage, ReadableStorage, Storage, scatter_into
 
@@ -86,6 +88,20 @@ class NodePlace:
 
 
 @dataclass(frozen=True)
+class NodeMap:
+    """Rank 0 to every rank: which node each rank runs on (`Nodes.node_of`)."""
+
+    node_of: list[int]
+
+    def to_json(self) -> list[int]:
+        return self.node_of
+
+    @classmethod
+    def from_json(cls, doc: Any) -> NodeMap:
+        return cls([int(n) for n in doc])
+
+
+@dataclass(frozen=True)
 class Holdings:
     """The steps a rank's node holds committed, and (from rank 0 only) the durable URL's newest."""
 
@@ -102,54 +118,101 @@ class Holdings:
 
 
 @dataclass(frozen=True)
-class Checked:
-    """Which of the step's objects (numbered as `_object_list`) a rank found intact in its share of its node's
-    copies, and the damaged ones it found (named with their error)."""
+class Candidates:
+    """Rank 0 to every rank: the hot steps worth trying, newest first, each with the lowest rank whose node holds
+    it (it hands the step's marker and manifest to the others), and the durable URL's newest step."""
 
-    ok: list[bool]
-    damaged: list[str]
+    hot: list[tuple[int, int]]  # (step, holding rank)
+    durable: int | None
 
     def to_json(self) -> dict:
-        bits = bytearray((len(self.ok) + 7) // 8)  # (a bit per object: a million objects are 170 KB of JSON)
-        for i, intact in enumerate(self.ok):
-            if intact:
-                bits[i // 8] |= 1 << (i % 8)
-        return {"n": len(self.ok), "ok": base64.b64encode(bytes(bits)).decode(), "damaged": self.damaged}
+        return {"hot": [list(c) for c in self.hot], "durable": self.durable}
 
     @classmethod
-    def from_json(cls, doc: Any) -> Checked:
-        bits = base64.b64decode(doc["ok"])
-        return cls([bool(bits[i // 8] & (1 << (i % 8))) for i in range(int(doc["n"]))], list(doc["damaged"]))
+    def from_json(cls, doc: Any) -> Candidates:
+        durable = doc["durable"]
+        return cls([(int(s), int(r)) for s, r in doc["hot"]], int(durable) if durable is not None else None)
+
+
+def _ints(values: Sequence[int]) -> str:
+    return base64.b64encode(array.array("I", values).tobytes()).decode()
+
+
+def _from_ints(text: str) -> array.array:
+    out = array.array("I")
+    out.frombytes(base64.b64decode(text))
+    return out
 
 
 @dataclass(frozen=True)
-class Needs:
-    """The objects a rank reads to restore (numbered as `_object_list`)."""
+class Checked:
+    """The objects of the step (numbered as `_object_list`) that a rank found intact in its share of its node's
+    copies, and the damaged ones it found (named with their error). Only what it holds: a rank's message grows with
+    its share, not with the step."""
 
-    objects: list[int]
+    intact: list[int]
+    damaged: list[str]
 
-    def to_json(self) -> list[int]:
-        return self.objects
+    def to_json(self) -> dict:
+        return {"intact": _ints(self.intact), "damaged": self.damaged}
 
     @classmethod
-    def from_json(cls, doc: Any) -> Needs:
-        return cls([int(i) for i in doc])
+    def from_json(cls, doc: Any) -> Checked:
+        return cls(list(_from_ints(doc["intact"])), list(doc["damaged"]))
+
+
+@dataclass(frozen=True)
+class Directory:
+    """Rank 0 to every rank: which nodes hold an intact copy of each object of the step (object i's nodes are
+    `nodes[starts[i]:starts[i + 1]]`), and every damaged copy found. Its size is the step's objects and their copies
+    (two each, a node's and its buddy's), whatever the number of ranks: every rank plans its own reads from it."""
+
+    starts: Sequence[int]
+    nodes: Sequence[int]
+    damaged: list[str]
+
+    @classmethod
+    def of(cls, holders: list[list[int]], damaged: list[str]) -> Directory:
+        starts = array.array("I", [0, *itertools.accumulate(len(h) for h in holders)])
+        return cls(starts, array.array("I", [n for h in holders for n in h]), damaged)
+
+    def holders(self, i: int) -> Sequence[int]:
+        return self.nodes[self.starts[i] : self.starts[i + 1]]
+
+    @property
+    def whole(self) -> bool:
+        """Every object has an intact copy on some node."""
+        return all(b > a for a, b in itertools.pairwise(self.starts))
+
+    def to_json(self) -> dict:
+        return {"starts": _ints(self.starts), "nodes": _ints(self.nodes), "damaged": self.damaged}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Directory:
+        return cls(_from_ints(doc["starts"]), _from_ints(doc["nodes"]), list(doc["damaged"]))
 
 
 @dataclass(frozen=True)
 class Published:
     """Rank 0 to every rank: the commit marker and the manifest of the step it committed in its node's directory,
-    byte for byte (the marker holds the manifest's checksum)."""
+    and the manifest's index parts (format 3.1), byte for byte (the marker holds the manifest's checksum, the
+    manifest each part's)."""
 
     marker: bytes
     manifest: bytes
+    index: dict[str, bytes] = field(default_factory=dict)  # name below the attempt -> bytes
 
     def to_json(self) -> dict:
-        return {"marker": base64.b64encode(self.marker).decode(), "manifest": base64.b64encode(self.manifest).decode()}
+        return {
+            "marker": base64.b64encode(self.marker).decode(),
+            "manifest": base64.b64encode(self.manifest).decode(),
+            "index": {name: base64.b64encode(data).decode() for name, data in self.index.items()},
+        }
 
     @classmethod
     def from_json(cls, doc: Any) -> Published:
-        return cls(base64.b64decode(doc["marker"]), base64.b64decode(doc["manifest"]))
+        index = {name: base64.b64decode(data) for name, data in doc["index"].items()}
+        return cls(base64.b64decode(doc["marker"]), base64.b64decode(doc["manifest"]), index)
 
 
 # ------------------------------------------------------------------------------------------------ nodes
@@ -157,41 +220,63 @@ class Published:
 
 @dataclass(frozen=True)
 class Nodes:
-    """Which node each rank runs on; nodes are numbered in the order of their lowest rank."""
+    """Which node each rank runs on; nodes are numbered in the order of their lowest rank. Each question about a
+    rank's node costs that node's size, never the world's (a buddy or its senders asked on each of 100k ranks)."""
 
     node_of: tuple[int, ...]
+    members: tuple[tuple[int, ...], ...] = field(init=False, repr=False)  # each node's ranks, in order
+    position: tuple[int, ...] = field(init=False, repr=False)  # each rank's place among its node's ranks
+
+    def __post_init__(self) -> None:
+        members: list[list[int]] = [[] for _ in range(max(self.node_of, default=-1) + 1)]
+        position = []
+        for rank, node in enumerate(self.node_of):
+            position.append(len(members[node]))
+            members[node].append(rank)
+        object.__setattr__(self, "members", tuple(map(tuple, members)))
+        object.__setattr__(self, "position", tuple(position))
 
     @property
     def count(self) -> int:
-        return max(self.node_of) + 1
+        return len(self.members)
 
-    def ranks(self, node: int) -> list[int]:
-        return [r for r, n in enumerate(self.node_of) if n == node]
+    def ranks(self, node: int) -> tuple[int, ...]:
+        return self.members[node]
 
     def leader(self, node: int) -> int:
-        return self.ranks(node)[0]
+        return self.members[node][0]
 
     def is_leader(self, rank: int) -> bool:
-        return self.leader(self.node_of[rank]) == rank
+        return self.position[rank] == 0
 
     def buddy(self, rank: int) -> int | None:
         """The rank of the next node that keeps `rank`'s replicas (None with a single node)."""
         if self.count == 1:
             return None
-        mine = self.ranks(self.node_of[rank])
-        others = self.ranks((self.node_of[rank] + 1) % self.count)
-        return others[mine.index(rank) % len(others)]
+        others = self.members[(self.node_of[rank] + 1) % self.count]
+        return others[self.position[rank] % len(others)]
 
     def senders_to(self, rank: int) -> list[int]:
-        """The ranks whose replicas `rank` keeps."""
-        return [r for r in range(len(self.node_of)) if self.buddy(r) == rank]
+        """The ranks whose replicas `rank` keeps: those of the previous node whose place, wrapped around this node's
+        ranks, is `rank`'s (the inverse of `buddy`)."""
+        if self.count == 1:
+            return []
+        node = self.node_of[rank]
+        mine = len(self.members[node])
+        previous = self.members[(node - 1) % self.count]
+        return [r for i, r in enumerate(previous) if i % mine == self.position[rank]]
 
 
 def find_nodes(comm: Comm, local_dir: str) -> Nodes:
-    """Which node each rank runs on (a collective: every rank calls it together)."""
-    places = all_gather(comm, lambda: NodePlace(socket.gethostname(), os.path.realpath(local_dir)), NodePlace)
-    order = list(dict.fromkeys(places))
-    return Nodes(tuple(order.index(p) for p in places))
+    """Which node each rank runs on (a collective: every rank calls it together). Rank 0 numbers the places; every
+    rank receives the numbers (a small integer a rank), not every rank's place."""
+
+    def number(places: list[NodePlace]) -> NodeMap:
+        order = {p: i for i, p in enumerate(dict.fromkeys(places))}
+        return NodeMap([order[p] for p in places])
+
+    place = NodePlace(socket.gethostname(), os.path.realpath(local_dir))
+    return Nodes(tuple(all_reduce(comm, lambda: place, number, NodePlace, NodeMap).node_of))
 
 
 # ------------------------------------------------------------------------------------------ transfers
@@ -376,11 +461,14 @@ class HotTier:
 
         def committed() -> Published:
             marker = bytes(self.storage.read(commit.marker_key(session.step)))
-            return Published(marker, bytes(self.storage.read(f"{session.prefix}/{ZARR_JSON}")))
+            manifest = bytes(self.storage.read(f"{session.prefix}/{ZARR_JSON}"))
+            return Published(marker, manifest, CheckpointReader(self.storage, session.step).index_parts())
 
         published = broadcast(self.comm, committed, Published)
         if self.is_leader and self.nodes.node_of[self.rank] != self.nodes.node_of[0]:
             ensure_root(self.storage)
+            for name, data in published.index.items():
+                self.storage.write(f"{session.prefix}/{name}", [data])
             self.storage.write(f"{session.prefix}/{ZARR_JSON}", [published.manifest])
             self.storage.flush()
             if not commit.create_once(self.storage, commit.marker_key(session.step), published.marker):
@@ -449,10 +537,11 @@ class HotTier:
                 report,
                 RestoreReport(chosen.step, "durable", bytes_durable=report.bytes_read),
             )
-        assert chosen.reader is not None and chosen.held is not None
-        reader, held = chosen.reader, chosen.held
+        assert chosen.reader is not None and chosen.directory is not None
+        reader, directory = chosen.reader, chosen.directory
         objects = _object_list(reader.atoms)
         number = {o: i for i, o in enumerate(objects)}
+        my_node = self.nodes.node_of[self.rank]
         # One plan: what this rank asks the other nodes for is what its load then reads. A plan the step refuses (an
         # atom it lacks, an `into` tensor of another shape) is raised once this rank has done its part of the
         # exchange, in which the other ranks wait for it.
@@ -462,22 +551,22 @@ class HotTier:
         except UcpError as e:
             plan = e
         planned = plan.objects() if isinstance(plan, ReadPlan) else set()
-        needs = sorted(number[o] for o in planned | _extra_objects(reader))
+        # What this node lacks, asked of one rank of a node that holds it (spread over its holders and their ranks)
+        asks: dict[int, list[int]] = {}
+        for i in sorted(number[o] for o in planned | _extra_objects(reader)):
+            holders = directory.holders(i)
+            if holders and my_node not in holders:  # (else read on this node, or from the durable URL)
+                ranks = self.nodes.ranks(holders[i % len(holders)])
+                asks.setdefault(ranks[i % len(ranks)], []).append(i)
+        sent = {peer: torch.tensor(wanted, dtype=torch.int64).view(torch.uint8) for peer, wanted in asks.items()}
+        asked = self.comm.exchange(sent, exchange_sizes(self.comm, {p: t.numel() for p, t in sent.items()}))
         serve: dict[int, dict[str, int]] = {}  # peer -> {key: nbytes} that this rank sends it
-        receives: set[int] = set()
-        for rank, wanted in enumerate(all_gather(self.comm, lambda: Needs(needs), Needs)):
-            node = self.nodes.node_of[rank]
-            for i in wanted.objects:
-                holder = next((n for n in range(self.nodes.count) if held[n][i]), None)
-                if held[node][i] or holder is None:
-                    continue  # read on its own node, or from the durable URL
-                ranks = self.nodes.ranks(holder)
-                server = ranks[i % len(ranks)]
-                if server == self.rank:
-                    key = _key(reader, objects[i])
-                    serve.setdefault(rank, {})[key] = reader.recorded(reader.atoms[objects[i][0]], objects[i][1])[0]  # type: ignore[index]
-                elif rank == self.rank:
-                    receives.add(server)
+        for peer, wanted in asked.items():
+            for i in wanted.view(torch.int64).tolist():
+                path, index = objects[i]
+                key = _key(reader, objects[i])
+                serve.setdefault(peer, {})[key] = reader.recorded(reader.atoms[path], index)[0]  # type: ignore[index]
+        receives = set(asks)
         fetched: dict[str, bytes] = {}
         sends = {
             peer: [[from_storage(self.storage, k, sizes[k]) for k in keys] for keys in pack(sizes, self.transfer_bytes)]
@@ -486,13 +575,12 @@ class HotTier:
         send_rounds(
             self.comm, sends, receives, lambda _peer, items: fetched.update((k, bytes(v)) for k, v in items.items())
         )
-        my_node = self.nodes.node_of[self.rank]
         # an object is usable here if every chunk it holds is intact here (a pack holds many)
         keys = [_key(reader, o) for o in objects]
-        usable = set(keys) - {k for k, ok in zip(keys, held[my_node]) if not ok}
+        usable = set(keys) - {k for i, k in enumerate(keys) if my_node not in directory.holders(i)}
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
         source = TierSource(self.storage, usable, fetched, durable_reader)
-        tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes))
+        tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes, chosen.index))
         if not isinstance(plan, ReadPlan):
             raise plan
         local, report = run_plan(tiered, plan, into=into, device=device)
@@ -517,29 +605,42 @@ class HotTier:
 
     def _choose_step(self, durable: Storage) -> _Choice:
         """The step to restore (module doc, 1 and 2). Hot steps newer than it are removed: the job redoes them."""
+        mine = commit.committed_steps(self.storage)
 
         def holdings() -> Holdings:
             durable_steps = commit.committed_steps(durable) if self.rank == 0 else []
-            return Holdings(commit.committed_steps(self.storage), durable_steps[-1] if durable_steps else None)
+            return Holdings(mine, durable_steps[-1] if durable_steps else None)
 
-        reports = all_gather(self.comm, holdings, Holdings, failed=lambda f: f.error("hot tier: choosing the step"))
-        mine = reports[self.rank].hot
-        durable_latest = reports[0].durable
+        def candidates(reports: list[Holdings]) -> Candidates:
+            durable_latest = reports[0].durable
+            holder: dict[int, int] = {}
+            for rank, report in enumerate(reports):
+                for step in report.hot:
+                    holder.setdefault(step, rank)
+            hot = [
+                (s, r) for s, r in sorted(holder.items(), reverse=True) if durable_latest is None or s >= durable_latest
+            ]
+            return Candidates(hot, durable_latest)
+
+        steps = all_reduce(
+            self.comm,
+            holdings,
+            candidates,
+            Holdings,
+            Candidates,
+            failed=lambda f: f.error("hot tier: choosing the step"),
+        )
         chosen = None
-        for step in sorted({s for r in reports for s in r.hot}, reverse=True):
-            if durable_latest is not None and step < durable_latest:
-                break
-            choice = _Choice(
-                step, "hot", [r for r, rep in enumerate(reports) if step in rep.hot], durable_latest == step
-            )
-            self._load_holdings(choice)
-            assert choice.held is not None
-            if choice.durable_too or all(any(node[i] for node in choice.held) for i in range(len(choice.held[0]))):
+        for step, holder in steps.hot:
+            choice = _Choice(step, "hot", holder, steps.durable == step)
+            self._load_holdings(choice, step in mine)
+            assert choice.directory is not None
+            if choice.durable_too or choice.directory.whole:
                 chosen = choice
                 break
             log.warning("hot tier: step %d is not held whole by the surviving nodes; trying an older one", step)
-        if chosen is None and durable_latest is not None:
-            chosen = _Choice(durable_latest, "durable", [], True)
+        if chosen is None and steps.durable is not None:
+            chosen = _Choice(steps.durable, "durable", 0, True)
         if self.is_leader:  # a timeline the job will now redo (all of it, on a fresh start)
             for step in mine:
                 if chosen is None or step > chosen.step:
@@ -548,64 +649,82 @@ class HotTier:
             raise CheckpointNotFoundError(f"no committed step at {durable.url} nor held whole by the nodes' hot tiers")
         return chosen
 
-    def _load_holdings(self, choice: _Choice) -> None:
-        """The step's commit record and manifest (read here, or received from the lowest rank whose node holds the
-        step: a node that joined holds nothing), and per node which objects it holds intact: each rank checks its
-        share of its node's copies against the commit's checksums."""
+    def _load_holdings(self, choice: _Choice, held_here: bool) -> None:
+        """The step's commit record and manifest (read by the lowest rank whose node holds the step, handed to rank 0,
+        broadcast from there: a node that joined holds nothing), and which nodes hold each object intact: each rank
+        checks its share of its node's copies against the commit's checksums, and rank 0 makes the directory."""
         from ..engine.inspection import check_object
 
-        holder = choice.ranks[0]
-        lacking = [r for r in range(self.comm.world_size) if r not in choice.ranks]
-        marker = manifest_bytes = b""
-        if self.rank in choice.ranks:
-            marker = bytes(self.storage.read(commit.marker_key(choice.step)))
-            record = commit.parse_marker(marker, choice.step, f"{self.storage.url}/{commit.marker_key(choice.step)}")
-            manifest_bytes = commit.read_manifest_bytes(self.storage, record)
-        got: dict[str, bytes] = {}
-        sends = (
-            {r: [[from_bytes("marker", marker), from_bytes("manifest", manifest_bytes)]] for r in lacking}
-            if self.rank == holder
-            else {}
-        )
-        send_rounds(
-            self.comm,
-            sends,
-            [holder] if self.rank in lacking else [],
-            lambda _peer, items: got.update((k, bytes(v)) for k, v in items.items()),
-        )
-        if got:
-            marker, manifest_bytes = got["marker"], got["manifest"]
-        record = commit.parse_marker(marker, choice.step, f"hot tier step {choice.step} from rank {holder}")
-        reader = CheckpointReader(self.storage, committed=(record, manifest_bytes))
+        held_by: Published | str | None = None  # the holder's copy of the step's documents, or why it has none
+        if self.rank == choice.holder:
+            try:
+                marker = bytes(self.storage.read(commit.marker_key(choice.step)))
+                where = f"{self.storage.url}/{commit.marker_key(choice.step)}"
+                record = commit.parse_marker(marker, choice.step, where)
+                manifest = commit.read_manifest_bytes(self.storage, record)
+                # (format 3.1: the manifest's index parts go with it)
+                index = CheckpointReader(self.storage, committed=(record, manifest)).index_parts()
+                held_by = Published(marker, manifest, index)
+            except (UcpError, OSError) as e:
+                held_by = f"hot tier: rank {self.rank} cannot read step {choice.step}'s marker and manifest: {e}"
+        if choice.holder != 0:  # (handed to rank 0, which broadcasts it; an empty marker says it failed)
+
+            def received(_peer: int, items: dict[str, memoryview]) -> None:
+                nonlocal held_by
+                marker, manifest = bytes(items["marker"]), bytes(items["manifest"])
+                index = {k.removeprefix("index/"): bytes(v) for k, v in items.items() if k.startswith("index/")}
+                held_by = Published(marker, manifest, index) if marker else manifest.decode()
+
+            ours = (
+                (held_by.marker, held_by.manifest) if isinstance(held_by, Published) else (b"", str(held_by).encode())
+            )
+            parts = held_by.index if isinstance(held_by, Published) else {}
+            items = [from_bytes("marker", ours[0]), from_bytes("manifest", ours[1])]
+            items += [from_bytes(f"index/{name}", data) for name, data in parts.items()]
+            send_rounds(
+                self.comm,
+                {0: [items]} if self.rank == choice.holder else {},
+                [choice.holder] if self.rank == 0 else [],
+                received,
+            )
+
+        def documents() -> Published:
+            if not isinstance(held_by, Published):
+                raise StorageError(str(held_by))
+            return held_by
+
+        step = broadcast(self.comm, documents, Published)
+        record = commit.parse_marker(step.marker, choice.step, f"hot tier step {choice.step} from rank {choice.holder}")
+        reader = CheckpointReader(self.storage, committed=(record, step.manifest, step.index))
         objects = _object_list(reader.atoms)
-        node_ranks = self.nodes.ranks(self.nodes.node_of[self.rank])
-        share = node_ranks.index(self.rank)
+        share, ranks_here = self.nodes.position[self.rank], len(self.nodes.ranks(self.nodes.node_of[self.rank]))
 
         def check() -> Checked:
-            ok = [False] * len(objects)
+            intact: list[int] = []
             damaged: list[str] = []
-            if self.rank in choice.ranks:
-                for i, (path, index) in enumerate(objects):
-                    if i % len(node_ranks) != share:
-                        continue
+            if held_here:
+                for i in range(share, len(objects), ranks_here):
+                    path, index = objects[i]
                     try:
                         check_object(reader, reader.atoms[path], index)
-                        ok[i] = True
+                        intact.append(i)
                     except ObjectMissingError:
                         pass  # (not held here: another node's copy or the durable URL serves it)
                     except (IntegrityError, FormatError, StorageError) as e:
                         damaged.append(f"{self.storage.url}: {e}")
-            return Checked(ok, damaged)
+            return Checked(intact, damaged)
 
-        held = [[False] * len(objects) for _ in range(self.nodes.count)]
-        checks = all_gather(
-            self.comm, check, Checked, failed=lambda f: f.error(f"hot tier: checking step {choice.step}")
-        )
-        for rank, checked in enumerate(checks):
-            node = self.nodes.node_of[rank]
-            held[node] = [h or b for h, b in zip(held[node], checked.ok)]
-            choice.damaged += checked.damaged
-        choice.reader, choice.manifest_bytes, choice.held = reader, manifest_bytes, held
+        def directory(checks: list[Checked]) -> Directory:
+            holders: list[list[int]] = [[] for _ in objects]
+            for rank, checked in enumerate(checks):
+                for i in checked.intact:
+                    holders[i].append(self.nodes.node_of[rank])
+            return Directory.of(holders, [d for c in checks for d in c.damaged])
+
+        failed = f"hot tier: checking step {choice.step}"
+        found = all_reduce(self.comm, check, directory, Checked, Directory, failed=lambda f: f.error(failed))
+        choice.reader, choice.manifest_bytes, choice.index, choice.directory = reader, step.manifest, step.index, found
+        choice.damaged = found.damaged
 
 
 @dataclass
@@ -614,15 +733,16 @@ class _Choice:
 
     step: int
     source: str  # "hot" or "durable"
-    ranks: list[int]  # the ranks whose node holds the step committed
+    holder: int  # the lowest rank whose node holds the step committed
     durable_too: bool  # the durable URL holds it committed as well
     reader: CheckpointReader | None = None
     manifest_bytes: bytes = b""
-    held: list[list[bool]] | None = None  # per node, per object: an intact copy is there
+    index: dict[str, bytes] = field(default_factory=dict)  # the manifest's index parts (format 3.1)
+    directory: Directory | None = None  # which nodes hold each object intact
     damaged: list[str] = field(default_factory=list)
 
 
-def _object_list(atoms: dict[str, AtomMeta]) -> list[tuple[str, tuple[int, ...]]]:
+def _object_list(atoms: Mapping[str, AtomMeta]) -> list[tuple[str, tuple[int, ...]]]:
     return [(path, index) for path, meta in atoms.items() for index in chunk_indices(meta.grid)]
 
 

@@ -21,9 +21,12 @@ from ..base import dtypes
 from ..base.boxes import Box, full_box, intersect, relative, to_slices
 from ..base.chunking import ChunkingPolicy, choose_chunks
 from ..base.devices import load_device, on_host
+from ..base.heap import collector_paused
 from ..base.workpool import ObjectCall, run_sized
 from ..errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
 from ..format import tree
+from ..format.index import IndexedManifest
+from ..format.index import parse as parse_manifest
 from ..format.manifest import (
     MAX_DOCUMENT_BYTES,
     PACKS_GROUP,
@@ -74,6 +77,14 @@ def default_role(path: str) -> str:
     if path.startswith("rng/"):
         return "rng"
     return "tensor"
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as a save reads them: without autograd history, contiguous in host memory (a tensor on a
+    device is copied to staging memory whatever its strides: no copy of it is made here)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t.contiguous() if t.is_cpu else t
 
 
 def plan_atoms(
@@ -158,6 +169,7 @@ def group_paths(metas: Iterable[AtomMeta]) -> list[str]:
     return sorted(groups, key=lambda g: (g.count("/"), g))
 
 
+@collector_paused()
 def plan_save(
     state: dict[str, Any],
     storage: Storage,
@@ -170,8 +182,7 @@ def plan_save(
     """The plan of a single-process save: every atom and chunk, then the commit. Bad states are refused here,
     before anything is written."""
     json_tree, tensors = tree.flatten(state)
-    # (a tensor on a device is copied to staging memory whatever its strides: no copy of it is made here)
-    tensors = {p: t.detach().contiguous() if on_host(t) else t.detach() for p, t in tensors.items()}
+    tensors = {p: _values(t) for p, t in tensors.items()}
     metas = plan_atoms(tensors, options.chunking, atom_attributes)
     step = next_step(storage) if step is None else check_step(step)
     manifest = StepManifest(
@@ -187,6 +198,7 @@ def plan_save(
     return SavePlan(session, metas, group_paths(metas), jobs, manifest, pack_bytes=options.chunking.pack_bytes)
 
 
+@collector_paused()
 def save(
     state: dict[str, Any],
     url: str,
@@ -223,16 +235,20 @@ def save(
 class CheckpointReader:
     """One committed step, opened for reading: its manifest, and verified reads of its atoms."""
 
+    @collector_paused()
     def __init__(
         self,
         storage: ReadableStorage,
         step: int | str | None = "latest",
         *,
         io_threads: int | None = None,
-        committed: tuple[commit.CommitRecord, bytes] | None = None,
+        committed: tuple[commit.CommitRecord, bytes]
+        | tuple[commit.CommitRecord, bytes, Mapping[str, bytes]]
+        | None = None,
     ):
-        """`committed`: the step's commit record and manifest bytes, when they came from elsewhere than `storage`
-        (the hot tier's peers); they are checked against each other as when read."""
+        """`committed`: the step's commit record and manifest bytes (and, in format 3.1, its index parts by name below
+        the attempt), when they came from elsewhere than `storage` (the hot tier's peers); they are checked against each
+        other as when read. Index parts not given are read from `storage` when an atom of theirs is asked for."""
         self.storage = storage
         if committed is None:
             self.step, self.record = commit.resolve_step(storage, step)
@@ -248,30 +264,73 @@ class CheckpointReader:
                 raise self._removed_or(e) from None
         else:
             manifest_bytes = commit.check_manifest_bytes(committed[1], self.record, where)
-        self.manifest = StepManifest.from_group_json(loads(manifest_bytes, where), where)
+        self._given_parts: Mapping[str, bytes] = committed[2] if committed is not None and len(committed) > 2 else {}
+        self.manifest_bytes = len(manifest_bytes)
+        self.manifest = parse_manifest(loads(manifest_bytes, where), where, self.read_index_object)
         if self.manifest.step != self.step:
             raise FormatError(f"{where} describes step {self.manifest.step}, not {self.step}")
         if self.manifest.format_version.split(".")[0] != self.record.format_version.split(".")[0]:
             raise FormatError(
                 f"{where} is format {self.manifest.format_version}, its commit marker {self.record.format_version}"
             )
-        nbytes = sum(m.nbytes for m in self.manifest.atoms.values())
-        if (self.record.atoms, self.record.nbytes) != (len(self.manifest.atoms), nbytes):
+        if isinstance(self.manifest, IndexedManifest):  # (its atoms and tree are read when asked for)
+            count, nbytes = self.manifest.total_atoms, self.manifest.total_bytes
+            tree.check_root(self.manifest.tree_at())
+        else:
+            count, nbytes = len(self.manifest.atoms), sum(m.nbytes for m in self.manifest.atoms.values())
+        if (self.record.atoms, self.record.nbytes) != (count, nbytes):
             raise FormatError(
-                f"{where} describes {len(self.manifest.atoms)} atoms of {nbytes} bytes, but its commit recorded "
+                f"{where} describes {count} atoms of {nbytes} bytes, but its commit recorded "
                 f"{self.record.atoms} atoms of {self.record.nbytes} bytes"
             )
-        tree.check_root(self.manifest.tree)
-        self.tree_atoms = tree.tree_atoms(self.manifest.tree)  # (checked once: every atom the tree names, in order)
-        missing = set(self.tree_atoms) - set(self.manifest.atoms)
-        if missing:
-            raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
         self.io_threads = io_threads or storage.capabilities.io_threads
-        self._pack_atoms: dict[str, list[str]] | None = None
+        self._tree_atoms: list[str] | None = None
+        if not isinstance(self.manifest, IndexedManifest):
+            self._check_tree()
 
     @property
-    def atoms(self) -> dict[str, AtomMeta]:
+    def atoms(self) -> Mapping[str, AtomMeta]:
+        """Every atom of the step, by path (in format 3.1 each atom's record is read when first asked for)."""
         return self.manifest.atoms
+
+    @property
+    def tree_atoms(self) -> list[str]:
+        """Every atom the state tree names, in tree order (checked once: each one is in the manifest)."""
+        if self._tree_atoms is None:
+            self._check_tree()
+        assert self._tree_atoms is not None
+        return self._tree_atoms
+
+    def _check_tree(self) -> None:
+        where = f"{self.storage.url}/{self.prefix}/{ZARR_JSON}"
+        state_tree = self.manifest.tree
+        tree.check_root(state_tree)
+        paths = tree.tree_atoms(state_tree)
+        missing = self.manifest.lacking(paths)
+        if missing:
+            raise FormatError(f"{where}: the state tree names atoms the manifest lacks: {sorted(missing)[:5]}")
+        self._tree_atoms = paths
+
+    def read_index_object(self, name: str, size: int) -> bytes:
+        """One of a format 3.1 step's index objects (`name` below the attempt), at most `size` + 1 bytes (the manifest
+        checks it against its size and checksum)."""
+        given = self._given_parts.get(name)
+        if given is not None:
+            return given
+        key = f"{self.prefix}/{name}"
+        try:
+            return bytes(self.storage.read(key, 0, size + 1))
+        except FileNotFoundError:
+            raise self._removed_or(
+                ObjectMissingError(f"{self.storage.url}/{key} (an index part of step {self.step}) is missing")
+            ) from None
+
+    def index_parts(self) -> dict[str, bytes]:
+        """Every index object of a format 3.1 step, by name below the attempt (none before 3.1): what a copy of the
+        step needs beside its manifest (the hot tier's)."""
+        if not isinstance(self.manifest, IndexedManifest):
+            return {}
+        return {name: self.read_index_object(name, size) for name, size in self.manifest.index_objects()}
 
     def _atom_key(self, meta: AtomMeta, name: str) -> str:
         return f"{self.prefix}/{meta.path}/{name}"
@@ -300,9 +359,9 @@ class CheckpointReader:
         """The size and checksum the commit recorded for the object that holds chunk `index` of `meta` (of a packed
         atom: its pack's; None in format 1.0)."""
         if meta.packed:
-            return self.manifest.packs[self.packed_chunk(meta, index).pack]
-        objects = self.manifest.objects
-        return None if objects is None else objects[meta.path][meta.object_number(index)]
+            return self.manifest.pack_sum(self.packed_chunk(meta, index).pack)
+        objects = self.manifest.objects_of(meta.path)
+        return None if objects is None else objects[meta.object_number(index)]
 
     def read_key(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
         """The storage key that a read of chunk `index` of `meta` reads from: its object, or its pack."""
@@ -314,17 +373,12 @@ class CheckpointReader:
 
     def packed_chunk(self, meta: AtomMeta, index: tuple[int, ...]) -> PackedChunk:
         """Where chunk `index` of a packed atom lies (format 3)."""
-        return self.manifest.packed[meta.path][meta.object_number(index)]
+        return self.manifest.packed_of(meta.path)[meta.object_number(index)]
 
     def pack_holds(self, name: str) -> str:
-        """What pack `name` holds, for an error: its atoms (the first ones by name) and how many."""
-        if self._pack_atoms is None:
-            held: dict[str, set[str]] = {}
-            for path, chunks in self.manifest.packed.items():
-                for c in chunks:
-                    held.setdefault(c.pack, set()).add(path)
-            self._pack_atoms = {pack: sorted(paths) for pack, paths in held.items()}
-        atoms = self._pack_atoms.get(name, [])
+        """What pack `name` holds, for an error: its atoms (the first ones by name) and how many (in format 3.1, of
+        the index parts read)."""
+        atoms = self.manifest.atoms_in_pack(name)
         more = f" and {len(atoms) - 8} more" if len(atoms) > 8 else ""
         return f"pack {name} of step {self.step} holds the atoms {', '.join(map(repr, atoms[:8]))}{more}"
 
@@ -334,7 +388,8 @@ class CheckpointReader:
         if meta.packed:
             sink = codec.packed_sink(meta, index, dest_for)
             if sink is not None:
-                self._read_packed([(self.packed_chunk(meta, index), sink, meta, index)])
+                chunk = self.packed_chunk(meta, index)
+                self._read_packed(chunk.pack, [codec.PackedRead.of(chunk, sink, meta, index)])
             return
         try:
             codec.read_object(
@@ -370,12 +425,11 @@ class CheckpointReader:
         """What to call a chunk in an error."""
         return f"atom {meta.path!r} chunk {meta.chunk_key(index)} (step {self.step})"
 
-    def _read_packed(self, chunks: list[codec.PackedRead]) -> None:
-        """Read packed chunks of one pack in one request, each verified."""
-        name = chunks[0][0].pack
-        key = pack_object_key(self.prefix, name)
+    def _read_packed(self, pack: str, reads: list[codec.PackedRead]) -> None:
+        """Read packed chunks of one pack in one request (a run of them), each verified."""
+        key = pack_object_key(self.prefix, pack)
         try:
-            codec.read_packed(self.storage, key, chunks, self._where, functools.partial(self.pack_holds, name))
+            codec.read_packed(self.storage, key, pack, reads, self.step, functools.partial(self.pack_holds, pack))
         except ObjectMissingError as e:
             raise self._removed_or(e) from None
 
@@ -424,58 +478,153 @@ class CheckpointReader:
             run_sized(pool, reads, self.storage.capabilities.serial_small_reads, self.storage.prefetching)
         return self.storage.stats.bytes_read - before
 
-    def read_atoms(self, paths: Iterable[str], *, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """Read whole atoms, every chunk verified; many objects in flight. With `device` (e.g. "cuda") the tensors are
-        made there and the objects land in them through page-locked host memory (`ucp.engine.landing`).
+    @collector_paused()
+    def read_atoms(
+        self,
+        paths: Iterable[str],
+        *,
+        device: torch.device | str | None = None,
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Read whole atoms, every chunk verified; many objects in flight. Each tensor is made for the load (a storage
+        of its own), in host memory or on `device` (e.g. "cuda": the objects land in it through page-locked host
+        memory, `ucp.engine.landing`); or, with `into` (by atom path: exactly the atoms asked for, each a tensor of its
+        dtype and shape, on any device), the caller's tensors are filled in place and returned. What `into` holds is
+        checked before anything is read or changed (StateError naming the atom).
 
         Reads are planned from the committed manifest alone (its checksum is in the commit marker), so an atom's
         own zarr.json, which only other Zarr readers need, is not read here: `ucp verify` checks that it agrees."""
-        metas = [self.atoms[p] for p in paths]
+        paths = list(paths)
+        manifest = self.manifest
+        if isinstance(manifest, IndexedManifest):  # (the index parts of these atoms, read together)
+            manifest.load(manifest.parts(paths), 1 if self.storage.capabilities.serial_small_reads else self.io_threads)
         place = load_device(device)
-        out = {m.path: allocate(m, device=place) for m in metas}
-        with open_landing(out.values(), metas) as landing:
-            tasks = [
-                ObjectCall(
-                    functools.partial(self.read_chunk_into, m, i, out[m.path])
-                    if landing is None  # (whole chunks straight into host memory: the least work per object)
-                    else functools.partial(self.read_region, m, i, full_box(m.shape), out[m.path], landing),
-                    m.object_bytes,
-                    self.read_key(m, i),
-                )
-                for m in metas
-                if not m.packed or landing is not None  # (on a device, each packed chunk lands as any chunk does)
-                for i in chunk_indices(m.grid)
-            ]
-            if landing is None:
-                tasks += self._pack_reads([m for m in metas if m.packed], out)
+        given = self._destinations(paths, into, device)
+        aliases = self._aliases(given)  # (one tensor given for two atoms: the second read aside, then copied)
+        given.update(aliases)
+        out: dict[str, torch.Tensor] = {}
+        packs: dict[str, list[codec.PackedRead]] = {}  # packed atoms read whole into host memory, by pack
+        others: list[AtomMeta] = []
+        for path in paths:
+            try:
+                whole = manifest.whole_packed(path)
+            except KeyError:
+                raise StateError(f"step {self.step} at {self.storage.url} has no atom {path!r}") from None
+            dest = given.get(path)
+            if whole is not None and (_direct(dest) if dest is not None else place is None):
+                # (most atoms of a state of many small ones: its one chunk read straight into its tensor, with no
+                # description of it made)
+                if dest is None:
+                    dest = _allocate(whole.shape, dtypes.facts(whole.dtype).torch, path, None)
+                out[path] = dest
+                reads = packs.setdefault(whole.pack, [])
+                reads.append(codec.PackedRead(whole.offset, whole.nbytes, whole.crc, dtypes.as_bytes(dest), path, "c"))
+                continue
+            meta = self.atoms[path]
+            out[path] = dest if dest is not None else allocate(meta, device=place)
+            others.append(meta)
+        tasks = [
+            ObjectCall(
+                functools.partial(self._read_packed, pack, reads), manifest.pack_sum(pack)[0], self._pack_key(pack)
+            )
+            for pack, reads in packs.items()
+        ]
+        with open_landing([out[m.path] for m in others], others) as landing:
+            for m in others:
+                lands = landing if landing is not None and not on_host(out[m.path]) else None
+                tasks += [
+                    ObjectCall(
+                        functools.partial(self.read_chunk_into, m, i, out[m.path])
+                        if lands is None  # (whole chunks straight into host memory: the least work per object)
+                        else functools.partial(self.read_region, m, i, full_box(m.shape), out[m.path], lands),
+                        m.object_bytes,
+                        self.read_key(m, i),
+                    )
+                    for i in chunk_indices(m.grid)
+                ]
             self.run_reads(tasks)
+        if into is not None:
+            for path in paths:
+                if path in aliases:
+                    into[path].copy_(aliases[path])
+            out = {p: into[p] for p in paths}
         return out
 
-    def _pack_reads(self, metas: list[AtomMeta], out: dict[str, torch.Tensor]) -> list[ObjectCall]:
-        """Packed atoms read whole into host memory: one read per pack, straight into the atoms' tensors (the
-        alignment gaps into scratch)."""
-        by_pack: dict[str, list[codec.PackedRead]] = {}
-        for m in metas:
-            if m.single_chunk:  # (most: the chunk is the atom)
-                (chunk,) = self.manifest.packed[m.path]
-                by_pack.setdefault(chunk.pack, []).append((chunk, codec.ChunkSink.whole(out[m.path]), m, ()))
-                continue
-            for index in chunk_indices(m.grid):
-                chunk = self.packed_chunk(m, index)
-                sink = codec.packed_sink(m, index, codec.full_region(out[m.path]))
-                by_pack.setdefault(chunk.pack, []).append((chunk, sink, m, index))  # type: ignore[arg-type]
-        return [
-            ObjectCall(
-                functools.partial(self._read_packed, chunks),
-                self.manifest.packs[name][0],
-                pack_object_key(self.prefix, name),
-            )
-            for name, chunks in by_pack.items()
-        ]
+    def _pack_key(self, pack: str) -> str:
+        return pack_object_key(self.prefix, pack)
 
-    def load_state(self, *, device: torch.device | str | None = None) -> dict[str, Any]:
-        """The step's state as it was saved; its tensors on `device` (default: host memory)."""
-        return tree.unflatten(self.manifest.tree, self.read_atoms(self.tree_atoms, device=device))
+    def _destinations(
+        self, paths: list[str], into: Mapping[str, torch.Tensor] | None, device: torch.device | str | None
+    ) -> dict[str, torch.Tensor]:
+        """The caller's tensors to fill (`read_atoms`'s `into`), every one checked: exactly the atoms asked for, each
+        a dense tensor of its atom's dtype and shape; a StateError naming the first that is not."""
+        if into is None:
+            return {}
+        missing = [p for p in paths if p not in self.atoms]
+        if missing:
+            raise StateError(f"step {self.step} at {self.storage.url} has no atom {missing[0]!r}")
+        if device is not None:
+            raise StateError("a load into the caller's tensors (into=) takes their devices: give no device= with it")
+        wanted = set(paths)
+        extra = [p for p in into if p not in wanted]
+        if extra:
+            raise StateError(f"cannot load into {extra[0]!r}: step {self.step} has no such atom to load")
+        for path in paths:
+            dest = into.get(path)
+            if dest is None:
+                raise StateError(f"cannot load atom {path!r} of step {self.step}: the tensors given (into=) lack it")
+            meta = self.atoms[path]
+            if not isinstance(dest, torch.Tensor):
+                raise StateError(f"cannot load atom {path!r} into a {type(dest).__name__}: it needs a tensor")
+            if dest.layout != torch.strided or dest.device.type == "meta":
+                kind = "on the meta device" if dest.device.type == "meta" else str(dest.layout).removeprefix("torch.")
+                raise StateError(f"cannot load atom {path!r} into a tensor {kind}: it needs a dense one with memory")
+            if tuple(dest.shape) != meta.shape or dest.dtype != dtypes.torch_dtype(meta.dtype):
+                raise StateError(
+                    f"cannot load atom {path!r} ({meta.dtype} {list(meta.shape)}) into a tensor of "
+                    f"{str(dest.dtype).removeprefix('torch.')} {list(dest.shape)}"
+                )
+        return {p: into[p] for p in paths}
+
+    def _aliases(self, given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Of the caller's tensors, those that are another one given already (tied weights: one tensor under two
+        keys), each mapped to a fresh tensor to read into and copy from afterwards, in order, as load_state_dict
+        copies (the last one wins); tensors that share memory otherwise are a StateError (two reads would race)."""
+        spans = sorted(
+            ((t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), p) for p, t in given.items()),
+            key=lambda s: (str(s[0]), s[1], s[2]),
+        )
+        aliases: dict[str, torch.Tensor] = {}
+        reach: tuple[Any, int, int, str] | None = None
+        for span in spans:
+            device, start, end, path = span
+            if start == end:
+                continue
+            if reach is not None and device == reach[0] and start < reach[2]:
+                first, dest = reach[3], given[path]
+                if (start, end) != (reach[1], reach[2]) or dest.stride() != given[first].stride():
+                    raise StateError(f"cannot load atoms {first!r} and {path!r} into tensors that share memory")
+                aliases[path] = torch.empty_like(dest)
+                continue
+            reach = span
+        return aliases
+
+    @collector_paused()
+    def load_state(
+        self, *, device: torch.device | str | None = None, into: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The step's state as it was saved; its tensors on `device` (default: host memory). With `into` (a state of
+        the structure saved: the same keys at every level, a tensor of each atom's dtype and shape where it is one),
+        its tensors are filled in place, on whatever devices they are, its other values set to the saved ones, and
+        `into` itself is returned; anything that does not match is a StateError naming its key, before anything of
+        `into` is changed."""
+        state_tree = self.manifest.tree
+        if into is None:  # (the tree was checked with its atoms: `tree_atoms`)
+            return tree.unflatten(state_tree, self.read_atoms(self.tree_atoms, device=device), checked=True)
+        matched = tree.match(state_tree, into)
+        self.read_atoms(self.tree_atoms, device=device, into=matched.tensors)
+        matched.set_values()
+        return into
 
     def total_bytes(self) -> int:
         return sum(m.nbytes for m in self.atoms.values())
@@ -499,12 +648,24 @@ def chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
 def allocate(meta: AtomMeta, *, zero: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
     """The tensor an atom is read into (on `device`, default host memory); a size the machine (or the device)
     cannot give is a StateError naming the atom."""
+    return _allocate(meta.shape, dtypes.torch_dtype(meta.dtype), meta.path, device, zero)
+
+
+def _allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, path: str, device: torch.device | str | None, zero: bool = False
+) -> torch.Tensor:
     try:
-        make = torch.zeros if zero else torch.empty
-        return make(meta.shape, dtype=dtypes.torch_dtype(meta.dtype), device=device)
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as e:
         where = f" on {device}" if device is not None else ""
-        raise StateError(f"cannot allocate {meta.nbytes} bytes{where} for atom {meta.path!r}: {e}") from None
+        raise StateError(
+            f"cannot allocate {math.prod(shape) * dtype.itemsize} bytes{where} for atom {path!r}: {e}"
+        ) from None
+
+
+def _direct(dest: torch.Tensor) -> bool:
+    """Whether a read can put an atom's bytes straight into `dest` (contiguous, in host memory)."""
+    return dest.is_contiguous() and on_host(dest)
 
 
 def open_checkpoint(
@@ -526,7 +687,10 @@ def load(
     step: int | str | None = "latest",
     storage_options: dict[str, Any] | None = None,
     device: torch.device | str | None = None,
+    into: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a committed step as the nested dict it was saved from, bitwise identical: its tensors in host memory, or
-    on `device` (e.g. "cuda", "cuda:1"), where they land straight from page-locked read buffers."""
-    return open_checkpoint(url, step, storage_options=storage_options).load_state(device=device)
+    on `device` (e.g. "cuda", "cuda:1"), where they land straight from page-locked read buffers. With `into` (a state
+    of the structure saved, as a resuming job holds it), its tensors are filled in place on whatever devices they are
+    and its other values set, and `into` is returned (`CheckpointReader.load_state`)."""
+    return open_checkpoint(url, step, storage_options=storage_options).load_state(device=device, into=into)

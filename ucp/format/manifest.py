@@ -12,23 +12,23 @@ document gets a FormatError, never an allocation, an overflow or a Python error.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from ..base import dtypes
 from ..errors import FormatError, StateError, UnsupportedVersionError
 
-FORMAT_VERSION = "3.0"
+FORMAT_VERSION = "3.1"  # 3.1: the manifest's atom records in index parts (ucp.format.index)
 FORMAT_MAJOR = 3
 ZARR_JSON = "zarr.json"
 COMMIT_MARKER = "ucp-commit.json"
 ATTEMPT_RECORD = "ucp-attempt.json"  # an attempt's owner (who saves it, until when), written first
 PACKS_GROUP = "ucp-packs"  # format 3: the group of an attempt's packs (ucp.format.packs)
+INDEX_DIR = "ucp-index"  # format 3.1: the manifest's index parts, below the attempt (ucp.format.index)
 CRC_BYTES = 4  # the crc32c codec appends a 4-byte little-endian checksum
 INDEX_ENTRY_BYTES = 16  # sharding index: (offset, nbytes) as two little-endian uint64
 EMPTY_INDEX_ENTRY = 2**64 - 1
@@ -39,7 +39,7 @@ _PACK_NAME = re.compile(rf"^{PACKS_GROUP}/p[0-9]{{1,9}}-[0-9]{{1,9}}$")
 # An atom path whose components are all plain names: none empty, ".", ".." or with a backslash or NUL.
 _PLAIN_PATH = re.compile(r"(?!\.\.?(?:/|$))[^/\\\x00]+(?:/(?!\.\.?(?:/|$))[^/\\\x00]+)*\Z")
 # Names a state key may not take: they would collide with Zarr's or ucp's own files.
-RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD, PACKS_GROUP})
+RESERVED_NAMES = frozenset({ZARR_JSON, COMMIT_MARKER, ATTEMPT_RECORD, PACKS_GROUP, INDEX_DIR})
 
 # Bounds on what metadata may declare (docs/FORMAT.md section 8). Writers stay inside them; readers refuse more.
 MAX_NDIM = 32
@@ -114,17 +114,20 @@ def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not strict JSON")
 
 
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
 def _nesting(data: bytes | bytearray | memoryview) -> int:
     """The deepest bracket nesting of a JSON text (brackets inside strings counted too: an upper bound), found
-    without recursion, so that a deeply nested document is refused before the parser recurses into it."""
+    without recursion, so that a deeply nested document is refused before the parser recurses into it. Only the
+    brackets are looked at (a columnar index part of 100 KiB has a few dozen)."""
+    brackets = bytes(data).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= MAX_JSON_DEPTH:
+        return len(brackets)  # (an upper bound, under the limit)
     import numpy as np
 
-    raw = np.frombuffer(bytes(data), dtype=np.uint8)
-    opens = (raw == ord("[")) | (raw == ord("{"))
-    closes = (raw == ord("]")) | (raw == ord("}"))
-    if not opens.any():
-        return 0
-    return int(np.cumsum(opens.astype(np.int64) - closes.astype(np.int64)).max())
+    opens = np.frombuffer(brackets, dtype=np.uint8) & 2 != 0  # ("[" and "{" have bit 1 set, "]" and "}" not)
+    return max(0, int(np.cumsum(np.where(opens, 1, -1), dtype=np.int64).max()))
 
 
 def json_int(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> int:
@@ -145,12 +148,16 @@ def json_ints(value: object, where: str, what: str, low: int = 0, high: int = 1 
 # ---------------------------------------------------------------------------------------------- atoms
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AtomMeta:
     """One atom: a Zarr v3 array holding one full logical tensor.
 
     `chunk_shape` is the regular grid of stored objects (one writer each). With `inner_chunk_shape`, each
     object is a shard (`sharding_indexed` codec) of inner chunks that can be read one by one.
+
+    What a save or load of many small atoms asks per object (`itemsize`, `nbytes`, `grid`, `single_chunk`) is worked
+    out once, when the atom is made: fields, not properties (a property cached per instance took a lock per access).
+    Making one raises FormatError for a data type ucp does not know.
     """
 
     path: str
@@ -163,48 +170,38 @@ class AtomMeta:
     crc_table: bool = field(default=True, compare=False)
     # Format 3: the atom's chunks are byte ranges of packs (ucp.format.packs), not objects of its own; it has no zarr.json.
     packed: bool = field(default=False, compare=False)
+    itemsize: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
+    grid: tuple[int, ...] = field(init=False, repr=False, compare=False)  # chunks (objects) along each dimension
+    single_chunk: bool = field(init=False, repr=False, compare=False)  # one chunk object holds the whole array
 
-    # Derived once per atom (the fields are frozen): a save or load of many small atoms asks for these per object.
-    @functools.cached_property
-    def itemsize(self) -> int:
-        return dtypes.itemsize(self.dtype)
+    def __post_init__(self) -> None:
+        itemsize = dtypes.facts(self.dtype).itemsize
+        shape, chunk = self.shape, self.chunk_shape
+        if chunk == shape:  # (most atoms: one chunk, the whole atom)
+            grid = (1,) * len(shape) if all(shape) else tuple(0 if s == 0 else 1 for s in shape)
+        else:
+            grid = tuple(-(-s // c) if c > 0 else 0 for s, c in zip(shape, chunk))
+        put = object.__setattr__
+        put(self, "itemsize", itemsize)
+        put(self, "nbytes", math.prod(shape) * itemsize)
+        put(self, "grid", grid)
+        put(self, "single_chunk", bool(all(shape)) and all(n == 1 for n in grid))
 
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
-
-    @functools.cached_property
-    def grid(self) -> tuple[int, ...]:
-        """Number of chunks (objects) along each dimension."""
-        return tuple(-(-s // c) for s, c in zip(self.shape, self.chunk_shape))
-
-    @functools.cached_property
+    @property
     def inner_grid(self) -> tuple[int, ...]:
         """Inner chunks per shard along each dimension (all ones when not sharded)."""
         if self.inner_chunk_shape is None:
             return tuple(1 for _ in self.shape)
         return tuple(c // i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
 
-    @functools.cached_property
-    def single_chunk(self) -> bool:
-        """One chunk object holds the whole array (its grid is all ones)."""
-        if self.chunk_shape == self.shape:  # (most atoms: said without working out the grid)
-            return all(self.shape)
-        return all(n == 1 for n in self.grid)
-
-    @functools.cached_property
+    @property
     def chunk_slices(self) -> tuple[tuple[tuple[int, ...], tuple[slice, ...]], ...]:
         """Every chunk object's index and the slices of the array it holds, in C order."""
         return tuple((i, tuple(slice(a, b) for a, b in self.chunk_box(i))) for i in chunk_indices(self.grid))
 
     def to_manifest(self) -> dict[str, Any]:
-        """The atom's entry in the manifest (a new dict: the caller adds its objects)."""
-        return dict(self._manifest_doc)
-
-    @functools.cached_property
-    def _manifest_doc(self) -> dict[str, Any]:
-        # made once per atom: a job saves the same (cached) atoms every time, 20,000 of them for a state of many
-        # small ones (ucp.engine.checkpoint._described)
+        """The atom's entry in a format 3.0 manifest (the caller adds its objects)."""
         doc: dict[str, Any] = {"shape": list(self.shape), "dtype": self.dtype, "chunk_shape": list(self.chunk_shape)}
         if self.inner_chunk_shape is not None:
             doc["inner_chunk_shape"] = list(self.inner_chunk_shape)
@@ -240,17 +237,16 @@ class AtomMeta:
         dtype, attributes = doc.get("dtype"), doc.get("attributes", {})
         if not isinstance(dtype, str) or not isinstance(attributes, dict):
             raise FormatError(f"{where}: dtype must be a string and attributes an object")
-        meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table, "packed" in doc)
+        try:
+            meta = cls(path, shape, dtype, chunk_shape, inner_shape, attributes, crc_table, "packed" in doc)
+        except FormatError as e:  # (an unknown data type)
+            raise FormatError(f"{where}: {e}") from None
         meta.validate()
         return meta
 
     def validate(self) -> None:
         """Refuse a description that is inconsistent or exceeds the format's bounds, before anything is sized by it."""
-        where = f"atom {self.path!r:.200}"
-        try:
-            dtypes.torch_dtype(self.dtype)
-        except Exception as e:  # noqa: BLE001 -- whatever the dtype table says, it is a format problem here
-            raise FormatError(f"{where}: {e}") from None
+        where = f"atom {self.path!r:.200}"  # (its data type is known: making it checked that)
         if (
             self.inner_chunk_shape is None
             and self.chunk_shape == self.shape
@@ -380,6 +376,39 @@ def check_atom_path(path: object, where: str) -> str:
     return path
 
 
+# What no path of plain names holds, among many joined by newlines and wrapped in newlines: an empty path or component,
+# a "." or ".." component, a backslash or NUL (each looked for in one pass of str.__contains__).
+_NOT_PLAIN = (
+    "\n\n",
+    "\n/",
+    "/\n",
+    "//",
+    "\\",
+    "\x00",
+    "\n./",
+    "\n../",
+    "/./",
+    "/../",
+    "/.\n",
+    "/..\n",
+    "\n.\n",
+    "\n..\n",
+)
+
+
+def plain_paths(paths: list[Any]) -> bool:
+    """Whether every one of `paths` is plainly a good atom path (ASCII strings of plain names, no longer than a file
+    name may be): many checked at once (an index part's 2,000); False says only that one of them needs
+    `check_atom_path`."""
+    if not paths or set(map(type, paths)) != {str} or max(map(len, paths)) > MAX_KEY_BYTES:
+        return False
+    joined = "\n".join(paths)
+    if not joined.isascii() or joined.count("\n") != len(paths) - 1:
+        return False
+    wrapped = f"\n{joined}\n"
+    return not any(bad in wrapped for bad in _NOT_PLAIN)
+
+
 def _plain_path(path: object) -> bool:
     """An atom path that is plainly fine: ASCII, every component a plain name and, the whole being no longer than a
     key may be, every component short enough."""
@@ -400,10 +429,9 @@ def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
 ObjectSum = tuple[int, int]  # a stored object's (size in bytes, CRC-32C), as the writer recorded it (section 4)
 
 
-@dataclass(frozen=True)
-class PackedChunk:
+class PackedChunk(NamedTuple):
     """Where a packed atom's chunk lies (section 4.1): bytes [offset, offset + nbytes) of the pack's data, whose
-    CRC-32C is `crc`."""
+    CRC-32C is `crc`. (A tuple: a load of many small atoms makes one per atom.)"""
 
     pack: str
     offset: int
@@ -412,6 +440,18 @@ class PackedChunk:
 
     def to_json(self) -> list:
         return [self.pack, self.offset, self.nbytes, self.crc]
+
+
+class WholePacked(NamedTuple):
+    """A packed atom of one chunk (most atoms of a state of many small ones): what reading it whole into a tensor of
+    its own needs, without making its description (a load of many small atoms asks this per atom)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    pack: str
+    offset: int
+    nbytes: int
+    crc: int
 
 
 @dataclass
@@ -432,7 +472,50 @@ class StepManifest:
     packed: dict[str, list[PackedChunk]] = field(default_factory=dict)
     packs: dict[str, ObjectSum] = field(default_factory=dict)
 
+    # What a reader asks of any manifest, this one (format 3.0 and older, read whole) or an indexed one (format 3.1,
+    # `ucp.format.index.IndexedManifest`, read in part).
+
+    def whole_packed(self, path: str) -> WholePacked | None:
+        """The atom's one packed chunk, if it is packed and of one chunk; None for any other."""
+        meta = self.atoms[path]
+        if not (meta.packed and meta.single_chunk):
+            return None
+        (c,) = self.packed[path]
+        return WholePacked(meta.shape, meta.dtype, *c)
+
+    def objects_of(self, path: str) -> list[ObjectSum] | None:
+        """The size and checksum of each chunk object of an unpacked atom, C order over its grid (None in 1.0)."""
+        return None if self.objects is None else self.objects[path]
+
+    def packed_of(self, path: str) -> list[PackedChunk]:
+        """Where each chunk of a packed atom lies, C order over its grid."""
+        return self.packed[path]
+
+    def pack_sum(self, name: str) -> ObjectSum:
+        """The size and checksum of a pack's object."""
+        return self.packs[name]
+
+    def lacking(self, paths: list[str]) -> list[str]:
+        """Those of `paths` the step has no atom of."""
+        return [p for p in paths if p not in self.atoms]
+
+    def atoms_in_pack(self, name: str) -> list[str]:
+        """The atoms with a chunk in pack `name`."""
+        return sorted(path for path, chunks in self.packed.items() if any(c.pack == name for c in chunks))
+
+    def tree_at(self, *keys: str) -> Any:
+        """The node of the state tree at `keys` (dict keys from the root), or None."""
+        node: Any = self.tree
+        for key in keys:
+            body = node.get("dict") if isinstance(node, dict) else None
+            if not isinstance(body, dict) or key not in body:
+                return None
+            node = body[key]
+        return node
+
     def to_group_json(self) -> dict[str, Any]:
+        """The step group's zarr.json in format 3.0 (what 3.0 writers wrote; ucp writes 3.1,
+        `ucp.format.index.encode`)."""
         atoms = {}
         for path, atom in self.atoms.items():
             atoms[path] = atom.to_manifest()

@@ -17,6 +17,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .manifest import PACKS_GROUP, AtomMeta
 
@@ -43,12 +44,12 @@ def chunk_nbytes(meta: AtomMeta, index: tuple[int, ...]) -> int:
     return math.prod(b - a for a, b in meta.chunk_box(index)) * meta.itemsize
 
 
-@dataclass(frozen=True)
-class PackMember:
-    """One chunk of a packed atom inside a pack: where it starts and how many bytes it takes."""
+class PackMember(NamedTuple):
+    """One chunk of a packed atom inside a pack: where it starts and how many bytes it takes. (A tuple: a save of
+    many small atoms makes one per atom.)"""
 
     meta: AtomMeta
-    index: tuple[int, ...]
+    index: tuple[int, ...]  # type: ignore[assignment]  # (the field hides tuple.index, which nothing calls)
     offset: int
     nbytes: int
 

@@ -8,6 +8,9 @@ plain JSON is stored as one {"value": ...} node. Tuples come back as lists.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,9 +20,16 @@ from ..base import dtypes
 from ..errors import FormatError, StateError
 from .manifest import MAX_ATOM_PATH_BYTES, MAX_KEY_BYTES, MAX_TREE_DEPTH, RESERVED_NAMES
 
+# A key that is plainly fine (most): ASCII with no control character, '/' or '\\', of a file name's length.
+_PLAIN_KEY = re.compile(rf"[\x20-\x2e\x30-\x5b\x5d-\x7e]{{1,{MAX_KEY_BYTES}}}")
 
-def check_key(key: object, where: str) -> str:
-    """A state key becomes a Zarr node name: refuse anything that could escape or collide."""
+
+def check_key(key: object, where: str | Callable[[], str]) -> str:
+    """A state key becomes a Zarr node name: refuse anything that could escape or collide. (`where` names its place
+    in an error: a callable is called only then.)"""
+    if type(key) is str and _PLAIN_KEY.fullmatch(key) and key not in _SPECIAL and not key.startswith("__"):
+        return key  # (most keys: checked at once)
+    where = where if isinstance(where, str) else where()
     if not isinstance(key, str):
         raise StateError(f"{where}: keys must be strings, got {type(key).__name__} {key!r}")
     if key in ("", ".", "..") or "/" in key or "\\" in key:
@@ -35,6 +45,9 @@ def check_key(key: object, where: str) -> str:
             f"{where}: key {key[:40]!r}... is longer than {MAX_KEY_BYTES} bytes (it names a file or object)"
         )
     return key
+
+
+_SPECIAL = RESERVED_NAMES | {".", ".."}
 
 
 def _plain(value: Any, depth: int = 0) -> bool:
@@ -59,16 +72,19 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
     tensors: dict[str, torch.Tensor] = {}
 
     def encode(value: Any, path: list[str]) -> dict[str, Any]:
-        where = "state[" + "][".join(repr(p) for p in path) + "]" if path else "state"
+        def where() -> str:  # (what to call this place in an error; made only then)
+            return "state[" + "][".join(repr(p) for p in path) + "]" if path else "state"
+
         if len(path) >= MAX_TREE_DEPTH:
-            raise StateError(f"{where[:200]}...: the state is nested more than {MAX_TREE_DEPTH} levels deep")
+            raise StateError(f"{where()[:200]}...: the state is nested more than {MAX_TREE_DEPTH} levels deep")
         if isinstance(value, torch.Tensor):
             if not path:
                 raise StateError("a tensor needs a key: the state itself must be a dict")
             atom = "/".join(path)
-            if len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
-                raise StateError(f"{where[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
-            tensors[atom] = dtypes.check_dense(value, where)
+            if len(atom) > MAX_ATOM_PATH_BYTES // 4 and len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
+                raise StateError(f"{where()[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
+            dense = value.layout == torch.strided and value.device.type != "meta"
+            tensors[atom] = value if dense else dtypes.check_dense(value, where())
             return {"atom": atom}
         if isinstance(value, np.generic) and isinstance(value.item(), (bool, int, float)):
             value = value.item()
@@ -85,15 +101,16 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
         if _plain(value):
             return {"value": value}
         raise StateError(
-            f"{where}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved; "
+            f"{where()}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved; "
             "leaves must be torch tensors or JSON values (None, bool, int, float, str, lists and dicts of them)"
         )
 
     return encode(state, []), tensors
 
 
-def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Rebuild the state from its tree (checked by `tree_atoms`) and loaded tensors."""
+def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], *, checked: bool = False) -> dict[str, Any]:
+    """Rebuild the state from its tree and loaded tensors (the tree checked here, unless the caller `checked` it with
+    `check_root` and `tree_atoms`)."""
 
     def decode(node: dict[str, Any]) -> Any:
         ((kind, body),) = node.items()
@@ -107,9 +124,73 @@ def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[st
             return [decode(v) for v in body]
         return float(body)  # "float"
 
-    check_root(tree)
-    tree_atoms(tree)
+    if not checked:
+        check_root(tree)
+        tree_atoms(tree)
     return decode(tree)
+
+
+@dataclass
+class Matched:
+    """A caller's state matched against a saved tree (`match`): its tensor at each atom path, and the other values
+    the load sets in it (container, key, saved value), once the tensors are filled."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: list[tuple[Any, Any, Any]] = field(default_factory=list)
+
+    def set_values(self) -> None:
+        for container, key, value in self.values:
+            container[key] = value
+
+
+def match(tree: dict[str, Any], into: Any) -> Matched:
+    """Where a load into the caller's state `into` puts each saved atom and value: `into` must have the structure
+    saved (the same keys at every level, lists of the same lengths, a tensor wherever an atom is; a tuple where a list
+    was saved), else a StateError naming the first key that differs. Nothing of `into` is changed here. JSON values
+    are set where the caller holds a dict or list (a tuple keeps its own); a dict saved whole as one JSON value is
+    replaced whole."""
+    out = Matched()
+
+    def walk(node: dict[str, Any], dest: Any, where: str, parent: Any, key: Any) -> None:
+        ((kind, body),) = node.items()
+        if kind == "atom":
+            if not isinstance(dest, torch.Tensor):
+                raise StateError(f"cannot load into {where}: the checkpoint holds a tensor there, not a {_kind(dest)}")
+            out.tensors[body] = dest
+        elif kind == "dict":
+            if not isinstance(dest, dict):
+                raise StateError(f"cannot load into {where}: the checkpoint holds a dict there, not a {_kind(dest)}")
+            missing = [k for k in body if k not in dest]
+            extra = [k for k in dest if k not in body]
+            if missing or extra:
+                what = f"lacks the key {missing[0]!r}" if missing else f"has a key {extra[0]!r} the checkpoint lacks"
+                raise StateError(f"cannot load into {where}: it {what}")
+            for k, child in body.items():
+                walk(child, dest[k], f"{where}[{k!r}]", dest, k)
+        elif kind == "list":
+            if not isinstance(dest, (list, tuple)) or len(dest) != len(body):
+                raise StateError(
+                    f"cannot load into {where}: the checkpoint holds a list of {len(body)} there, not a "
+                    f"{_kind(dest)}{f' of {len(dest)}' if isinstance(dest, (list, tuple)) else ''}"
+                )
+            for i, child in enumerate(body):
+                walk(child, dest[i], f"{where}[{i}]", dest, i)
+        else:  # a JSON value (or a non-finite float)
+            if isinstance(dest, torch.Tensor):
+                raise StateError(f"cannot load into {where}: the checkpoint holds a value there, not a tensor")
+            if not isinstance(parent, tuple):
+                out.values.append((parent, key, body if kind == "value" else float(body)))
+
+    check_root(tree)
+    tree_atoms(tree)  # (checked without recursing: the walk may recurse)
+    if not isinstance(into, dict):
+        raise StateError(f"cannot load into a {_kind(into)}: a state is a dict")
+    walk(tree, into, "state", None, None)
+    return out
+
+
+def _kind(value: object) -> str:
+    return "tensor" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 _BODY_TYPES = {"dict": dict, "list": list, "atom": str}

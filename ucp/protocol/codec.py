@@ -378,8 +378,10 @@ class ChunkSink:
 
     def deliver(self) -> None:
         """Copy what was read into scratch memory to the destination (nothing to do when read in place)."""
-        if self.scratch is not None:
-            self.dest.copy_(self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))])
+        if self.scratch is not None:  # (by numpy in this thread, not torch's spinning OpenMP threads: copy_strided)
+            dtypes.copy_strided(
+                self.dest, self.scratch[tuple(slice(o, o + n) for o, n in zip(self.offset, self.dest.shape))]
+            )
 
 
 DestFn = Callable[[Box], "tuple[torch.Tensor, tuple[int, ...]] | None"]
@@ -393,67 +395,83 @@ def packed_sink(meta: AtomMeta, index: tuple[int, ...], dest_for: DestFn) -> Chu
     return None if wanted is None else ChunkSink(wanted[0], box_shape(box), wanted[1], padded=False)
 
 
-PackedRead = tuple[PackedChunk, ChunkSink, AtomMeta, tuple[int, ...]]  # a packed chunk, its sink, its atom and index
+class PackedRead(NamedTuple):
+    """One packed chunk to read (bytes [offset, offset + nbytes) of its pack, whose CRC-32C is `crc`) into `data`:
+    straight into its destination tensor, or into a `sink`'s scratch memory, delivered once verified (a part of the
+    chunk wanted). `atom` and `chunk` name it in an error. (A tuple: a load of many small atoms makes one per atom.)"""
+
+    offset: int
+    nbytes: int
+    crc: int
+    data: memoryview
+    atom: str
+    chunk: str
+    sink: ChunkSink | None = None
+
+    @classmethod
+    def of(cls, chunk: PackedChunk, sink: ChunkSink, meta: AtomMeta, index: tuple[int, ...]) -> PackedRead:
+        return cls(chunk.offset, chunk.nbytes, chunk.crc, sink.data, meta.path, meta.chunk_key(index), sink)
 
 
 # Wanted packed chunks of one pack are read in one request, unwanted bytes between them into scratch, unless such a
 # gap is longer than this: then the read is split there (a weights-only load skips the optimizer state packed
 # beside the weights).
 GAP_READ_BYTES = 1 << 20
+_ALIGNMENT_GAP = memoryview(bytearray(16))  # where alignment gaps are read to (never looked at: threads may share it)
 
 
 def read_packed(
-    storage: ReadableStorage,
-    key: str,
-    chunks: Sequence[PackedRead],
-    where: Callable[[AtomMeta, tuple[int, ...]], str],
-    holds: Callable[[], str],
+    storage: ReadableStorage, key: str, pack: str, reads: Sequence[PackedRead], step: int, holds: Callable[[], str]
 ) -> None:
     """Read packed chunks of one pack (the object at `key`) in scatter reads, one per run of them (GAP_READ_BYTES),
     and verify each against its recorded checksum. A pack that is missing, shorter than its chunks or whose bytes
-    differ fails with an IntegrityError that names the chunk (`where(atom, index)`) and, from `holds()`, the atoms
-    the pack holds."""
-    chunks = sorted(chunks, key=lambda c: c[0].offset)
-    runs: list[list[PackedRead]] = []
-    for c in chunks:
-        last = runs[-1][-1][0] if runs else None
-        if last is not None and c[0].offset - (last.offset + last.nbytes) <= GAP_READ_BYTES:
-            runs[-1].append(c)
-        else:
-            runs.append([c])
+    differ fails with an IntegrityError that names the chunk (of step `step`) and, from `holds()`, the atoms the pack
+    holds."""
+    reads = sorted(reads, key=lambda r: r.offset)
     try:
-        for run in runs:
-            _read_run(storage, key, run, where)
-        for chunk, sink, meta, index in chunks:
-            if crc32c.crc32c(sink.data) != chunk.crc:
+        start = pos = reads[0].offset
+        buffers: list[memoryview] = []
+        for r in reads:
+            gap = r.offset - pos
+            if gap > GAP_READ_BYTES:  # (a long run of chunks not wanted: split the read there)
+                _read_run(storage, key, pack, start, buffers, pos, r, step)
+                start, buffers = r.offset, []
+            elif gap:
+                buffers.append(_ALIGNMENT_GAP[:gap] if gap <= _ALIGNMENT_GAP.nbytes else memoryview(bytearray(gap)))
+            buffers.append(r.data)
+            pos = r.offset + r.nbytes
+        _read_run(storage, key, pack, start, buffers, pos, reads[-1], step)
+        for r in reads:
+            if crc32c.crc32c(r.data) != r.crc:
                 raise IntegrityError(
-                    f"{where(meta, index)}: checksum mismatch (crc32c), its bytes are not the ones the commit "
-                    "recorded: the pack is damaged, truncated, swapped or stale"
+                    f"atom {r.atom!r} chunk {r.chunk} (step {step}): checksum mismatch (crc32c), its bytes are not the "
+                    "ones the commit recorded: the pack is damaged, truncated, swapped or stale"
                 )
-            sink.deliver()
+            if r.sink is not None:
+                r.sink.deliver()
     except FileNotFoundError:
-        raise ObjectMissingError(f"{where(*chunks[0][2:])}: pack {chunks[0][0].pack} is missing; {holds()}") from None
+        raise ObjectMissingError(
+            f"atom {reads[0].atom!r} chunk {reads[0].chunk} (step {step}): pack {pack} is missing; {holds()}"
+        ) from None
     except IntegrityError as e:
         raise IntegrityError(f"{e}; {holds()}") from None
 
 
 def _read_run(
-    storage: ReadableStorage, key: str, run: list[PackedRead], where: Callable[[AtomMeta, tuple[int, ...]], str]
+    storage: ReadableStorage,
+    key: str,
+    pack: str,
+    start: int,
+    buffers: list[memoryview],
+    end: int,
+    last: PackedRead,
+    step: int,
 ) -> None:
-    """One scatter read from the first chunk of `run` to the end of its last, the gaps into scratch."""
-    start, end = run[0][0].offset, run[-1][0].offset + run[-1][0].nbytes
-    buffers: list[memoryview] = []
-    pos = start
-    for chunk, sink, _, _ in run:
-        if chunk.offset > pos:
-            buffers.append(memoryview(bytearray(chunk.offset - pos)))  # alignment gaps and chunks not wanted
-        buffers.append(sink.data)
-        pos = chunk.offset + chunk.nbytes
-    got = storage.read_into(key, start, buffers)
-    if got < end - start:
+    """One scatter read of [start, end) of a pack into `buffers` (its chunks' and the gaps' between them)."""
+    if storage.read_into(key, start, buffers) < end - start:
         raise IntegrityError(
-            f"{where(*run[-1][2:])}: pack {run[0][0].pack} is truncated ({start + got} bytes of data, its chunks "
-            f"need {end})"
+            f"atom {last.atom!r} chunk {last.chunk} (step {step}): pack {pack} is truncated (its chunks need {end} "
+            "bytes of data)"
         )
 
 
@@ -598,6 +616,22 @@ def _read_dense_shard(
     return True
 
 
+@functools.lru_cache(maxsize=256)
+def _dense_index(count: int, first: int, step: int) -> bytes:
+    """The index of a shard of `count` inner chunks, none absent, each of `step` bytes (data and checksum) back to back
+    after a head of `first` bytes: the index ucp writes for a shard inside the array."""
+    return struct.pack(f"<{2 * count}Q", *(v for i in range(count) for v in (first + i * step, step)))
+
+
+def _verify_dense_head(head: memoryview, count: int, crc_table: bool, recorded: ObjectSum | None, where: str) -> None:
+    """The checks `ShardIndex.parse` makes of a head whose index is `_dense_index`: the index's own checksum, and the
+    head's against the one the commit recorded for the object."""
+    n = _index_nbytes(count)
+    _verify([head[: n - CRC_BYTES]], head[n - CRC_BYTES : n], f"{where} (shard index)")
+    if recorded is not None and crc32c.crc32c(head[: _head_nbytes(count, crc_table)]) != recorded[1]:
+        raise _not_recorded(where)
+
+
 def _whole_shard_dest(meta: AtomMeta, outer: tuple[int, ...], dest_for: DestFn) -> torch.Tensor | None:
     """The destination of the whole of shard `outer` when it is wanted whole and lies inside the array (so no
     inner chunk is padded or absent), as bytes shaped like the chunk (the last dimension in bytes); else None.
@@ -644,16 +678,26 @@ def _read_whole_shard(
         stored = dtypes.as_bytes(scratch)
         body = [stored]
     got = storage.read_into(key, 0, [head, *body, memoryview(bytearray(1))])
-    index = ShardIndex.parse(meta, outer, head[: min(got, first)], where, recorded)
-    if not index.is_dense():
-        return False
+    if got >= first and head[: n * INDEX_ENTRY_BYTES] == _dense_index(n, first, step):
+        # (ucp's own layout, told by one comparison of the index: its checksum, the head's against the commit's
+        # record and each inner chunk against the table then suffice, with no index parsed entry by entry)
+        _verify_dense_head(head, n, meta.crc_table, recorded, where)
+        table = head[_index_nbytes(n) :] if meta.crc_table else None
+    else:
+        index = ShardIndex.parse(meta, outer, head[: min(got, first)], where, recorded)
+        if not index.is_dense():
+            return False
+        table = None if index.chunks[0].crc is None else memoryview(b"".join(c.crc for c in index.chunks))  # type: ignore[misc]
     _check_length(meta, 0, got, first + n * step, where)
-    for i, chunk in enumerate(index.chunks):
+    for i in range(n):
         if direct:
             payload, crc = data[i * size : (i + 1) * size], crcs[i * CRC_BYTES : (i + 1) * CRC_BYTES]
         else:
             payload, crc = stored[i * step : i * step + size], stored[i * step + size : (i + 1) * step]
-        _verify([payload], crc, where, chunk.crc)
+        if crc32c.crc32c(payload) != int.from_bytes(crc, "little"):
+            raise IntegrityError(f"{where}: checksum mismatch (crc32c), the stored bytes are damaged")
+        if table is not None and crc != table[i * CRC_BYTES : (i + 1) * CRC_BYTES]:
+            raise _not_recorded(where)
     if not direct:
         # the stored chunks, C order of the inner grid, each C order inside: (g0, .., gk, i0, .., ik * itemsize)
         # interleaved to (g0, i0, .., gk, ik * itemsize), which is the destination's shape split chunk-wise
@@ -661,5 +705,5 @@ def _read_whole_shard(
         chunks = scratch.view(n, step)[:, :size].reshape(*grid, *inner[:-1], inner[-1] * meta.itemsize)
         order = [d for pair in zip(range(k), range(k, 2 * k)) for d in pair]
         split = [e for g, i in zip(grid, (*inner[:-1], inner[-1] * meta.itemsize)) for e in (g, i)]
-        dest.view(split).copy_(chunks.permute(order))
+        dtypes.copy_strided(dest.view(split), chunks.permute(order))
     return True

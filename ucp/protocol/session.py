@@ -21,6 +21,7 @@ error), with the typed messages below. Single-process saves, `VirtualWorld`, the
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import math
 import threading
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Self
 
 from ..errors import StepExistsError, StorageError, UcpError
+from ..format import index as step_index
 from ..format.manifest import (
     FORMAT_VERSION,
     ZARR_JSON,
@@ -96,22 +98,33 @@ class Begun:
 
 @dataclass(frozen=True)
 class RankWrites:
-    """One rank to the coordinator: the objects it wrote (key -> size and checksum) and where the packed chunks it
-    wrote lie. (A rank that failed sends its failure instead.)"""
+    """One rank to the coordinator: the objects it wrote (key relative to the attempt's directory -> size and
+    checksum) and where the packed chunks it wrote lie. (A rank that failed sends its failure instead.) The keys are
+    relative because the coordinator takes a record per object of every rank: the attempt's directory, repeated in
+    each, was a third of what crossed."""
 
     objects: dict[str, ObjectSum]
     packed: PackedRows
+
+    @classmethod
+    def of(cls, prefix: str, objects: dict[str, ObjectSum], packed: PackedRows) -> RankWrites:
+        """What a process wrote below the attempt directory `prefix` (`objects` keyed below the root)."""
+        cut = len(prefix) + 1
+        return cls({key[cut:]: sums for key, sums in objects.items()}, packed)
 
     def to_json(self) -> dict:
         return {"objects": self.objects, "packed": self.packed}
 
     @classmethod
     def from_json(cls, doc: Any) -> RankWrites:
-        return cls({k: (int(v[0]), int(v[1])) for k, v in doc["objects"].items()}, doc["packed"])
+        # (taken as decoded: each size and checksum stays the pair JSON gave, [size, crc]; rank 0 takes hundreds of
+        # thousands of them, and they only pass into the manifest)
+        return cls(doc["objects"], doc["packed"])
 
     @staticmethod
     def merged(ranks: list[RankWrites]) -> tuple[dict[str, ObjectSum], PackedRows]:
-        """Every rank's objects and packed chunks together (a TP-split atom's chunks come from several ranks)."""
+        """Every rank's objects (keys relative to the attempt's directory) and packed chunks together (a TP-split
+        atom's chunks come from several ranks)."""
         if len(ranks) == 1:
             return ranks[0].objects, ranks[0].packed
         objects: dict[str, ObjectSum] = {}
@@ -265,7 +278,7 @@ class SaveSession:
         def written() -> RankWrites:
             if error is not None:
                 raise error
-            return RankWrites(self._objects, self._packed)  # (as recorded: every write of this process has ended)
+            return RankWrites.of(self.prefix, self._objects, self._packed)  # (every write of this process has ended)
 
         def decide(ranks: list[RankWrites]) -> Committed:
             nonlocal record
@@ -341,8 +354,10 @@ class SaveSession:
         manifest.objects = {path: self._object_sums(meta, objects) for path, meta in atoms if not meta.packed}
         manifest.packed = {path: self._packed_chunks(meta, packed) for path, meta in atoms if meta.packed}
         names = sorted({c.pack for chunks in manifest.packed.values() for c in chunks})
-        manifest.packs = {name: objects[pack_object_key(self.prefix, name)] for name in names}
-        manifest_bytes = dumps(manifest.to_group_json())
+        manifest.packs = {name: objects[pack_object_key("", name)[1:]] for name in names}  # (keys are relative)
+        manifest_bytes, parts = step_index.encode(manifest)  # (format 3.1: the manifest and its index parts)
+        with cf.ThreadPoolExecutor(min(len(parts), 16) or 1, thread_name_prefix="ucp-index") as pool:
+            list(pool.map(lambda part: self.storage.write(f"{self.prefix}/{part[0]}", [part[1]]), parts))
         self.storage.write(f"{self.prefix}/{ZARR_JSON}", [manifest_bytes])
         self.storage.flush()
         nbytes = sum(a.nbytes for a in manifest.atoms.values())
@@ -358,11 +373,13 @@ class SaveSession:
         return record
 
     def _object_sums(self, meta: AtomMeta, objects: dict[str, ObjectSum]) -> list[ObjectSum]:
+        """The atom's chunk objects' sizes and checksums in C order over its grid (`objects`: keyed below the attempt's
+        directory, as the ranks sent them)."""
         sums = []
         for index in chunk_indices(meta.grid):
-            key = meta.object_key(self.prefix, index)
+            key = f"{meta.path}/{meta.chunk_key(index)}"
             if key not in objects:
-                raise UcpError(f"step {self.step}: no process wrote {key}; the save is incomplete")
+                raise UcpError(f"step {self.step}: no process wrote {self.prefix}/{key}; the save is incomplete")
             sums.append(objects[key])
         return sums
 

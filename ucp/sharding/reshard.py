@@ -139,8 +139,23 @@ def _fused_groups(rules: list[Rule]) -> list[list[Rule]]:
 def local_params(config: Any, layout: Layout, coords: RankCoords) -> list[LocalParam]:
     """The local parameters of a rank at ``coords``, in local-state order: chunk by chunk (v = 0..V-1); in a
     chunk, first-chunk tensors, then layer by layer the layer's tensors then its local experts' tensors expert
-    by expert, then last-chunk tensors."""
-    family = family_for(config)
+    by expert, then last-chunk tensors. (Remembered for the last coordinates asked: the writers of a chunk are found
+    from the layouts of the ranks that write it, asked again for every atom they share.)"""
+    return list(
+        _local_params_cached(family_for(config).name, json.dumps(config.to_json(), sort_keys=True), layout, coords)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_params_cached(
+    family_name: str, config_json: str, layout: Layout, coords: RankCoords
+) -> tuple[LocalParam, ...]:
+    family = FAMILIES[family_name]
+    config = family.config_cls.from_json(json.loads(config_json))
+    return tuple(_local_params(family, config, layout, coords))
+
+
+def _local_params(family: Any, config: Any, layout: Layout, coords: RankCoords) -> list[LocalParam]:
     counts, starts = _chunk_starts(layout, config)
     n_experts = getattr(config, "num_local_experts", 0) or 0
     per_ep = n_experts // layout.ep
@@ -388,49 +403,90 @@ def _atom_chunk(info: _AtomInfo, layout: Layout, config: Any) -> int:
     return max(c for c in range(layout.num_chunks) if starts[c] <= layer)
 
 
+class AtomOwners:
+    """Who writes which box of one atom (state None: the parameter; else that optimizer state), asked of a region:
+    `within(box)` costs what the region touches, not the atom's writers over the world. Built from the atom's stage,
+    EP rank and the layouts of the TP ranks that write it (at most T representative ranks, never the world); a ZeRO
+    state's writers are found from the region's flat extent in each TP rank's buffer, so a chunk that DP members cut
+    asks only the members whose ranges it crosses (a dense state at DP 768 had every member's piece listed for every
+    chunk of the atom)."""
+
+    def __init__(
+        self,
+        config: Any,
+        layout: Layout,
+        atom: str,
+        state: str | None = None,
+        optim_states: tuple[str, ...] = DEFAULT_STATES,
+    ):
+        table = _atom_table(config)
+        if atom not in table:
+            raise UcpError(f"unknown atom {atom!r}")
+        info = table[atom]
+        if state is not None and not info.parameter:
+            raise UcpError(f"atom {atom!r} is a buffer: it has no optimizer state {state!r}")
+        self.atom, self.layout, self.group = atom, layout, info.spec.zero_group
+        self.stage = _atom_chunk(info, layout, config) % layout.pp
+        self.ep = info.spec.expert // (config.num_local_experts // layout.ep) if self.group == "expert" else 0
+        self.flat = info.parameter and (layout.zero == 3 if state is None else layout.zero >= 1)
+        n_states = 1 + len(optim_states)
+        tp_choice, self.dp_choice = _writer_choice(info, _state_index(state, optim_states), n_states, self.flat, layout)
+        # per writing TP rank: its parameters holding the atom, and (ZeRO) their places in its flat buffer
+        self.parts: list[tuple[int, list[tuple[LocalParam, int]], FlatLayout | None]] = []
+        for t in range(layout.tp):
+            if tp_choice not in (None, t):
+                continue
+            coords = layout.coords(layout.rank(t, layout.dp_rank_of(self.ep, 0), self.stage))
+            params = local_params(config, layout, coords)
+            if not self.flat:
+                held = [(prm, 0) for prm in params if any(pc.atom == atom and not pc.tied_copy for pc in prm.pieces)]
+                self.parts.append((t, held, None))
+                continue
+            fl = next(f for f in flat_layouts(params, layout, coords) if f.group == self.group)
+            held = [(prm, o) for prm, o in fl.params if any(pc.atom == atom and not pc.tied_copy for pc in prm.pieces)]
+            self.parts.append((t, held, fl))
+
+    def _dp_rank(self, member: int) -> int:
+        return member if self.group == "dense" else self.layout.dp_rank_of(self.ep, member)
+
+    def within(self, box: Box | None = None) -> list[tuple[int, Box]]:
+        """(rank, box) pairs, the writers' boxes that overlap `box` (the whole atom: None), each whole: over the
+        whole atom they partition it."""
+        out: list[tuple[int, Box]] = []
+        for t, held, fl in self.parts:
+            for prm, offset in held:
+                members: set[int] = set()  # (ZeRO: the members whose ranges the box's flat extent crosses)
+                for pc in prm.pieces:
+                    if pc.atom != self.atom or pc.tied_copy:
+                        continue
+                    part = pc.atom_box if box is None else intersect(pc.atom_box, box)
+                    if part is None:
+                        continue
+                    if fl is None:
+                        assert self.dp_choice is not None  # (a parameter held whole has one writing replica)
+                        out.append((self.layout.rank(t, self._dp_rank(self.dp_choice), self.stage), pc.atom_box))
+                        continue
+                    local = translate(part, tuple(b[0] - a[0] for a, b in zip(pc.atom_box, pc.box, strict=True)))
+                    first = offset + flat_start(local, prm.shape)
+                    last = offset + flat_start(tuple((b - 1, b) for _, b in local), prm.shape)
+                    members.update(range(first // fl.per_member, last // fl.per_member + 1))
+                for m in sorted(members):
+                    assert fl is not None
+                    lo = m * fl.per_member
+                    out += [
+                        (self.layout.rank(t, self._dp_rank(m), self.stage), fp.atom_box)
+                        for fp in _flat_pieces(prm, offset, lo, lo + fl.per_member)
+                        if fp.atom == self.atom and (box is None or intersect(fp.atom_box, box) is not None)
+                    ]
+        return out
+
+
 def atom_owners(
     config: Any, layout: Layout, atom: str, state: str | None = None, optim_states: tuple[str, ...] = DEFAULT_STATES
 ) -> list[tuple[int, Box]]:
     """Who writes which box of one atom (state None: the parameter; else that optimizer state): (rank, box)
-    pairs that partition the atom. Computed from the atom's stage, EP rank and the TP ranks' layouts: it
-    visits at most T representative ranks, never the world."""
-    table = _atom_table(config)
-    if atom not in table:
-        raise UcpError(f"unknown atom {atom!r}")
-    info = table[atom]
-    if state is not None and not info.parameter:
-        raise UcpError(f"atom {atom!r} is a buffer: it has no optimizer state {state!r}")
-    p = _atom_chunk(info, layout, config) % layout.pp
-    ep = info.spec.expert // (config.num_local_experts // layout.ep) if info.spec.zero_group == "expert" else 0
-    flat = info.parameter and (layout.zero == 3 if state is None else layout.zero >= 1)
-    tp_choice, dp_choice = _writer_choice(info, _state_index(state, optim_states), 1 + len(optim_states), flat, layout)
-
-    def dp_rank(member: int) -> int:
-        return member if info.spec.zero_group == "dense" else layout.dp_rank_of(ep, member)
-
-    out: list[tuple[int, Box]] = []
-    for t in range(layout.tp):
-        if tp_choice not in (None, t):
-            continue
-        coords = layout.coords(layout.rank(t, layout.dp_rank_of(ep, 0), p))
-        params = local_params(config, layout, coords)
-        if not flat:
-            assert dp_choice is not None  # (a parameter held whole has one writing replica)
-            owner = layout.rank(t, dp_rank(dp_choice), p)
-            out += [(owner, pc.atom_box) for prm in params for pc in prm.pieces if pc.atom == atom and not pc.tied_copy]
-            continue
-        fl = next(f for f in flat_layouts(params, layout, coords) if f.group == info.spec.zero_group)
-        for prm, offset in fl.params:
-            if not any(pc.atom == atom and not pc.tied_copy for pc in prm.pieces):
-                continue
-            per = fl.per_member
-            for m in range(offset // per, (offset + prm.numel - 1) // per + 1):
-                out += [
-                    (layout.rank(t, dp_rank(m), p), pc.atom_box)
-                    for pc in _flat_pieces(prm, offset, m * per, (m + 1) * per)
-                    if pc.atom == atom
-                ]
-    return out
+    pairs that partition the atom (`AtomOwners`, asked of the whole atom)."""
+    return AtomOwners(config, layout, atom, state, optim_states).within()
 
 
 def write_grid(
@@ -500,7 +556,8 @@ def chunk_write_plan(
     (state None) and of each of its optimizer states: each has its own, since states of another dtype than the
     parameter's (fp32 moments of bf16 weights) cut the same bytes into more elements.
 
-    Cost: the rank's own plan, plus ``atom_owners`` (T representative ranks) for atoms whose chunks it shares.
+    Cost: the rank's own plan, plus the writers of the chunks it shares (``AtomOwners.within``: T representative
+    ranks' layouts, then only the pieces that cross those chunks).
     """
     table = _atom_table(config)
     owned = owned_pieces(config, layout, rank, optim_states)
@@ -508,11 +565,11 @@ def chunk_write_plan(
     for lt in owned:
         for p in lt.pieces:
             mine.setdefault((p.atom, lt.state), []).append(p.atom_box)
-    owners_cache: dict[tuple[str, str | None], list[tuple[int, Box]]] = {}
+    owners_cache: dict[tuple[str, str | None], AtomOwners] = {}
 
-    def owners(atom: str, state: str | None) -> list[tuple[int, Box]]:
+    def owners(atom: str, state: str | None) -> AtomOwners:
         if (atom, state) not in owners_cache:
-            owners_cache[(atom, state)] = atom_owners(config, layout, atom, state, optim_states)
+            owners_cache[(atom, state)] = AtomOwners(config, layout, atom, state, optim_states)
         return owners_cache[(atom, state)]
 
     plan = ChunkWritePlan()
@@ -530,11 +587,11 @@ def chunk_write_plan(
                     plan.writes.append((atom, state, chunk))
                     covered = sum(box_numel(x) for b in boxes if (x := intersect(b, chunk)) is not None)
                     if covered < box_numel(chunk):
-                        for peer, ob in owners(atom, state):
+                        for peer, ob in owners(atom, state).within(chunk):
                             if peer != rank and (frag := intersect(ob, chunk)) is not None:
                                 plan.recvs.append(Transfer(peer, atom, state, frag))
                 else:
-                    writer = next(r for r, ob in owners(atom, state) if contains(ob, first))
+                    writer = owners(atom, state).within(first)[0][0]
                     part = intersect(box, chunk)
                     assert part is not None  # (the chunk was chosen for overlapping the box)
                     plan.sends.append(Transfer(writer, atom, state, part))
@@ -578,7 +635,7 @@ def shard(
     if opt is None:
         optim_states = ()
     # a local tensor of padding only (a vocabulary's padded rows on the last TP ranks) has the dtype of its kind
-    default_dtype = {None: next(iter(model.values())).dtype if model else torch.float32}
+    default_dtype: dict[str | None, torch.dtype] = {None: next(iter(model.values())).dtype if model else torch.float32}
     for states in (opt or {}).values():
         for name, t in states.items():
             default_dtype.setdefault(name, t.dtype)

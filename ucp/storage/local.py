@@ -174,9 +174,21 @@ class LocalStorage(Storage):
             self._unsynced_dirs.update(os.path.dirname(made) for made in missing)
 
     def write(self, key: str, parts: Sequence[Buffer]) -> None:
+        """Write the object whole. A new file is written in place; one that exists (an attempt's owner record renewed
+        while gc or a test reads it) is replaced by a temporary file renamed over it, so that no reader sees it
+        truncated, as an object store's overwrite is never seen half done."""
         path = self._path(key)
         try:
-            total = self._write_file(path, parts, os.O_TRUNC)
+            if os.path.lexists(path):
+                temp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
+                try:
+                    total = self._write_file(temp, parts, os.O_EXCL)
+                    os.replace(temp, path)
+                finally:
+                    if os.path.lexists(temp):
+                        os.unlink(temp)
+            else:
+                total = self._write_file(path, parts, os.O_TRUNC)
         except UcpError:
             raise
         except OSError as e:
