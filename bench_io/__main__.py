@@ -22,7 +22,18 @@ from ucp.errors import UcpError
 
 from .args import parse_list, parse_size
 from .methods import DEFAULT_METHODS, METHODS
-from .targets import CACHE_MODES, DEFAULT_TARGETS, TARGETS, Probe, Target, is_remote, probe
+from .s3_servers import RADOSGW_INSTALL, S3_SERVERS
+from .targets import (
+    CACHE_MODES,
+    DEFAULT_TARGETS,
+    TARGETS,
+    Probe,
+    S3Target,
+    Target,
+    is_remote,
+    probe,
+    s3_server_of,
+)
 
 # (torch, and what needs it, is imported once a run starts: `ucp bench --help` and argument errors answer at once)
 GiB = 1 << 30
@@ -45,12 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--targets",
         type=parse_list(list(TARGETS)),
         default=list(DEFAULT_TARGETS),
-        help="comma list (default: tmpfs,disk,s3; s3 without --endpoint-url starts an embedded moto server)",
+        help="comma list (default: tmpfs,disk,s3; s3 without --endpoint-url starts a server of its own: --s3-server)",
     )
     p.add_argument(
         "--endpoint-url",
-        help="with the s3 target: the endpoint of a real S3 / MinIO (default: AWS_ENDPOINT_URL, else an embedded moto"
-        " server); credentials from -o key=... -o secret=... or the AWS environment",
+        help="with the s3 target: the endpoint of a real S3 / MinIO (default: AWS_ENDPOINT_URL, else a server of its"
+        " own, --s3-server); credentials from -o key=... -o secret=... or the AWS environment",
+    )
+    p.add_argument(
+        "--s3-server",
+        choices=("auto", *S3_SERVERS),
+        help="with the s3 target and no endpoint: the S3 server to start on 127.0.0.1: radosgw (Ceph's, a real"
+        f" implementation: {RADOSGW_INSTALL}), moto (a Python mock that runs anywhere) or auto (the default: radosgw"
+        " where installed, else moto)",
     )
     p.add_argument(
         "--bucket",
@@ -122,7 +140,7 @@ def _progress(i: int, total: int, m: Any, elapsed: float) -> None:
     def rate(s: float | None) -> str:
         return f"{m.nbytes / s / 1e9:7.3f} GB/s ({s:.2f} s)" if s else "   -"
 
-    status = "ok" if m.ok else f"ERROR {m.error}"
+    status = f"ERROR {m.error}" if not m.ok else f"SAVE ERROR {m.save_error}" if m.save_error else "ok"
     blocking = f"  blocking {m.blocking_s:.3f} s" if m.blocking_s is not None else ""
     eta = f"  ~{elapsed / i * (total - i) / 60:.0f} min left" if i < total else ""
     print(
@@ -169,6 +187,13 @@ def _small_states_run(args: argparse.Namespace) -> bool:
 RULES = (
     Applies("--endpoint-url", "endpoint_url", lambda args: "s3" in args.targets, "with the s3 target", _targets),
     Applies("--bucket", "bucket", lambda args: "s3" in args.targets, "with the s3 target", _targets),
+    Applies(
+        "--s3-server",
+        "s3_server",
+        lambda args: "s3" in args.targets and not args.endpoint_url,
+        "with the s3 target and no --endpoint-url (the server it starts)",
+        _targets,
+    ),
     Applies("-o/--storage-option", "storage_option", lambda a: "s3" in a.targets, "with the s3 target", _targets),
     Applies("--dir", "dir", lambda args: "disk" in args.targets, "with the disk target", _targets),
     Applies(
@@ -211,7 +236,13 @@ def setup_targets(args: argparse.Namespace) -> list[Target]:
                 if name == "s3":
                     options = parse_storage_options(args.storage_option)
                     targets.append(
-                        TARGETS[name](args.dir, endpoint_url=args.endpoint_url, bucket=args.bucket, options=options)
+                        TARGETS[name](
+                            args.dir,
+                            endpoint_url=args.endpoint_url,
+                            bucket=args.bucket,
+                            options=options,
+                            server=args.s3_server,
+                        )
                     )
                 else:
                     targets.append(TARGETS[name](args.dir))
@@ -273,10 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     pool = None
     try:
         base = QUICK if args.quick else DEFAULTS
-        if args.size is None and not args.quick and any(getattr(t, "server", None) for t in targets):
+        if (
+            args.size is None
+            and not args.quick
+            and any(isinstance(t, S3Target) and t.server_kind == "moto" for t in targets)
+        ):
             args.size = EMBEDDED_S3_SIZE
             print(
-                f"bench_io: --size {EMBEDDED_S3_SIZE >> 20}MiB, the default with the embedded S3 server (a stand-in"
+                f"bench_io: --size {EMBEDDED_S3_SIZE >> 20}MiB, the default with the embedded moto server (a stand-in"
                 " that moves tens of MB/s; give --size for another)",
                 file=sys.stderr,
             )
@@ -357,9 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     summaries = runner.summarize(results)
 
     print()
+    servers = {t.name: s3_server_of(t) for t in targets if s3_server_of(t)}
     print(
         f"bench_io: {main_state.nbytes / 2**20:.0f} MiB state, {args.procs} rank process(es), {args.repeats} repeat(s),"
         " medians; GB/s = 1e9 B/s of tensor payload; save = end-to-end to durable/committed"
+        + "".join(f"; {name} = {server}" for name, server in servers.items())
     )
     print(report.table(summaries))
     comparison = report.small_vs_large(summaries)
@@ -379,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(),
             "uid": os.getuid() if hasattr(os, "getuid") else None,
         },
+        "s3_server": servers,  # the S3 target's server: moto, radosgw (with their versions) or the endpoint given
         "ucp_revision": _ucp_revision(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "methods_described": {name: METHODS[name].description for name in METHODS},
@@ -389,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         report.write_png(
             args.png, summaries, f"bench_io: {main_state.nbytes / 2**20:.0f} MiB, median of {args.repeats}"
         )
-    failed = [m for m in results if not m.ok]
+    failed = [m for m in results if not m.ok or m.save_error]
     if failed:
         print(
             f"bench_io: {len(failed)} of {len(results)} measurements failed (the lines starting with !)",

@@ -24,7 +24,10 @@ model, with `--raw-threads` threads, 8 by default; safetensors' files one after 
 memory allocated and touched before the timer, no checksum, no parsing. They say what the file count and placement
 cost before any format's work.
 
-With --s3 the same files go to a moto S3 server on 127.0.0.1 (in process), and S3 rows are added.
+With --s3 the same files go to an S3 server on 127.0.0.1 (`--s3-server`: Ceph's radosgw where installed, else
+moto's), and S3 rows are added, with Run:ai's model streamer beside them where it is installed (`pip install
+runai-model-streamer runai-model-streamer-s3`): its SafetensorsStreamer streaming the safetensors files ("new": the
+tensors it returns, each its own; "into": copied into the job's parameters), an inference engine's cold start.
 Prints a table: seconds (median of the repeats), bytes read from storage, and the effective rate.
 """
 
@@ -48,7 +51,9 @@ from ucp.sharding.families import MixtralConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
-from .targets import MotoServer, drop_page_cache
+from .methods import aws_environment, one_line
+from .s3_servers import S3_SERVERS, s3_server_version, start_s3_server
+from .targets import drop_page_cache, embedded_server, s3_filesystem
 
 
 @dataclass
@@ -234,7 +239,13 @@ def methods(ucp_url: str, hf: Callable[[Params | None], Callable[[], int]], st_p
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_io coldstart", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0)
-    p.add_argument("--s3", action="store_true", help="also measure against an embedded S3 server (moto) on 127.0.0.1")
+    p.add_argument("--s3", action="store_true", help="also measure against an S3 server on 127.0.0.1 (--s3-server)")
+    p.add_argument(
+        "--s3-server",
+        choices=("auto", *S3_SERVERS),
+        default="auto",
+        help="with --s3: radosgw, moto, or auto (the default: radosgw where installed, else moto)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--raw-threads", type=int, default=8, help="threads of the raw read of ucp's files (default 8)")
@@ -271,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
         if args.s3:
-            rows += _s3_rows(root, hf, st_params, args.repeats)
+            rows += _s3_rows(root, hf, st_params, args.repeats, embedded_server(args.s3_server))
         print(f"{'method':<26} {'storage':<7} {'seconds':>9} {'MiB read':>11} {'GiB/s':>9}")
         for row in rows:
             print(row.line())
@@ -289,31 +300,61 @@ def ratios(rows: list[Row]) -> str:
             mine = by.get((f"ucp tp1, {dest}", storage))
             if st and mine:
                 out.append(f"{storage} {dest}: ucp tp1 / safetensors = {mine / st:.2f}x")
+            runai = by.get((f"runai, {dest}", storage))
+            if runai and mine:
+                out.append(f"{storage} {dest}: ucp tp1 / runai-model-streamer = {mine / runai:.2f}x")
     floors = [r.seconds for r in rows if r.method.startswith("raw read")]
     if len(floors) == 2:
         out.append(f"local raw reads of the same files: ucp's / safetensors' = {floors[0] / floors[1]:.2f}x")
     return "\n".join(out)
 
 
-def _s3_rows(root: Path, hf: Path, st_params: Params, repeats: int) -> list[Row]:
-    import s3fs
+def runai_s3(urls: list[str], options: dict, nbytes: int, into: Params | None = None) -> Callable[[], int]:
+    """Run:ai's SafetensorsStreamer over the safetensors files at `urls`; each tensor it yields is its own (owned)."""
 
-    server = MotoServer()
+    def run() -> int:
+        from runai_model_streamer import SafetensorsStreamer
+
+        with aws_environment(options), SafetensorsStreamer() as streamer:
+            streamer.stream_files(urls)
+            tensors = dict(streamer.get_tensors())
+        if into is not None:
+            for name, t in tensors.items():
+                into[name].copy_(t)
+        return nbytes
+
+    return run
+
+
+def _s3_rows(root: Path, hf: Path, st_params: Params, repeats: int, server_name: str) -> list[Row]:
+    server = start_s3_server(server_name)
     try:
-        options = {"endpoint_url": server.url, "key": "bench", "secret": "bench"}
-        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        options = server.endpoint.storage_options
+        fs = s3_filesystem(options)
         fs.mkdir("coldstart")
         url = "s3://coldstart/ucp"
         fs.put(str(root / "ucp"), "coldstart/ucp", recursive=True)
         fs.put(str(hf), "coldstart/hf", recursive=True)
+        st_files = sorted(hf.glob("*.safetensors"))
+        print(f"s3: {server_name} {s3_server_version(server_name)} on 127.0.0.1")
 
-        def nothing() -> None:  # the server keeps objects in memory: no cache to drop
+        def nothing() -> None:  # (no cache of the client's to drop; the server's is its own)
             return None
 
-        return [
+        rows = [
             Row(method, "s3", *timed(fn, repeats, nothing))
             for method, fn in methods(url, lambda into: safetensors_s3(fs, "coldstart/hf", into), st_params, options)
         ]
+        urls = [f"s3://coldstart/hf/{f.name}" for f in st_files]
+        nbytes = sum(f.stat().st_size for f in st_files)
+        for dest, into in (("new", None), ("into", st_params)):
+            try:
+                rows.append(
+                    Row(f"runai, {dest}", "s3", *timed(runai_s3(urls, options, nbytes, into), repeats, nothing))
+                )
+            except Exception as e:  # noqa: BLE001 -- a peer that cannot run here is reported, not dropped
+                print(f"runai-model-streamer on {server_name}: {one_line(e)}")
+        return rows
     finally:
         server.close()
 

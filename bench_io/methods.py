@@ -55,6 +55,7 @@ class Method(ABC):
     name: ClassVar[str]
     description: ClassVar[str]
     remote: ClassVar[bool] = False  # runs on the s3 target too
+    local: ClassVar[bool] = True  # runs on local targets (False: a peer that only reads and writes object stores)
     paired_copy: ClassVar[bool] = False  # async: the runner times a plain copy of the state just before the save
     storage: ClassVar[bool] = True  # False: an in-memory baseline, run once per state, not per target
 
@@ -557,11 +558,25 @@ warnings.filterwarnings("ignore", message=_DCP_NOISE, category=UserWarning)  # a
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """no_dist=True is what we mean: DCP's 'assuming the intent is to save in a single process' is noise."""
+def _dcp() -> Iterator[None]:
+    """Around a DCP call. no_dist=True is what we mean: DCP's 'assuming the intent is to save in a single process' is
+    noise. DCP raises its failures as CheckpointException, a BaseException that would end the whole run rather than
+    one measurement: it is raised as the RuntimeError of the first failing rank's own exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_DCP_NOISE, category=UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            cause = next((exc for exc, _ in e.failures.values()), None)
+            raise RuntimeError(one_line(cause) if cause is not None else "CheckpointException") from cause
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 @register
@@ -598,7 +613,7 @@ class Dcp(Method):
         import torch.distributed.checkpoint as dcp
 
         self._shapes = {p: (t.shape, t.dtype) for p, t in state.flat.items()}
-        with _quiet():
+        with _dcp():
             dcp.save(dict(state.flat), storage_writer=self._writer(directory), no_dist=True)
         if not is_remote(directory):
             fsync_path(directory)
@@ -609,7 +624,7 @@ class Dcp(Method):
         import torch.distributed.checkpoint as dcp
 
         out = {p: torch.empty(shape, dtype=dtype) for p, (shape, dtype) in self._shapes.items()}
-        with _quiet():
+        with _dcp():
             dcp.load(out, storage_reader=self._reader(directory), no_dist=True)
         return out
 
@@ -628,7 +643,7 @@ class DcpAsync(Dcp):
 
         self._shapes = {p: (t.shape, t.dtype) for p, t in state.flat.items()}
         t0 = time.perf_counter()
-        with _quiet():
+        with _dcp():
             future = dcp.async_save(dict(state.flat), storage_writer=self._writer(directory), no_dist=True)
         blocking = time.perf_counter() - t0
         result = getattr(future, "upload_completion", future)  # AsyncSaveResponse in some versions
@@ -636,6 +651,119 @@ class DcpAsync(Dcp):
         if not is_remote(directory):
             fsync_path(directory)
         return {"blocking_s": blocking}
+
+
+# ------------------------------------------------------------------------------------- S3 peers (optional)
+
+
+@contextlib.contextmanager
+def aws_environment(options: dict[str, Any]) -> Iterator[None]:
+    """The S3 peers' clients (AWS's CRT, in s3torchconnector and runai-model-streamer) take no storage options: the
+    endpoint and keys of `options` go in the AWS variables for the call, and the instance-metadata lookup is off (on a
+    machine outside EC2 it only waits). The variables as they were are put back."""
+    wanted = {"AWS_ENDPOINT_URL": options.get("endpoint_url"), "AWS_EC2_METADATA_DISABLED": "true"}
+    wanted |= {"AWS_ACCESS_KEY_ID": options.get("key"), "AWS_SECRET_ACCESS_KEY": options.get("secret")}
+    wanted.setdefault("AWS_DEFAULT_REGION", os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+    before = {k: os.environ.get(k) for k in wanted}
+    os.environ.update({k: v for k, v in wanted.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_QUIET_HOOK: list[Any] = []
+
+
+def _quiet_threads() -> None:
+    """DCP's writer threads print each failure of s3torchconnector's client (64 of them, some after DCP has raised
+    the first): once, in the measurement's error, is enough. Other threads' failures are printed as before."""
+    import threading
+
+    if _QUIET_HOOK:
+        return
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        if type(args.exc_value).__name__ != "S3Exception":
+            previous(args)
+
+    _QUIET_HOOK.append(hook)
+    threading.excepthook = hook
+
+
+def _region() -> str:
+    return os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+
+@register
+class DcpS3Torch(Dcp):
+    """PyTorch DCP through AWS's s3torchconnector (`pip install 's3torchconnector[dcp]'`): its S3StorageWriter and
+    S3StorageReader on its own CRT client (path-style addressing, `io_threads` writer threads, the endpoint from
+    AWS_ENDPOINT_URL). Where its save fails after writing every file (radosgw 16 answers a multipart upload's
+    completion without the ETag header that its client requires), the save is reported failed with that error and the
+    same checkpoint is written by DCP's own fsspec writer, so that its load is still measured."""
+
+    name = "dcp-s3torch"
+    description = "DCP through s3torchconnector's S3StorageWriter/S3StorageReader (AWS CRT client), no_dist; S3 only"
+    remote = True
+    local = False
+
+    def _config(self) -> Any:
+        from s3torchconnector import S3ClientConfig
+
+        return S3ClientConfig(force_path_style=True)
+
+    def save(self, state: SyntheticState, directory: Any) -> dict[str, Any] | None:
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector.dcp import S3StorageWriter
+
+        self._shapes = {p: (t.shape, t.dtype) for p, t in state.flat.items()}
+        _quiet_threads()
+        try:
+            with aws_environment(directory.storage_options), _dcp():
+                writer = S3StorageWriter(
+                    _region(), (directory / "dcp").url, s3client_config=self._config(), thread_count=self.io_threads
+                )
+                dcp.save(dict(state.flat), storage_writer=writer, no_dist=True)
+        except RuntimeError as e:
+            super().save(state, directory)  # (DCP's fsspec writer: the same checkpoint, for the load)
+            return {"save_error": str(e)}
+        return None
+
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector.dcp import S3StorageReader
+
+        out = {p: torch.empty(shape, dtype=dtype) for p, (shape, dtype) in self._shapes.items()}
+        with aws_environment(directory.storage_options), _dcp():
+            reader = S3StorageReader(_region(), (directory / "dcp").url, s3client_config=self._config())
+            dcp.load(out, storage_reader=reader, no_dist=True)
+        return out
+
+
+@register
+class Runai(Safetensors):
+    """Run:ai's model streamer (`pip install runai-model-streamer runai-model-streamer-s3`) streaming one safetensors
+    file from S3 (its own CRT client, its default concurrency and memory limit; the endpoint from AWS_ENDPOINT_URL),
+    every tensor its own (owned=True): an inference engine's cold start (vLLM's load_format=runai_streamer). The
+    file is put as `safetensors` puts it."""
+
+    name = "runai"
+    description = "safetensors file put by s3fs / streamed by runai-model-streamer's SafetensorsStreamer; S3 only"
+    local = False
+
+    def load(self, directory: Any) -> dict[str, torch.Tensor]:
+        from runai_model_streamer import SafetensorsStreamer
+
+        with aws_environment(directory.storage_options), SafetensorsStreamer() as streamer:
+            streamer.stream_file((directory / "state.safetensors").url)
+            return dict(streamer.get_tensors())
 
 
 # ---------------------------------------------------------------------------------------- plain copy

@@ -50,9 +50,11 @@ class Measurement:
     save_peak_rss_mib: float | None = None  # peak RSS during the call, above RSS before it
     load_peak_rss_mib: float | None = None
     error: str | None = None  # an exception, or a failed verification
+    save_error: str | None = None  # a peer's save that failed: its files were written another way, its load measured
 
     @property
     def ok(self) -> bool:
+        """Whether the load's figure stands (a save that failed while the load was measured says so apart)."""
         return self.error is None
 
 
@@ -138,6 +140,9 @@ def measure(method: Method, state: SyntheticState, target: Target, repeat: int, 
             t0 = time.perf_counter()
             extra = method.save(state, directory) or {}
             m.save_s = extra.get("time_s", time.perf_counter() - t0)
+        m.save_error = extra.get("save_error")
+        if m.save_error is not None:
+            m.save_s = None
         if requests is not None:
             m.save_requests, m.save_request_kinds = requests.total, dict(requests.calls)
         m.blocking_s = extra.get("blocking_s")
@@ -183,7 +188,7 @@ class Plan:
                 if not cls.storage:
                     if i == 0:
                         out.append((i, name))
-                elif cls.remote or not remote:
+                elif cls.remote if remote else cls.local:
                     out.append((i, name))
         return out
 
@@ -273,7 +278,7 @@ def summarize(results: list[Measurement]) -> list[Summary]:
                 save_requests=_median([m.save_requests for m in good]),  # type: ignore[arg-type]
                 save_peak_rss_mib=_median([m.save_peak_rss_mib for m in good]),
                 load_peak_rss_mib=_median([m.load_peak_rss_mib for m in good]),
-                errors=[m.error for m in ms if m.error],
+                errors=[m.error for m in ms if m.error] + [f"save: {m.save_error}" for m in ms if m.save_error],
             )
         )
     raw = {(s.state, s.target): s for s in out if s.method == "raw"}

@@ -6,8 +6,9 @@ every file (clean pages only, which fsync guarantees). Either way we then ask mi
 is still resident, and report that with the method, so a warm read is never passed off as a cold one.
 On tmpfs the page cache *is* the storage: nothing can be dropped, and the report says so.
 
-S3: with no endpoint given, a `moto_server` subprocess on 127.0.0.1 (its own process, so the server does not
-share the benchmark's GIL) makes the command run anywhere, in a scratch bucket of its own; `--endpoint-url` /
+S3: with no endpoint given, a server of its own on 127.0.0.1 (`s3_servers`: Ceph's radosgw where Debian's packages
+are installed, a real implementation; else moto's, a Python mock that runs anywhere, in a process of its own so that
+it does not share the benchmark's GIL; `--s3-server` chooses), in a scratch bucket of its own; `--endpoint-url` /
 AWS_ENDPOINT_URL and the AWS credentials in the environment point it at a real S3 or MinIO, under a fresh prefix of
 an existing `--bucket` (the benchmark never creates one there). Before anything is measured, `check_s3` lists the
 prefix and the target's probe writes, reads and deletes a few objects under it, so that credentials, endpoint,
@@ -24,8 +25,6 @@ import ctypes
 import mmap
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from trainer.launch import free_port
 from ucp.errors import BucketNotFoundError, StorageError, UcpError
 from ucp.storage import Storage, file_system_type, open_storage, storage_error
+from ucp.storage.s3 import client_options
+
+from .s3_servers import S3Server, radosgw_missing, s3_server_version, start_s3_server
 
 CACHE_MODES = ("auto", "drop_caches", "fadvise", "none")
 
@@ -292,53 +293,29 @@ class S3Requests:
 
 
 def s3_filesystem(storage_options: dict[str, Any]) -> Any:
-    """An s3fs filesystem with a connection pool big enough for many requests in flight (fsspec caches it)."""
+    """An s3fs file system (fsspec caches it) configured as ucp configures its own (`client_options`: a connection
+    pool as large as the requests in flight, no SHA-256 of every body, no check of a whole object's checksum on
+    reads), and without the checksum botocore puts on every upload by default: what raw measures is the transport
+    alone, the floor under ucp's own checksums."""
     import s3fs
+    from botocore.config import Config
 
-    options = dict(storage_options)
-    config = dict(options.pop("config_kwargs", {}) or {})
-    config.setdefault("max_pool_connections", 64)
-    return s3fs.S3FileSystem(use_listings_cache=False, config_kwargs=config, **options)
-
-
-class MotoServer:
-    """moto's S3 server as a subprocess on 127.0.0.1 (not a thread: it would share our GIL)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        exe = Path(sys.executable).with_name("moto_server")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-        self.proc = subprocess.Popen(
-            [*cmd, "-H", "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {self.proc.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.close()
-        raise RuntimeError("moto_server did not start within 30 s")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    options = client_options(storage_options, dict(os.environ))
+    if "request_checksum_calculation" in Config.OPTION_DEFAULTS:  # (botocore >= 1.36)
+        options["config_kwargs"].setdefault("request_checksum_calculation", "when_required")
+    return s3fs.S3FileSystem(**options)
 
 
 class S3Target(Target):
     """A fresh prefix in a bucket; `root` is a RemoteDir. Owns the embedded server when it started one."""
 
-    server: MotoServer | None = None
+    server: S3Server | None = None
     bucket_owned: bool = False
+
+    @property
+    def server_kind(self) -> str | None:
+        """The kind of server it started ("moto", "radosgw"), None on an endpoint given."""
+        return self.server.endpoint.server if self.server is not None else None
 
     def workdir(self, label: str) -> RemoteDir:  # type: ignore[override]
         self._count += 1
@@ -375,11 +352,13 @@ def s3_target(
     endpoint_url: str | None = None,
     bucket: str | None = None,
     options: dict[str, Any] | None = None,
+    server: str | None = None,
 ) -> Target:
     """The s3 target: `endpoint_url` (or the options' endpoint_url, or AWS_ENDPOINT_URL) with the credentials of
     `options` (s3fs storage options: key, secret, profile, ...) or the AWS environment, under a fresh prefix of the
-    existing `bucket`; or, when no endpoint is given, an embedded moto server and a scratch bucket on it (removed
-    afterwards). Checked before it is returned (`check_s3`): a UcpError names what is wrong."""
+    existing `bucket`; or, when no endpoint is given, a server of its own (`server`: radosgw, moto, or None / "auto":
+    radosgw where installed, else moto) and a scratch bucket on it (removed afterwards, with the server). Checked
+    before it is returned (`check_s3`): a UcpError names what is wrong."""
     options = dict(options or {})
     endpoint_url = endpoint_url or options.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint_url is not None and bucket is None:
@@ -387,12 +366,12 @@ def s3_target(
             f"--bucket: name an existing bucket on {endpoint_url} to write under (the benchmark works under a fresh "
             "prefix of it and removes it; it creates no bucket on a store of yours)"
         )
-    server = None
+    started = None
     if endpoint_url is None:
-        server = MotoServer()
-        endpoint_url = server.url
-        options.update(key="testing", secret="testing")
-        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")  # botocore wants one; moto takes any
+        started = start_s3_server(embedded_server(server))
+        endpoint_url = started.endpoint.url
+        options.update(key=started.endpoint.key, secret=started.endpoint.secret)
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")  # botocore wants one; the servers take any
     options["endpoint_url"] = endpoint_url
     owned = bucket is None
     bucket = bucket or f"bench-io-{uuid.uuid4().hex[:12]}"
@@ -402,12 +381,34 @@ def s3_target(
             s3_filesystem(options).mkdir(bucket)  # (on the embedded server only)
         check_s3(root)
     except BaseException:
-        if server is not None:
-            server.close()
+        if started is not None:
+            started.close()
         raise
-    t = S3Target("s3", root, f"s3 ({'moto, embedded' if server else endpoint_url})", volatile=False)  # type: ignore[arg-type]
-    t.server, t.bucket_owned = server, owned
+    where = f"{started.endpoint.server}, embedded" if started else endpoint_url
+    t = S3Target("s3", root, f"s3 ({where})", volatile=False)  # type: ignore[arg-type]
+    t.server, t.bucket_owned = started, owned
     return t
+
+
+def embedded_server(choice: str | None) -> str:
+    """The server `--s3-server` names: radosgw or moto as asked (radosgw refused in one line where it is not
+    installed), or for "auto" (None) radosgw where it is installed, else moto."""
+    missing = radosgw_missing()
+    if choice in (None, "auto"):
+        return "moto" if missing else "radosgw"
+    if choice == "radosgw" and missing:
+        raise UcpError(f"--s3-server radosgw: {missing}")
+    return choice
+
+
+def s3_server_of(target: Target) -> str | None:
+    """What serves an S3 target, for the report: the embedded server with its version ("radosgw 16.2.15", "moto
+    5.2.6"), or the endpoint given; None for a local target."""
+    if not isinstance(target, S3Target):
+        return None
+    if target.server_kind is None:
+        return str(target.root.storage_options.get("endpoint_url"))  # type: ignore[attr-defined]
+    return f"{target.server_kind} {s3_server_version(target.server_kind)}"
 
 
 def check_s3(root: RemoteDir) -> None:

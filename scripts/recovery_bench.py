@@ -42,7 +42,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_io.targets import MotoServer, drop_page_cache, s3_filesystem
+from bench_io.s3_servers import MotoServer
+from bench_io.targets import drop_page_cache, s3_filesystem
 from trainer import elastic
 from ucp.distributed.tiers import run_directory
 from ucp.protocol import commit

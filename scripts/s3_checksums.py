@@ -20,7 +20,7 @@ import crc32c
 from botocore.config import Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_io.targets import MotoServer
+from bench_io.s3_servers import MotoServer
 
 
 def cpu() -> float:

@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import ucp
+from bench_io.s3_servers import MotoServer
 from bench_io.state import transformer_state
-from bench_io.targets import MotoServer, s3_filesystem
+from bench_io.targets import s3_filesystem
 
 BUCKET = "server-bound"
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 server (moto's standalone server) on 127.0.0.1, and one that checks credentials."""
+"""Shared fixtures: the S3 servers on 127.0.0.1 (every S3 test runs on moto's and, where Debian's packages are
+installed, on Ceph's radosgw: `s3_server`, `s3_bucket`), and one that checks credentials (`auth_server`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import uuid
 
 import pytest
 
+from bench_io.s3_servers import S3_SERVERS
+
 from .helpers import load_factor
 from .launch import SEED_VARIABLE, free_port
+from .s3_proxy import FaultProxy
 
 
 def pytest_configure(config):
@@ -63,17 +67,41 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    """Start moto's threaded S3 server on loopback for the whole session; yields its endpoint URL."""
+def moto_server():
+    """moto's threaded S3 server on loopback for the whole session (it takes any keys and checks none)."""
     from moto.server import ThreadedMotoServer
+
+    from bench_io.s3_servers import S3Endpoint
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield S3Endpoint("moto", f"http://127.0.0.1:{port}", "testing", "testing")
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def radosgw_server():
+    """Ceph's radosgw, one for the whole run (shared by pytest-xdist's workers: tests/radosgw.py); skipped in one
+    line where Debian's packages are not installed."""
+    from bench_io.s3_servers import radosgw_missing
+
+    from .radosgw import shared_radosgw
+
+    missing = radosgw_missing()
+    if missing:
+        pytest.skip(missing)
+    with shared_radosgw() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session", params=S3_SERVERS)
+def s3_server(request):
+    """Every S3 test runs on each server: moto (a mock, everywhere) and radosgw (a real store, where installed).
+    Yields the server's `S3Endpoint` (`.server`, `.url`, `.storage_options`)."""
+    return request.getfixturevalue(f"{request.param}_server")
 
 
 @pytest.fixture
@@ -82,21 +110,62 @@ def s3_bucket(s3_server, monkeypatch):
 
     Yields ``(bucket_name, storage_options)``; ``storage_options`` work with s3fs / fsspec.
     """
-    import s3fs
+    yield fresh_bucket(s3_server, monkeypatch)
 
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+
+@pytest.fixture
+def proxy(s3_server):
+    """A `FaultProxy` in front of the session's S3 server (tests/s3_proxy.py): faults armed per request."""
+    p = FaultProxy(s3_server.url)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def moto_bucket(moto_server, monkeypatch):
+    """`s3_bucket` on moto alone: for a test that asks for it by name (`request.getfixturevalue`), which a fixture
+    parametrized over the servers cannot answer."""
+    yield fresh_bucket(moto_server, monkeypatch)
+
+
+def fresh_bucket(server, monkeypatch) -> tuple[str, dict]:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
-    options = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url)
     bucket = f"ucp-test-{uuid.uuid4().hex[:12]}"
-    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
-    fs.mkdir(bucket)
-    yield bucket, options
+    make_bucket(server.storage_options, bucket)
+    return bucket, server.storage_options
+
+
+def make_bucket(options: dict, bucket: str) -> None:
+    import boto3
+
+    boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        aws_access_key_id=options["key"],
+        aws_secret_access_key=options["secret"],
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+
+
+@pytest.fixture(scope="session", params=S3_SERVERS)
+def auth_server(request):
+    """A server that checks signatures, with a bucket of its own: yields ``(storage_options, bucket)`` of a user who
+    may write there. On radosgw, the run's server (it always checks them); on moto, a server of its own."""
+    if request.param == "moto":
+        return request.getfixturevalue("moto_auth_server"), "secured"
+    endpoint = request.getfixturevalue("radosgw_server")
+    bucket = f"secured-{uuid.uuid4().hex[:12]}"
+    make_bucket(endpoint.storage_options, bucket)
+    return endpoint.storage_options, bucket
 
 
 @pytest.fixture(scope="session")
-def auth_server():
+def moto_auth_server():
     """A moto server that checks signatures (its first 4 requests are free: they make a user, its key and policy),
     holding the bucket "secured"; yields the storage options of that user."""
     import boto3

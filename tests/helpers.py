@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from .launch import SEED_VARIABLE
@@ -346,3 +347,8 @@ def load_factor() -> float:
     something must happen (a watchdog's reaction, a peer noticing a death) is for a machine whose cores a test has
     to itself; at a load of 6 on 2 cores every process runs a third of the time."""
     return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+# An S3 test that is about something else than the store (a command's arguments, a benchmark's bookkeeping) runs on
+# moto alone: `@moto_only` (the S3 fixtures run every other test on each server, tests/conftest.py).
+moto_only = pytest.mark.parametrize("s3_server", ["moto"], indirect=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import moto_only
 from .launch import free_port
 from .test_s3_errors import no_aws_environment, one_line
 
@@ -59,6 +60,7 @@ def not_s3() -> Iterator[str]:
         server.server_close()
 
 
+@moto_only  # (it lists every bucket of the server: on the run's shared radosgw, others make them)
 def test_no_credentials(s3_bucket):
     bucket, options = s3_bucket
     before = store(options)
@@ -67,15 +69,16 @@ def test_no_credentials(s3_bucket):
     assert store(options) == before
 
 
-def test_wrong_credentials(auth_server):
-    wrong = ["-o", f"key={auth_server['key']}", "-o", "secret=not-the-secret"]
-    before = store(auth_server)
-    result = bench("--endpoint-url", auth_server["endpoint_url"], "--bucket", "secured", *wrong)
+def test_wrong_credentials(moto_auth_server):
+    wrong = ["-o", f"key={moto_auth_server['key']}", "-o", "secret=not-the-secret"]
+    before = store(moto_auth_server)
+    result = bench("--endpoint-url", moto_auth_server["endpoint_url"], "--bucket", "secured", *wrong)
     one_line(result, "s3://secured/bench_io-", "refused the credentials")
     assert "0 measurements" not in result.stderr
-    assert store(auth_server) == before
+    assert store(moto_auth_server) == before
 
 
+@moto_only
 def test_a_missing_bucket_is_named_and_not_created(s3_bucket):
     _, options = s3_bucket
     before = store(options)
@@ -85,6 +88,7 @@ def test_a_missing_bucket_is_named_and_not_created(s3_bucket):
     assert store(options) == before  # (dcp's writer used to create it)
 
 
+@moto_only
 def test_an_endpoint_without_a_bucket_is_refused(s3_bucket):
     _, options = s3_bucket
     before = store(options)
@@ -105,6 +109,7 @@ def test_an_http_server_that_is_not_s3(not_s3):
 
 
 @pytest.mark.slow  # (a whole run, six methods: tens of seconds)
+@moto_only
 def test_a_run_leaves_nothing_outside_its_prefix_and_its_columns_agree(s3_bucket, tmp_path):
     bucket, options = s3_bucket
     before = store(options)

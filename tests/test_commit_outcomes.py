@@ -32,15 +32,6 @@ def state(seed: int) -> dict:
     return {"model": {f"w{i}": torch.randn(16, 64, generator=g) for i in range(3)}, "seed": seed}
 
 
-@pytest.fixture
-def proxy(s3_server):
-    p = FaultProxy(s3_server)
-    try:
-        yield p
-    finally:
-        p.close()
-
-
 def through(options: dict, proxy: FaultProxy) -> dict:
     """`options` with every request going through the proxy; 3 tries a request, as ucp's default, but quick ones."""
     config = {"retries": {"max_attempts": 3, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 20}

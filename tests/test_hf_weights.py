@@ -44,7 +44,7 @@ def test_sft_job_in_tp1_loads_a_tp2pp2_checkpoint_and_trains(tmp_path, where, re
     cfg = tiny_config()
     full = random_full_state(cfg)
     if where == "s3":
-        bucket, options = request.getfixturevalue("s3_bucket")
+        bucket, options = request.getfixturevalue("moto_bucket")
         url = f"s3://{bucket}/pretrain"
     else:
         url, options = str(tmp_path / "pretrain"), None

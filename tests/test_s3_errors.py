@@ -1,4 +1,4 @@
-"""S3 failures as users meet them, against moto's server: each is one UcpError subclass that names the URL and the
+"""S3 failures as users meet them, against each S3 server (moto and radosgw): each is one UcpError subclass that names the URL and the
 cause (the original exception as its cause), one line from the CLI with a non-zero exit, and nothing written."""
 
 from __future__ import annotations
@@ -40,36 +40,39 @@ def no_aws_environment() -> dict:
 
 
 def test_a_wrong_secret(auth_server, monkeypatch):
+    options, bucket = auth_server
+    url = f"s3://{bucket}/run"
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    ucp.save({"w": torch.ones(4)}, "s3://secured/run", storage_options=auth_server)
-    wrong = {**auth_server, "secret": "not-the-secret"}
-    with pytest.raises(StorageAuthError, match="s3://secured/run.*refused the credentials") as failure:
-        ucp.load("s3://secured/run", storage_options=wrong)
+    ucp.save({"w": torch.ones(4)}, url, storage_options=options)
+    wrong = {**options, "secret": "not-the-secret"}
+    with pytest.raises(StorageAuthError, match=f"{url}.*refused the credentials") as failure:
+        ucp.load(url, storage_options=wrong)
     assert failure.value.__cause__ is not None
     with pytest.raises(StorageAuthError):
-        ucp.save({"w": torch.zeros(4)}, "s3://secured/run", step=9, storage_options=wrong)
-    assert ucp.CheckpointManager("s3://secured/run", storage_options=auth_server).steps() == [0]
+        ucp.save({"w": torch.zeros(4)}, url, step=9, storage_options=wrong)
+    assert ucp.CheckpointManager(url, storage_options=options).steps() == [0]
     one_line(
         cli(
             "inspect",
-            "s3://secured/run",
+            url,
             "-o",
-            f"endpoint_url={auth_server['endpoint_url']}",
+            f"endpoint_url={options['endpoint_url']}",
             "-o",
-            f"key={auth_server['key']}",
+            f"key={options['key']}",
             "-o",
             "secret=not-the-secret",
         ),
-        "s3://secured/run",
+        url,
         "refused the credentials",
     )
 
 
 def test_no_credentials_at_all(auth_server):
+    options, bucket = auth_server
     env = no_aws_environment()
     one_line(
-        cli("inspect", "s3://secured/run", "-o", f"endpoint_url={auth_server['endpoint_url']}", env=env),
-        "s3://secured/run",
+        cli("inspect", f"s3://{bucket}/run", "-o", f"endpoint_url={options['endpoint_url']}", env=env),
+        f"s3://{bucket}/run",
         "found none",
         "AWS_ACCESS_KEY_ID",
     )

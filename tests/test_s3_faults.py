@@ -18,7 +18,7 @@ from .s3_proxy import FaultProxy
 @pytest.fixture
 def refusing_endpoint(s3_server):
     """Answers 503 SlowDown to every PUT of a chunk object; forwards everything else."""
-    proxy = FaultProxy(s3_server)
+    proxy = FaultProxy(s3_server.url)
     proxy.arm("chunk", 1, "before", times=10**9, status=503, code="SlowDown")
     try:
         yield proxy.url

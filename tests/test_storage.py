@@ -415,16 +415,23 @@ def test_fsspec_stores_declare_whole_object_reads_and_where_creates_are_exclusiv
         exclusive_creates=True,
         writer_process=False,  # (a copy in another process would have a memory of its own)
     )
-    # a file system whose creates are a check, then a write: declared, and the create still refuses an existing key
+    # a file system whose creates are a check, then a write: declared; its creates are refused (two savers of one step
+    # could both commit) unless it is opened for a single writer, and then a create still refuses an existing key
     (tmp_path / "dir").mkdir()
-    plain = FsspecStorage(DirFileSystem(str(tmp_path / "dir"), fsspec.filesystem("file")), "", "dir://x")
+    dirfs = DirFileSystem(str(tmp_path / "dir"), fsspec.filesystem("file"))
+    plain = FsspecStorage(dirfs, "", "dir://x")
     assert plain.capabilities == Capabilities(
         io_threads=FSSPEC_IO_THREADS, whole_object_reads=True, writer_process=True
     )
-    plain.create_exclusive("marker", b"first")
+    with pytest.raises(ucp.NonExclusiveStoreError, match="dir://x/marker exclusively: .*single_writer=true"):
+        plain.create_exclusive("marker", b"first")
+    assert not plain.exists("marker")
+    caplog.set_level("INFO", logger="ucp")
+    single = FsspecStorage(dirfs, "", "dir://x", single_writer=True)
+    single.create_exclusive("marker", b"first")
     with pytest.raises(FileExistsError):
-        plain.create_exclusive("marker", b"second")
-    assert plain.read("marker").tobytes() == b"first"
+        single.create_exclusive("marker", b"second")
+    assert single.read("marker").tobytes() == b"first"
     assert "cannot create objects exclusively" in caplog.text
 
 

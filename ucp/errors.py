@@ -75,6 +75,12 @@ class BucketNotFoundError(StorageError):
     """The bucket that the URL names does not exist (ucp never creates buckets)."""
 
 
+class NonExclusiveStoreError(StorageError):
+    """The store does not honour exclusive creates (an S3-compatible store or gateway that ignores If-None-Match), so
+    ucp cannot commit there: two saves of one step could both commit. Opened with the storage option
+    `single_writer=true` (one process saving each step), ucp checks, then writes, instead."""
+
+
 class ReadOnlyStorageError(StorageError):
     """A store that can only be read (a hot tier's restore source) was handed to a save."""
 

@@ -1,8 +1,9 @@
 """The commit protocol: a step is visible only once its commit marker exists, after all its data is durable.
 
 The marker `step_N/ucp-commit.json` is created exclusively (`Storage.create_exclusive`: a hard link on POSIX, a
-conditional put on S3), so of several attempts to save one step exactly one commits; the others get
-`StepExistsError`. It names the attempt whose directory holds the step (`step_N/attempt-<id>/`) and carries the
+conditional put on S3, one request whatever its size, on a store that a probe found honouring it), so of several
+attempts to save one step exactly one commits; the others get `StepExistsError`. A store that cannot create
+exclusively refuses to commit (`NonExclusiveStoreError`) unless opened for a single writer per step. It names the attempt whose directory holds the step (`step_N/attempt-<id>/`) and carries the
 size and CRC-32C of that attempt's manifest (`zarr.json`), which in turn records the size and checksum of every
 object: a reader that trusts the marker can hold every byte it reads to what this commit wrote. No rename is
 involved, so the same protocol holds on object stores. Deleting a step removes the marker first.
@@ -23,6 +24,7 @@ import crc32c
 from ..errors import (
     CheckpointNotFoundError,
     FormatError,
+    NonExclusiveStoreError,
     NotAFileError,
     ObjectMissingError,
     StepExistsError,
@@ -101,6 +103,8 @@ def create_once(storage: Storage, key: str, data: bytes) -> bool:
             return True
         except FileExistsError:
             failure = None
+        except NonExclusiveStoreError:  # (nothing was sent: the store cannot commit exclusively)
+            raise
         except StorageError as e:  # the request may or may not have reached the store
             failure = e
         try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..errors import ReadOnlyStorageError, StateError
 
 Buffer = bytes | bytearray | memoryview
+SINGLE_WRITER_OPTION = "single_writer"  # ucp's own storage option (`Capabilities.exclusive_creates`), not s3fs's
 CLOCK_KEY = ".ucp-clock"  # an empty object at the root, rewritten to read the store's time (Storage.clock)
 DEFAULT_IO_THREADS = 16  # requests in flight where neither the caller nor the store says otherwise (a disk)
 
@@ -46,8 +47,13 @@ class Capabilities:
     """As `serial_small_reads`, for writes (where no fsync or request is waited for)."""
 
     exclusive_creates: bool = False
-    """`create_exclusive` is atomic: of several callers racing on one key exactly one succeeds. Where it is not, it
-    is a check, then a write, and a single saver per step is assumed."""
+    """`create_exclusive` is atomic: of several callers racing on one key exactly one succeeds. A store whose server
+    may ignore the condition (S3's If-None-Match: older S3-compatible stores and some gateways drop it) checks before
+    anything relies on it: `FsspecStorage` on S3 probes it before its first create, once per endpoint and bucket in a
+    process (a key of its own created twice: the second must be refused), and declares what it found. Where creates
+    are not exclusive, `create_exclusive` refuses (`NonExclusiveStoreError`: two saves of one step could both
+    commit), unless the store was opened with the storage option `single_writer=true`: one process saves each step,
+    and a create is a check, then a write."""
 
     writer_process: bool = False
     """A copy of the store unpickled in another process (the writer process of async saves) writes the same objects

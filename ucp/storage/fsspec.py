@@ -3,34 +3,45 @@ read; what is S3's own is in `s3`, how its failures become ucp errors in `errors
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import posixpath
+import threading
+import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 
-from ..errors import BucketNotFoundError, StorageError, UcpError
+from ..errors import NonExclusiveStoreError, StorageError, UcpError
 from . import s3
-from .base import Buffer, Capabilities, IOStats, Storage, check_relative_key
-from .errors import precondition_failed, storage_error
+from .base import SINGLE_WRITER_OPTION, Buffer, Capabilities, IOStats, Storage, check_relative_key
+from .errors import object_missing, precondition_failed, range_not_satisfiable, storage_error
 
 log = logging.getLogger("ucp")
 
 FSSPEC_IO_THREADS = 64  # an object store's latency is hidden by many requests (s3fs's pool is 64 connections)
-# Where `create_exclusive` is atomic: S3's conditional put (If-None-Match: *), which AWS S3 and moto honour, and
-# fsspec's memory and local file systems. Elsewhere it is a check, then a write.
+# Where `create_exclusive` is atomic: S3's conditional put (If-None-Match: *), once a probe has shown that the store
+# honours it (AWS S3, moto and radosgw do), and fsspec's memory and local file systems.
 EXCLUSIVE_CREATE_PROTOCOLS = s3.PROTOCOLS | {"memory", "file", "local"}
+
+# (endpoint, bucket) -> whether the store refused a second conditional put of one key: probed once per process
+_CONDITIONAL_PUTS: dict[tuple[str | None, str], bool] = {}
+_PROBE_LOCK = threading.Lock()
 
 
 class FsspecStorage(Storage):
-    """Any fsspec filesystem: memory://, s3:// (s3fs), ... One request per object write or range read."""
+    """Any fsspec filesystem: memory://, s3:// (s3fs), ... One request per object write or range read.
+    `single_writer`: accept creates that are not exclusive (`Capabilities.exclusive_creates`)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, single_writer: bool = False):
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
+        self.single_writer = single_writer
         self.stats = IOStats()
         protocols = set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         self._s3 = bool(s3.PROTOCOLS & protocols)
@@ -57,41 +68,120 @@ class FsspecStorage(Storage):
             self.fs.pipe_file(self._path(key), bytes(data), **self._put_checksum(data))
         except UcpError:
             raise
-        except FileNotFoundError as e:  # a write creates any key: what is missing is the bucket
-            raise BucketNotFoundError(
-                f"cannot write {self.url.rstrip('/')}/{key}: the bucket does not exist; create it "
-                "first (ucp never creates buckets)"
-            ) from e
-        except Exception as e:
+        except Exception as e:  # (a missing bucket too: a write creates any key)
             raise self._error("write", key, e) from e
         self.stats.record_write(key, len(data))
 
     def create_exclusive(self, key: str, data: bytes) -> None:
-        if not self.capabilities.exclusive_creates:
-            log.warning("%s cannot create objects exclusively: ucp assumes a single saver per step", self.url)
+        if not self._creates_exclusively():
+            if not self.single_writer:
+                raise NonExclusiveStoreError(
+                    f"cannot create {self.url.rstrip('/')}/{key} exclusively: {self._why_not_exclusive()}, so two saves"
+                    " of one step could both commit; save to a store that honours conditional writes (AWS S3, Ceph"
+                    f" radosgw, MinIO) or, if one process alone saves each step, give the storage option "
+                    f"{SINGLE_WRITER_OPTION}=true (-o {SINGLE_WRITER_OPTION}=true): a create is then a check, then a"
+                    " write"
+                )
+            log.info(
+                "%s cannot create objects exclusively: %s=true, one saver per step", self.url, SINGLE_WRITER_OPTION
+            )
             if self.exists(key):
                 raise FileExistsError(errno.EEXIST, "object exists", self._path(key))
-        try:
-            self.fs.pipe_file(self._path(key), bytes(data), mode="create", **self._put_checksum(data))
-        except FileExistsError:
-            raise
-        except Exception as e:
-            # (s3fs raises FileExistsError where the store names the condition; one that answers a bare 412 is
-            # told apart by the response botocore parsed)
-            if precondition_failed(e):
-                raise FileExistsError(errno.EEXIST, "object exists", self._path(key)) from e
-            raise self._error("create", key, e) from e
+        self._create(key, data)
         self.stats.record_write(key, len(data))
 
-    def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
+    def _create(self, key: str, data: bytes) -> None:
+        """A conditional put of the whole object (If-None-Match: *; `mode="create"` elsewhere), in one request on S3
+        whatever its size: a store may ignore the condition on a multipart upload's completion (radosgw does, and
+        overwrites). FileExistsError if the store refused it because the key exists (HTTP 412), by its answer."""
+        path = self._path(key)
+        single = {}
+        if self._s3:
+            if len(data) > s3.S3_MAX_PUT_BYTES:
+                raise StorageError(
+                    f"cannot create {self.url.rstrip('/')}/{key} exclusively: {len(data)} bytes is more than one S3 "
+                    f"put takes ({s3.S3_MAX_PUT_BYTES} bytes)"
+                )
+            single = {"chunksize": s3.S3_MAX_PUT_BYTES, **s3.put_checksum(data, single_put=True)}
         try:
-            data = self.fs.cat_file(self._path(key), start=start or None, end=end)
-        except FileNotFoundError:
-            raise
+            self.fs.pipe_file(path, bytes(data), mode="create", **single)
         except Exception as e:
-            raise self._error("read", key, e) from e
+            if precondition_failed(e):
+                raise FileExistsError(errno.EEXIST, "object exists", path) from e
+            raise self._error("create", key, e) from e
+
+    def _creates_exclusively(self) -> bool:
+        """Whether a create is exclusive here: what the file system promises, and on S3 what the store does (a
+        probe, once per endpoint and bucket in this process, whose answer the capabilities then declare)."""
+        if self._s3 and self.capabilities.exclusive_creates and not self._conditional_puts_honoured():
+            self.capabilities = replace(self.capabilities, exclusive_creates=False)
+        return self.capabilities.exclusive_creates
+
+    def _conditional_puts_honoured(self) -> bool:
+        """Whether the store refuses a second conditional put of one key: a probe on a key of its own under the root
+        (created twice, then removed), before anything relies on it."""
+        where = (s3.endpoint_of(self.fs), self.root.split("/", 1)[0])
+        with _PROBE_LOCK:
+            if where not in _CONDITIONAL_PUTS:
+                key = f"{s3.EXCLUSIVE_PROBE_KEY}-{uuid.uuid4().hex}"
+                try:
+                    self._create(key, b"first")
+                    self._create(key, b"second")
+                    honoured = False
+                except FileExistsError:  # (the second; or the first, whose retry met its own first success)
+                    honoured = True
+                except BaseException:
+                    with contextlib.suppress(StorageError):  # (the probe's failure is what to say)
+                        self.delete(key)
+                    raise
+                self.delete(key)
+                _CONDITIONAL_PUTS[where] = honoured
+                if not honoured:
+                    log.warning("%s: the store ignores If-None-Match: its creates are not exclusive", self.url)
+            return _CONDITIONAL_PUTS[where]
+
+    def _why_not_exclusive(self) -> str:
+        if self._s3:
+            endpoint = s3.endpoint_of(self.fs) or "AWS S3"
+            return f"the store at {endpoint} ignores conditional writes (a second put of one key with If-None-Match: * was not refused)"
+        return f"this file system ({type(self.fs).__name__}) cannot create objects exclusively"
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
+        path = self._path(key)
+        try:
+            # (a start of 0 is given, a range: without one s3fs first asks for the object's size, a second request)
+            data = self.fs.cat_file(path, start=start, end=end)
+        except Exception as e:
+            failure = self._unreadable(key, path, e)
+            if failure is not None:
+                raise failure from e
+            data = b""
         self.stats.record_read(len(data))
         return memoryview(data)
+
+    def _unreadable(self, key: str, path: str, e: Exception) -> Exception | None:
+        """A failed read as what to raise, told by the store's answer: FileNotFoundError for a missing object, a
+        storage error for anything else; None for a range at or past the object's end (an empty object's included):
+        no bytes, as a file read past its end gives none."""
+        if range_not_satisfiable(e):
+            return None
+        if object_missing(e):
+            return FileNotFoundError(errno.ENOENT, "no such object", path)
+        return self._error("read", key, e)
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        if not self._s3:
+            return super().read_into(key, offset, buffers)
+        path = self._path(key)
+        try:  # (streamed into the buffers: no copy of the whole body first)
+            got = fsspec.asyn.sync(self.fs.loop, s3.get_into, self.fs, path, offset, buffers)
+        except Exception as e:
+            failure = self._unreadable(key, path, e)
+            if failure is not None:
+                raise failure from e
+            got = 0
+        self.stats.record_read(got)
+        return got
 
     def exists(self, key: str) -> bool:
         try:
@@ -118,9 +208,9 @@ class FsspecStorage(Storage):
         path = self._path(key)
         try:
             entries = self.fs.ls(path, detail=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
         except Exception as e:
+            if object_missing(e) or isinstance(e, NotADirectoryError):
+                return []
             raise self._error("list", key or "(root)", e) from e
         names = {posixpath.basename(str(e).rstrip("/")) for e in entries}
         names.discard("")
@@ -130,10 +220,9 @@ class FsspecStorage(Storage):
         path = self._path(key)
         try:
             self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
         except Exception as e:
-            raise self._error("delete", key, e) from e
+            if not object_missing(e):
+                raise self._error("delete", key, e) from e
 
     def root_exists(self) -> bool:
         try:
@@ -147,7 +236,7 @@ class FsspecStorage(Storage):
             raise storage_error(f"cannot look up {self.url}", e, self.fs) from e
 
     def __reduce__(self) -> tuple:
-        return (FsspecStorage, (self.fs, self.root, self.url))
+        return (FsspecStorage, (self.fs, self.root, self.url, self.single_writer))
 
 
 def _stamp(info: dict[str, Any]) -> float | None:

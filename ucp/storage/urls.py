@@ -9,7 +9,7 @@ import fsspec
 
 from ..errors import CheckpointNotFoundError, StorageError
 from . import s3
-from .base import Storage
+from .base import SINGLE_WRITER_OPTION, Storage
 from .fsspec import FsspecStorage
 from .local import LocalStorage
 
@@ -18,11 +18,16 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsy
     """A storage for a local path, file://, memory://, s3:// or any other fsspec URL.
 
     S3 endpoint and credentials come from `storage_options` (s3fs arguments such as endpoint_url, key,
-    secret) or the standard AWS environment variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
+    secret) or the standard AWS environment variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...). One option is
+    ucp's own, taken out before the others reach fsspec: `single_writer` (true: accept a store whose creates are not
+    exclusive, for one process saving each step; `Capabilities.exclusive_creates`).
     """
     if not isinstance(url, str) or not url:
         raise CheckpointNotFoundError(f"a checkpoint URL must be a non-empty string, got {url!r}")
     options = dict(storage_options or {})
+    single_writer = options.pop(SINGLE_WRITER_OPTION, False)
+    if not isinstance(single_writer, bool):
+        raise StorageError(f"{url}: the storage option {SINGLE_WRITER_OPTION} is true or false, not {single_writer!r}")
     protocol, _, rest = url.partition("://")
     if not rest:
         return LocalStorage(url, fsync=fsync)
@@ -36,4 +41,4 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsy
         except (ValueError, ImportError) as e:  # not known, or its package is not installed
             raise StorageError(f"{url}: no storage for {protocol}:// ({e})") from None
     fs, root = fsspec.core.url_to_fs(url, **options)
-    return FsspecStorage(fs, root, url)
+    return FsspecStorage(fs, root, url, single_writer=single_writer)
