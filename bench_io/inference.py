@@ -1,6 +1,6 @@
 """Inference start-up and RL refresh: a vLLM engine from a ucp checkpoint against vLLM's own loads of the same weights.
 
-    python -m bench_io inference --size-gib 1 [--s3] [--repeats 3] [--tp 1]
+    python -m bench_io inference --size-gib 1 [--s3 [moto,radosgw]] [--repeats 3] [--tp 1]
 
 Writes one bf16 Llama-shaped model of about --size-gib as a ucp checkpoint of two steps (saved from tp2pp2, as a
 pretraining job would; the second step's weights differ) and step 0 as Hugging Face safetensors (`ucp export --to
@@ -10,15 +10,19 @@ own), each run with the page cache of every file dropped first (posix_fadvise DO
 - start-up, from `LLM(...)` to the first generated token:
   - ucp: `LLM(model=model_dir(url), load_format="ucp")` (the model directory made inside the timer);
   - safetensors: `LLM(model=<the export>)`, vLLM's default loader of the exported copy;
-  - runai_streamer: `LLM(model=<the export>, load_format="runai_streamer")`, where it is installed;
+  - runai_streamer, fastsafetensors: `LLM(model=<the export>, load_format=...)`, where they are installed (a loader
+    that fails here is reported with its error, not timed);
+  - sharded_state: `LLM(model=<vLLM's own per-worker copy>, load_format="sharded_state")`, the copy saved beforehand
+    by an engine (`save_sharded_state`), as vLLM suggests for fast start-up of large models;
   - export, then safetensors: `ucp export --to hf` into a fresh directory, then the same (what a ucp checkpoint cost
     before `load_format="ucp"`);
 - refresh, a running engine taking the second step's weights: `refresh(llm, url, 1)`, against building a new engine
   from that step (the ucp start-up above) and against vLLM's `reload_weights` from a safetensors copy of it.
 
-With --s3 the checkpoint and the export go to a moto S3 server (a subprocess on 127.0.0.1) and the same rows are
-timed from there: ucp reads the bucket; vLLM's safetensors loader cannot, so its row is a download of the export
-(s3fs, 8 files at once) followed by its load; runai_streamer streams the bucket itself.
+With --s3 the checkpoint and the export go to each S3 server named (on 127.0.0.1: moto, a subprocess, and Ceph's
+radosgw where installed; default both, radosgw where installed) and the same rows are timed from there: ucp reads the
+bucket; vLLM's safetensors loader cannot, so its row is a download of the export (s3fs) followed by its load;
+runai_streamer streams the bucket itself (the endpoint and keys in the AWS variables).
 
 Before the timed runs one engine is built and dropped, so that what a process pays once (imports, vLLM's model
 inspection) is paid by none of them. Prints seconds (median of the repeats; the methods alternate within each
@@ -47,7 +51,9 @@ from ucp.sharding.families import LlamaConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
-from .targets import MotoServer, drop_page_cache
+from .methods import aws_environment
+from .s3_servers import S3_SERVERS, radosgw_missing, s3_server_version, start_s3_server
+from .targets import drop_page_cache, s3_filesystem
 
 PROMPT = {"prompt_token_ids": list(range(1, 17))}
 
@@ -160,9 +166,11 @@ def has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def startup_methods(bench: Bench, url: str, hf0: Callable[[], Path], options: dict | None) -> dict[str, Callable]:
+def startup_methods(
+    bench: Bench, url: str, hf0: Callable[[], Path], options: dict | None, sharded: Path | None = None
+) -> dict[str, Callable]:
     """(row name -> timed run) of every start-up method, from the ucp checkpoint at `url` or the export `hf0()` gives
-    (a local path: for S3, downloaded inside the timer)."""
+    (a local path: for S3, downloaded inside the timer), or vLLM's sharded_state copy `sharded` where given."""
     from ucp.interop.hf import export_hf
     from ucp.interop.vllm import model_dir
 
@@ -183,21 +191,44 @@ def startup_methods(bench: Bench, url: str, hf0: Callable[[], Path], options: di
         bench.start(model=str(hf0()))()
 
     methods = {"ucp": ucp_start, "safetensors": safetensors, "export, then safetensors": export_then_load}
-    if has("runai_model_streamer"):
-        methods["runai_streamer"] = lambda: bench.start(model=str(hf0()), load_format="runai_streamer")()
-    else:
-        bench.notes["runai_streamer"] = "not installed (pip install runai-model-streamer)"
+    for load_format, module, package in (
+        ("runai_streamer", "runai_model_streamer", "runai-model-streamer"),
+        ("fastsafetensors", "fastsafetensors", "fastsafetensors"),
+    ):
+        if has(module):
+            methods[load_format] = lambda f=load_format: bench.start(model=str(hf0()), load_format=f)()
+        else:
+            bench.notes[load_format] = f"not installed (pip install {package})"
+    if sharded is not None:
+        methods["sharded_state"] = bench.start(model=str(sharded), load_format="sharded_state")
     return methods
 
 
-def refresh_rows(bench: Bench, url: str, options: dict | None, hf: tuple[Path, Path] | None) -> list[int]:
+def save_sharded_state(bench: Bench, hf0: Path) -> Path | None:
+    """vLLM's sharded_state copy of the export `hf0` (each worker's weights as it holds them, saved by an engine, with
+    the export's config files beside), or None with a note where vLLM cannot make one here."""
+    out = bench.root / "sharded0"
+    try:
+        with bench.engine(model=str(hf0)) as llm:
+            llm.llm_engine.engine_core.save_sharded_state(path=str(out))
+    except Exception as e:  # noqa: BLE001 -- reported, as a loader that does not work here
+        bench.notes["sharded_state (local)"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return None
+    for f in hf0.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def refresh_rows(
+    bench: Bench, url: str, options: dict | None, hf: tuple[Path, Path] | None, label: str = "local"
+) -> list[int]:
     """Time refreshes of one running engine (step 0 -> 1 -> 0 ...), and where the safetensors copies `hf` of the two
     steps are local, vLLM's own `reload_weights` of them into an engine started from the first; returns the bytes
     each worker read in the last refresh."""
     from ucp.interop.vllm import model_dir, refresh
 
     extra = {"storage_options": options} if options else None
-    label = "s3" if options else "local"
     bytes_read: list[int] = []
     with bench.engine(
         model=str(model_dir(url, 0, storage_options=options)), load_format="ucp", model_loader_extra_config=extra
@@ -223,7 +254,14 @@ def refresh_rows(bench: Bench, url: str, options: dict | None, hf: tuple[Path, P
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_io inference", description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=1.0)
-    p.add_argument("--s3", action="store_true", help="also from an embedded S3 server (moto, a subprocess)")
+    p.add_argument(
+        "--s3",
+        nargs="?",
+        const="auto",
+        default=None,
+        help=f"also from S3 servers on 127.0.0.1, a comma list of {', '.join(S3_SERVERS)} (default: moto, and radosgw"
+        " where installed)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel workers (> 1: each a process of its own)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
@@ -244,15 +282,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         bench = Bench(root, args.tp, args.repeats)
         bench.start(model=str(root / "hf0"))()  # (what the process pays once)
-        local = startup_methods(bench, url, lambda: root / "hf0", None)
+        sharded = save_sharded_state(bench, root / "hf0")
+        local = startup_methods(bench, url, lambda: root / "hf0", None, sharded)
         for _ in range(args.repeats):
             for name, run in local.items():
                 bench.time(f"{name} (local)", run)
         bytes_read = refresh_rows(bench, url, None, (root / "hf0", root / "hf1"))
         total = sum(m.nbytes for m in _reader(url).atoms.values())
-        if args.s3:
-            _s3(bench, root)
-        report(bench, bytes_read, total)
+        labels = ["local"]
+        for server in s3_servers(args.s3):
+            labels.append(f"s3 {server}")
+            _s3(bench, root, server)
+        report(bench, bytes_read, total, labels)
     return 0
 
 
@@ -262,19 +303,29 @@ def _reader(url: str) -> Any:
     return ucp.open_checkpoint(url, 1)
 
 
-def _s3(bench: Bench, root: Path) -> None:
-    import s3fs
+def s3_servers(choice: str | None) -> list[str]:
+    """The S3 servers --s3 names (none without it; "auto": moto, and radosgw where installed)."""
+    if choice is None:
+        return []
+    if choice == "auto":
+        return ["moto"] + ([] if radosgw_missing() else ["radosgw"])
+    names = choice.split(",")
+    for name in names:
+        if name not in S3_SERVERS:
+            raise SystemExit(f"bench_io inference: --s3: no S3 server {name!r} (one of {', '.join(S3_SERVERS)})")
+    return names
 
-    server = MotoServer()
+
+def _s3(bench: Bench, root: Path, server_name: str) -> None:
+    server = start_s3_server(server_name)
+    label = f"s3 {server_name}"
     try:
-        options = {"endpoint_url": server.url, "key": "bench", "secret": "bench"}
-        fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+        options = server.endpoint.storage_options
+        print(f"{label}: {s3_server_version(server_name)} on 127.0.0.1")
+        fs = s3_filesystem(options)
         fs.mkdir("inference")
         fs.put(str(root / "ucp"), "inference/ucp", recursive=True)
         fs.put(str(root / "hf0"), "inference/hf0", recursive=True)
-        os.environ.update(
-            {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
-        )  # (runai_streamer's S3 client reads the standard variables)
 
         def downloaded() -> Path:
             out = root / "hf0-downloaded"
@@ -284,26 +335,35 @@ def _s3(bench: Bench, root: Path) -> None:
 
         methods = startup_methods(bench, "s3://inference/ucp", downloaded, options)
         methods["download, then safetensors"] = methods.pop("safetensors")
+        methods.pop("fastsafetensors", None)  # (it reads local files only)
         if "runai_streamer" in methods:
             methods["runai_streamer"] = bench.start(model="s3://inference/hf0", load_format="runai_streamer")
-        for _ in range(bench.repeats):
-            for name, run in methods.items():
-                bench.time(f"{name} (s3)", run)
-        refresh_rows(bench, "s3://inference/ucp", options, None)
+        with aws_environment(options):  # (runai_streamer's S3 client reads the standard variables)
+            for _ in range(bench.repeats):
+                for name, run in methods.items():
+                    bench.time(f"{name} ({label})", run)
+            refresh_rows(bench, "s3://inference/ucp", options, None, label)
     finally:
         server.close()
 
 
-def report(bench: Bench, bytes_read: list[int], total: int) -> None:
+def report(bench: Bench, bytes_read: list[int], total: int, labels: list[str]) -> None:
     print(f"{'method':<44} {'seconds':>9}")
     for name in bench.times:
         print(f"{name:<44} {bench.median(name):>9.2f}")
     for name, note in bench.notes.items():
         print(f"{name:<44} {'-':>9}  {note}")
     print(f"bytes read per worker in a refresh: {[f'{b / 2**20:.1f} MiB' for b in bytes_read]} of {total / 2**20:.1f}")
-    for where in ("local", "s3"):
+    for where in labels:
         ucp_start = bench.median(f"ucp ({where})")
-        for baseline in ("safetensors", "download, then safetensors", "export, then safetensors", "runai_streamer"):
+        for baseline in (
+            "safetensors",
+            "download, then safetensors",
+            "export, then safetensors",
+            "runai_streamer",
+            "fastsafetensors",
+            "sharded_state",
+        ):
             other = bench.median(f"{baseline} ({where})")
             if ucp_start and other:
                 print(f"{where}: start-up, ucp / {baseline} = {ucp_start / other:.2f}x")

