@@ -208,6 +208,7 @@ def save_sharded_state(bench: Bench, hf0: Path) -> Path | None:
     """vLLM's sharded_state copy of the export `hf0` (each worker's weights as it holds them, saved by an engine, with
     the export's config files beside), or None with a note where vLLM cannot make one here."""
     out = bench.root / "sharded0"
+    out.mkdir()
     try:
         with bench.engine(model=str(hf0)) as llm:
             llm.llm_engine.engine_core.save_sharded_state(path=str(out))
