@@ -34,9 +34,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import logging
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -268,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     args = p.parse_args(argv)
     _vllm_environment(args.tp)
+    log = logging.getLogger("ucp")  # (each ucp load's own time, beside vLLM's "Loading weights took")
+    log.setLevel(logging.INFO)
+    log.addHandler(logging.StreamHandler(sys.stdout))
     import vllm  # (after the environment is set)
 
     cfg = config_for(args.size_gib)
@@ -293,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         labels = ["local"]
         for server in s3_servers(args.s3):
             labels.append(f"s3 {server}")
-            _s3(bench, root, server)
+            try:
+                _s3(bench, root, server)
+            except Exception as e:  # noqa: BLE001 -- a server that fails here is reported with the rows measured
+                bench.notes[f"s3 {server}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         report(bench, bytes_read, total, labels)
     return 0
 
@@ -325,8 +333,8 @@ def _s3(bench: Bench, root: Path, server_name: str) -> None:
         print(f"{label}: {s3_server_version(server_name)} on 127.0.0.1")
         fs = s3_filesystem(options)
         fs.mkdir("inference")
-        fs.put(str(root / "ucp"), "inference/ucp", recursive=True)
-        fs.put(str(root / "hf0"), "inference/hf0", recursive=True)
+        for name in ("ucp", "hf0"):  # (8 uploads at a time: a busy moto refuses connections at fsspec's 128)
+            fs.put(str(root / name), f"inference/{name}", recursive=True, batch_size=8)
 
         def downloaded() -> Path:
             out = root / "hf0-downloaded"
