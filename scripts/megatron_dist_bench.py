@@ -43,7 +43,7 @@ WRAPPER = (  # the peak RSS of a command run in a fresh, small process (see test
 
 
 def world(layout: str) -> tuple[int, int]:
-    from ucp.interop.megatron_save import parse_megatron_layout
+    from ucp.interop.megatron.save import parse_megatron_layout
 
     lay = parse_megatron_layout(layout)
     return lay.tp, lay.pp
@@ -78,8 +78,8 @@ def same_files(a: Path, b: Path) -> int:
     """Every rank file's model tensors bitwise equal; the number of tensors compared."""
     import torch
 
-    from ucp.interop.megatron_files import load_rank_file
-    from ucp.interop.megatron_save import RANK_FILE
+    from ucp.interop.megatron.files import load_rank_file
+    from ucp.interop.megatron.save import RANK_FILE
 
     compared = 0
     for rank_dir in sorted((a / "iter_0000010").iterdir()):

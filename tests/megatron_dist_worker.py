@@ -70,7 +70,7 @@ def args_for(tp: int, pp: int) -> argparse.Namespace:
     if KIND is not None:
         import json
 
-        from ucp.interop.megatron_args import args_for as ucp_args_for
+        from ucp.interop.megatron.args import args_for as ucp_args_for
         from ucp.sharding.families import FAMILIES
         from ucp.sharding.layout import parse_layout
 

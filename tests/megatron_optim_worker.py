@@ -22,8 +22,8 @@ from tests.megatron_worker import Trainable, exit_now, load, perturb, save, setu
 
 def main(kind: str, config_json: str, root: str, out: str) -> None:
     setup(0, 1)
-    from ucp.interop.megatron import convert
-    from ucp.interop.megatron_args import args_for
+    from ucp.interop.megatron.args import args_for
+    from ucp.interop.megatron.convert import convert
     from ucp.sharding.families import FAMILIES
     from ucp.sharding.layout import parse_layout
 

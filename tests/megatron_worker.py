@@ -404,7 +404,7 @@ def tp2(rank: int, ckpt: str, out: str) -> None:
 def ep2(rank: int, ckpt: str, out: str) -> None:
     """Save tp1ep2 at CKPT/src, convert it with ucp to tp2pp2ep2 (CKPT/mid) and back (CKPT/back), then load the
     result into a fresh model and optimizer. OUT.r: rank r's optimizer state after the step and after the load."""
-    from ucp.interop.megatron import convert
+    from ucp.interop.megatron.convert import convert
 
     name = f"mp_rank_00_{rank:03d}"
     model = build_model(ep=2, bf16=True)

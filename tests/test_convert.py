@@ -17,10 +17,10 @@ from ucp import cli as ucp_cli
 from ucp.distributed import ShardedModel, extra_state, load_sharded
 from ucp.interop import torch_file
 from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.megatron import convert
-from ucp.interop.megatron_files import load_rank_file
-from ucp.interop.megatron_optimizer import read_optimizer
-from ucp.interop.megatron_save import RANK_FILE, parse_megatron_layout, rank_files
+from ucp.interop.megatron.convert import convert
+from ucp.interop.megatron.files import load_rank_file
+from ucp.interop.megatron.optimizer import read_optimizer
+from ucp.interop.megatron.save import RANK_FILE, parse_megatron_layout, rank_files
 from ucp.sharding.families import canonical_atoms
 from ucp.sharding.reshard import DEFAULT_STATES, shard
 

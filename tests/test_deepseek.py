@@ -16,7 +16,7 @@ import torch
 import ucp
 from ucp.interop.errors import SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
-from ucp.interop.megatron import convert
+from ucp.interop.megatron.convert import convert
 from ucp.sharding.families.deepseek import DeepseekV3Config
 
 from .helpers import DRAW, assert_reshards, hf_logits, perturb_parameters

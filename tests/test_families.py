@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ucp.interop.hf import export_hf, import_hf
-from ucp.interop.megatron import convert
+from ucp.interop.megatron.convert import convert
 from ucp.sharding.families import LlamaConfig
 
 from .helpers import assert_reshards, perturb_parameters

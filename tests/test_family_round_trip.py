@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ucp.interop.hf import export_hf, import_hf
-from ucp.interop.megatron import convert
+from ucp.interop.megatron.convert import convert
 
 from .helpers import DRAW, hf_logits, perturb_parameters
 from .test_families import SHAPE as FAMILY_SHAPE

@@ -13,7 +13,7 @@ import torch
 
 from ucp.interop.dcp import export_dcp, import_dcp
 from ucp.interop.hf import export_hf, import_hf
-from ucp.interop.megatron import convert
+from ucp.interop.megatron.convert import convert
 
 transformers = pytest.importorskip("transformers")
 

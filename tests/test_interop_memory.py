@@ -18,11 +18,11 @@ import ucp
 from ucp.distributed.sharded_model import ShardedModel
 from ucp.distributed.sharded_save import VirtualWorld
 from ucp.interop.hf import hf_config_from_ucp
-from ucp.interop.megatron import convert
-from ucp.interop.megatron_distrib_optim import MOMENTS
-from ucp.interop.megatron_files import load_rank_file
-from ucp.interop.megatron_optimizer import MASTER, DistributedBuffers, OptimizerMeta
-from ucp.interop.megatron_save import RANK_FILE, parse_megatron_layout, rank_files
+from ucp.interop.megatron.convert import convert
+from ucp.interop.megatron.distrib_optim import MOMENTS
+from ucp.interop.megatron.files import load_rank_file
+from ucp.interop.megatron.optimizer import MASTER, DistributedBuffers, OptimizerMeta
+from ucp.interop.megatron.save import RANK_FILE, parse_megatron_layout, rank_files
 from ucp.sharding.families import MixtralConfig, canonical_atoms
 from ucp.sharding.layout import Layout
 from ucp.sharding.reshard import shard

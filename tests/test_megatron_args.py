@@ -1,4 +1,4 @@
-"""Megatron-LM's args and ucp's model configs, both ways (ucp.interop.megatron_args, through each family's
+"""Megatron-LM's args and ucp's model configs, both ways (ucp.interop.megatron.args, through each family's
 `MegatronNames`): a random config of every family comes back from the args written for it, with the HF fields the
 args carry; exactly one family claims any args; args that no family holds are refused naming the file and the
 argument; and `ConvertOptions` refuses what means nothing before anything is read."""
@@ -13,8 +13,8 @@ import pytest
 
 from ucp.errors import UcpError
 from ucp.interop.errors import InteropError
-from ucp.interop.megatron import ConvertOptions, convert
-from ucp.interop.megatron_args import HF_CONFIG_ARG, args_for, args_layout, config_from_args
+from ucp.interop.megatron.args import HF_CONFIG_ARG, args_for, args_layout, config_from_args
+from ucp.interop.megatron.convert import ConvertOptions, convert
 from ucp.sharding.families import (
     FAMILIES,
     DeepseekV3Config,

@@ -18,10 +18,10 @@ import ucp
 from ucp import cli as ucp_cli
 from ucp.errors import UcpError
 from ucp.interop.errors import InteropError, SourceMismatchError
-from ucp.interop.megatron import convert
-from ucp.interop.megatron_dist import dist_name
-from ucp.interop.megatron_files import load_rank_file
-from ucp.interop.megatron_save import RANK_FILE, parse_megatron_layout, rank_files
+from ucp.interop.megatron.convert import convert
+from ucp.interop.megatron.dist import dist_name
+from ucp.interop.megatron.files import load_rank_file
+from ucp.interop.megatron.save import RANK_FILE, parse_megatron_layout, rank_files
 from ucp.sharding.families import LlamaConfig, canonical_atoms
 from ucp.sharding.reshard import shard
 

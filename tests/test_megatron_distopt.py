@@ -1,5 +1,5 @@
 """Megatron-Core's distributed optimizer in Megatron-LM's torch format (distrib_optim.pt beside each rank file) and
-in the torch_dist format (`fully_reshardable`, `dp_reshardable`), converted by ucp (ucp.interop.megatron_distrib_optim) and checked against megatron-core's own: its
+in the torch_dist format (`fully_reshardable`, `dp_reshardable`), converted by ucp (ucp.interop.megatron.distrib_optim) and checked against megatron-core's own: its
 DistributedOptimizer takes a step in pp2 x ep2 with DP 2 (several buckets on the first stage, a dense and an expert
 optimizer, the dense state in EP rank 0's file only), and after ucp converts the files to tp1pp1 a DP 2 job of
 megatron-core loads them; each parameter's master weight and Adam moments, assembled from the ranks' pieces through
@@ -22,9 +22,9 @@ import torch
 
 import ucp
 from ucp.interop import InteropError
-from ucp.interop.megatron import convert
-from ucp.interop.megatron_files import load_rank_file
-from ucp.interop.megatron_save import DISTRIB_OPTIM_FILE, RANK_FILE
+from ucp.interop.megatron.convert import convert
+from ucp.interop.megatron.files import load_rank_file
+from ucp.interop.megatron.save import DISTRIB_OPTIM_FILE, RANK_FILE
 
 from .helpers import DRAW
 from .launch import spawn
@@ -443,7 +443,7 @@ def test_torch_dist_param_groups_ucp_does_not_know_are_refused(distopt, tmp_path
     """A torch_dist checkpoint's optimizer (fully_reshardable) with a param group other than Megatron-Core's
     standard ones (megatron-core 0.16's decoupled-LR group, an older one's lr_mult override) is a clear error
     naming common.pt: its groups' hyperparameters could not be carried to the right parameters."""
-    from ucp.interop.megatron_dist import COMMON
+    from ucp.interop.megatron.dist import COMMON
 
     src, _ = distopt
     dist = tmp_path / "dist"
@@ -516,7 +516,7 @@ def bucket_tensors(iter_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     from ucp.interop.dcp import read_metadata
-    from ucp.interop.megatron_dist import DistTensors
+    from ucp.interop.megatron.dist import DistTensors
 
     metadata = read_metadata(iter_dir)
     entries = metadata.state_dict_metadata
@@ -534,7 +534,7 @@ def bucket_tensors(iter_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, A
 def parameter_spans(config: Any, layout: Any, bucket_size: int | None) -> dict[tuple[str, int], list[tuple[int, int]]]:
     """Where parameters lie in each dp_reshardable bucket of a job of `layout`: (the grad buffer's key prefix
     `[chained_I.]optimizer.distributed.dp_group_idx_<I>.gbuf_idx_<G>`, bucket) -> [start, end) of each."""
-    from ucp.interop.megatron_distrib_optim import grad_buffers
+    from ucp.interop.megatron.distrib_optim import grad_buffers
 
     spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for rank in range(layout.world_size):
@@ -554,9 +554,9 @@ def assert_megatrons_own_buckets(ours: Path, megatrons: Path, layout: str) -> No
     """ucp's dp_reshardable torch_dist for `layout` holds megatron-core's own save in that layout: the same keys,
     objects (param groups, bucket sizes) and common.pt entries, and every parameter's values in every bucket
     bitwise (between parameters megatron-core saves the uninitialised memory of its alignment padding, ucp zeros)."""
-    from ucp.interop.megatron_args import bucket_size_of
-    from ucp.interop.megatron_dist import COMMON, open_torch_dist
-    from ucp.interop.megatron_save import parse_megatron_layout
+    from ucp.interop.megatron.args import bucket_size_of
+    from ucp.interop.megatron.dist import COMMON, open_torch_dist
+    from ucp.interop.megatron.save import parse_megatron_layout
 
     ours_t, ours_o = bucket_tensors(ours / ITER)
     theirs_t, theirs_o = bucket_tensors(megatrons / ITER)

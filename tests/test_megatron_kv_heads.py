@@ -21,7 +21,7 @@ import torch
 
 import ucp
 from ucp.interop.hf import import_hf
-from ucp.interop.megatron import convert
+from ucp.interop.megatron.convert import convert
 from ucp.interop.weights import load_weights
 
 from .helpers import DRAW

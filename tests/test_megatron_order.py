@@ -1,6 +1,6 @@
 """The order in which Megatron-Core registers a model's parameters (its named_parameters(): the order of its
 optimizer's param groups and of its distributed optimizer's buffers), which ucp rebuilds to read and write Megatron's
-optimizer state (ucp.interop.megatron_optimizer), checked against megatron-core's own GPT models: a dense model with
+optimizer state (ucp.interop.megatron.optimizer), checked against megatron-core's own GPT models: a dense model with
 q/k/v biases and q/k norms, a MoE with q/k norms and a gated shared expert, and DeepSeek-V3's multi-latent attention
 (with and without q compression) with a dense first layer and a MoE layer whose router has an expert bias."""
 
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from ucp.interop.megatron_optimizer import param_groups
+from ucp.interop.megatron.optimizer import param_groups
 from ucp.sharding.families import DeepseekV3Config, LlamaConfig, QwenMoeConfig
 from ucp.sharding.layout import parse_layout
 

@@ -14,7 +14,7 @@ import torch
 import ucp
 from ucp.interop.errors import SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
-from ucp.interop.megatron import convert
+from ucp.interop.megatron.convert import convert
 from ucp.sharding.families.qwen_moe import QwenMoeConfig
 
 from .helpers import DRAW, assert_reshards, hf_logits, random_hf_model

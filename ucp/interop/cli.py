@@ -9,6 +9,7 @@
     ucp export URL --to hf DIR [--dtype bf16]          ucp -> Hugging Face Mixtral (safetensors)
     ucp export URL --to dcp DIR                        ucp -> torch.distributed.checkpoint
     ucp export URL --to megatron-dist DIR              ucp -> Megatron torch_dist (as convert --to torch_dist)
+    ucp export URL --to vllm DIR                       the directory vLLM starts from (no weights: they stay in URL)
     ucp import DIR URL [--from hf|dcp|megatron-dist]   Hugging Face (or DCP, Megatron torch_dist) -> ucp
 
 A flag that means nothing for the chosen --from/--to (`--config` with --from hf, `--max-shard-size` with --to dcp,
@@ -23,10 +24,11 @@ import argparse
 from typing import Any
 
 from ..cli_common import Applies, add_storage_option, parse_storage_options, storage_option_applies
-from .megatron_save import TORCH_DIST, UNIVERSAL
+from .megatron.save import TORCH_DIST, UNIVERSAL
 from .staging import check_apart
 
 MEGATRON_DIST = "megatron-dist"  # Megatron-LM's torch_dist format, as export/import name it
+VLLM = "vllm"  # the model directory vLLM serves a ucp checkpoint from (ucp.interop.vllm.source.model_dir)
 
 
 def _bytes(text: str) -> int:
@@ -94,13 +96,13 @@ def _streaming_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_dropped(report: Any) -> None:
-    """The line saying what a conversion (ucp.interop.megatron.ConvertReport) did not carry, if anything."""
+    """The line saying what a conversion (ucp.interop.megatron.convert.ConvertReport) did not carry, if anything."""
     if report.dropped:
         print(f"not carried: {', '.join(report.dropped)}")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .megatron import ConvertOptions, convert
+    from .megatron.convert import ConvertOptions, convert
 
     check_apart(args.src, args.dst)
     options = ConvertOptions(
@@ -130,8 +132,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     check_apart(args.url, args.dir)
+    if args.to == VLLM:
+        from .vllm.source import model_dir
+
+        storage_options = parse_storage_options(args.storage_option)
+        where = model_dir(args.url, args.step, dir=args.dir, storage_options=storage_options)
+        print(f"wrote {where} for step {_served_step(where)} of {args.url}: vllm serve {where} --load-format ucp")
+        return 0
     if args.to == MEGATRON_DIST:
-        from .megatron import ConvertOptions, convert
+        from .megatron.convert import ConvertOptions, convert
 
         step = None if args.step == "latest" else args.step
         options = ConvertOptions(from_layout=UNIVERSAL, to_layout=TORCH_DIST, step=step, **_streaming_kwargs(args))
@@ -173,10 +182,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _served_step(model_dir: Any) -> int:
+    from .vllm.source import Pointer
+
+    return Pointer.read(model_dir).step
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     check_apart(args.src, args.url)
     if args.from_ == MEGATRON_DIST:
-        from .megatron import ConvertOptions, convert
+        from .megatron.convert import ConvertOptions, convert
 
         options = ConvertOptions(
             from_layout=TORCH_DIST,
@@ -309,9 +324,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--to",
         required=True,
-        choices=("hf", "dcp", MEGATRON_DIST),
+        choices=("hf", "dcp", MEGATRON_DIST, VLLM),
         help="hf: Hugging Face safetensors; dcp: torch DCP; megatron-dist: Megatron-LM's torch_dist format "
-        "(as `ucp convert URL DIR --from universal --to torch_dist`)",
+        "(as `ucp convert URL DIR --from universal --to torch_dist`); vllm: the directory `vllm serve DIR "
+        "--load-format ucp` starts from (config.json and the checkpoint's URL and step; the weights are read from "
+        "URL when the engine starts)",
     )
     p.add_argument("dir", help="output directory (must not exist, or be empty; not inside the checkpoint)")
     p.add_argument("--dtype", default=None, help="cast parameters: bf16, fp16, fp32 (default: as stored)")
@@ -326,10 +343,29 @@ def register(subparsers: Any) -> None:
             Applies(
                 "--dtype",
                 "dtype",
-                lambda args: args.to != MEGATRON_DIST,
-                "with --to hf or dcp (a Megatron torch_dist checkpoint is written in the stored dtypes)",
+                lambda args: args.to in ("hf", "dcp"),
+                "with --to hf or dcp (a Megatron torch_dist checkpoint is written in the stored dtypes; vLLM's "
+                "engine casts as its own --dtype says)",
             ),
             Applies("--max-shard-size", "max_shard_size", lambda args: args.to == "hf", "with --to hf"),
+            Applies(
+                "--memory-budget",
+                "memory_budget",
+                lambda args: args.to != VLLM,
+                "with --to hf, dcp or megatron-dist (--to vllm writes no tensors)",
+            ),
+            Applies(
+                "--workers",
+                "workers",
+                lambda args: args.to != VLLM,
+                "with --to hf, dcp or megatron-dist (--to vllm writes no tensors)",
+            ),
+            Applies(
+                "--no-progress",
+                "no_progress",
+                lambda args: args.to != VLLM,
+                "with --to hf, dcp or megatron-dist (--to vllm writes no tensors)",
+            ),
             storage_option_applies(lambda args: args.url),
         ),
     )

@@ -15,3 +15,8 @@ class SourceMismatchError(InteropError):
 
 class DestinationExistsError(InteropError):
     """The destination already holds something; interop commands never write over existing output."""
+
+
+class ModelMismatchError(SourceMismatchError):
+    """A step holds another model than the one an inference engine serves (another family, shape or set of
+    weights): a refresh from it is refused before any weight changes, and the engine keeps serving what it served."""

@@ -40,6 +40,7 @@ from ..base.workpool import pack
 from ..distributed.sharded_model import AtomKey, ShardedModel, atom_path, extra_state, model_config_of
 from ..engine.checkpoint import CheckpointReader, open_checkpoint
 from ..errors import UcpError
+from ..format.manifest import AtomMeta
 from ..sharding.families import (
     DeepseekV3Config,
     FamilyConfig,
@@ -429,6 +430,54 @@ def _read_cast(
     return out
 
 
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export of a step writes, decided from its manifest alone: the tensors (HF names, which are the atom
+    names) with their dtypes and sizes, the weights dequantised with their scales, and config.json."""
+
+    names: list[str]
+    metas: dict[str, AtomMeta]  # every name's parameter atom (of a dequantised weight: the weight's)
+    dtype_of: dict[str, torch.dtype]
+    dequantised: dict[str, str]  # weight -> the atom of its scales, for the weights written dequantised
+    block: tuple[int, int] | None  # the quantisation block, of a block-quantised model
+    config_json: dict[str, Any]
+
+    def sizes(self) -> dict[str, int]:
+        return {n: math.prod(self.metas[n].shape) * self.dtype_of[n].itemsize for n in self.names}
+
+    def read(self, reader: CheckpointReader, names: list[str]) -> dict[str, torch.Tensor]:
+        """Tensors `names` of the plan as they are written: read (every chunk verified), cast, dequantised."""
+        return _read_cast(reader, names, self.dtype_of, self.dequantised, self.block)
+
+
+def plan_export(reader: CheckpointReader, dtype: str | torch.dtype | None = None) -> ExportPlan:
+    """What `export_hf` writes for the step `reader` opened (`dtype`: every tensor cast to it, block-quantised weights
+    dequantised; default: as stored); no tensor is read. Refuses a model with no HF architecture, or a step that
+    lacks a parameter atom."""
+    config = model_config_of(reader)
+    hf_extra = stored_hf_config(reader)
+    arch_of(config, hf_extra)  # (a model with no HF architecture is refused before any write)
+    target = parse_dtype(dtype)
+    names = list(canonical_atoms(config))
+    metas = {n: reader.atoms[atom_path(n, None)] for n in names if atom_path(n, None) in reader.atoms}
+    missing = [n for n in names if n not in metas]
+    if missing:
+        raise InteropError(f"step {reader.step} at {reader.storage.url} lacks parameter atoms {missing[:5]}")
+    quantised = block_scales(config)
+    scales = frozenset(quantised.values())
+    block = block_size(config)
+    dequantised = quantised if target is not None else {}
+    if dequantised:  # (the scales go into their weights; config.json says no quantisation)
+        names = [n for n in names if n not in scales]
+        config = dataclasses.replace(config, weight_block_size=None)
+    # each tensor as stored (a bf16 model's fp32 router bias stays fp32), or all cast to `dtype`
+    dtype_of = {n: target or _torch_dtype_of(metas[n].dtype) for n in names}
+    # (what config.json says the model is: fp8 weights and their scales do not count)
+    unquantised = [d for n, d in dtype_of.items() if n not in quantised and n not in scales]
+    config_json = hf_config_from_ucp(config, hf_extra, most_common(unquantised))
+    return ExportPlan(names, metas, dtype_of, dequantised, block, config_json)
+
+
 def export_hf(
     url: str,
     out_dir: str | Path,
@@ -448,39 +497,20 @@ def export_hf(
     dequantises block-quantised weights (`ucp.sharding.quantization.dequantize`: no scales, no quantization_config)."""
     reader = open_checkpoint(url, step, storage_options=storage_options)
     reader.io_threads = workers
-    config = model_config_of(reader)
-    arch_of(config, stored_hf_config(reader))  # (a model with no HF architecture is refused before any write)
-    target = parse_dtype(dtype)
-    names = list(canonical_atoms(config))
-    metas = {n: reader.atoms[atom_path(n, None)] for n in names if atom_path(n, None) in reader.atoms}
-    missing = [n for n in names if n not in metas]
-    if missing:
-        raise InteropError(f"step {reader.step} at {url} lacks parameter atoms {missing[:5]}")
-    quantised = block_scales(config)
-    scales = frozenset(quantised.values())
-    block = block_size(config)
-    dequantised = quantised if target is not None else {}
-    if dequantised:  # (the scales go into their weights; config.json says no quantisation)
-        names = [n for n in names if n not in scales]
-        config = dataclasses.replace(config, weight_block_size=None)
-    # each tensor as stored (a bf16 model's fp32 router bias stays fp32), or all cast to `dtype`
-    dtype_of = {n: target or _torch_dtype_of(metas[n].dtype) for n in names}
-    # (what config.json says the model is: fp8 weights and their scales do not count)
-    unquantised = [d for n, d in dtype_of.items() if n not in quantised and n not in scales]
-    out_dtype = most_common(unquantised)
-    sizes = {n: math.prod(metas[n].shape) * dtype_of[n].itemsize for n in names}
+    plan = plan_export(reader, dtype)
+    sizes = plan.sizes()
     # read, then cast or dequantise (through a float32 copy, beside the scales)
     in_memory = {
-        n: max(metas[n].nbytes, sizes[n]) + (4 * math.prod(metas[n].shape) if n in dequantised else 0) for n in names
+        n: max(plan.metas[n].nbytes, sizes[n]) + (4 * math.prod(plan.metas[n].shape) if n in plan.dequantised else 0)
+        for n in plan.names
     }
     files = pack(sizes, max_shard_bytes)
     limit = group_limit(memory_budget)
-    hf_extra = stored_hf_config(reader)
     weight_map: dict[str, str] = {}
     with staged_dir(out_dir) as tmp, progress_bar(sum(sizes.values()), "export hf", progress) as bar:
         for k, file_names in enumerate(files):
             fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
-            specs = [(n, dtype_of[n], metas[n].shape) for n in file_names]
+            specs = [(n, plan.dtype_of[n], plan.metas[n].shape) for n in file_names]
             with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as out:
 
                 def write(tensors: dict[str, torch.Tensor], out: SafetensorsWriter = out) -> None:
@@ -489,14 +519,12 @@ def export_hf(
                         bar.update(nbytes(t))
 
                 groups = pack({n: in_memory[n] for n in file_names}, limit)
-                pipelined(
-                    [functools.partial(_read_cast, reader, g, dtype_of, dequantised, block) for g in groups], write
-                )
+                pipelined([functools.partial(plan.read, reader, g) for g in groups], write)
             weight_map.update(dict.fromkeys(file_names, fname))
         written = sum(sizes.values())
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(hf_config_from_ucp(config, hf_extra, out_dtype), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2) + "\n")
     return ExportReport(len(files), len(weight_map), written)
 
 

@@ -4,7 +4,7 @@ the tensors of).
 Each family's `MegatronNames` says which jobs' args describe one of its models, builds its config from them and
 the args back from its config; the shape every family shares (layers, hidden size, heads, vocabulary, and the
 SwiGLU / RMSNorm / RoPE decoder that all of them are) is read and written here once (`gpt_shape`, `gpt_args`).
-Pure functions of the args: ucp.interop.megatron_args applies them to a checkpoint's args (naming the file at
+Pure functions of the args: ucp.interop.megatron.args applies them to a checkpoint's args (naming the file at
 fault) and adds what is the job's and not the model's (its layout, its grad buffers, the HF fields its args carry).
 A problem with the args is a UcpError naming the argument.
 """

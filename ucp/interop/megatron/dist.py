@@ -42,17 +42,19 @@ from typing import Any
 
 import torch
 
-from ..base.boxes import Box, box_numel, box_shape, full_box, intersect, relative, to_slices, translate
-from ..sharding.families import FamilyConfig, family_for
-from ..sharding.families.megatron_names import arg
-from ..sharding.layout import Layout
-from ..sharding.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
-from .dcp import METADATA, read_metadata
-from .errors import InteropError, SourceMismatchError
-from .megatron_args import args_for, args_layout, bucket_size_of, config_from_args, distributed_buffers
-from .megatron_distrib_optim import BUCKET_ALIGNMENT, MOMENTS, STATE_OF, grad_buffers, optimizer_entry
-from .megatron_files import open_torch_file
-from .megatron_optimizer import (
+from ...base.boxes import Box, box_numel, box_shape, full_box, intersect, relative, to_slices, translate
+from ...sharding.families import FamilyConfig, family_for
+from ...sharding.families.megatron_names import arg
+from ...sharding.layout import Layout
+from ...sharding.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
+from ..dcp import METADATA, read_metadata
+from ..errors import InteropError, SourceMismatchError
+from ..staging import staged_dir
+from ..torch_file import TorchFile
+from .args import args_for, args_layout, bucket_size_of, config_from_args, distributed_buffers
+from .distrib_optim import BUCKET_ALIGNMENT, MOMENTS, STATE_OF, grad_buffers, optimizer_entry
+from .files import open_torch_file
+from .optimizer import (
     LocalOptimState,
     OptimizerMeta,
     check_known_groups,
@@ -61,7 +63,7 @@ from .megatron_optimizer import (
     model_param_groups,
     param_groups,
 )
-from .megatron_save import (
+from .save import (
     CHECKPOINT_VERSION,
     METADATA_JSON,
     TORCH_DIST,
@@ -70,10 +72,8 @@ from .megatron_save import (
     is_torch_dist,
     iteration_dir,
 )
-from .megatron_source import MegatronSource
-from .megatron_target import Produce, TargetFiles
-from .staging import staged_dir
-from .torch_file import TorchFile
+from .source import MegatronSource
+from .target import Produce, TargetFiles
 
 COMMON = "common.pt"
 DATA_FILE = "__0_0.distcp"  # what ucp writes: one file, one chunk per layer (and expert)
@@ -156,7 +156,7 @@ class FlatPart:
 
 @dataclass
 class DistTensors:
-    """The reader of a torch_dist source (megatron_source.TensorFile): each meta tensor it hands out is the slice at
+    """The reader of a torch_dist source (source.TensorFile): each meta tensor it hands out is the slice at
     `index` of a global tensor (`tensor`) or is assembled from parts of flat ones (`assembled`); `read` fills it
     from the bytes of the chunks it overlaps."""
 
@@ -366,8 +366,8 @@ def model_shape(
     """(Megatron args, family config, HF fields) of a torch_dist checkpoint: from the args Megatron-LM saves in
     common.pt or, for one saved without them (megatron-core's dist_checkpointing alone), from `model_config`: a
     Hugging Face config.json of the model, or a JSON object of the job's Megatron-LM arguments (`num_layers`,
-    `hidden_size`, ...: what `megatron_args.config_from_args` reads)."""
-    from .hf import ucp_config_from_hf
+    `hidden_size`, ...: what `args.config_from_args` reads)."""
+    from ..hf import ucp_config_from_hf
 
     if model_config is None:
         if args is None:
@@ -481,7 +481,7 @@ def _read_fully_reshardable(
 
 
 def _saved_layout(args: Any, where: Path) -> Layout:
-    """The layout a torch_dist checkpoint was saved in (megatron_args.args_layout), of a job whose experts have the
+    """The layout a torch_dist checkpoint was saved in (args.args_layout), of a job whose experts have the
     dense layers' TP and that has no context parallelism: the dp_reshardable buckets of any other are not mapped."""
     saved = args_layout(args)
     # (expert TP unset: the dense layers' TP, as megatron-core takes it)
@@ -504,7 +504,7 @@ def _read_dp_reshardable(
     <B>.{param,exp_avg,exp_avg_sq}`, the DP ranks' shards concatenated without the bucket's end padding; the
     param groups and grad scaler are objects `....dp_group_idx_<I>.optimizer` / `.grad_scaler`. Where each
     parameter sits in a bucket is megatron-core's grad buffer layout, rebuilt from the saving layout
-    (megatron_distrib_optim.grad_buffers) and checked against every bucket's stored size; each tp1pp1 parameter's
+    (distrib_optim.grad_buffers) and checked against every bucket's stored size; each tp1pp1 parameter's
     state is assembled from its TP pieces' byte ranges when read."""
     saved = _saved_layout(args, iter_dir / COMMON)
     bucket_size = bucket_size_of(args)
@@ -700,7 +700,7 @@ def _prepended(config: FamilyConfig, index: tuple[int, ...], per_layer: bool = F
 
 def common_optimizer_entry(meta: OptimizerMeta, config: FamilyConfig, expert_parallel: bool) -> dict[Any, Any]:
     """common.pt's "optimizer" of a distributed optimizer saved `fully_reshardable`: per Megatron optimizer its
-    state dict (megatron_distrib_optim.optimizer_entry) and sharding type. A job with expert parallelism chains a
+    state dict (distrib_optim.optimizer_entry) and sharding type. A job with expert parallelism chains a
     dense and an expert optimizer (kept under their indices), one without has one: megatron-core's ChainedOptimizer
     loads only the count it has, so this entry is made for the loading job's `expert_parallel`. Each optimizer lists
     the groups of the whole model; each loading rank takes those it has (DistributedOptimizer.load_state_dict
@@ -721,7 +721,7 @@ def _write_buckets(data: _DataFile, target: TargetFiles, produce: Produce) -> in
     the bucket's size without its end padding (a chunk per parameter, zeros between them: memory holds one
     parameter's state at a time), and as objects the rank's param groups (`.optimizer`), grad scaler, and bucket
     sizes (`per_bucket_numel_unpadded`, which megatron-core checks on load; `per_bucket_numel`, with the end
-    padding a DP that divides 128 gives). The layout comes from megatron_distrib_optim.grad_buffers, as the
+    padding a DP that divides 128 gives). The layout comes from distrib_optim.grad_buffers, as the
     reader's. Returns the bytes of tensors written."""
     layout, meta, config = target.optimizer_layout, target.optimizer, target.config
     assert layout is not None and meta is not None and meta.distributed is not None

@@ -1,5 +1,5 @@
 """Megatron-LM's non-distributed optimizer state <-> ucp's local optimizer state (the distributed optimizer's
-flat buffers: megatron_distrib_optim.py, on top of the param groups and OptimizerMeta defined here).
+flat buffers: distrib_optim.py, on top of the param groups and OptimizerMeta defined here).
 
 A torch-format rank file stores under "optimizer" what Megatron-Core's optimizer `state_dict()` returns:
 - Float16OptimizerWithFloat16Params (bf16/fp16 training): `{"optimizer": <torch state_dict>,
@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from ..sharding.families import FamilyConfig
-from ..sharding.layout import Layout
-from ..sharding.reshard import LocalParam, local_params
-from .errors import InteropError
+from ...sharding.families import FamilyConfig
+from ...sharding.layout import Layout
+from ...sharding.reshard import LocalParam, local_params
+from ..errors import InteropError
 
 MASTER = "master"  # ucp's optimizer-state name for fp32 master weights (Megatron's fp32_from_fp16_params)
 GROUP_IDENTIFIER = (
@@ -127,7 +127,7 @@ def _grouped(params: list[LocalParam], expert_parallel: bool) -> list[Groups]:
 @dataclass(frozen=True)
 class DistributedBuffers:
     """What places a distributed optimizer's state in its flat buffers besides the layout
-    (megatron_distrib_optim): the buffers' (param dtype, grad dtype) and DDP's bucket size (None: one bucket)."""
+    (distrib_optim): the buffers' (param dtype, grad dtype) and DDP's bucket size (None: one bucket)."""
 
     dtypes: tuple[str, str]
     bucket_size: int | None

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from ..errors import UcpError
-from ..sharding.families import FamilyConfig, family_for, megatron_family
-from ..sharding.families.megatron_names import arg, gpt_args, gpt_shape
-from ..sharding.layout import Layout
-from .errors import InteropError
-from .megatron_files import ForeignEnum, real_enum
-from .megatron_optimizer import DistributedBuffers
+from ...errors import UcpError
+from ...sharding.families import FamilyConfig, family_for, megatron_family
+from ...sharding.families.megatron_names import arg, gpt_args, gpt_shape
+from ...sharding.layout import Layout
+from ..errors import InteropError
+from .files import ForeignEnum, real_enum
+from .optimizer import DistributedBuffers
 
 
 def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tuple[FamilyConfig, dict[str, Any]]:

@@ -3,7 +3,7 @@ layouts its torch-format files are split by, and which iteration a path given by
 
 `iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` is the torch format (one file per TP, PP and EP rank;
 DP replicas are not saved); an iteration directory with `metadata.json` is the torch_dist format
-(ucp.interop.megatron_dist). Names only: nothing here reads a tensor (and nothing imports torch).
+(ucp.interop.megatron.dist). Names only: nothing here reads a tensor (and nothing imports torch).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import LayoutError
-from ..sharding.layout import Layout
-from .errors import InteropError
+from ...errors import LayoutError
+from ...sharding.layout import Layout
+from ..errors import InteropError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"

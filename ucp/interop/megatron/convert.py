@@ -1,21 +1,21 @@
 """Megatron-LM checkpoints converted through atoms (`convert`, `ucp convert`): a torch-format checkpoint
 (`iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`) resharded into another TP/PP/EP layout, either format
-(the torch format, or torch_dist: ucp.interop.megatron_dist) into the other, and either to and from a ucp
+(the torch format, or torch_dist: ucp.interop.megatron.dist) into the other, and either to and from a ucp
 checkpoint.
 
 Conversion never holds the model, nor a whole rank file: every target tensor is filled piece by piece from the
 source tensors that hold the same atom box (`ucp.sharding.reshard.local_plan` gives both sides' boxes; the source's are
-indexed by megatron_source.PieceIndex), each source tensor read from its file only when needed and dropped after,
-and each target file is written tensor by tensor (megatron_target), a few files at a time within the memory budget.
+indexed by source.PieceIndex), each source tensor read from its file only when needed and dropped after,
+and each target file is written tensor by tensor (target), a few files at a time within the memory budget.
 
 The optimizer's state reshards the same way (its per-parameter tensors are ucp local optimizer states); the scheduler
 and the iteration are global and go to every file; the RNG states are per rank and are carried only into the same
 layout. What the source holds and a conversion does not carry is named in its report's `dropped`.
 
-The modules beside this one, each for one concern: megatron_save (the names and layouts of a save on disk),
-megatron_files (its torch.save files read safely), megatron_args (a job's args and ucp's model configs),
-megatron_source (a checkpoint opened as a source), megatron_target (what is written, and the rank files),
-megatron_optimizer and megatron_distrib_optim (the optimizer's entries), megatron_dist (the torch_dist format).
+The modules beside this one, each for one concern: save (the names and layouts of a save on disk),
+files (its torch.save files read safely), args (a job's args and ucp's model configs),
+source (a checkpoint opened as a source), target (what is written, and the rank files),
+optimizer and distrib_optim (the optimizer's entries), dist (the torch_dist format).
 """
 
 from __future__ import annotations
@@ -30,25 +30,25 @@ from typing import Any
 
 import torch
 
-from ..base import dtypes
-from ..base.workpool import pack
-from ..distributed.sharded_load import piece_reads
-from ..distributed.sharded_model import AtomKey, ShardedModel, atom_path, check_atom, extra_state, model_config_of
-from ..engine.checkpoint import CheckpointReader, open_checkpoint
-from ..errors import CheckpointNotFoundError, FormatError, UcpError
-from ..format.manifest import AtomMeta
-from ..sharding.families import FamilyConfig, block_scales, buffer_atoms, canonical_atoms, family_for
-from ..sharding.layout import Layout
-from ..sharding.reshard import LocalTensor, local_plan
-from .dtypes import Dtypes
-from .errors import SourceMismatchError
-from .megatron_args import args_for, args_json
-from .megatron_dist import open_torch_dist, write_torch_dist
-from .megatron_optimizer import OptimizerMeta
-from .megatron_save import TORCH_DIST, TRACKER, UNIVERSAL, megatron_name, parse_megatron_layout, rank_files
-from .megatron_source import MegatronSource, PieceIndex, SourceCache, open_megatron, source_dtypes
-from .megatron_target import Produce, TargetFiles, write_rank_files
-from .streaming import group_limit, save_atoms
+from ...base import dtypes
+from ...base.workpool import pack
+from ...distributed.sharded_load import piece_reads
+from ...distributed.sharded_model import AtomKey, ShardedModel, atom_path, check_atom, extra_state, model_config_of
+from ...engine.checkpoint import CheckpointReader, open_checkpoint
+from ...errors import CheckpointNotFoundError, FormatError, UcpError
+from ...format.manifest import AtomMeta
+from ...sharding.families import FamilyConfig, block_scales, buffer_atoms, canonical_atoms, family_for
+from ...sharding.layout import Layout
+from ...sharding.reshard import LocalTensor, local_plan
+from ..dtypes import Dtypes
+from ..errors import SourceMismatchError
+from ..streaming import group_limit, save_atoms
+from .args import args_for, args_json
+from .dist import open_torch_dist, write_torch_dist
+from .optimizer import OptimizerMeta
+from .save import TORCH_DIST, TRACKER, UNIVERSAL, megatron_name, parse_megatron_layout, rank_files
+from .source import MegatronSource, PieceIndex, SourceCache, open_megatron, source_dtypes
+from .target import Produce, TargetFiles, write_rank_files
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class ConvertOptions:
     `step`: the ucp step to read (default the latest) or write (default the iteration). `iteration`: the Megatron
     iteration to read (default the tracker's). `vocab_size`: the true vocabulary, where the args know only the
     padded one. `model_config`: with --from torch_dist, the model's shape of a checkpoint saved without Megatron-LM's
-    args (megatron_dist.model_shape). `target_ep` / `target_layout`: with --to torch_dist, the job that loads it
+    args (dist.model_shape). `target_ep` / `target_layout`: with --to torch_dist, the job that loads it
     (`DistJob`). The rest: peak tensor memory, parallel reads and writes, fsspec options of a ucp URL, a progress
     bar."""
 
@@ -145,7 +145,7 @@ class ConvertOptions:
 def convert(src: str | Path, dst: str | Path, options: ConvertOptions | None = None, **keywords: Any) -> ConvertReport:
     """Reshard a Megatron torch checkpoint into another TP/PP/EP layout, or convert it to (`to_layout="universal"`)
     or from (`from_layout="universal"`) a ucp checkpoint; "torch_dist" on either side is Megatron's
-    dist_checkpointing format (ucp.interop.megatron_dist), which needs no layout. What to do is `options`, or its
+    dist_checkpointing format (ucp.interop.megatron.dist), which needs no layout. What to do is `options`, or its
     fields as keywords (`convert(src, dst, from_layout="tp2pp2", to_layout="universal")`). Carried: model weights,
     the optimizer's state (into torch_dist: a distributed optimizer's, in Megatron-LM's default form for the job of
     `target_layout`, or else in the form any layout loads, made for a job of expert parallelism `target_ep`, by

@@ -1,5 +1,5 @@
 """A Megatron checkpoint opened as a source of conversions: its layout, model config and rank files (`MegatronSource`,
-`open_megatron` for the torch format; ucp.interop.megatron_dist opens torch_dist as one of layout tp1pp1), and where
+`open_megatron` for the torch format; ucp.interop.megatron.dist opens torch_dist as one of layout tp1pp1), and where
 its files hold each atom (`PieceIndex`), so that any box of an atom is read from the source tensors that hold it.
 
 A rank file's "model" dict is, name for name, the local state docs/LOCAL_STATE.md specifies (Megatron-Core GPT
@@ -7,8 +7,8 @@ naming: fused QKV per query group, gate/up in linear_fc1, padded vocabulary), so
 is the local state of ucp rank (tp=t, dp=e, pp=p) in the layout tp{T}pp{P}ep{E}dp{E}: DP replicas other than the
 expert ones are not saved by Megatron, and dp=E is the smallest DP that holds every expert rank. The optimizer's
 per-parameter tensors are ucp local optimizer states, taken from the rank file's numbered entries
-(megatron_optimizer.py) or, for the distributed optimizer, from views of the flat buffers in distrib_optim.pt beside
-it (megatron_distrib_optim.py).
+(optimizer.py) or, for the distributed optimizer, from views of the flat buffers in distrib_optim.pt beside
+it (distrib_optim.py).
 """
 
 from __future__ import annotations
@@ -19,17 +19,18 @@ from typing import Any, Protocol
 
 import torch
 
-from ..base.boxes import Box, intersect, relative, to_slices
-from ..sharding.families import FamilyConfig
-from ..sharding.layout import Layout
-from ..sharding.reshard import LocalTensor, Piece, local_plan, local_tensor, owned_pieces, piece_view
-from .dtypes import Dtypes, most_common
-from .errors import InteropError, SourceMismatchError
-from .megatron_args import args_layout, bucket_size_of, config_from_args
-from .megatron_distrib_optim import read_distributed
-from .megatron_files import is_model_chunk, open_rank_file, open_torch_file
-from .megatron_optimizer import LocalOptimState, OptimizerMeta, read_optimizer
-from .megatron_save import (
+from ...base.boxes import Box, intersect, relative, to_slices
+from ...sharding.families import FamilyConfig
+from ...sharding.layout import Layout
+from ...sharding.reshard import LocalTensor, Piece, local_plan, local_tensor, owned_pieces, piece_view
+from ..dtypes import Dtypes, most_common
+from ..errors import InteropError, SourceMismatchError
+from ..torch_file import TorchFile, TorchFiles
+from .args import args_layout, bucket_size_of, config_from_args
+from .distrib_optim import read_distributed
+from .files import is_model_chunk, open_rank_file, open_torch_file
+from .optimizer import LocalOptimState, OptimizerMeta, read_optimizer
+from .save import (
     DISTRIB_OPTIM_FILE,
     METADATA_JSON,
     RANK_FILE,
@@ -39,7 +40,6 @@ from .megatron_save import (
     parse_megatron_layout,
     rank_files,
 )
-from .torch_file import TorchFile, TorchFiles
 
 
 class TensorFile(Protocol):

@@ -36,11 +36,12 @@ from typing import Any
 
 import torch
 
-from ..sharding.families import FamilyConfig
-from ..sharding.layout import Layout
-from ..sharding.reshard import LocalParam, local_params
-from .errors import InteropError
-from .megatron_optimizer import (
+from ...sharding.families import FamilyConfig
+from ...sharding.layout import Layout
+from ...sharding.reshard import LocalParam, local_params
+from ..errors import InteropError
+from ..torch_file import Deferred
+from .optimizer import (
     MASTER,
     DistributedBuffers,
     Groups,
@@ -53,7 +54,6 @@ from .megatron_optimizer import (
     param_groups,
     registration_key,
 )
-from .torch_file import Deferred
 
 PARAM_ALIGNMENT = 64  # a parameter starts at a multiple of 64 elements (128-byte aligned for 16-bit values)
 BUCKET_ALIGNMENT = 128  # a bucket ends padded to lcm(DP, 128): a multiple of PARAM_ALIGNMENT whatever DP is

@@ -1,6 +1,6 @@
 """What a conversion writes in Megatron's formats (`TargetFiles`: each rank file's content besides its local tensors,
 the optimizer's entries), and the torch format's rank files written (`write_rank_files`; torch_dist's one checkpoint
-is ucp.interop.megatron_dist.write_torch_dist).
+is ucp.interop.megatron.dist.write_torch_dist).
 
 Each target file is written tensor by tensor (torch_file.save), a few files at a time within the memory budget:
 every tensor is `Deferred`, produced by the conversion (from the source tensors that hold the same atom box) only
@@ -19,14 +19,17 @@ from typing import Any
 
 import torch
 
-from ..sharding.families import FamilyConfig
-from ..sharding.layout import Layout
-from ..sharding.reshard import LocalTensor, local_plan, put_local
-from . import torch_file
-from .megatron_args import mark_distributed
-from .megatron_distrib_optim import write_distributed
-from .megatron_optimizer import OptimizerMeta, write_optimizer
-from .megatron_save import (
+from ...sharding.families import FamilyConfig
+from ...sharding.layout import Layout
+from ...sharding.reshard import LocalTensor, local_plan, put_local
+from .. import torch_file
+from ..staging import staged_dir
+from ..streaming import group_limit
+from ..torch_file import Deferred
+from .args import mark_distributed
+from .distrib_optim import write_distributed
+from .optimizer import OptimizerMeta, write_optimizer
+from .save import (
     CHECKPOINT_VERSION,
     DISTRIB_OPTIM_FILE,
     RANK_FILE,
@@ -35,9 +38,6 @@ from .megatron_save import (
     extra_state_owner,
     rank_files,
 )
-from .staging import staged_dir
-from .streaming import group_limit
-from .torch_file import Deferred
 
 Produce = Callable[[int, LocalTensor], torch.Tensor]  # (target rank, local tensor) -> its values
 
@@ -55,7 +55,7 @@ def _with_extra_state(chunk: dict[str, torch.Tensor]) -> dict[str, Any]:
 @dataclass
 class TargetFiles:
     """What a target's files hold besides each rank's local tensors (the torch format's rank files, or torch_dist's
-    common.pt and optimizer entries: megatron_dist.write_torch_dist)."""
+    common.pt and optimizer entries: dist.write_torch_dist)."""
 
     config: FamilyConfig
     layout: Layout
@@ -65,7 +65,7 @@ class TargetFiles:
     scheduler: Any = None  # opt_param_scheduler: global, the same in every file
     rng: dict[str, Any] | None = None  # rank directory -> rng_state: only when the layout is the source's own
     format: str = "torch"  # or TORCH_DIST (layout tp1pp1)
-    expert_parallel: bool = False  # torch_dist: the optimizer entry is for a job with EP > 1 (megatron_dist)
+    expert_parallel: bool = False  # torch_dist: the optimizer entry is for a job with EP > 1 (dist)
     # torch_dist: the layout whose grad buffers the optimizer is written in (dp_reshardable); None: fully_reshardable
     optimizer_layout: Layout | None = None
 

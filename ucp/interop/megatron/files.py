@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .errors import InteropError
-from .torch_file import TorchFile
+from ..errors import InteropError
+from ..torch_file import TorchFile
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,61 @@
+"""The directory a vLLM engine starts a ucp checkpoint from (ucp.interop.vllm.source.model_dir, `ucp export --to
+vllm`): config.json as `ucp export --to hf` writes it and the checkpoint's URL and step, no weights; its command's
+flags and errors. Needs no vLLM (tests/test_vllm.py serves from such directories)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ucp import cli as ucp_cli
+from ucp.interop.errors import DestinationExistsError, InteropError
+from ucp.interop.hf import export_hf
+from ucp.interop.vllm.source import CONFIG, POINTER, Pointer, model_dir
+
+from .test_hf import random_full_state, save_in_layout, tiny_config
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> str:
+    """A tiny Mixtral with steps 1 and 2 (the second written from another layout)."""
+    cfg = tiny_config(num_hidden_layers=1)
+    url = str(tmp_path / "ckpt")
+    save_in_layout(random_full_state(cfg, states=()), cfg, "tp1", url, step=1)
+    save_in_layout(random_full_state(cfg, states=(), seed=1), cfg, "tp2", url, step=2)
+    return url
+
+
+def test_the_model_directory_holds_the_exports_config_and_names_the_checkpoint_and_step(checkpoint, tmp_path):
+    export_hf(checkpoint, tmp_path / "hf", step=1)
+    for step, where in ((None, model_dir(checkpoint)), (1, model_dir(checkpoint, 1, dir=tmp_path / "one"))):
+        assert sorted(p.name for p in where.iterdir()) == sorted([CONFIG, POINTER])  # (no weights)
+        assert json.loads((where / CONFIG).read_text()) == json.loads((tmp_path / "hf" / "config.json").read_text())
+        assert Pointer.read(where) == Pointer(checkpoint, 2 if step is None else 1)  # ("latest" resolved now)
+    assert Pointer.read(model_dir(f"{checkpoint}/step_00000001")).step == 1  # (a step directory names its step)
+
+
+def test_ucp_export_to_vllm_and_its_errors_in_one_line(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert ucp_cli.main(["export", "ckpt", "--to", "vllm", "served", "--step", "1"]) == 0
+    assert "vllm serve" in capsys.readouterr().out
+    assert Pointer.read(tmp_path / "served") == Pointer(checkpoint, 1)  # (a relative path made absolute)
+    assert ucp_cli.main(["export", checkpoint, "--to", "vllm", str(tmp_path / "served")]) == 1
+    assert "already exists" in capsys.readouterr().err
+    for flag in (["--dtype", "bf16"], ["--memory-budget", "1GiB"], ["--workers", "2"], ["--no-progress"]):
+        assert ucp_cli.main(["export", checkpoint, "--to", "vllm", str(tmp_path / "x"), *flag]) == 1, flag
+        err = capsys.readouterr().err
+        assert f"{flag[0]}" in err and "not --to vllm" in err and len(err.strip().splitlines()) == 1, err
+    assert ucp_cli.main(["export", checkpoint, "--to", "vllm", str(tmp_path / "x"), "--step", "7"]) == 1
+    assert "no step 7" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(DestinationExistsError):
+        model_dir(checkpoint, dir=tmp_path / "ckpt" / "inside")
+
+
+def test_a_directory_without_a_readable_pointer_is_refused_naming_it(checkpoint, tmp_path):
+    with pytest.raises(InteropError, match=f"{tmp_path} is not a ucp model directory"):
+        Pointer.read(tmp_path)
+    (tmp_path / POINTER).write_text('{"url": 3}')
+    with pytest.raises(InteropError, match=f"{tmp_path / POINTER} is malformed"):
+        Pointer.read(tmp_path)

@@ -1,0 +1,205 @@
+"""What a vLLM engine reads from a ucp step: the weights by their Hugging Face names (which are the atom names), the
+config.json that `ucp export --to hf` would write for the step, and the model directory vLLM is started from.
+
+vLLM reads a model's config from a local directory before any loader runs (its `ModelConfig` parses `config.json`
+there), and takes an `s3://` model for an object-storage repository that it pulls itself. So an engine starts from a
+small directory that `model_dir` writes (`ucp export URL --to vllm DIR` on the command line): config.json, built from
+the model config the checkpoint keeps exactly as an export builds it (`ucp.interop.hf.plan_export`), and `ucp-checkpoint.json`
+naming the checkpoint and step. No weight is written there: the loader (`ucp.interop.vllm.loader`) reads them from the
+checkpoint itself, through ucp's reader (every chunk checked against its CRC-32C and its commit's record), from any
+URL ucp reads (a local path, `s3://...`, any fsspec URL).
+
+Reads go in groups within a memory budget, the next group read while vLLM copies the current one into its
+parameters. A worker that keeps only a region of a weight (tensor parallelism) reads only that region
+(`StepWeights.tensors` with `regions`): the tensor it hands over has the weight's full shape, of which only the region
+is filled, since vLLM's weight loaders take a full tensor and cut their share out of it themselves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import functools
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...base.boxes import Box, full_box, to_slices
+from ...base.workpool import ObjectCall, pack
+from ...distributed.sharded_model import atom_path, model_config_of
+from ...engine.checkpoint import CheckpointReader, allocate, open_checkpoint
+from ...sharding.families import FamilyConfig
+from ..errors import InteropError, ModelMismatchError
+from ..hf import ExportPlan, plan_export, ucp_config_from_hf
+from ..staging import check_apart, staged_dir
+from ..streaming import DEFAULT_MEMORY_BUDGET, group_limit
+
+POINTER = "ucp-checkpoint.json"  # in a model directory: {"url": the checkpoint, "step": the step it serves}
+CONFIG = "config.json"
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """The checkpoint a model directory serves (its `ucp-checkpoint.json`)."""
+
+    url: str
+    step: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "step": self.step}
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> Pointer:
+        path = Path(model_dir) / POINTER
+        try:
+            doc = json.loads(path.read_text())
+            return cls(str(doc["url"]), int(doc["step"]))
+        except FileNotFoundError:
+            raise InteropError(
+                f"{model_dir} is not a ucp model directory (no {POINTER}): make one with `ucp export URL --to vllm "
+                "DIR` or ucp.interop.vllm.model_dir(url), or name the checkpoint in model_loader_extra_config "
+                '{"url": ...}'
+            ) from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise InteropError(f"{path} is malformed ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class StepWeights:
+    """A committed step opened for an inference engine: its model config, and its weights as an HF export of it
+    holds them (names, dtypes as stored, config.json)."""
+
+    reader: CheckpointReader
+    url: str
+    config: FamilyConfig
+    plan: ExportPlan
+
+    @property
+    def step(self) -> int:
+        return self.reader.step
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from storage so far through this step's reader (the manifest included)."""
+        return int(self.reader.storage.stats.bytes_read)
+
+    def tensors(
+        self,
+        regions: Mapping[str, Box] | None = None,
+        *,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        names: list[str] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for each weight (or each of `names`), in the stored dtype. A weight named in `regions`
+        is read only in its region: its tensor has the full shape, the rest left unset. Reads go in groups of at most
+        a quarter of `memory_budget`, the next group read while the current one is consumed."""
+        wanted = self.plan.names if names is None else names
+        regions = regions or {}
+        sizes = {n: _region_bytes(self.plan, n, regions.get(n)) for n in wanted}
+        groups = pack(sizes, group_limit(memory_budget))
+        yield from _prefetched([functools.partial(self._read_group, group, regions) for group in groups])
+
+    def _read_group(self, names: list[str], regions: Mapping[str, Box]) -> dict[str, torch.Tensor]:
+        whole = [n for n in names if n not in regions or regions[n] == full_box(self.plan.metas[n].shape)]
+        out = {n: t for n, t in zip(whole, self.reader.read_atoms([atom_path(n, None) for n in whole]).values())}
+        reads: list[ObjectCall] = []
+        for n in names:
+            if n in out:
+                continue
+            meta = self.plan.metas[n]
+            out[n] = allocate(meta)  # (pages never written are never touched: the unread part costs no memory)
+            reads += self.reader.region_reads(meta, regions[n], out[n][to_slices(regions[n])])
+        self.reader.run_reads(reads)
+        return {n: out[n] for n in names}
+
+
+def _region_bytes(plan: ExportPlan, name: str, box: Box | None) -> int:
+    meta = plan.metas[name]
+    if box is None:
+        return meta.nbytes
+    return math.prod(b - a for a, b in box) * meta.nbytes // max(1, math.prod(meta.shape))
+
+
+def _prefetched(loads: list[Callable[[], dict[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The items of each load's result in order, the next load running in a background thread meanwhile."""
+    if not loads:
+        return
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="ucp-vllm-prefetch") as pool:
+        pending = pool.submit(loads[0])
+        for i in range(len(loads)):
+            current = pending.result()
+            if i + 1 < len(loads):
+                pending = pool.submit(loads[i + 1])
+            while current:
+                yield _pop_first(current)
+            del current
+
+
+def _pop_first(tensors: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """The first item, removed (so that a tensor handed over is held by its consumer alone)."""
+    name = next(iter(tensors))
+    return name, tensors.pop(name)
+
+
+def open_weights(
+    url: str, step: int | str | None = "latest", *, storage_options: dict[str, Any] | None = None
+) -> StepWeights:
+    """A committed step of `url` (a checkpoint root, or a step directory) opened for an engine: its manifest read and
+    checked, its model mapped to HF names; no weight is read. Refuses a model with no HF architecture."""
+    reader = open_checkpoint(url, "latest" if step is None else step, storage_options=storage_options)
+    return StepWeights(reader, url, model_config_of(reader), plan_export(reader))
+
+
+def served_config(hf_config: Mapping[str, Any], where: str) -> FamilyConfig:
+    """ucp's model config of the HF config an engine serves (vLLM's `model_config.hf_config`, as a dict)."""
+    return ucp_config_from_hf(dict(hf_config), where)[0]
+
+
+def check_same_model(serving: FamilyConfig, step: StepWeights, engine: str) -> None:
+    """Refuse a step of another model than the one `engine` serves (another family, shape or set of weights)."""
+    if serving != step.config:
+        fields = [
+            f"{f.name} {getattr(serving, f.name)!r} -> {getattr(step.config, f.name)!r}"
+            for f in dataclasses.fields(serving)
+            if getattr(serving, f.name) != getattr(step.config, f.name)
+        ]
+        kind = (
+            f"a {type(step.config).__name__} where it serves a {type(serving).__name__}"
+            if type(serving) is not type(step.config)
+            else ", ".join(fields)
+        )
+        raise ModelMismatchError(
+            f"step {step.step} of {step.url} is another model than {engine} serves ({kind}); nothing was changed"
+        )
+
+
+def model_dir(
+    url: str,
+    step: int | str | None = "latest",
+    *,
+    dir: str | Path | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> Path:
+    """The directory vLLM starts from (`model=` / `vllm serve DIR`) to serve step `step` of checkpoint `url` with
+    `load_format="ucp"`: config.json as `ucp export --to hf` writes it, and `ucp-checkpoint.json` naming the checkpoint and the
+    step (resolved now: "latest" is the newest committed step at this call). No weights are written. `dir`: where
+    (must not exist, or be empty; default a new temporary directory). Returns the directory.
+
+    Storage options (credentials) are not written down: pass them to the engine in
+    `model_loader_extra_config={"storage_options": {...}}`, or through the standard AWS variables."""
+    weights = open_weights(url, step, storage_options=storage_options)
+    if dir is not None:
+        check_apart(url, str(dir))
+    target = Path(tempfile.mkdtemp(prefix="ucp-vllm-")) if dir is None else Path(dir)
+    where = url if "://" in url else os.path.abspath(url)  # (the engine may run from another directory)
+    with staged_dir(target) as tmp:
+        (tmp / CONFIG).write_text(json.dumps(weights.plan.config_json, indent=2) + "\n")
+        (tmp / POINTER).write_text(json.dumps(Pointer(where, weights.step).to_json(), indent=2) + "\n")
+    return target
