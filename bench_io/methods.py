@@ -58,6 +58,13 @@ class Method(ABC):
     local: ClassVar[bool] = True  # runs on local targets (False: a peer that only reads and writes object stores)
     paired_copy: ClassVar[bool] = False  # async: the runner times a plain copy of the state just before the save
     storage: ClassVar[bool] = True  # False: an in-memory baseline, run once per state, not per target
+    needs: ClassVar[tuple[str, ...]] = ()  # modules of a peer that is installed apart (a run without them reports it)
+
+    @classmethod
+    def installed(cls) -> bool:
+        import importlib.util
+
+        return all(importlib.util.find_spec(m) is not None for m in cls.needs)
 
     def __init__(self, io_threads: int | None = None):
         if io_threads is None:
@@ -712,6 +719,7 @@ class DcpS3Torch(Dcp):
     description = "DCP through s3torchconnector's S3StorageWriter/S3StorageReader (AWS CRT client), no_dist; S3 only"
     remote = True
     local = False
+    needs = ("s3torchconnector",)
 
     def _config(self) -> Any:
         from s3torchconnector import S3ClientConfig
@@ -757,6 +765,7 @@ class Runai(Safetensors):
     name = "runai"
     description = "safetensors file put by s3fs / streamed by runai-model-streamer's SafetensorsStreamer; S3 only"
     local = False
+    needs = ("runai_model_streamer",)
 
     def load(self, directory: Any) -> dict[str, torch.Tensor]:
         from runai_model_streamer import SafetensorsStreamer

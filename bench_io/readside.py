@@ -200,7 +200,7 @@ def run_mixed(args: argparse.Namespace, t: Timings) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from bench_io.methods import RawCrc, _quiet
+    from bench_io.methods import RawCrc, _dcp
     from bench_io.state import transformer_state
     from ucp import load as ucp_load
     from ucp.base.heap import trim
@@ -221,12 +221,12 @@ def run_mixed(args: argparse.Namespace, t: Timings) -> dict[str, Any]:
 
     def dcp_load(d: Path, fresh: bool) -> dict[str, Any]:
         out = {p: torch.empty(v.shape, dtype=v.dtype) for p, v in state.flat.items()} if fresh else dict(held)
-        with _quiet():
+        with _dcp():
             dcp.load(out, storage_reader=dcp.FileSystemReader(str(d)), no_dist=True)
         return out
 
     def dcp_save(d: Path) -> None:
-        with _quiet():
+        with _dcp():
             dcp.save(
                 dict(state.flat),
                 storage_writer=dcp.FileSystemWriter(str(d), sync_files=True, thread_count=8),

@@ -74,6 +74,7 @@ APPLIES: dict[str, dict[str, Callable[[Variant], bool]]] = {
         "--repeats": ALWAYS,
         "--endpoint-url": lambda v: "s3" in v["targets"],
         "--bucket": lambda v: "s3" in v["targets"],
+        "--s3-server": lambda v: "s3" in v["targets"],  # (the variants give no --endpoint-url)
         "--storage-option": lambda v: "s3" in v["targets"],
         "--methods": ALWAYS,
         "--dir": lambda v: "disk" in v["targets"],
@@ -110,6 +111,7 @@ AXES = {"--from", "--to", "--targets", "--procs", "--target"}
 # a value each flag takes (None: a switch)
 VALUES: dict[str, str | None] = {
     "--step": "3",
+    "--s3-server": "moto",
     "--json": None,
     "--storage-option": "endpoint_url=http://127.0.0.1:9",
     "--dir": "somewhere",
