@@ -37,6 +37,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from bench_io.methods import environment
 from bench_io.s3_servers import start_s3_server
 from dataloaders import IndexedDatasetWriter, PretrainLoader, open_corpus
 from dataloaders.fetch import filesystem
@@ -138,20 +139,6 @@ def run_ucp(url: str, args, storage_options: dict | None, shuffle: str, batches:
             "bytes_read": stats.bytes_read, "index_bytes": stats.index_bytes, "requests": stats.requests}  # fmt: skip
 
 
-@contextmanager
-def environment(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_streaming(mds_url: str, args, storage_options: dict | None, batches: int) -> dict:
     import torch
     from streaming import StreamingDataset
@@ -176,7 +163,7 @@ def run_streaming(mds_url: str, args, storage_options: dict | None, batches: int
     try:
         clean_stale_shared_memory()
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        with environment(**env), counter.counting():
+        with environment(env), counter.counting():
             micro = args.global_batch // args.dp_size
             t0 = time.perf_counter()
             ds = StreamingDataset(

@@ -671,8 +671,16 @@ def aws_environment(options: dict[str, Any]) -> Iterator[None]:
     wanted = {"AWS_ENDPOINT_URL": options.get("endpoint_url"), "AWS_EC2_METADATA_DISABLED": "true"}
     wanted |= {"AWS_ACCESS_KEY_ID": options.get("key"), "AWS_SECRET_ACCESS_KEY": options.get("secret")}
     wanted.setdefault("AWS_DEFAULT_REGION", os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
-    before = {k: os.environ.get(k) for k in wanted}
-    os.environ.update({k: v for k, v in wanted.items() if v is not None})
+    with environment(wanted):
+        yield
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str | None]) -> Iterator[None]:
+    """The variables of `values` set for the call (a None leaves that one as it is): for a peer that reads its
+    configuration from the environment. The variables as they were are put back."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
     try:
         yield
     finally:

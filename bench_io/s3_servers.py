@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -348,21 +349,23 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     name = args[0] if args else "radosgw"
     server = start_s3_server(name)
-    stop = False
-
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals()
     try:
         print(json.dumps(server.endpoint.to_json()), flush=True)
-        while not stop:
-            time.sleep(0.5)
+        while not stop.wait(0.5):
+            pass
     finally:
         server.close()
     return 0
+
+
+def stop_on_signals() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets: a process serving a server ends its loop and closes the server (its
+    daemons are killed by PID) rather than dying with them left running."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench_io.s3_servers import RADOSGW_START_S, Radosgw, S3Endpoint
+from bench_io.s3_servers import RADOSGW_START_S, Radosgw, S3Endpoint, stop_on_signals
 from trainer.elastic import alive as process_alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,14 +100,7 @@ def _start_keeper(directory: Path) -> S3Endpoint:
 
 def keep(directory: Path) -> None:
     """The keeper: start the cluster, publish its endpoint, serve while a registered worker lives."""
-    stop = False
-
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals()
     server = Radosgw()
     try:
         doc = {
@@ -120,8 +112,7 @@ def keep(directory: Path) -> None:
         (directory / f"{ENDPOINT}.tmp").write_text(json.dumps(doc))
         os.replace(directory / f"{ENDPOINT}.tmp", directory / ENDPOINT)
         ready, claimed = time.monotonic(), False
-        while not stop:
-            time.sleep(POLL_S)
+        while not stop.wait(POLL_S):
             with _locked(directory):
                 clients = list((directory / CLIENTS).iterdir())
                 for client in clients:
