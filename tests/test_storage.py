@@ -369,6 +369,7 @@ def test_a_local_store_declares_what_its_file_system_and_fsync_allow(tmp_path):
         pytest.skip("tmp_path is in memory here")
     want = Capabilities(
         io_threads=DEFAULT_IO_THREADS,
+        read_threads=min(DEFAULT_IO_THREADS, 4 * (os.cpu_count() or 1)),  # (a load's reads are CPU work: few per core)
         whole_object_reads=False,
         serial_small_reads=True,  # (CPU only once `prefetching` has asked for them)
         serial_small_writes=False,  # (each waits for its fsync: many in flight hide it)
@@ -376,6 +377,7 @@ def test_a_local_store_declares_what_its_file_system_and_fsync_allow(tmp_path):
         writer_process=True,
     )
     assert disk.capabilities == want
+    assert disk.capabilities.reads_in_flight == want.read_threads
     assert LocalStorage(str(tmp_path / "root"), fsync=False).capabilities == Capabilities(
         **{**vars(want), "serial_small_writes": True}
     )
@@ -400,6 +402,7 @@ def test_a_local_store_in_memory_declares_few_threads_and_serial_small_writes():
         exclusive_creates=True,
         writer_process=True,
     )
+    assert shm.capabilities.reads_in_flight == shm.capabilities.io_threads
 
 
 def test_fsspec_stores_declare_whole_object_reads_and_where_creates_are_exclusive(tmp_path, caplog):
@@ -498,3 +501,10 @@ def test_an_object_rewritten_while_read_is_never_seen_torn(tmp_path):
         writer.join()
     assert all(s.startswith(b'{"renewed_at": ') and s.endswith(b"}") for s in seen), sorted(seen)[:3]
     assert [p.name for p in tmp_path.iterdir()] == ["record.json"]  # (no temporary file left beside it)
+
+
+def test_a_reader_runs_as_many_reads_at_once_as_its_store_declares_for_loads(tmp_path):
+    disk = LocalStorage(str(tmp_path / "ck"))
+    ucp.save({"w": torch.arange(10)}, str(tmp_path / "ck"), step=1)
+    assert ucp.open_checkpoint(str(tmp_path / "ck")).io_threads == disk.capabilities.reads_in_flight
+    assert ucp.CheckpointReader(disk, 1, io_threads=3).io_threads == 3  # (the caller's word wins)

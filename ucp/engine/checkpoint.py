@@ -283,7 +283,7 @@ class CheckpointReader:
                 f"{where} describes {count} atoms of {nbytes} bytes, but its commit recorded "
                 f"{self.record.atoms} atoms of {self.record.nbytes} bytes"
             )
-        self.io_threads = io_threads or storage.capabilities.io_threads
+        self.io_threads = io_threads or storage.capabilities.reads_in_flight
         self._tree_atoms: list[str] | None = None
         if not isinstance(self.manifest, IndexedManifest):
             self._check_tree()

@@ -34,6 +34,15 @@ class Capabilities:
     io_threads: int = DEFAULT_IO_THREADS
     """Requests in flight when the caller does not say: 16 on a disk, two per core in memory, 64 on an object store."""
 
+    read_threads: int | None = None
+    """Reads in flight for a load when the caller does not say; None: `io_threads`. A disk's writes wait on fsyncs,
+    which many in flight hide; its reads, once the kernel reads ahead, are CPU work (the kernel's copies, checksums,
+    Python between them) that threads beyond the cores' share only make contend."""
+
+    @property
+    def reads_in_flight(self) -> int:
+        return self.read_threads or self.io_threads
+
     whole_object_reads: bool = False
     """A request costs more than the bytes it moves (an object store): an object whose inner chunks are all wanted is
     read whole, in one request."""

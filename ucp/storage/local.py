@@ -82,6 +82,10 @@ class LocalStorage(Storage):
             # In memory every write and read is a copy by a CPU: threads beyond two per core only contend (for the
             # GIL and the cores). Measured on 2 cores, 1 GiB to tmpfs: 4 threads save in 0.33-0.43 s, 16 in 0.55-0.63.
             io_threads=min(DEFAULT_IO_THREADS, 2 * (os.cpu_count() or 1)) if self.in_memory else DEFAULT_IO_THREADS,
+            # A load from a disk: its large reads are the kernel's copies out of the read-ahead, then checksums, all
+            # CPU. Measured on 2 cores, 1 GiB from a cold disk (980 objects): 8 threads 0.72-0.76 s, 16 0.80-0.88,
+            # 4 0.77-0.79 (`bench_io coldstart`).
+            read_threads=None if self.in_memory else min(DEFAULT_IO_THREADS, 4 * (os.cpu_count() or 1)),
             # A small write waits for its fsync (~1 ms on a disk): many in flight hide it. Without one it is CPU only,
             # as is a small read once `prefetching` has asked for it (20,000 small atoms from a cold disk: 3.2 s one
             # at a time, 4.2 s at 16 threads, 2.5 s at 2, 2.1 s one at a time with the read-ahead; warm, 1.1 s
