@@ -294,15 +294,23 @@ class Radosgw:
                 [*DIE_WITH_PARENT, *cmd], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr
             )
 
-    def _alive(self) -> None:
-        """Raise naming the daemon that has exited, with the end of its log."""
+    def exited(self) -> str | None:
+        """The daemon that has exited, its exit status (negative: the signal that killed it) and the end of its log;
+        None while every one runs."""
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 logs = sorted(self.dir.glob(f"{name.replace('ceph-', '')}*.log")) + [self.dir / f"{name}.stderr"]
                 tail = " | ".join(
                     line for log in logs if log.exists() for line in log.read_text(errors="replace").splitlines()[-3:]
                 )
-                raise RuntimeError(f"{name} exited with {proc.returncode} while starting: {tail[-600:]}")
+                return f"{name} exited with {proc.returncode}: {tail[-600:]}"
+        return None
+
+    def _alive(self) -> None:
+        """Raise naming the daemon that has exited, with the end of its log."""
+        gone = self.exited()
+        if gone is not None:
+            raise RuntimeError(f"while starting, {gone}")
 
     def _wait_for_s3(self, deadline: float) -> None:
         """Until radosgw answers an anonymous bucket listing (it listens before its pools exist)."""

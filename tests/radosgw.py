@@ -3,7 +3,8 @@ process (`python -m tests.radosgw DIR`), which starts the cluster (`bench_io.s3_
 endpoint to DIR; every worker registers its PID there while it uses it. The keeper serves until no registered
 worker is alive (each unregisters at its session's end; a killed one is noticed by its PID), then kills every
 daemon by PID and removes the cluster. So a run of three workers starts one cluster (15-30 s, ~0.5 GiB), not three,
-and nothing outlives the run, however it ends.
+and nothing outlives the run, however it ends. A daemon that exits while serving is named, with its exit status and
+the end of its log, in DIR/keeper.log, which the run leaves behind (the tests themselves see refused connections).
 
 DIR is per run: pytest-xdist gives its workers one id (PYTEST_XDIST_TESTRUNUID); a run without xdist is its own.
 """
@@ -111,8 +112,12 @@ def keep(directory: Path) -> None:
         }
         (directory / f"{ENDPOINT}.tmp").write_text(json.dumps(doc))
         os.replace(directory / f"{ENDPOINT}.tmp", directory / ENDPOINT)
-        ready, claimed = time.monotonic(), False
+        ready, claimed, told = time.monotonic(), False, False
         while not stop.wait(POLL_S):
+            if not told and (gone := server.exited()) is not None:
+                # (the tests then fail on a refused connection: keeper.log, kept after the run, says why)
+                print(f"the cluster broke while serving: {gone}", file=sys.stderr, flush=True)
+                told = True
             with _locked(directory):
                 clients = list((directory / CLIENTS).iterdir())
                 for client in clients:

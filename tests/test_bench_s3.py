@@ -131,3 +131,21 @@ def test_a_run_with_nothing_to_measure_fails():
     result = bench("--methods", "raw-crc")  # (raw-crc has no S3 support; the embedded server)
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith("ucp: error: nothing to measure: no method of --methods")
+
+
+@pytest.mark.slow
+def test_a_radosgw_daemon_that_dies_while_serving_is_named_with_its_exit_status():
+    import os
+    import signal
+
+    from bench_io.s3_servers import Radosgw, radosgw_missing
+
+    if (missing := radosgw_missing()) is not None:
+        pytest.skip(missing)
+    with Radosgw() as server:
+        assert server.exited() is None
+        os.kill(server.pids["radosgw"], signal.SIGKILL)
+        server.procs["radosgw"].wait(30)
+        gone = server.exited()
+        assert gone is not None and gone.startswith("radosgw exited with -9"), gone
+    assert not server.dir.exists()
