@@ -380,9 +380,9 @@ def _forget_boto3_session() -> None:
 
 
 def report(bench: Bench, bytes_read: list[int], total: int, labels: list[str]) -> None:
-    print(f"{'method':<44} {'seconds':>9}")
-    for name in bench.times:
-        print(f"{name:<44} {bench.median(name):>9.2f}")
+    print(f"{'method':<44} {'seconds':>9}  each run")
+    for name, runs in bench.times.items():
+        print(f"{name:<44} {bench.median(name):>9.2f}  {' '.join(f'{t:.2f}' for t in runs)}")
     for name, note in bench.notes.items():
         print(f"{name:<44} {'-':>9}  {note}")
     print(f"bytes read per worker in a refresh: {[f'{b / 2**20:.1f} MiB' for b in bytes_read]} of {total / 2**20:.1f}")
