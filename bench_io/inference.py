@@ -158,6 +158,13 @@ class Bench:
 
         return run
 
+    def model_dir(self, url: str, options: dict | None = None) -> Path:
+        """A new model directory of step 0 of `url` (`ucp.interop.vllm.model_dir`), in the scratch directory (removed
+        with it, not left in the system's temporary directory run after run)."""
+        from ucp.interop.vllm import model_dir
+
+        return model_dir(url, 0, dir=tempfile.mkdtemp(prefix="model-dir-", dir=self.root), storage_options=options)
+
     def median(self, name: str) -> float | None:
         return statistics.median(self.times[name]) if self.times.get(name) else None
 
@@ -174,14 +181,11 @@ def startup_methods(
     """(row name -> timed run) of every start-up method, from the ucp checkpoint at `url` or the export `hf0()` gives
     (a local path: for S3, downloaded inside the timer), or vLLM's sharded_state copy `sharded` where given."""
     from ucp.interop.hf import export_hf
-    from ucp.interop.vllm import model_dir
 
     extra = {"storage_options": options} if options else None
 
     def ucp_start() -> None:
-        bench.start(
-            model=str(model_dir(url, 0, storage_options=options)), load_format="ucp", model_loader_extra_config=extra
-        )()
+        bench.start(model=str(bench.model_dir(url, options)), load_format="ucp", model_loader_extra_config=extra)()
 
     def export_then_load() -> None:
         out = bench.root / "export-timed"
@@ -229,12 +233,12 @@ def refresh_rows(
     """Time refreshes of one running engine (step 0 -> 1 -> 0 ...), and where the safetensors copies `hf` of the two
     steps are local, vLLM's own `reload_weights` of them into an engine started from the first; returns the bytes
     each worker read in the last refresh."""
-    from ucp.interop.vllm import model_dir, refresh
+    from ucp.interop.vllm import refresh
 
     extra = {"storage_options": options} if options else None
     bytes_read: list[int] = []
     with bench.engine(
-        model=str(model_dir(url, 0, storage_options=options)), load_format="ucp", model_loader_extra_config=extra
+        model=str(bench.model_dir(url, options)), load_format="ucp", model_loader_extra_config=extra
     ) as llm:
         for i in range(bench.repeats):
 

@@ -78,7 +78,6 @@ def main() -> int:
     import vllm
 
     from bench_io.targets import drop_page_cache
-    from ucp.interop.vllm import model_dir
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
@@ -87,7 +86,7 @@ def main() -> int:
         bench = inference.Bench(root, 1, 1)
         bench.start(model=str(root / "hf0"))()  # (what the process pays once)
         methods = {
-            "ucp": lambda: bench.start(model=str(model_dir(url, 0)), load_format="ucp")(),
+            "ucp": lambda: bench.start(model=str(bench.model_dir(url)), load_format="ucp")(),
             "safetensors": bench.start(model=str(root / "hf0")),
         }
         rows: dict[str, list[tuple[float, int, float, int, int, int]]] = {m: [] for m in methods}
