@@ -53,7 +53,7 @@ from ucp.sharding.families import LlamaConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
-from .methods import aws_environment
+from .methods import aws_environment, environment
 from .s3_servers import S3_SERVERS, radosgw_missing, s3_server_version, start_s3_server
 from .targets import drop_page_cache, s3_filesystem
 
@@ -158,6 +158,13 @@ class Bench:
 
         return run
 
+    def model_dir(self, url: str, options: dict | None = None) -> Path:
+        """A new model directory of step 0 of `url` (`ucp.interop.vllm.model_dir`), in the scratch directory (removed
+        with it, not left in the system's temporary directory run after run)."""
+        from ucp.interop.vllm import model_dir
+
+        return model_dir(url, 0, dir=tempfile.mkdtemp(prefix="model-dir-", dir=self.root), storage_options=options)
+
     def median(self, name: str) -> float | None:
         return statistics.median(self.times[name]) if self.times.get(name) else None
 
@@ -174,14 +181,11 @@ def startup_methods(
     """(row name -> timed run) of every start-up method, from the ucp checkpoint at `url` or the export `hf0()` gives
     (a local path: for S3, downloaded inside the timer), or vLLM's sharded_state copy `sharded` where given."""
     from ucp.interop.hf import export_hf
-    from ucp.interop.vllm import model_dir
 
     extra = {"storage_options": options} if options else None
 
     def ucp_start() -> None:
-        bench.start(
-            model=str(model_dir(url, 0, storage_options=options)), load_format="ucp", model_loader_extra_config=extra
-        )()
+        bench.start(model=str(bench.model_dir(url, options)), load_format="ucp", model_loader_extra_config=extra)()
 
     def export_then_load() -> None:
         out = bench.root / "export-timed"
@@ -229,12 +233,12 @@ def refresh_rows(
     """Time refreshes of one running engine (step 0 -> 1 -> 0 ...), and where the safetensors copies `hf` of the two
     steps are local, vLLM's own `reload_weights` of them into an engine started from the first; returns the bytes
     each worker read in the last refresh."""
-    from ucp.interop.vllm import model_dir, refresh
+    from ucp.interop.vllm import refresh
 
     extra = {"storage_options": options} if options else None
     bytes_read: list[int] = []
     with bench.engine(
-        model=str(model_dir(url, 0, storage_options=options)), load_format="ucp", model_loader_extra_config=extra
+        model=str(bench.model_dir(url, options)), load_format="ucp", model_loader_extra_config=extra
     ) as llm:
         for i in range(bench.repeats):
 
@@ -347,7 +351,7 @@ def _s3(bench: Bench, root: Path, server_name: str) -> None:
         methods.pop("fastsafetensors", None)  # (it reads local files only)
         if "runai_streamer" in methods:
             methods["runai_streamer"] = bench.start(model="s3://inference/hf0", load_format="runai_streamer")
-        with aws_environment(options):  # (runai_streamer's S3 client reads the standard variables)
+        with aws_environment(options), runai_s3_environment(options):
             for _ in range(bench.repeats):
                 for name, run in methods.items():
                     bench.time(f"{name} ({label})", run)
@@ -356,10 +360,33 @@ def _s3(bench: Bench, root: Path, server_name: str) -> None:
         server.close()
 
 
+@contextlib.contextmanager
+def runai_s3_environment(options: dict[str, str]) -> Iterator[None]:
+    """runai_streamer's settings for an S3 server of this machine, beside the AWS variables (`aws_environment`):
+    its C++ client's endpoint named for the call (vLLM's loader copies AWS_ENDPOINT_URL into
+    RUNAI_STREAMER_S3_ENDPOINT when that is unset, and leaves it set: a second server would be read at the first's
+    address); a request timeout of a minute instead of its 1 s (moto, a Python server, takes longer than that for
+    its 8 MiB ranges on 2 busy cores, and the load fails with "File access error"); and boto3's default session,
+    which lists the bucket, made anew (it keeps the keys it first resolved: the second server refuses the first's,
+    InvalidAccessKeyId)."""
+    _forget_boto3_session()
+    with environment(
+        {"RUNAI_STREAMER_S3_ENDPOINT": options["endpoint_url"], "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "60000"}
+    ):
+        yield
+    _forget_boto3_session()
+
+
+def _forget_boto3_session() -> None:
+    boto3 = sys.modules.get("boto3")  # (not imported: no session to forget)
+    if boto3 is not None:
+        boto3.DEFAULT_SESSION = None
+
+
 def report(bench: Bench, bytes_read: list[int], total: int, labels: list[str]) -> None:
-    print(f"{'method':<44} {'seconds':>9}")
-    for name in bench.times:
-        print(f"{name:<44} {bench.median(name):>9.2f}")
+    print(f"{'method':<44} {'seconds':>9}  each run")
+    for name, runs in bench.times.items():
+        print(f"{name:<44} {bench.median(name):>9.2f}  {' '.join(f'{t:.2f}' for t in runs)}")
     for name, note in bench.notes.items():
         print(f"{name:<44} {'-':>9}  {note}")
     print(f"bytes read per worker in a refresh: {[f'{b / 2**20:.1f} MiB' for b in bytes_read]} of {total / 2**20:.1f}")

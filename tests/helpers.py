@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gc
 import math
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +355,23 @@ def load_factor() -> float:
 # An S3 test that is about something else than the store (a command's arguments, a benchmark's bookkeeping) runs on
 # moto alone: `@moto_only` (the S3 fixtures run every other test on each server, tests/conftest.py).
 moto_only = pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+
+
+@contextlib.contextmanager
+def left_to_the_collector() -> Iterator[collections.Counter[str]]:
+    """What the block leaves that only Python's cyclic garbage collector frees (objects in reference cycles, and what
+    they hold) and that is ucp's: its objects and tensors, counted by type once the block ends. Every collection
+    made meanwhile (vLLM makes several) keeps what it finds (DEBUG_SAVEALL) instead of freeing it, so that nothing
+    escapes the count; what was garbage before the block is collected first and not counted."""
+    found: collections.Counter[str] = collections.Counter()
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield found
+        gc.collect()
+    finally:
+        gc.set_debug(0)
+        for o in gc.garbage:
+            if isinstance(o, torch.Tensor) or type(o).__module__.split(".")[0] == "ucp":
+                found[f"{type(o).__module__}.{type(o).__qualname__}"] += 1
+        gc.garbage.clear()

@@ -232,6 +232,48 @@ def save(
 # ------------------------------------------------------------------------------------------------- read
 
 
+def removed_or(storage: ReadableStorage, record: commit.CommitRecord, missing: ObjectMissingError) -> UcpError:
+    """What an object of the committed step `record` missing from `storage` means: the step was removed meanwhile
+    (retention, `delete`) if its commit marker no longer names this attempt, else damage (`missing` itself). A reader
+    of a step that is being deleted is told so, not that its checkpoint is damaged."""
+    if record.attempt is not None:  # (a format 1.0 step has no attempt to tell apart)
+        try:
+            now = commit.read_marker(storage, record.step)
+        except UcpError:
+            now = None
+        if now is None or now.attempt != record.attempt:
+            return StepRemovedError(
+                f"step {record.step} at {storage.url} was removed while it was being read ({missing})"
+            )
+    elif not storage.exists(commit.marker_key(record.step)):
+        return StepRemovedError(f"step {record.step} at {storage.url} was removed while it was being read")
+    return missing
+
+
+@dataclass(frozen=True)
+class _IndexObjects:
+    """Reads the index objects of a format 3.1 step for its manifest (those given, from the hot tier's peers, first).
+    The manifest holds this, not its reader: a bound method of the reader there made the two a reference cycle, which
+    kept a reader, its manifest and its storage alive after their last user dropped them, until the cyclic GC ran."""
+
+    storage: ReadableStorage
+    record: commit.CommitRecord
+    given: Mapping[str, bytes]
+
+    def __call__(self, name: str, size: int) -> bytes:
+        given = self.given.get(name)
+        if given is not None:
+            return given
+        key = f"{self.record.prefix}/{name}"
+        try:
+            return bytes(self.storage.read(key, 0, size + 1))
+        except FileNotFoundError:
+            missing = ObjectMissingError(
+                f"{self.storage.url}/{key} (an index part of step {self.record.step}) is missing"
+            )
+            raise removed_or(self.storage, self.record, missing) from None
+
+
 class CheckpointReader:
     """One committed step, opened for reading: its manifest, and verified reads of its atoms."""
 
@@ -264,9 +306,11 @@ class CheckpointReader:
                 raise self._removed_or(e) from None
         else:
             manifest_bytes = commit.check_manifest_bytes(committed[1], self.record, where)
-        self._given_parts: Mapping[str, bytes] = committed[2] if committed is not None and len(committed) > 2 else {}
+        self._index = _IndexObjects(
+            storage, self.record, committed[2] if committed is not None and len(committed) > 2 else {}
+        )
         self.manifest_bytes = len(manifest_bytes)
-        self.manifest = parse_manifest(loads(manifest_bytes, where), where, self.read_index_object)
+        self.manifest = parse_manifest(loads(manifest_bytes, where), where, self._index)
         if self.manifest.step != self.step:
             raise FormatError(f"{where} describes step {self.manifest.step}, not {self.step}")
         if self.manifest.format_version.split(".")[0] != self.record.format_version.split(".")[0]:
@@ -314,16 +358,7 @@ class CheckpointReader:
     def read_index_object(self, name: str, size: int) -> bytes:
         """One of a format 3.1 step's index objects (`name` below the attempt), at most `size` + 1 bytes (the manifest
         checks it against its size and checksum)."""
-        given = self._given_parts.get(name)
-        if given is not None:
-            return given
-        key = f"{self.prefix}/{name}"
-        try:
-            return bytes(self.storage.read(key, 0, size + 1))
-        except FileNotFoundError:
-            raise self._removed_or(
-                ObjectMissingError(f"{self.storage.url}/{key} (an index part of step {self.step}) is missing")
-            ) from None
+        return self._index(name, size)
 
     def index_parts(self) -> dict[str, bytes]:
         """Every index object of a format 3.1 step, by name below the attempt (none before 3.1): what a copy of the
@@ -405,21 +440,7 @@ class CheckpointReader:
             raise self._removed_or(e) from None
 
     def _removed_or(self, missing: ObjectMissingError) -> UcpError:
-        """What a missing object means: the step was removed meanwhile (retention, `delete`) if its commit marker no
-        longer names this attempt, else damage (`missing` itself). A reader of a step that is being deleted is told
-        so, not that its checkpoint is damaged."""
-        if self.record.attempt is not None:  # (a format 1.0 step has no attempt to tell apart)
-            try:
-                now = commit.read_marker(self.storage, self.step)
-            except UcpError:
-                now = None
-            if now is None or now.attempt != self.record.attempt:
-                return StepRemovedError(
-                    f"step {self.step} at {self.storage.url} was removed while it was being read ({missing})"
-                )
-        elif not self.storage.exists(commit.marker_key(self.step)):
-            return StepRemovedError(f"step {self.step} at {self.storage.url} was removed while it was being read")
-        return missing
+        return removed_or(self.storage, self.record, missing)
 
     def _where(self, meta: AtomMeta, index: tuple[int, ...]) -> str:
         """What to call a chunk in an error."""

@@ -397,6 +397,11 @@ def _release_all(staging: StagingPool, batches: Sequence[Sequence[_Staged]]) -> 
 # ---------------------------------------------------------------------------------------- the pipeline
 
 
+def _host_arena(arena_id: int, size: int) -> Arena:
+    """A staging arena of the writer threads (page-locked where CUDA is in use)."""
+    return host_arena(arena_id, size, pinned=cuda_in_use())
+
+
 class SavePipeline:
     """Runs save plans: writers (a process or threads), a reused staging pool, one background save at a time."""
 
@@ -413,7 +418,7 @@ class SavePipeline:
         if writer == "process":
             self.staging = StagingPool(staging_bytes, self._shared_arena, self._unmap_arena)
         else:
-            self.staging = StagingPool(staging_bytes, self._host_arena)
+            self.staging = StagingPool(staging_bytes, _host_arena)  # (no method of self: that would be a cycle)
         self._process: WriterProcess | None = None
         self._process_lock = threading.RLock()
         self._inflight: SaveHandle | None = None
@@ -541,9 +546,6 @@ class SavePipeline:
                 for arena in self.staging.arenas:
                     self._process.map_arena(arena)
             return self._process
-
-    def _host_arena(self, arena_id: int, size: int) -> Arena:
-        return host_arena(arena_id, size, pinned=cuda_in_use())
 
     def _shared_arena(self, arena_id: int, size: int) -> Arena:
         arena = shared_arena(arena_id, size, pin_for_cuda=cuda_in_use())

@@ -619,23 +619,22 @@ def _records(
 
 class AtomIndex(Mapping[str, AtomMeta]):
     """Every atom of an indexed step, by path (a mapping, as a 3.0 manifest's `atoms` dict): an atom's record is read
-    and decoded when first asked for, with the rest of its part; iterating reads every part."""
+    and decoded when first asked for, with the rest of its part; iterating reads every part. A view of its manifest
+    (`IndexedManifest.atoms`), made when asked for: the manifest does not hold it, so that the two make no reference
+    cycle (which would keep every atom's description alive after the last user of the manifest, until the cyclic GC
+    ran)."""
 
     def __init__(self, manifest: IndexedManifest):
         self._manifest = manifest
-        self._metas: dict[str, AtomMeta] = {}
 
     def __getitem__(self, path: str) -> AtomMeta:
-        meta = self._metas.get(path)
+        meta = self._manifest.meta(path)
         if meta is None:
-            found = self._manifest.locate(path)
-            if found is None:
-                raise KeyError(path)
-            meta = self._metas[path] = found[0].meta(found[1])
+            raise KeyError(path)
         return meta
 
     def __contains__(self, path: object) -> bool:
-        return path in self._metas or (type(path) is str and self._manifest.locate(path) is not None)
+        return type(path) is str and self._manifest.meta(path) is not None
 
     def __len__(self) -> int:
         return self._manifest.total_atoms
@@ -674,8 +673,23 @@ class IndexedManifest:
         self._located: dict[str, tuple[IndexPart, int]] = {}  # every atom of the parts read: its part and place
         self._trees: dict[int, Any] = {}
         self._lock = threading.Lock()
-        self.atoms = AtomIndex(self)
+        self._metas: dict[str, AtomMeta] = {}  # every atom described so far (`meta`)
         self.index_bytes = 0  # bytes of the index parts this reader holds, read or received (the manifest not counted)
+
+    @property
+    def atoms(self) -> AtomIndex:
+        """Every atom of the step, by path (`AtomIndex`)."""
+        return AtomIndex(self)
+
+    def meta(self, path: str) -> AtomMeta | None:
+        """The description of atom `path` (its part read if it was not), or None if the step has no such atom."""
+        meta = self._metas.get(path)
+        if meta is None:
+            found = self.locate(path)
+            if found is None:
+                return None
+            meta = self._metas[path] = found[0].meta(found[1])
+        return meta
 
     # -- parts
 

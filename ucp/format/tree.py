@@ -70,64 +70,68 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tens
     if not isinstance(state, dict):
         raise StateError(f"a state must be a dict, got {type(state).__name__}")
     tensors: dict[str, torch.Tensor] = {}
+    return _encode(state, [], tensors), tensors
 
-    def encode(value: Any, path: list[str]) -> dict[str, Any]:
-        def where() -> str:  # (what to call this place in an error; made only then)
-            return "state[" + "][".join(repr(p) for p in path) + "]" if path else "state"
 
-        if len(path) >= MAX_TREE_DEPTH:
-            raise StateError(f"{where()[:200]}...: the state is nested more than {MAX_TREE_DEPTH} levels deep")
-        if isinstance(value, torch.Tensor):
-            if not path:
-                raise StateError("a tensor needs a key: the state itself must be a dict")
-            atom = "/".join(path)
-            if len(atom) > MAX_ATOM_PATH_BYTES // 4 and len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
-                raise StateError(f"{where()[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
-            dense = value.layout == torch.strided and value.device.type != "meta"
-            tensors[atom] = value if dense else dtypes.check_dense(value, where())
-            return {"atom": atom}
-        if isinstance(value, np.generic) and isinstance(value.item(), (bool, int, float)):
-            value = value.item()
-        if isinstance(value, float) and not math.isfinite(value):
-            return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-        if isinstance(value, dict):
-            if path and _plain(value, len(path)):
-                return {"value": value}
-            return {"dict": {check_key(k, where): encode(v, [*path, k]) for k, v in value.items()}}
-        if isinstance(value, (list, tuple)):
-            if _plain(value, len(path)):
-                return {"value": list(value)}
-            return {"list": [encode(v, [*path, str(i)]) for i, v in enumerate(value)]}
-        if _plain(value):
+def _encode(value: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`value`'s node, its tensors added to `tensors` (a function of the module, as `_decode`)."""
+
+    def where() -> str:  # (what to call this place in an error; made only then)
+        return "state[" + "][".join(repr(p) for p in path) + "]" if path else "state"
+
+    if len(path) >= MAX_TREE_DEPTH:
+        raise StateError(f"{where()[:200]}...: the state is nested more than {MAX_TREE_DEPTH} levels deep")
+    if isinstance(value, torch.Tensor):
+        if not path:
+            raise StateError("a tensor needs a key: the state itself must be a dict")
+        atom = "/".join(path)
+        if len(atom) > MAX_ATOM_PATH_BYTES // 4 and len(atom.encode(errors="surrogatepass")) > MAX_ATOM_PATH_BYTES:
+            raise StateError(f"{where()[:200]}: the atom path is longer than {MAX_ATOM_PATH_BYTES} bytes")
+        dense = value.layout == torch.strided and value.device.type != "meta"
+        tensors[atom] = value if dense else dtypes.check_dense(value, where())
+        return {"atom": atom}
+    if isinstance(value, np.generic) and isinstance(value.item(), (bool, int, float)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, dict):
+        if path and _plain(value, len(path)):
             return {"value": value}
-        raise StateError(
-            f"{where()}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved; "
-            "leaves must be torch tensors or JSON values (None, bool, int, float, str, lists and dicts of them)"
-        )
-
-    return encode(state, []), tensors
+        return {"dict": {check_key(k, where): _encode(v, [*path, k], tensors) for k, v in value.items()}}
+    if isinstance(value, (list, tuple)):
+        if _plain(value, len(path)):
+            return {"value": list(value)}
+        return {"list": [_encode(v, [*path, str(i)], tensors) for i, v in enumerate(value)]}
+    if _plain(value):
+        return {"value": value}
+    raise StateError(
+        f"{where()}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved; "
+        "leaves must be torch tensors or JSON values (None, bool, int, float, str, lists and dicts of them)"
+    )
 
 
 def unflatten(tree: dict[str, Any], tensors: dict[str, torch.Tensor], *, checked: bool = False) -> dict[str, Any]:
     """Rebuild the state from its tree and loaded tensors (the tree checked here, unless the caller `checked` it with
     `check_root` and `tree_atoms`)."""
-
-    def decode(node: dict[str, Any]) -> Any:
-        ((kind, body),) = node.items()
-        if kind == "value":
-            return body
-        if kind == "atom":
-            return tensors[body]
-        if kind == "dict":
-            return {k: decode(v) for k, v in body.items()}
-        if kind == "list":
-            return [decode(v) for v in body]
-        return float(body)  # "float"
-
     if not checked:
         check_root(tree)
         tree_atoms(tree)
-    return decode(tree)
+    return _decode(tree, tensors)
+
+
+def _decode(node: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    # (a function of the module, not a closure: a closure that calls itself is a reference cycle, which would keep
+    # `tensors`, every tensor of the load, alive after the caller dropped them, until the cyclic GC ran)
+    ((kind, body),) = node.items()
+    if kind == "value":
+        return body
+    if kind == "atom":
+        return tensors[body]
+    if kind == "dict":
+        return {k: _decode(v, tensors) for k, v in body.items()}
+    if kind == "list":
+        return [_decode(v, tensors) for v in body]
+    return float(body)  # "float"
 
 
 @dataclass
@@ -149,44 +153,45 @@ def match(tree: dict[str, Any], into: Any) -> Matched:
     was saved), else a StateError naming the first key that differs. Nothing of `into` is changed here. JSON values
     are set where the caller holds a dict or list (a tuple keeps its own); a dict saved whole as one JSON value is
     replaced whole."""
-    out = Matched()
-
-    def walk(node: dict[str, Any], dest: Any, where: str, parent: Any, key: Any) -> None:
-        ((kind, body),) = node.items()
-        if kind == "atom":
-            if not isinstance(dest, torch.Tensor):
-                raise StateError(f"cannot load into {where}: the checkpoint holds a tensor there, not a {_kind(dest)}")
-            out.tensors[body] = dest
-        elif kind == "dict":
-            if not isinstance(dest, dict):
-                raise StateError(f"cannot load into {where}: the checkpoint holds a dict there, not a {_kind(dest)}")
-            missing = [k for k in body if k not in dest]
-            extra = [k for k in dest if k not in body]
-            if missing or extra:
-                what = f"lacks the key {missing[0]!r}" if missing else f"has a key {extra[0]!r} the checkpoint lacks"
-                raise StateError(f"cannot load into {where}: it {what}")
-            for k, child in body.items():
-                walk(child, dest[k], f"{where}[{k!r}]", dest, k)
-        elif kind == "list":
-            if not isinstance(dest, (list, tuple)) or len(dest) != len(body):
-                raise StateError(
-                    f"cannot load into {where}: the checkpoint holds a list of {len(body)} there, not a "
-                    f"{_kind(dest)}{f' of {len(dest)}' if isinstance(dest, (list, tuple)) else ''}"
-                )
-            for i, child in enumerate(body):
-                walk(child, dest[i], f"{where}[{i}]", dest, i)
-        else:  # a JSON value (or a non-finite float)
-            if isinstance(dest, torch.Tensor):
-                raise StateError(f"cannot load into {where}: the checkpoint holds a value there, not a tensor")
-            if not isinstance(parent, tuple):
-                out.values.append((parent, key, body if kind == "value" else float(body)))
-
     check_root(tree)
     tree_atoms(tree)  # (checked without recursing: the walk may recurse)
     if not isinstance(into, dict):
         raise StateError(f"cannot load into a {_kind(into)}: a state is a dict")
-    walk(tree, into, "state", None, None)
+    out = Matched()
+    _walk(tree, into, "state", None, None, out)
     return out
+
+
+def _walk(node: dict[str, Any], dest: Any, where: str, parent: Any, key: Any, out: Matched) -> None:
+    """Match `node` against `dest` into `out` (a function of the module, as `_decode`)."""
+    ((kind, body),) = node.items()
+    if kind == "atom":
+        if not isinstance(dest, torch.Tensor):
+            raise StateError(f"cannot load into {where}: the checkpoint holds a tensor there, not a {_kind(dest)}")
+        out.tensors[body] = dest
+    elif kind == "dict":
+        if not isinstance(dest, dict):
+            raise StateError(f"cannot load into {where}: the checkpoint holds a dict there, not a {_kind(dest)}")
+        missing = [k for k in body if k not in dest]
+        extra = [k for k in dest if k not in body]
+        if missing or extra:
+            what = f"lacks the key {missing[0]!r}" if missing else f"has a key {extra[0]!r} the checkpoint lacks"
+            raise StateError(f"cannot load into {where}: it {what}")
+        for k, child in body.items():
+            _walk(child, dest[k], f"{where}[{k!r}]", dest, k, out)
+    elif kind == "list":
+        if not isinstance(dest, (list, tuple)) or len(dest) != len(body):
+            raise StateError(
+                f"cannot load into {where}: the checkpoint holds a list of {len(body)} there, not a "
+                f"{_kind(dest)}{f' of {len(dest)}' if isinstance(dest, (list, tuple)) else ''}"
+            )
+        for i, child in enumerate(body):
+            _walk(child, dest[i], f"{where}[{i}]", dest, i, out)
+    else:  # a JSON value (or a non-finite float)
+        if isinstance(dest, torch.Tensor):
+            raise StateError(f"cannot load into {where}: the checkpoint holds a value there, not a tensor")
+        if not isinstance(parent, tuple):
+            out.values.append((parent, key, body if kind == "value" else float(body)))
 
 
 def _kind(value: object) -> str:
