@@ -24,6 +24,10 @@ S3_MAX_PUT_BYTES = 5 << 30  # the most one PutObject takes (AWS's limit)
 EXCLUSIVE_PROBE_KEY = ".ucp-exclusive-probe"
 S3_CONNECT_TIMEOUT_S = 10
 S3_POOL_CONNECTIONS = 64  # botocore's default pool of 10 caps concurrency
+# A read of more than this is split into ranged GETs of at most this many bytes, all in flight at once: one response
+# streams at a fraction of what the store serves many (a large object read in one GET among many small ones is the
+# load's last to finish), as S3's own transfer clients split them (s3transfer, Run:ai's streamer: 8 MiB parts).
+S3_PART_READ_BYTES = 8 << 20
 
 
 def client_options(storage_options: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
@@ -61,6 +65,24 @@ def put_checksum(data: bytes | bytearray | memoryview, single_put: bool = False)
         return {}
     value = base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
     return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": value}  # (the algorithm too, or it is not kept)
+
+
+def read_parts(offset: int, buffers: Sequence[memoryview]) -> list[tuple[int, list[memoryview]]]:
+    """A read of `buffers` back to back from `offset` as ranged reads of at most S3_PART_READ_BYTES (buffers cut
+    where a part ends): (offset, buffers) of each, in order."""
+    parts: list[tuple[int, list[memoryview]]] = [(offset, [])]
+    room = S3_PART_READ_BYTES
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while view.nbytes:
+            if room == 0:
+                offset += S3_PART_READ_BYTES
+                parts.append((offset, []))
+                room = S3_PART_READ_BYTES
+            n = min(room, view.nbytes)
+            parts[-1][1].append(view[:n])
+            view, room = view[n:], room - n
+    return parts
 
 
 async def get_into(fs: Any, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
