@@ -17,6 +17,7 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 
+from ..base.heap import populate
 from ..errors import NonExclusiveStoreError, StorageError, UcpError
 from . import s3
 from .base import SINGLE_WRITER_OPTION, Buffer, Capabilities, IOStats, Storage, check_relative_key
@@ -174,6 +175,7 @@ class FsspecStorage(Storage):
         if not self._s3:
             return super().read_into(key, offset, buffers)
         path = self._path(key)
+        populate(buffers)  # (here: the event loop thread copies every response into them, taking their faults there)
         try:  # (streamed into the buffers: no copy of the whole body first)
             got = fsspec.asyn.sync(self.fs.loop, self._get_parts, path, offset, buffers)
         except Exception as e:

@@ -11,6 +11,7 @@ from typing import Any
 import crc32c
 
 from ..errors import BucketNotFoundError
+from ..version import __version__
 
 PROTOCOLS = frozenset({"s3", "s3a"})
 
@@ -39,7 +40,12 @@ def client_options(storage_options: dict[str, Any], environ: dict[str, str]) -> 
     config.setdefault("max_pool_connections", S3_POOL_CONNECTIONS)
     config.setdefault("retries", {"max_attempts": S3_ATTEMPTS, "mode": "standard"})
     config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
-    from botocore.config import Config  # (s3fs's dependency: imported only for S3)
+    from botocore import __version__ as botocore_version  # (s3fs's dependency: imported only for S3)
+    from botocore.config import Config
+
+    # botocore builds its User-Agent header anew for every request (its SDK, OS, language, features and settings),
+    # ~0.1 ms of a GET's ~1.1 ms of client CPU (measured against radosgw on 127.0.0.1); one fixed string costs nothing
+    config.setdefault("user_agent", f"ucp/{__version__} botocore/{botocore_version}")
 
     # Every put carries its object's CRC-32C, which the store checks where it can (`put_checksum`), and ucp checks
     # every byte it reads: over plain http botocore would also sign a SHA-256 of every body (a pass at ~1 GB/s of a
