@@ -54,18 +54,20 @@ POPULATE_MIN_BYTES = 256 << 10  # (below this the call costs more than the fault
 
 
 def populate(buffers: Iterable[memoryview]) -> None:
-    """Fault in the pages of writable `buffers` (each of POPULATE_MIN_BYTES or more) that a read is about to fill,
-    one system call each, with the GIL released, their contents unchanged. Memory a process has never touched (every
-    tensor a load makes) faults page by page as it is first written: where the writer is one thread for many reads
-    (the event loop that copies every S3 response into its buffers) those faults are taken there one at a time,
-    in series with everything else it does; here each reading thread takes its own buffers' in one call, 2-4x
-    cheaper than one fault a page (1 GiB: 0.24 s against 0.4-0.9 s of system time, measured on 2 cores). Where the
-    system call is missing or refused, the pages fault as they are written."""
+    """Fault in the pages of writable contiguous `buffers` (each of POPULATE_MIN_BYTES or more) that a read is about
+    to fill, one system call each, with the GIL released, their contents unchanged. Memory a process has never
+    touched (every tensor a load makes) faults page by page as it is first written: where the writer is one thread
+    for many reads (the event loop that copies every S3 response into its buffers, holding the GIL) those faults are
+    taken there one at a time, in series with everything else it does; here each reading thread takes its own
+    buffers' in one call, 2-4x cheaper than one fault a page (1 GiB: 0.24 s against 0.4-0.9 s of system time,
+    measured on 2 cores). A reader that writes its buffers itself (a file's `preadv`) takes their faults in its own
+    thread anyway: it gains little (docs/BENCHMARKS.md, "fresh memory"). Where the system call is missing or
+    refused, the pages fault as they are written."""
     madvise = _madvise()
     if madvise is None:
         return
     for buffer in buffers:
-        if buffer.nbytes < POPULATE_MIN_BYTES or buffer.readonly:
+        if buffer.nbytes < POPULATE_MIN_BYTES or buffer.readonly or not buffer.c_contiguous:
             continue
         start = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
         first = start - start % PAGE_BYTES
