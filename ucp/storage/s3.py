@@ -27,7 +27,7 @@ S3_CONNECT_TIMEOUT_S = 10
 S3_POOL_CONNECTIONS = 64  # botocore's default pool of 10 caps concurrency
 # A read of more than this is split into ranged GETs of at most this many bytes, all in flight at once: one response
 # streams at a fraction of what the store serves many (a large object read in one GET among many small ones is the
-# load's last to finish), as S3's own transfer clients split them (s3transfer, Run:ai's streamer: 8 MiB parts).
+# load's last to finish), as AWS's own transfer client splits them (s3transfer: parts of 8 MiB by default).
 S3_PART_READ_BYTES = 8 << 20
 
 
