@@ -28,7 +28,9 @@ With --s3 the same files go to an S3 server on 127.0.0.1 (`--s3-server`: Ceph's 
 moto's), and S3 rows are added, with Run:ai's model streamer beside them where it is installed (`pip install
 runai-model-streamer runai-model-streamer-s3`): its SafetensorsStreamer streaming the safetensors files ("new": the
 tensors it returns, each its own; "into": copied into the job's parameters), an inference engine's cold start.
-Prints a table: seconds (median of the repeats), bytes read from storage, and the effective rate.
+Each repeat runs every method once in turn (a round), so that a repeat's methods meet the same machine. Prints a
+table: seconds (median of the repeats), bytes read from storage, the effective rate and each repeat's seconds; then
+ucp's time over each peer's, of the medians and repeat by repeat.
 """
 
 from __future__ import annotations
@@ -60,12 +62,20 @@ from .targets import drop_page_cache, embedded_server, s3_filesystem
 class Row:
     method: str
     storage: str
-    seconds: float
+    times: list[float]  # seconds of each repeat, in order
     bytes_read: int
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
 
     def line(self) -> str:
         rate = self.bytes_read / self.seconds / 2**30 if self.seconds else 0.0
-        return f"{self.method:<26} {self.storage:<7} {self.seconds:>9.3f} {self.bytes_read / 2**20:>11.1f} {rate:>9.2f}"
+        repeats = " ".join(f"{t:.3f}" for t in self.times)
+        return (
+            f"{self.method:<26} {self.storage:<7} {self.seconds:>9.3f} {self.bytes_read / 2**20:>11.1f} {rate:>9.2f}"
+            f"   {repeats}"
+        )
 
 
 def config_for(size_gib: float) -> MixtralConfig:
@@ -107,14 +117,19 @@ def write_sources(cfg: MixtralConfig, root: Path, ucp_url: str, storage_options:
     return hf
 
 
-def timed(fn: Callable[[], int], repeats: int, before: Callable[[], None]) -> tuple[float, int]:
-    times, nbytes = [], 0
+def timed(
+    methods: list[tuple[str, Callable[[], int]]], storage: str, repeats: int, before: Callable[[], None]
+) -> list[Row]:
+    """A row of each method: `repeats` rounds, each running every method once in turn (so that each round's
+    methods meet the same machine: ratios repeat by repeat compare runs made next to each other)."""
+    rows = [Row(name, storage, [], 0) for name, _ in methods]
     for _ in range(repeats):
-        before()
-        t0 = time.perf_counter()
-        nbytes = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), nbytes
+        for row, (_, fn) in zip(rows, methods, strict=True):
+            before()
+            t0 = time.perf_counter()
+            row.bytes_read = fn()
+            row.times.append(time.perf_counter() - t0)
+    return rows
 
 
 Params = dict[str, torch.Tensor]
@@ -273,17 +288,15 @@ def main(argv: list[str] | None = None) -> int:
             drop_page_cache(root, args.cache)
 
         st_params = safetensors_params(hf)
-        for method, fn in methods(url, lambda into: safetensors_local(hf, into), st_params, None):
-            rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
         objects, st_files = chunk_objects(Path(url)), sorted(hf.glob("*.safetensors"))
-        for method, fn in (
+        local = methods(url, lambda into: safetensors_local(hf, into), st_params, None) + [
             (f"raw read, ucp's {len(objects)} files", raw_read(objects, args.raw_threads)),
             (f"raw read, safetensors' {len(st_files)}", raw_read(st_files, 1)),
-        ):
-            rows.append(Row(method, "local", *timed(fn, args.repeats, cold)))
+        ]
+        rows += timed(local, "local", args.repeats, cold)
         if args.s3:
             rows += _s3_rows(root, hf, st_params, args.repeats, embedded_server(args.s3_server))
-        print(f"{'method':<26} {'storage':<7} {'seconds':>9} {'MiB read':>11} {'GiB/s':>9}")
+        print(f"{'method':<26} {'storage':<7} {'seconds':>9} {'MiB read':>11} {'GiB/s':>9}   each repeat's seconds")
         for row in rows:
             print(row.line())
         print(ratios(rows))
@@ -291,18 +304,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ratios(rows: list[Row]) -> str:
-    """ucp's tp1 time over safetensors', per storage and destination (< 1: ucp is faster)."""
-    by = {(r.method, r.storage): r.seconds for r in rows}
+    """ucp's tp1 time over safetensors' and runai-model-streamer's, per storage and destination (< 1: ucp is
+    faster): of the medians, then repeat by repeat."""
+    by = {(r.method, r.storage): r for r in rows}
     out = []
     for storage in dict.fromkeys(r.storage for r in rows):
         for dest in ("new", "into"):
-            st = by.get((f"safetensors, {dest}", storage))
             mine = by.get((f"ucp tp1, {dest}", storage))
-            if st and mine:
-                out.append(f"{storage} {dest}: ucp tp1 / safetensors = {mine / st:.2f}x")
-            runai = by.get((f"runai, {dest}", storage))
-            if runai and mine:
-                out.append(f"{storage} {dest}: ucp tp1 / runai-model-streamer = {mine / runai:.2f}x")
+            for label, peer in (("safetensors", "safetensors"), ("runai-model-streamer", "runai")):
+                other = by.get((f"{peer}, {dest}", storage))
+                if mine and other:
+                    each = " ".join(f"{a / b:.2f}" for a, b in zip(mine.times, other.times, strict=True))
+                    out.append(
+                        f"{storage} {dest}: ucp tp1 / {label} = {mine.seconds / other.seconds:.2f}x (each repeat: {each})"
+                    )
     floors = [r.seconds for r in rows if r.method.startswith("raw read")]
     if len(floors) == 2:
         out.append(f"local raw reads of the same files: ucp's / safetensors' = {floors[0] / floors[1]:.2f}x")
@@ -341,20 +356,18 @@ def _s3_rows(root: Path, hf: Path, st_params: Params, repeats: int, server_name:
         def nothing() -> None:  # (no cache of the client's to drop; the server's is its own)
             return None
 
-        rows = [
-            Row(method, "s3", *timed(fn, repeats, nothing))
-            for method, fn in methods(url, lambda into: safetensors_s3(fs, "coldstart/hf", into), st_params, options)
-        ]
+        timing = methods(url, lambda into: safetensors_s3(fs, "coldstart/hf", into), st_params, options)
         urls = [f"s3://coldstart/hf/{f.name}" for f in st_files]
         nbytes = sum(f.stat().st_size for f in st_files)
-        for dest, into in (("new", None), ("into", st_params)):
-            try:
-                rows.append(
-                    Row(f"runai, {dest}", "s3", *timed(runai_s3(urls, options, nbytes, into), repeats, nothing))
-                )
-            except Exception as e:  # noqa: BLE001 -- a peer that cannot run here is reported, not dropped
-                print(f"runai-model-streamer on {server_name}: {one_line(e)}")
-        return rows
+        try:
+            runai_s3(urls, options, nbytes)()  # (whether it runs here, untimed: as ucp's first load, in `methods`)
+            timing += [
+                (f"runai, {dest}", runai_s3(urls, options, nbytes, into))
+                for dest, into in (("new", None), ("into", st_params))
+            ]
+        except Exception as e:  # noqa: BLE001 -- a peer that cannot run here is reported, not dropped
+            print(f"runai-model-streamer on {server_name}: {one_line(e)}")
+        return timed(timing, "s3", repeats, nothing)
     finally:
         server.close()
 

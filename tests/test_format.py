@@ -77,6 +77,41 @@ def test_step_defaults_to_next_and_committed_steps_are_never_overwritten(tmp_pat
     assert torch.equal(ucp.load(url, step=0)["x"], torch.ones(2))
 
 
+def test_the_latest_step_is_found_from_the_newest_marker_down_in_one_listing(tmp_path):
+    """Opening the latest step lists the root once and reads markers from the newest step down to the first valid
+    one (each a request in series before a load's first read on an object store), not every step's; a step with a
+    damaged marker or none is passed over, and a step asked for by number is its marker alone."""
+    from ucp.format.manifest import COMMIT_MARKER, step_dirname
+    from ucp.storage import open_storage
+
+    for step in range(4):
+        ucp.save({"x": torch.full((2,), float(step))}, str(tmp_path), step=step)
+    (tmp_path / step_dirname(3) / COMMIT_MARKER).write_text('{"torn')
+    (tmp_path / step_dirname(5)).mkdir()  # (a save that did not finish)
+    storage = open_storage(str(tmp_path))
+    asked: list[tuple[str, str]] = []  # (method, key) of every request
+
+    def recorded(name, method):
+        def call(*args, **kwargs):
+            asked.append((name, args[0] if args else ""))
+            return method(*args, **kwargs)
+
+        return call
+
+    for name in ("read", "read_into", "listdir", "exists", "root_exists"):
+        setattr(storage, name, recorded(name, getattr(storage, name)))
+    reader = ucp.CheckpointReader(storage)
+    assert reader.step == 2 and torch.equal(reader.load_state()["x"], torch.full((2,), 2.0))
+    markers = [key for name, key in asked if key.endswith(COMMIT_MARKER)]
+    assert markers == [f"{step_dirname(s)}/{COMMIT_MARKER}" for s in (5, 3, 2)], asked
+    names = [name for name, _ in asked]
+    assert names.count("listdir") == 1 and "root_exists" not in names, asked
+    asked.clear()
+    assert ucp.CheckpointReader(storage, 1).step == 1
+    assert [key for _, key in asked if key.endswith(COMMIT_MARKER)] == [f"{step_dirname(1)}/{COMMIT_MARKER}"]
+    assert [name for name, _ in asked].count("listdir") == 0, asked
+
+
 def test_chunks_follow_policy_and_sharded_atoms_hold_inner_chunks(tmp_path):
     shape, itemsize = (1000, 300), 4
     policy = ChunkingPolicy(object_bytes=400_000, inner_bytes=100_000)

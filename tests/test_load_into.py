@@ -178,3 +178,30 @@ def test_a_saved_tensor_stays_the_callers_to_resize(tmp_path):
     ucp.save(state, str(tmp_path))
     for t in state.values():
         t.resize_(t.numel() * 3)
+
+
+def test_populate_faults_in_the_memory_a_read_will_fill_and_changes_none_of_it():
+    """`ucp.base.heap.populate` before a read into memory never touched: writing it then takes no page faults
+    (one each page without), and what the memory held is unchanged; small and read-only buffers are left alone."""
+    import mmap
+    import resource
+
+    from ucp.base.heap import POPULATE_MIN_BYTES, populate
+
+    def faults_writing(view: memoryview) -> int:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        view[:] = ones
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+    nbytes = DRAW.randrange(4, 64) * POPULATE_MIN_BYTES + DRAW.randrange(mmap.PAGESIZE)
+    ones = b"\x01" * nbytes  # (made, and its own pages faulted in, before anything is counted)
+    pages = nbytes // mmap.PAGESIZE
+    untouched = mmap.mmap(-1, nbytes)  # (anonymous memory no page of which is faulted in yet)
+    assert faults_writing(memoryview(untouched)) >= pages // 2
+    fresh = mmap.mmap(-1, nbytes)
+    populate([memoryview(fresh)[1:]])  # (from inside its first page, as a buffer in a tensor starts anywhere)
+    assert bytes(fresh[:16]) == bytes(16) and fresh.find(b"\x01") == -1
+    assert faults_writing(memoryview(fresh)) < pages // 8
+    held = bytearray(DRAW.randbytes(POPULATE_MIN_BYTES))
+    populate([memoryview(held), memoryview(bytes(held)), memoryview(bytearray(10))])
+    assert bytes(held) == bytes(memoryview(held))

@@ -29,7 +29,7 @@ from ucp.sharding.layout import Layout, parse_layout
 from ucp.sharding.quantization import SCALE_SUFFIX
 from ucp.sharding.reshard import put_local, shard
 
-from .helpers import assert_same_state
+from .helpers import DRAW, assert_same_state
 
 STATES = ("exp_avg", "exp_avg_sq")
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -61,13 +61,18 @@ def recording(reader: ucp.CheckpointReader) -> tuple[set, set]:
     objects: set[tuple[str, tuple[int, ...]]] = set()
     keys: set[str] = set()
     lock = threading.Lock()
-    read_object, storage = reader.read_object, reader.storage
+    read_object, read_pack_regions, storage = reader.read_object, reader._read_pack_regions, reader.storage
     read, read_into = storage.read, storage.read_into
 
     def recorded_object(meta, index, dest_for):
         with lock:
             objects.add((meta.path, index))
         read_object(meta, index, dest_for)
+
+    def recorded_pack_regions(pack, run):  # (the packed chunks of one pack that a load reads together)
+        with lock:
+            objects.update((r.meta.path, r.index) for r in run)
+        read_pack_regions(pack, run)
 
     def recorded_read(key, *args, **kwargs):
         with lock:
@@ -80,6 +85,7 @@ def recording(reader: ucp.CheckpointReader) -> tuple[set, set]:
         return read_into(key, *args, **kwargs)
 
     reader.read_object = recorded_object  # type: ignore[method-assign]
+    reader._read_pack_regions = recorded_pack_regions  # type: ignore[method-assign]
     storage.read, storage.read_into = recorded_read, recorded_read_into  # type: ignore[method-assign]
     return objects, keys
 
@@ -251,6 +257,40 @@ def test_needed_objects_are_what_an_fp8_load_reads(case):
         weights = [item for t in plan.tensors for item in t.items if item.atom.removeprefix("model/") in scales]
         assert bool(dequantising) == (load == "dequantised" and bool(weights) or bool(into))
         check_load(url, model, rank, dtype, into)
+
+
+@pytest.mark.parametrize("states", [(), STATES])
+def test_a_load_reads_the_chunks_it_wants_of_a_pack_in_one_request(tmp_path, states):
+    """Each chunk of a packed atom is a read of its own in the plan; the load merges them: a rank of one layout
+    loading from another reads each pack it needs in one request (with the optimizer state packed beside the
+    weights, the load of the weights and the state reads each pack once too)."""
+    config = MixtralConfig(
+        vocab_size=24, hidden_size=4, intermediate_size=8, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=2, num_local_experts=2,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(DRAW.randrange(2**31))
+    atoms = canonical_atoms(config)
+    full: dict[str, Any] = {"model": {n: torch.randn(s, generator=g) for n, (s, _) in atoms.items()}}
+    if states:
+        full["optimizer"] = {
+            "state": {n: {s: torch.randn(shape, generator=g) for s in states} for n, (shape, _) in atoms.items()}
+        }
+    url = save(tmp_path, config, parse_layout("tp2pp2"), states, ucp.ChunkingPolicy(), full)
+    reader = ucp.open_checkpoint(url)
+    requests: dict[str, int] = {}
+    lock, read_into = threading.Lock(), reader.storage.read_into
+
+    def counted(key, *args):
+        with lock:
+            requests[key] = requests.get(key, 0) + 1
+        return read_into(key, *args)
+
+    reader.storage.read_into = counted  # type: ignore[method-assign]
+    target = parse_layout("tp1")
+    local, _ = load_sharded(reader, ShardedModel(config, target, states), 0)
+    assert_same_state(shard(full, config, target, 0, states), local)
+    packs = {key: n for key, n in requests.items() if "ucp-packs/" in key}
+    assert len(packs) == parse_layout("tp2pp2").world_size and set(packs.values()) == {1}, packs
 
 
 def test_a_plan_made_for_other_tensors_is_refused_by_the_load(tmp_path):

@@ -32,7 +32,7 @@ import ucp
 from ucp.errors import BucketNotFoundError, IntegrityError, NonExclusiveStoreError, StorageAuthError, StorageError
 from ucp.format.manifest import step_dirname
 from ucp.protocol import commit
-from ucp.storage import S3_SINGLE_PUT_BYTES, open_storage
+from ucp.storage import S3_SINGLE_PUT_BYTES, open_storage, s3
 from ucp.storage.s3 import EXCLUSIVE_PROBE_KEY
 
 from .helpers import DRAW, assert_same_state
@@ -265,6 +265,36 @@ def test_ranged_reads_to_and_past_the_end_and_a_whole_object_in_one_request(s3_b
     whole = memoryview(bytearray(size + 1))
     assert storage.read_into("obj", 0, [whole]) == size and bytes(whole[:size]) == data
     assert proxy.fired, "no answer was cut off"
+
+
+def test_a_read_larger_than_a_part_is_ranged_gets_of_a_part_each(s3_bucket, proxy, monkeypatch):
+    """A read of more than S3_PART_READ_BYTES is ranged GETs of at most that many bytes (in flight together, the
+    buffers cut where a part ends): to the object's end, past it (a part wholly past the end is the store's 416: no
+    bytes), a body cut off on the way read again, a missing object FileNotFoundError."""
+    part = 64 << 10  # (the size is a parameter: 8 MiB objects would cost each server seconds)
+    monkeypatch.setattr(s3, "S3_PART_READ_BYTES", part)
+    bucket, options = s3_bucket
+    storage = open_storage(f"s3://{bucket}/parts", through(options, proxy))
+    size = DRAW.randrange(4 * part, 12 * part)
+    data = os.urandom(size)
+    storage.write("obj", [data])
+    for _ in range(8):
+        start = DRAW.randrange(0, size)
+        n = DRAW.randrange(2, size - start + 2 * part)
+        cuts = sorted(DRAW.sample(range(1, n), min(3, n - 1)))
+        views = [memoryview(bytearray(b - a)) for a, b in zip([0, *cuts], [*cuts, n])]
+        proxy.requests.clear()
+        got = storage.read_into("obj", start, views)
+        assert got == min(n, size - start), (start, n, size)
+        assert b"".join(map(bytes, views))[:got] == data[start : start + got]
+        ranges = sorted(r.headers.get("range") for r in proxy.requests if r.method == "GET")
+        assert ranges == sorted(f"bytes={a}-{min(a + part, start + n) - 1}" for a in range(start, start + n, part))
+    proxy.arm("read", 2, CUT, match="/obj")
+    whole = memoryview(bytearray(size + 1))
+    assert storage.read_into("obj", 0, [whole]) == size and bytes(whole[:size]) == data
+    assert proxy.fired, "no answer was cut off"
+    with pytest.raises(FileNotFoundError):
+        storage.read_into("missing", 0, [memoryview(bytearray(3 * part))])
 
 
 # ------------------------------------------------------------------------------- packs and large objects

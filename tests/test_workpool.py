@@ -37,6 +37,25 @@ def test_run_sized_runs_small_objects_in_the_calling_thread_and_large_ones_on_th
     assert small_order == sorted(small_order)  # one after another, in order
 
 
+def test_run_sized_starts_the_largest_objects_first_each_a_task_of_its_own():
+    """Many small objects (batched several a task) and, last in the list, large ones that can only finish together
+    (a barrier): the large ones start first, largest first, none queued behind another in one task."""
+    rng = random.Random()
+    large = sorted((rng.randrange(SMALL_OBJECT_BYTES, 64 << 20) for _ in range(2)), reverse=True)
+    together = threading.Barrier(len(large), timeout=30)
+    started: list[int] = []
+
+    def run(n: int) -> None:
+        started.append(n)
+        if n >= SMALL_OBJECT_BYTES:
+            together.wait()
+
+    sizes = [rng.randrange(1, SMALL_OBJECT_BYTES) for _ in range(rng.randrange(200, 2000))] + large[::-1]
+    with cf.ThreadPoolExecutor(len(large)) as pool:
+        run_sized(pool, [ObjectCall(lambda n=n: run(n), n) for n in sizes], serial_small=False)
+    assert sorted(started[: len(large)], reverse=True) == large and len(started) == len(sizes)
+
+
 @pytest.mark.parametrize("failing", ["small", "large"])
 def test_run_sized_raises_the_first_failure_and_runs_nothing_after_it_in_its_lane(failing):
     ran: list[int] = []

@@ -58,6 +58,15 @@ def submit_batched(pool: cf.ThreadPoolExecutor, calls: Sequence[Call], per_task:
     return [pool.submit(chain(calls[i : i + per_task])) for i in range(0, len(calls), per_task)]
 
 
+def submit_wide(pool: cf.ThreadPoolExecutor, calls: Sequence[ObjectCall]) -> list[cf.Future]:
+    """Submit object calls to run many at once: the largest first, each object of SMALL_OBJECT_BYTES or more a task
+    of its own, the smaller ones batched (`submit_batched`). A large object started late, or queued behind another
+    in one task, would be the last to finish, with the pool idle around it."""
+    ordered = sorted(calls, key=lambda c: -c.nbytes)  # (stable: objects of one size keep their order)
+    large = sum(1 for c in ordered if c.nbytes >= SMALL_OBJECT_BYTES)
+    return [pool.submit(c.call) for c in ordered[:large]] + submit_batched(pool, [c.call for c in ordered[large:]])
+
+
 def wait_all(futures: Sequence[cf.Future]) -> None:
     """Wait for every future; on the first failure cancel what has not started, wait for what runs, raise it."""
     done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
@@ -91,7 +100,7 @@ def run_sized(
     thread, one after another (unless `serial_small` is False: then every one on the pool), with the storage reading
     ahead of them where it can (`prefetching`: a disk's reads then overlap, where each would wait in turn). The
     first failure cancels what has not started and is raised."""
-    futures = submit_batched(pool, [c.call for c in calls if not in_small_lane(c.nbytes, serial_small)])
+    futures = submit_wide(pool, [c for c in calls if not in_small_lane(c.nbytes, serial_small)])
     small = [c for c in calls if in_small_lane(c.nbytes, serial_small)]
     try:
         keys = [c.key for c in small if c.key is not None]

@@ -478,6 +478,10 @@ class CheckpointReader:
     ) -> ObjectCall:
         """The read of the part of chunk object `index` that falls in region `box` of an atom into `view`
         (`read_region`), as a call to run with others, with its object's bytes and key."""
+        if meta.packed and landing is None:  # (merged with the other chunks of its pack read at once: run_reads)
+            return ObjectCall(
+                PackedRegionRead(self, meta, index, box, view), meta.object_bytes, self.read_key(meta, index)
+            )
         return ObjectCall(
             functools.partial(self.read_region, meta, index, box, view, landing),
             meta.object_bytes,
@@ -493,11 +497,50 @@ class CheckpointReader:
         return [self.region_read(meta, i, box, view, landing) for i in chunks_touching(meta, box)]
 
     def run_reads(self, reads: list[ObjectCall]) -> int:
-        """Run object reads, many in flight; returns the bytes read from storage."""
+        """Run object reads, many in flight; returns the bytes read from storage. The reads of packed chunks
+        (`PackedRegionRead`) are merged: one request per run of a pack's wanted chunks (`codec.read_packed`), not one
+        per chunk."""
         before = self.storage.stats.bytes_read
         with cf.ThreadPoolExecutor(self.io_threads) as pool:
-            run_sized(pool, reads, self.storage.capabilities.serial_small_reads, self.storage.prefetching)
+            run_sized(
+                pool, self._packs_merged(reads), self.storage.capabilities.serial_small_reads, self.storage.prefetching
+            )
         return self.storage.stats.bytes_read - before
+
+    def _packs_merged(self, reads: list[ObjectCall]) -> list[ObjectCall]:
+        """`reads` with its `PackedRegionRead`s of each pack merged into one call per run of chunks no more than
+        `codec.GAP_READ_BYTES` apart (each such call is one request; runs further apart still go in parallel). A chunk
+        wanted twice (two regions of it, for two tensors) starts a new run: a run reads each of its chunks once."""
+        merged = [r for r in reads if not isinstance(r.call, PackedRegionRead)]
+        packed = sorted(
+            (r.call for r in reads if isinstance(r.call, PackedRegionRead)),
+            key=lambda r: (r.chunk.pack, r.chunk.offset),
+        )
+        run: list[PackedRegionRead] = []
+        for r in packed:
+            last = run[-1].chunk if run else None
+            if last is not None and (
+                r.chunk.pack != last.pack or not 0 <= r.chunk.offset - run[-1].end <= codec.GAP_READ_BYTES
+            ):
+                merged.append(self._pack_run(run))
+                run = []
+            run.append(r)
+        if run:
+            merged.append(self._pack_run(run))
+        return merged
+
+    def _pack_run(self, run: list[PackedRegionRead]) -> ObjectCall:
+        pack = run[0].chunk.pack
+        return ObjectCall(
+            functools.partial(self._read_pack_regions, pack, run),
+            run[-1].end - run[0].chunk.offset,
+            self._pack_key(pack),
+        )
+
+    def _read_pack_regions(self, pack: str, run: list[PackedRegionRead]) -> None:
+        reads = [r for r in map(PackedRegionRead.packed_read, run) if r is not None]
+        if reads:
+            self._read_packed(pack, reads)
 
     @collector_paused()
     def read_atoms(
@@ -653,6 +696,36 @@ class CheckpointReader:
     def chunk_count(self) -> int:
         """Objects that hold the atoms' data: the chunk objects of unpacked atoms, and the packs."""
         return sum(math.prod(m.grid) for m in self.atoms.values() if not m.packed) + len(self.manifest.packs)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRegionRead:
+    """The read of the part of packed chunk `index` of atom `meta` inside region `box` into `view` (in host memory):
+    a call of its own, which `CheckpointReader.run_reads` merges with the other chunks of its pack it reads, so that
+    a load of many small atoms packed together makes a request per pack (per run of the chunks it wants), not one per
+    chunk."""
+
+    reader: CheckpointReader
+    meta: AtomMeta
+    index: tuple[int, ...]
+    box: Box
+    view: torch.Tensor
+
+    @functools.cached_property
+    def chunk(self) -> PackedChunk:
+        return self.reader.packed_chunk(self.meta, self.index)
+
+    @property
+    def end(self) -> int:
+        return self.chunk.offset + self.chunk.nbytes
+
+    def packed_read(self) -> codec.PackedRead | None:
+        """The chunk's read into its sink (None where no part of it falls in `box`)."""
+        sink = codec.packed_sink(self.meta, self.index, codec.region(self.box, self.view))
+        return None if sink is None else codec.PackedRead.of(self.chunk, sink, self.meta, self.index)
+
+    def __call__(self) -> None:
+        self.reader.read_region(self.meta, self.index, self.box, self.view)
 
 
 def chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:

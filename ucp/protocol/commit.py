@@ -22,6 +22,7 @@ from typing import Any
 import crc32c
 
 from ..errors import (
+    BucketNotFoundError,
     CheckpointNotFoundError,
     FormatError,
     NonExclusiveStoreError,
@@ -202,14 +203,7 @@ def step_dirs(storage: ReadableStorage) -> list[int]:
 def committed_steps(storage: ReadableStorage) -> list[int]:
     """Steps with a valid commit marker, ascending. A step whose marker is damaged is left out (and logged): it
     cannot be loaded, and it is never taken for a leftover to delete either."""
-    out = []
-    for step in step_dirs(storage):
-        try:
-            if read_marker(storage, step) is not None:
-                out.append(step)
-        except FormatError as e:
-            log.warning("step %d at %s is not counted as committed: %s", step, storage.url, e)
-    return out
+    return [step for step in step_dirs(storage) if _valid_marker(storage, step) is not None]
 
 
 def _foreign_hint(storage: ReadableStorage) -> str:
@@ -229,23 +223,35 @@ def _foreign_hint(storage: ReadableStorage) -> str:
 
 
 def resolve_step(storage: ReadableStorage, step: int | str | None) -> tuple[int, CommitRecord]:
-    """The committed step that `step` ('latest', None or a number) names, with its commit record."""
-    if not storage.root_exists():
-        raise CheckpointNotFoundError(f"no ucp checkpoint at {storage.url}: the path does not exist")
-    all_steps = step_dirs(storage)
+    """The committed step that `step` ('latest', None or a number) names, with its commit record. In as few round
+    trips as the answer takes (each is a request in series before a load's first read on an object store): 'latest'
+    lists the root once and reads markers from the newest step down to the first valid one; a number reads its
+    marker alone. The root's existence, and the listing that names what is there, are looked up only to say why
+    nothing was found."""
+    try:
+        return _resolve_step(storage, step)
+    except BucketNotFoundError:
+        _check_root(storage)  # (what a missing bucket means to a reader: no checkpoint there, in those words)
+        raise
+
+
+def _resolve_step(storage: ReadableStorage, step: int | str | None) -> tuple[int, CommitRecord]:
     if step in (None, "latest"):
-        committed = committed_steps(storage)
-        if not committed:
-            pending = f" (uncommitted steps present: {all_steps}; an interrupted save?)" if all_steps else ""
-            raise CheckpointNotFoundError(
-                f"no committed ucp checkpoint at {storage.url}{pending}{_foreign_hint(storage)}"
-            )
-        step = committed[-1]
+        all_steps = step_dirs(storage)
+        for latest in reversed(all_steps):
+            record = _valid_marker(storage, latest)
+            if record is not None:
+                return latest, record
+        _check_root(storage)
+        pending = f" (uncommitted steps present: {all_steps}; an interrupted save?)" if all_steps else ""
+        raise CheckpointNotFoundError(f"no committed ucp checkpoint at {storage.url}{pending}{_foreign_hint(storage)}")
     if isinstance(step, bool) or not isinstance(step, (int, str)) or not str(step).isdigit():
         raise CheckpointNotFoundError(f"step must be a non-negative integer or 'latest', got {step!r:.80}")
     step = int(step)
     record = read_marker(storage, step)
     if record is None:
+        _check_root(storage)
+        all_steps = step_dirs(storage)
         if step in all_steps:
             raise CheckpointNotFoundError(
                 f"step {step} at {storage.url} is not committed (its save did not finish); "
@@ -253,6 +259,22 @@ def resolve_step(storage: ReadableStorage, step: int | str | None) -> tuple[int,
             )
         raise CheckpointNotFoundError(f"no step {step} at {storage.url}; steps present: {all_steps}")
     return step, record
+
+
+def _valid_marker(storage: ReadableStorage, step: int) -> CommitRecord | None:
+    """The step's commit record, or None where it has none or a damaged one (logged: such a step is not counted as
+    committed, `committed_steps`)."""
+    try:
+        return read_marker(storage, step)
+    except FormatError as e:
+        log.warning("step %d at %s is not counted as committed: %s", step, storage.url, e)
+        return None
+
+
+def _check_root(storage: ReadableStorage) -> None:
+    """A CheckpointNotFoundError if the root does not exist (a missing bucket: `BucketNotFoundError`)."""
+    if not storage.root_exists():
+        raise CheckpointNotFoundError(f"no ucp checkpoint at {storage.url}: the path does not exist")
 
 
 def read_manifest_bytes(storage: ReadableStorage, record: CommitRecord) -> bytes:

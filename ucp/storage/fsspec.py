@@ -3,6 +3,7 @@ read; what is S3's own is in `s3`, how its failures become ucp errors in `errors
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -16,6 +17,7 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 
+from ..base.heap import populate
 from ..errors import NonExclusiveStoreError, StorageError, UcpError
 from . import s3
 from .base import SINGLE_WRITER_OPTION, Buffer, Capabilities, IOStats, Storage, check_relative_key
@@ -173,8 +175,9 @@ class FsspecStorage(Storage):
         if not self._s3:
             return super().read_into(key, offset, buffers)
         path = self._path(key)
+        populate(buffers)  # (here: the event loop thread copies every response into them, taking their faults there)
         try:  # (streamed into the buffers: no copy of the whole body first)
-            got = fsspec.asyn.sync(self.fs.loop, s3.get_into, self.fs, path, offset, buffers)
+            got = fsspec.asyn.sync(self.fs.loop, self._get_parts, path, offset, buffers)
         except Exception as e:
             failure = self._unreadable(key, path, e)
             if failure is not None:
@@ -182,6 +185,21 @@ class FsspecStorage(Storage):
             got = 0
         self.stats.record_read(got)
         return got
+
+    async def _get_parts(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """The bytes from `offset` into `buffers` (`s3.get_into`), in ranged GETs of at most `s3.S3_PART_READ_BYTES`
+        all in flight at once; the bytes read (a part past the object's end reads none). The first failure is raised
+        once every part has ended (none then writes into the buffers any more)."""
+        parts = s3.read_parts(offset, buffers)
+        if len(parts) == 1:
+            return await s3.get_into(self.fs, path, offset, buffers)
+        results = await asyncio.gather(
+            *(s3.get_into(self.fs, path, at, views) for at, views in parts), return_exceptions=True
+        )
+        failed = next((r for r in results if isinstance(r, BaseException) and not range_not_satisfiable(r)), None)
+        if failed is not None:
+            raise failed
+        return sum(r for r in results if isinstance(r, int))
 
     def exists(self, key: str) -> bool:
         try:

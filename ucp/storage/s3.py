@@ -11,6 +11,7 @@ from typing import Any
 import crc32c
 
 from ..errors import BucketNotFoundError
+from ..version import __version__
 
 PROTOCOLS = frozenset({"s3", "s3a"})
 
@@ -24,6 +25,10 @@ S3_MAX_PUT_BYTES = 5 << 30  # the most one PutObject takes (AWS's limit)
 EXCLUSIVE_PROBE_KEY = ".ucp-exclusive-probe"
 S3_CONNECT_TIMEOUT_S = 10
 S3_POOL_CONNECTIONS = 64  # botocore's default pool of 10 caps concurrency
+# A read of more than this is split into ranged GETs of at most this many bytes, all in flight at once: one response
+# streams at a fraction of what the store serves many (a large object read in one GET among many small ones is the
+# load's last to finish), as AWS's own transfer client splits them (s3transfer: parts of 8 MiB by default).
+S3_PART_READ_BYTES = 8 << 20
 
 
 def client_options(storage_options: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
@@ -35,7 +40,12 @@ def client_options(storage_options: dict[str, Any], environ: dict[str, str]) -> 
     config.setdefault("max_pool_connections", S3_POOL_CONNECTIONS)
     config.setdefault("retries", {"max_attempts": S3_ATTEMPTS, "mode": "standard"})
     config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
-    from botocore.config import Config  # (s3fs's dependency: imported only for S3)
+    from botocore import __version__ as botocore_version  # (s3fs's dependency: imported only for S3)
+    from botocore.config import Config
+
+    # botocore builds its User-Agent header anew for every request (its SDK, OS, language, features and settings),
+    # ~0.1 ms of a GET's ~1.1 ms of client CPU (measured against radosgw on 127.0.0.1); one fixed string costs nothing
+    config.setdefault("user_agent", f"ucp/{__version__} botocore/{botocore_version}")
 
     # Every put carries its object's CRC-32C, which the store checks where it can (`put_checksum`), and ucp checks
     # every byte it reads: over plain http botocore would also sign a SHA-256 of every body (a pass at ~1 GB/s of a
@@ -61,6 +71,24 @@ def put_checksum(data: bytes | bytearray | memoryview, single_put: bool = False)
         return {}
     value = base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
     return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": value}  # (the algorithm too, or it is not kept)
+
+
+def read_parts(offset: int, buffers: Sequence[memoryview]) -> list[tuple[int, list[memoryview]]]:
+    """A read of `buffers` back to back from `offset` as ranged reads of at most S3_PART_READ_BYTES (buffers cut
+    where a part ends): (offset, buffers) of each, in order."""
+    parts: list[tuple[int, list[memoryview]]] = [(offset, [])]
+    room = S3_PART_READ_BYTES
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while view.nbytes:
+            if room == 0:
+                offset += S3_PART_READ_BYTES
+                parts.append((offset, []))
+                room = S3_PART_READ_BYTES
+            n = min(room, view.nbytes)
+            parts[-1][1].append(view[:n])
+            view, room = view[n:], room - n
+    return parts
 
 
 async def get_into(fs: Any, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
