@@ -53,7 +53,7 @@ from ucp.sharding.families import MixtralConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
-from .methods import aws_environment, one_line
+from .methods import one_line, runai_environment
 from .s3_servers import S3_SERVERS, s3_server_version, start_s3_server
 from .targets import drop_page_cache, embedded_server, s3_filesystem
 
@@ -330,7 +330,7 @@ def runai_s3(urls: list[str], options: dict, nbytes: int, into: Params | None = 
     def run() -> int:
         from runai_model_streamer import SafetensorsStreamer
 
-        with aws_environment(options), SafetensorsStreamer() as streamer:
+        with runai_environment(options), SafetensorsStreamer() as streamer:
             streamer.stream_files(urls)
             tensors = dict(streamer.get_tensors())
         if into is not None:

@@ -53,7 +53,7 @@ from ucp.sharding.families import LlamaConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
-from .methods import aws_environment, environment
+from .methods import runai_environment
 from .s3_servers import S3_SERVERS, radosgw_missing, s3_server_version, start_s3_server
 from .targets import drop_page_cache, s3_filesystem
 
@@ -351,36 +351,13 @@ def _s3(bench: Bench, root: Path, server_name: str) -> None:
         methods.pop("fastsafetensors", None)  # (it reads local files only)
         if "runai_streamer" in methods:
             methods["runai_streamer"] = bench.start(model="s3://inference/hf0", load_format="runai_streamer")
-        with aws_environment(options), runai_s3_environment(options):
+        with runai_environment(options):
             for _ in range(bench.repeats):
                 for name, run in methods.items():
                     bench.time(f"{name} ({label})", run)
             refresh_rows(bench, "s3://inference/ucp", options, None, label)
     finally:
         server.close()
-
-
-@contextlib.contextmanager
-def runai_s3_environment(options: dict[str, str]) -> Iterator[None]:
-    """runai_streamer's settings for an S3 server of this machine, beside the AWS variables (`aws_environment`):
-    its C++ client's endpoint named for the call (vLLM's loader copies AWS_ENDPOINT_URL into
-    RUNAI_STREAMER_S3_ENDPOINT when that is unset, and leaves it set: a second server would be read at the first's
-    address); a request timeout of a minute instead of its 1 s (moto, a Python server, takes longer than that for
-    its 8 MiB ranges on 2 busy cores, and the load fails with "File access error"); and boto3's default session,
-    which lists the bucket, made anew (it keeps the keys it first resolved: the second server refuses the first's,
-    InvalidAccessKeyId)."""
-    _forget_boto3_session()
-    with environment(
-        {"RUNAI_STREAMER_S3_ENDPOINT": options["endpoint_url"], "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "60000"}
-    ):
-        yield
-    _forget_boto3_session()
-
-
-def _forget_boto3_session() -> None:
-    boto3 = sys.modules.get("boto3")  # (not imported: no session to forget)
-    if boto3 is not None:
-        boto3.DEFAULT_SESSION = None
 
 
 def report(bench: Bench, bytes_read: list[int], total: int, labels: list[str]) -> None:

@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -676,6 +677,30 @@ def aws_environment(options: dict[str, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def runai_environment(options: dict[str, Any]) -> Iterator[None]:
+    """runai-model-streamer's settings for an S3 server of `options` (its own and vLLM's runai_streamer loader's),
+    with the AWS variables (`aws_environment`): its C++ client's endpoint named for the call (vLLM's loader copies
+    AWS_ENDPOINT_URL into RUNAI_STREAMER_S3_ENDPOINT when that is unset, and leaves it set: a second server would be
+    read at the first's address); a request timeout of a minute instead of its 1 s (moto, a Python server, takes longer
+    than that for its 8 MiB ranges on 2 busy cores, and the load fails with "File access error"); and boto3's default
+    session, with which vLLM lists the bucket, made anew (it keeps the keys it first resolved: a second server refuses
+    the first's, InvalidAccessKeyId)."""
+    runai = {"RUNAI_STREAMER_S3_ENDPOINT": options.get("endpoint_url"), "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "60000"}
+    _forget_boto3_session()
+    try:
+        with aws_environment(options), environment(runai):
+            yield
+    finally:
+        _forget_boto3_session()
+
+
+def _forget_boto3_session() -> None:
+    boto3 = sys.modules.get("boto3")  # (not imported: no session to forget)
+    if boto3 is not None:
+        boto3.DEFAULT_SESSION = None
+
+
+@contextlib.contextmanager
 def environment(values: dict[str, str | None]) -> Iterator[None]:
     """The variables of `values` set for the call (a None leaves that one as it is): for a peer that reads its
     configuration from the environment. The variables as they were are put back."""
@@ -778,7 +803,7 @@ class Runai(Safetensors):
     def load(self, directory: Any) -> dict[str, torch.Tensor]:
         from runai_model_streamer import SafetensorsStreamer
 
-        with aws_environment(directory.storage_options), SafetensorsStreamer() as streamer:
+        with runai_environment(directory.storage_options), SafetensorsStreamer() as streamer:
             streamer.stream_file((directory / "state.safetensors").url)
             return dict(streamer.get_tensors())
 
