@@ -273,7 +273,15 @@ def test_the_weights_loader_gives_fp8_with_local_scales_or_dequantises(tmp_path)
 
         read_object(meta, index, dest)
 
+    read_pack_regions = reader._read_pack_regions
+
+    def recording_packed(pack, run):  # (packed chunks a load reads together: each read's view is its destination)
+        for r in run:
+            destinations.setdefault(r.meta.path, set()).add(storages.get(r.view.untyped_storage().data_ptr()))
+        read_pack_regions(pack, run)
+
     reader.read_object = recording
+    reader._read_pack_regions = recording_packed
     filled = load_weights(reader, layout, 1, into=into)
     for n in as_fp8:
         assert filled.params[n].data_ptr() == into[n].data_ptr(), n
