@@ -55,6 +55,7 @@ from ucp.sharding.reshard import shard
 
 from .methods import one_line, runai_environment
 from .s3_servers import S3_SERVERS, s3_server_version, start_s3_server
+from .state import even_layers
 from .targets import drop_page_cache, embedded_server, s3_filesystem
 
 
@@ -82,9 +83,7 @@ def config_for(size_gib: float) -> MixtralConfig:
     """A Mixtral-shaped model of about size_gib in bf16: h=1024, 8 experts of ffn 1024, vocab 32000."""
     h, ffn, experts, vocab = 1024, 1024, 8, 32000
     per_layer = 2 * h * h + 2 * 256 * h + 2 * h + experts * h + experts * 3 * h * ffn
-    fixed = 2 * vocab * h + h
-    layers = max(1, round((size_gib * 2**30 / 2 - fixed) / per_layer))
-    layers += layers % 2  # the source layout has pp2
+    layers = even_layers(size_gib, per_layer, fixed=2 * vocab * h + h, minimum=1)
     return MixtralConfig(
         vocab_size=vocab,
         hidden_size=h,

@@ -55,6 +55,7 @@ from ucp.sharding.reshard import shard
 
 from .methods import runai_environment
 from .s3_servers import S3_SERVERS, radosgw_missing, s3_server_version, start_s3_server
+from .state import even_layers
 from .targets import drop_page_cache, s3_filesystem
 
 PROMPT = {"prompt_token_ids": list(range(1, 17))}
@@ -64,9 +65,7 @@ def config_for(size_gib: float) -> LlamaConfig:
     """A Llama-shaped model of about size_gib in bf16: h=1024, 16 heads of 64 (4 KV heads), ffn 4096, vocab 32000."""
     h, ffn, kv, vocab = 1024, 4096, 256, 32000
     per_layer = 2 * h * h + 2 * kv * h + 3 * h * ffn + 2 * h
-    fixed = 2 * vocab * h + h
-    layers = max(2, round((size_gib * 2**30 / 2 - fixed) / per_layer))
-    layers += layers % 2  # the source layout has pp2
+    layers = even_layers(size_gib, per_layer, fixed=2 * vocab * h + h, minimum=2)
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=h,

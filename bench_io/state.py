@@ -176,3 +176,10 @@ def transformer_state(target_bytes: int, *, seed: int = 0) -> SyntheticState:
     return make_state(
         "mixed", transformer_specs(target_bytes), seed=seed, extra={"step": 1000, "config": {"kind": "synthetic"}}
     )
+
+
+def even_layers(size_gib: float, per_layer: int, fixed: int, minimum: int) -> int:
+    """The number of layers (at least `minimum`, even: the benchmarks' source layouts have pp2) that brings a model of
+    `per_layer` parameters a layer and `fixed` outside them to about `size_gib` in bf16."""
+    layers = max(minimum, round((size_gib * 2**30 / 2 - fixed) / per_layer))
+    return layers + layers % 2
