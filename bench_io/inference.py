@@ -8,7 +8,9 @@ hf`), then times in this process (vLLM's CPU build, bf16; with --tp 2 the engine
 own), each run with the page cache of every file dropped first (posix_fadvise DONTNEED, no root needed):
 
 - start-up, from `LLM(...)` to the first generated token:
-  - ucp: `LLM(model=model_dir(url), load_format="ucp")` (the model directory made inside the timer);
+  - ucp: `LLM(model=model_dir(url), load_format="ucp")` (the model directory made inside the timer); and the same
+    with every weight handed to vLLM's `load_weights` (`into_parameters: false`, what the loader did before it read
+    weights straight into the parameters);
   - safetensors: `LLM(model=<the export>)`, vLLM's default loader of the exported copy;
   - runai_streamer, fastsafetensors: `LLM(model=<the export>, load_format=...)`, where they are installed (a loader
     that fails here is reported with its error, not timed);
@@ -183,8 +185,11 @@ def startup_methods(
 
     extra = {"storage_options": options} if options else None
 
-    def ucp_start() -> None:
-        bench.start(model=str(bench.model_dir(url, options)), load_format="ucp", model_loader_extra_config=extra)()
+    def ucp_start(into_parameters: bool = True) -> None:
+        config = {**(extra or {}), **({} if into_parameters else {"into_parameters": False})}
+        bench.start(
+            model=str(bench.model_dir(url, options)), load_format="ucp", model_loader_extra_config=config or None
+        )()
 
     def export_then_load() -> None:
         out = bench.root / "export-timed"
@@ -195,7 +200,12 @@ def startup_methods(
     def safetensors() -> None:
         bench.start(model=str(hf0()))()
 
-    methods = {"ucp": ucp_start, "safetensors": safetensors, "export, then safetensors": export_then_load}
+    methods = {
+        "ucp": ucp_start,
+        "ucp, every weight through load_weights": lambda: ucp_start(into_parameters=False),
+        "safetensors": safetensors,
+        "export, then safetensors": export_then_load,
+    }
     for load_format, module, package in (
         ("runai_streamer", "runai_model_streamer", "runai-model-streamer"),
         ("fastsafetensors", "fastsafetensors", "fastsafetensors"),
@@ -375,6 +385,7 @@ def report(bench: Bench, bytes_read: list[int], total: int, labels: list[str]) -
             "runai_streamer",
             "fastsafetensors",
             "sharded_state",
+            "ucp, every weight through load_weights",
         ):
             other = bench.median(f"{baseline} ({where})")
             if ucp_start and other:

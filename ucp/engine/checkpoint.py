@@ -496,6 +496,19 @@ class CheckpointReader:
         once."""
         return [self.region_read(meta, i, box, view, landing) for i in chunks_touching(meta, box)]
 
+    def read_regions(self, regions: Iterable[tuple[AtomMeta, Box, torch.Tensor]]) -> int:
+        """Fill each view (shaped like its box, in its atom's stored dtype; in host memory, or on a device through a
+        `Landing`) with that region of its atom, every read at once; returns the bytes read from storage."""
+        regions = list(regions)
+        off_host = [(meta, view) for meta, _, view in regions if not on_host(view)]
+        with open_landing([view for _, view in off_host], [meta for meta, _ in off_host]) as landing:
+            reads = [
+                read
+                for meta, box, view in regions
+                for read in self.region_reads(meta, box, view, None if on_host(view) else landing)
+            ]
+            return self.run_reads(reads)
+
     def run_reads(self, reads: list[ObjectCall]) -> int:
         """Run object reads, many in flight; returns the bytes read from storage. The reads of packed chunks
         (`PackedRegionRead`) are merged: one request per run of a pack's wanted chunks (`codec.read_packed`), not one

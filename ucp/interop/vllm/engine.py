@@ -1,23 +1,33 @@
 """What a vLLM worker does with a ucp step: load it into the model it builds (the loader), or into the model it serves
 (a refresh), reading only the region of each weight that its tensor-parallel rank keeps.
 
-Both go through vLLM's own `model.load_weights`, which takes (HF name, full tensor) pairs and puts each where the model
+Both rest on vLLM's own `model.load_weights`, which takes (HF name, full tensor) pairs and puts each where the model
 keeps it: every weight loader cuts its rank's share out of the full tensor itself (`narrow` along the split dimension
 by the rank; q/k/v and gate/up each into their part of the fused parameter; the vocabulary by its padded ranges;
-experts by expert and by their split). Which region of each tensor a rank keeps is therefore vLLM's to say, and
-`shares` asks vLLM: it runs the model's `load_weights` once on meta tensors of the full shapes (no data), with every
-copy out of them intercepted and recorded instead of done, and takes each weight's bounding box of what was copied.
-The real load then reads only that box (the tensor handed over has the full shape; the rest is never looked at).
-Where the answer is not a plain box (a weight the model converts before copying, or copies nothing of), the weight is
-read whole, as every rank reads it with vLLM's own loaders of safetensors files.
+experts by expert and by their split). Which region of each tensor a rank keeps, and where it goes, is therefore
+vLLM's to say, and `dry_run` asks vLLM: it runs the model's `load_weights` once on meta tensors of the full shapes (no
+data), with every copy out of them intercepted and recorded instead of done (the region of the weight copied, and the
+view of the parameter it was copied into). Each weight's share is the bounding box of what was copied; the real load
+reads only that box. Where the answer is not a plain box (a weight the model converts before copying, or copies
+nothing of), the weight is read whole, as every rank reads it with vLLM's own loaders of safetensors files.
 
-The shares are found while the engine builds its model, before vLLM turns its parameters into its kernels' formats
-(after which `load_weights` cannot run outside vLLM's reload), and kept on the model for the refreshes to come.
+At start-up, a weight whose every copy went unconverted into a view of a parameter (same dtype, same shape, the box
+the right way up) is read straight into those views: one pass over its bytes, as vLLM's mmap-then-copy of
+safetensors makes, where handing it to `load_weights` would be two (ucp's read into a tensor of its own, then
+vLLM's copy). The others go through `load_weights` with their data. A model whose loading code changes a tensor in
+any other way during the dry run (scales a weight after copying it, ties one to another) has every weight go through
+`load_weights`, as do weights whose destinations overlap.
+
+The dry run happens while the engine builds its model, before vLLM turns its parameters into its kernels' formats
+(after which `load_weights` cannot run outside vLLM's reload); the shares are kept on the model for the refreshes to
+come, which go through vLLM's `reload_weights`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -36,7 +46,7 @@ from .source import Pointer, StepWeights, check_same_model, open_weights, served
 
 log = logging.getLogger("ucp")
 
-EXTRA_KEYS = ("url", "step", "storage_options", "memory_budget")
+EXTRA_KEYS = ("url", "step", "storage_options", "memory_budget", "into_parameters")
 SHARES = "_ucp_shares"  # the model's attribute: {HF name: box this rank keeps} (absent: read every weight whole)
 
 
@@ -49,6 +59,7 @@ class Request:
     step: int | str | None = None
     storage_options: dict[str, Any] | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET
+    into_parameters: bool = True  # (at start-up: read weights straight into the parameters where the dry run shows how)
 
     def dumps(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -57,7 +68,13 @@ class Request:
     def loads(cls, text: str) -> Request:
         try:
             doc = json.loads(text)
-            return cls(str(doc["url"]), doc.get("step"), doc.get("storage_options"), int(doc["memory_budget"]))
+            return cls(
+                str(doc["url"]),
+                doc.get("step"),
+                doc.get("storage_options"),
+                int(doc["memory_budget"]),
+                bool(doc.get("into_parameters", True)),
+            )
         except (ValueError, KeyError, TypeError) as e:
             raise InteropError(f"a malformed ucp request {text[:200]!r} ({type(e).__name__}: {e})") from None
 
@@ -71,13 +88,14 @@ def request_of(extra: Mapping[str, Any], model_path: str) -> Request:
         extra.get("step") if pointer is None else extra.get("step", pointer.step),
         extra.get("storage_options"),
         int(extra.get("memory_budget", DEFAULT_MEMORY_BUDGET)),
+        bool(extra.get("into_parameters", True)),
     )
 
 
 @dataclass
 class LoadReport:
     """What one worker read: the step, the bytes read from storage, how long it took, and the weights it read whole
-    for want of knowing its share (`shares`: none where the engine started from ucp, unless its model converts a
+    for want of knowing its share (`dry_run`: none where the engine started from ucp, unless its model converts a
     weight before keeping it; every one where it started from other files)."""
 
     url: str
@@ -85,6 +103,7 @@ class LoadReport:
     bytes_read: int
     seconds: float
     unknown_shares: list[str] = field(default_factory=list)
+    in_place: int = 0  # (weights read straight into the model's parameters: at start-up, `load_step`)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -97,6 +116,7 @@ class LoadReport:
             int(doc["bytes_read"]),
             float(doc["seconds"]),
             list(doc["unknown_shares"]),
+            int(doc.get("in_place", 0)),
         )
 
 
@@ -108,14 +128,26 @@ def open_for(hf_config: Any, request: Request, engine: str) -> StepWeights:
 
 
 def load_step(model: torch.nn.Module, model_config: Any, request: Request) -> LoadReport:
-    """Load the requested step into `model` while the engine builds it: the shares of this worker found first
-    (`shares`) and kept on the model for its refreshes, then only they read."""
+    """Load the requested step into `model` while the engine builds it. A dry run of the model's `load_weights`
+    (`dry_run`) finds first which box of each weight this worker keeps (kept on the model for its refreshes) and where
+    it goes: the weights that go straight into parameters are read into them (no tensor of their own in between, and
+    no copy after: one pass over the bytes, as vLLM's mmap of safetensors makes), the others read (their boxes only)
+    and handed to `load_weights`."""
     start = time.perf_counter()
     weights = open_for(model_config.hf_config, request, f"the engine of {model_config.model}")
-    setattr(model, SHARES, shares(model, weights))
-    regions = kept_shares(model)
+    run = dry_run(model, weights)
+    setattr(model, SHARES, run.shares)
+    targets = run.targets if request.into_parameters else {}
+    rest = [n for n in weights.plan.names if n not in targets]
+    stream = weights.tensors(run.shares, memory_budget=request.memory_budget, names=rest, into=targets)
     with torch.no_grad():
-        loaded = load_weights_of(model)(weights.tensors(regions, memory_budget=request.memory_budget))
+        if rest:
+            loaded = load_weights_of(model)(stream)
+        else:  # (every weight read into place: nothing to hand over)
+            collections.deque(stream, maxlen=0)
+            loaded = run.loaded
+    if targets and loaded is not None:  # (the weights read into place were loaded in the dry run)
+        loaded = set(loaded) | (run.loaded or set())
     if loaded is not None and model_config.quantization is None:
         missing = sorted({n for n, _ in model.named_parameters()} - set(loaded))
         if missing:
@@ -123,20 +155,22 @@ def load_step(model: torch.nn.Module, model_config: Any, request: Request) -> Lo
                 f"step {weights.step} of {weights.url} left {len(missing)} parameters of the model unloaded: "
                 f"{missing[:5]}"
             )
-    return report_of(weights, regions, start)
+    return report_of(weights, run.shares, start, len(targets))
 
 
-def report_of(weights: StepWeights, regions: Mapping[str, Box], start: float) -> LoadReport:
+def report_of(weights: StepWeights, regions: Mapping[str, Box], start: float, in_place: int = 0) -> LoadReport:
     unknown = [n for n in weights.plan.names if n not in regions]
     seconds = time.perf_counter() - start
     log.info(
-        "loaded step %d of %s into vLLM: %d bytes read in %.2f s",
+        "loaded step %d of %s into vLLM: %d bytes read in %.2f s (%d of %d weights read straight into the parameters)",
         weights.step,
         weights.url,
         weights.bytes_read,
         seconds,
+        in_place,
+        len(weights.plan.names),
     )
-    return LoadReport(weights.url, weights.step, weights.bytes_read, seconds, unknown)
+    return LoadReport(weights.url, weights.step, weights.bytes_read, seconds, unknown, in_place)
 
 
 def tensors_for(model: torch.nn.Module, weights: StepWeights, request: Request) -> Iterator[tuple[str, torch.Tensor]]:
@@ -145,7 +179,7 @@ def tensors_for(model: torch.nn.Module, weights: StepWeights, request: Request) 
 
 
 def kept_shares(model: torch.nn.Module) -> dict[str, Box]:
-    """The shares `shares` found when the engine built `model` ({} for an engine that did not start from ucp: every
+    """The shares `dry_run` found when the engine built `model` ({} for an engine that did not start from ucp: every
     weight is then read whole, the share of each unknown)."""
     return getattr(model, SHARES, None) or {}
 
@@ -155,32 +189,80 @@ def load_weights_of(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, tor
     return model.load_weights  # type: ignore[return-value]
 
 
-# ------------------------------------------------------------------------------------------------ shares
+# ------------------------------------------------------------------------------------------------ the dry run
 
 
 class _CopyRecorder(TorchFunctionMode):
     """Intercepts every `copy_` whose source is a view of one of the probe tensors: records the region of the probe
-    it views, and skips the copy (the destination, the model's real parameter, is left as it is)."""
+    it views and where it was going, and skips the copy (the destination, the model's real parameter, is left as it
+    is). Notes every other change made to a tensor meanwhile, which is done (`changed`: the spans of memory changed;
+    `replaced`: a tensor's storage swapped, or a change to something whose memory cannot be told): a weight read
+    straight into memory that loading code also changed would lose that change."""
 
-    def __init__(self, probes: Mapping[int, str]):
+    def __init__(self, probes: Mapping[int, str], memory: set[int]):
         super().__init__()
         self.probes = probes  # id(probe tensor) -> HF name
-        self.copied: dict[str, list[Box | None]] = {}  # None: a copy whose region is not a box of the probe
+        self.memory = memory  # the addresses of the storages of the model's parameters and buffers
+        self.copied: dict[str, list[Copy]] = {}
+        self.changed: list[Span] = []
+        self.replaced: str | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
-            name, box = self._region(args[1])
+            name, copy = self._copy(args[0], args[1])
             if name is not None:
-                self.copied.setdefault(name, []).append(box)
+                self.copied.setdefault(name, []).append(copy)
                 return args[0]
+        self._note_change(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
-    def _region(self, view: torch.Tensor) -> tuple[str | None, Box | None]:
+    def _note_change(self, func: Any, args: tuple, kwargs: dict) -> None:
+        name = getattr(func, "__name__", "")
+        if name in ("__set__", "set_"):  # (`param.data = ...`: the parameter's memory is another from now on)
+            self.replaced = self.replaced or name
+            return
+        if "out" in kwargs:
+            changed: Any = kwargs["out"]
+        elif name == "__setitem__" or (name.endswith("_") and not name.startswith("_")):
+            changed = args[0] if args else None
+        else:
+            return
+        if isinstance(changed, torch.Tensor) and not changed.is_meta:
+            if changed.numel():
+                self.changed.append(_span(changed))
+        elif not isinstance(changed, torch.Tensor):
+            self.replaced = self.replaced or name
+
+    def _copy(self, target: torch.Tensor, view: torch.Tensor) -> tuple[str | None, Copy]:
         base = view if view._base is None else view._base
         name = self.probes.get(id(base))
         if name is None:
-            return None, None
-        return name, view_box(base, view)
+            return None, Copy(None, None)
+        box = view_box(base, view)
+        upright = (
+            box is not None
+            and view.dim() == base.dim()
+            and all(n == 1 or s == t for n, s, t in zip(view.shape, view.stride(), base.stride()))
+        )
+        direct = (
+            upright
+            and target.dtype == view.dtype
+            and target.shape == view.shape
+            and not target.is_meta
+            and target.numel() > 0
+            and target.untyped_storage().data_ptr() in self.memory
+        )
+        return name, Copy(box, target if direct else None)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy out of a probe in a dry run of `load_weights`: the box of the weight copied (None: not a box of it), and
+    the tensor it went to where the box can be read straight into it (a view of a parameter of the weight's dtype and
+    the box's shape and orientation), else None."""
+
+    box: Box | None
+    target: torch.Tensor | None
 
 
 def view_box(base: torch.Tensor, view: torch.Tensor) -> Box | None:
@@ -212,25 +294,85 @@ def _union(boxes: Iterable[Box]) -> Box:
     return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
 
 
-def shares(model: torch.nn.Module, weights: StepWeights) -> dict[str, Box]:
-    """{HF name: the box of it that this worker's model keeps (the whole of a weight it does not split)}, for every
-    weight whose share vLLM's loaders show (see the module docstring); the others are read whole. {} when vLLM's
-    `load_weights` cannot run on meta tensors."""
+@dataclass
+class DryRun:
+    """What a dry run of the model's `load_weights` on meta tensors showed (`dry_run`): the box of each weight this
+    worker keeps (`shares`), and, for the weights whose every copy went straight into a parameter, where each box goes
+    (`targets`: those weights can be read into the model's memory directly, with no tensor of their own in between);
+    the names `load_weights` reported loaded."""
+
+    shares: dict[str, Box] = field(default_factory=dict)
+    targets: dict[str, list[tuple[Box, torch.Tensor]]] = field(default_factory=dict)
+    loaded: set[str] | None = None
+
+
+def dry_run(model: torch.nn.Module, weights: StepWeights) -> DryRun:
+    """Run the model's `load_weights` on meta tensors of the step's weights, every copy out of them recorded instead of
+    done (see the module docstring). An empty answer when vLLM's `load_weights` cannot run on meta tensors; no
+    `targets` when it changed a tensor otherwise than by copying a weight into it (the data must then be in hand)."""
     probes = {n: torch.empty(m.shape, dtype=_dtype(m), device="meta") for n, m in weights.plan.metas.items()}
-    recorder = _CopyRecorder({id(t): n for n, t in probes.items()})
+    memory = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    recorder = _CopyRecorder({id(t): n for n, t in probes.items()}, memory)
     try:
         with torch.no_grad(), recorder:
-            load_weights_of(model)(iter(probes.items()))
+            loaded = load_weights_of(model)(iter(probes.items()))
     except Exception as e:  # noqa: BLE001 -- a model's loading code raises anything on meta tensors: it only costs bytes
         log.info(
             "vLLM's load_weights does not run on meta tensors (%s: %s): every weight is read whole", type(e).__name__, e
         )
-        return {}
-    return {
-        name: _union(b for b in boxes if b is not None)
-        for name, boxes in recorder.copied.items()
-        if boxes and all(b is not None for b in boxes)
+        return DryRun()
+    copied = recorder.copied
+    shares = {
+        name: _union(c.box for c in copies if c.box is not None)
+        for name, copies in copied.items()
+        if copies and all(c.box is not None for c in copies)
     }
+    targets = {
+        name: [(c.box, c.target) for c in copies if c.box is not None and c.target is not None]
+        for name, copies in copied.items()
+        if name in shares and all(c.target is not None for c in copies)
+    }
+    if recorder.replaced is not None:
+        log.info(
+            "vLLM's load_weights replaces a tensor's memory (%s): every weight is loaded through it", recorder.replaced
+        )
+        targets = {}
+    return DryRun(shares, _apart(targets, recorder.changed), None if loaded is None else set(loaded))
+
+
+Span = tuple[tuple[str, int], int, int]  # (a storage: its device and address; first byte; one past the last byte)
+
+
+def _span(t: torch.Tensor) -> Span:
+    """The bytes of its storage that `t` covers (all between its first and its last element)."""
+    first = int(t.storage_offset()) * t.element_size()
+    last = first + (sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return (str(t.device), t.untyped_storage().data_ptr()), first, last
+
+
+def _apart(
+    targets: dict[str, list[tuple[Box, torch.Tensor]]], changed: list[Span]
+) -> dict[str, list[tuple[Box, torch.Tensor]]]:
+    """`targets` less the weights whose destinations overlap another weight's (read in parallel, which lands last
+    would be left to chance, where `load_weights` puts them in its order) or memory that loading code changed
+    otherwise (the vocabulary's padding rows zeroed beside the embedding are apart from it; a weight scaled after it
+    was copied is not, and goes through `load_weights` with its data). One sweep over the spans in order: each run of
+    spans that overlap one another in a chain drops every weight in it, unless it is one weight's alone."""
+    spans = sorted(
+        [(_span(t), name) for name, places in targets.items() for _, t in places] + [(span, None) for span in changed],
+        key=lambda item: (item[0][0], item[0][1]),
+    )
+    dropped: set[str] = set()
+    run: set[str | None] = set()
+    end: tuple[tuple[str, int], int] | None = None  # (the run's storage, the furthest byte it reaches)
+    for (storage, first, last), name in spans:
+        if end is None or end[0] != storage or first >= end[1]:
+            run, end = set(), (storage, last)
+        run.add(name)
+        end = (storage, max(end[1], last))
+        if len(run) > 1:
+            dropped.update(n for n in run if n is not None)
+    return {n: places for n, places in targets.items() if n not in dropped}
 
 
 def _dtype(meta: AtomMeta) -> torch.dtype:

@@ -7,8 +7,10 @@ ucp's pyproject.toml names `register` there.
 
 The loader reads the checkpoint that the model directory's `ucp-checkpoint.json` names (`ucp.interop.vllm.source.model_dir`), or
 the one `model_loader_extra_config` names: `{"url": ..., "step": ..., "storage_options": {...}, "memory_budget":
-bytes}`; it feeds vLLM's own `model.load_weights` with (HF name, tensor) pairs, which puts each tensor where the model
-keeps it (fusing q/k/v and gate/up, stacking experts, cutting each tensor-parallel rank's share).
+bytes, "into_parameters": true}`. vLLM's own `model.load_weights` says where each weight goes (fusing q/k/v and
+gate/up, stacking experts, cutting each tensor-parallel rank's share): the weights it copies unconverted into its
+parameters are read straight into them (`into_parameters`, the default; false hands every weight to `load_weights`),
+the others handed to it (`ucp.interop.vllm.engine`).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ...base.boxes import Box, full_box, to_slices
-from ...base.workpool import ObjectCall, pack
-from ...distributed.sharded_model import atom_path, model_config_of
+from ...base.workpool import pack
+from ...distributed.sharded_model import model_config_of
 from ...engine.checkpoint import CheckpointReader, allocate, open_checkpoint
 from ...sharding.families import FamilyConfig
 from ..errors import InteropError, ModelMismatchError
@@ -96,28 +96,41 @@ class StepWeights:
         *,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         names: list[str] | None = None,
+        into: Mapping[str, list[tuple[Box, torch.Tensor]]] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for each weight (or each of `names`), in the stored dtype. A weight named in `regions`
         is read only in its region: its tensor has the full shape, the rest left unset. Reads go in groups of at most
-        a quarter of `memory_budget`, the next group read while the current one is consumed."""
+        a quarter of `memory_budget`, the next group read while the current one is consumed.
+
+        `into`: weights read straight into the tensors given for them instead ({HF name: [(box, view shaped like it,
+        in the stored dtype)]}: views of an engine's parameters, in host memory or on a device), not yielded; their
+        reads go with the first group's (the chunks of one pack that both want are read in one request), before
+        the first tensor is yielded."""
         wanted = self.plan.names if names is None else names
         regions = regions or {}
         sizes = {n: _region_bytes(self.plan, n, regions.get(n)) for n in wanted}
-        groups = pack(sizes, group_limit(memory_budget))
-        yield from _prefetched([functools.partial(self._read_group, group, regions) for group in groups])
+        groups = pack(sizes, group_limit(memory_budget)) or [[]]
+        yield from _prefetched(
+            [
+                functools.partial(self._read_group, group, regions, (into or {}) if i == 0 else {})
+                for i, group in enumerate(groups)
+            ]
+        )
 
-    def _read_group(self, names: list[str], regions: Mapping[str, Box]) -> dict[str, torch.Tensor]:
-        whole = [n for n in names if n not in regions or regions[n] == full_box(self.plan.metas[n].shape)]
-        out = {n: t for n, t in zip(whole, self.reader.read_atoms([atom_path(n, None) for n in whole]).values())}
-        reads: list[ObjectCall] = []
-        for n in names:
-            if n in out:
-                continue
-            meta = self.plan.metas[n]
-            out[n] = allocate(meta)  # (pages never written are never touched: the unread part costs no memory)
-            reads += self.reader.region_reads(meta, regions[n], out[n][to_slices(regions[n])])
-        self.reader.run_reads(reads)
-        return {n: out[n] for n in names}
+    def _read_group(
+        self, names: list[str], regions: Mapping[str, Box], into: Mapping[str, list[tuple[Box, torch.Tensor]]]
+    ) -> dict[str, torch.Tensor]:
+        """Each weight of `names` read (in its region, if named in `regions`) into a tensor of its full shape, and
+        each of `into` into its places, every read at once (the chunks of one pack that several want: one request)."""
+        items = [(self.plan.metas[name], box, view) for name, places in into.items() for box, view in places]
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            meta = self.plan.metas[name]
+            box = regions.get(name, full_box(meta.shape))
+            out[name] = allocate(meta)  # (pages never written are never touched: the unread part costs no memory)
+            items.append((meta, box, out[name][to_slices(box)]))
+        self.reader.read_regions(items)
+        return out
 
 
 def _region_bytes(plan: ExportPlan, name: str, box: Box | None) -> int:

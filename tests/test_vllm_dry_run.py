@@ -1,0 +1,211 @@
+"""The start-up of a vLLM engine from ucp reads each weight straight into the parameters where vLLM's own loading code
+shows it can (ucp.interop.vllm.engine: `dry_run`, `load_step`): every parameter ends bitwise as the model's own
+`load_weights` leaves it given the full tensors, whichever weights are read into place, whatever the tensor-parallel
+rank; a weight that loading code converts, changes after copying, or whose memory it replaces goes through
+`load_weights` with its data. Needs no vLLM: the model here loads as vLLM's layers do (a share of each weight cut by
+the rank, q/k/v and w1/w3 fused, experts stacked, the vocabulary padded and its padding zeroed); tests/test_vllm.py
+serves every family from ucp through vLLM itself.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ucp.distributed.sharded_model import atom_path
+from ucp.interop.vllm.engine import Request, _apart, _span, load_step
+from ucp.interop.vllm.source import open_weights
+
+from .helpers import DRAW
+from .test_hf import random_full_state, save_in_layout, tiny_config
+
+
+class LoadsLikeVllm(torch.nn.Module):
+    """A Mixtral's parameters as one tensor-parallel rank of vLLM keeps them, loaded by name as vLLM's weight loaders
+    do. `scaled_norms`: the layer norms are scaled after they are copied in (loading code that changes a parameter
+    itself); `replaced_norm`: the final norm's memory is replaced after the copy (`param.data = ...`)."""
+
+    def __init__(self, cfg, tp: int, rank: int, *, scaled_norms: bool = False, replaced_norm: bool = False):
+        super().__init__()
+        self.cfg, self.tp, self.rank = cfg, tp, rank
+        self.scaled_norms, self.replaced_norm = scaled_norms, replaced_norm
+        hidden, head = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+        self.q, self.kv = hidden // tp, cfg.num_key_value_heads * head // tp
+        self.inter = cfg.intermediate_size // tp
+        self.vocab = math.ceil(cfg.vocab_size / (16 * tp)) * 16  # (each rank's rows of the padded vocabulary)
+        g = torch.Generator().manual_seed(1)
+        shapes = {"embed": (self.vocab, hidden), "norm": (hidden,), "lm_head": (cfg.vocab_size, hidden)}
+        for i in range(cfg.num_hidden_layers):
+            shapes |= {
+                f"qkv{i}": (self.q + 2 * self.kv, hidden),
+                f"o{i}": (hidden, hidden // tp),
+                f"w13_{i}": (cfg.num_local_experts, 2 * self.inter, hidden),
+                f"w2_{i}": (cfg.num_local_experts, hidden, self.inter),
+                f"gate{i}": (cfg.num_local_experts, hidden),
+                f"ln1_{i}": (hidden,),
+                f"ln2_{i}": (hidden,),
+            }
+        for name, shape in shapes.items():  # (float64 for the LM head: its weight is converted as it is copied)
+            dtype = torch.float64 if name == "lm_head" else torch.float32
+            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=g, dtype=dtype), False))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set()
+        for name, w in weights:
+            loaded.add(self._load(name.split("."), w))
+        return loaded
+
+    def _share(self, w: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        return w.narrow(dim, self.rank * size, size)
+
+    def _load(self, parts: list[str], w: torch.Tensor) -> str:
+        if parts[0] == "lm_head":
+            self.lm_head.data.copy_(w)
+            return "lm_head"
+        if parts[1] == "embed_tokens":  # (vLLM's VocabParallelEmbedding: its rows, the padding zeroed)
+            start = self.rank * self.vocab
+            rows = max(0, min(self.vocab, w.shape[0] - start))
+            self.embed[:rows].data.copy_(w.narrow(0, start, rows))
+            self.embed[rows:].data.fill_(0)
+            return "embed"
+        if parts[1] == "norm":
+            self.norm.data.copy_(w)
+            if self.replaced_norm:  # (re-laid after the copy, as loaders that transpose or pad a weight do)
+                self.norm.data = self.norm.data.clone()
+            return "norm"
+        i, kind = int(parts[2]), parts[-2]
+        if kind in ("q_proj", "k_proj", "v_proj"):
+            offset, size = {"q_proj": (0, self.q), "k_proj": (self.q, self.kv), "v_proj": (self.q + self.kv, self.kv)}[
+                kind
+            ]
+            getattr(self, f"qkv{i}").data.narrow(0, offset, size).copy_(self._share(w, 0, size))
+            return f"qkv{i}"
+        if kind == "o_proj":
+            getattr(self, f"o{i}").data.copy_(self._share(w, 1, self.cfg.hidden_size // self.tp))
+            return f"o{i}"
+        if kind in ("w1", "w3"):
+            expert = getattr(self, f"w13_{i}").data[int(parts[-3])]
+            expert.narrow(0, 0 if kind == "w1" else self.inter, self.inter).copy_(self._share(w, 0, self.inter))
+            return f"w13_{i}"
+        if kind == "w2":
+            getattr(self, f"w2_{i}").data[int(parts[-3])].copy_(self._share(w, 1, self.inter))
+            return f"w2_{i}"
+        if kind == "gate":
+            getattr(self, f"gate{i}").data.copy_(w)
+            return f"gate{i}"
+        name = f"ln1_{i}" if kind == "input_layernorm" else f"ln2_{i}"
+        getattr(self, name).data.copy_(w)
+        if self.scaled_norms:
+            getattr(self, name).data.mul_(2)
+        return name
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A tiny Mixtral (vocabulary 100: padded by every tp) as a job in a drawn layout wrote it."""
+    cfg = tiny_config()
+    url = str(tmp_path_factory.mktemp("dry-run") / "ckpt")
+    save_in_layout(random_full_state(cfg, states=()), cfg, DRAW.choice(["tp1", "tp2", "tp2ep2dp2", "tp1pp2"]), url)
+    return url
+
+
+def built(url: str, tp: int, rank: int, **kw) -> LoadsLikeVllm:
+    return LoadsLikeVllm(tiny_config(), tp, rank, **kw)
+
+
+def engine_config(url: str) -> SimpleNamespace:
+    """What `load_step` reads of vLLM's model config: the HF config served, the model's name, its quantization."""
+    config = open_weights(url).plan.config_json
+    return SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: dict(config)), model=url, quantization=None)
+
+
+def oracle(url: str, tp: int, rank: int, **kw) -> LoadsLikeVllm:
+    """The model as its own `load_weights` leaves it given every full tensor."""
+    model = built(url, tp, rank, **kw)
+    weights = open_weights(url)
+    atoms = weights.reader.read_atoms([atom_path(n, None) for n in weights.plan.names])
+    with torch.no_grad():
+        model.load_weights((n, atoms[atom_path(n, None)]) for n in weights.plan.names)
+    return model
+
+
+def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("scaled_norms", [False, True])
+def test_weights_read_into_place_leave_every_parameter_as_the_models_own_loading_does(checkpoint, scaled_norms):
+    tp = DRAW.choice([1, 2])
+    rank = DRAW.randrange(tp)
+    expected = oracle(checkpoint, tp, rank, scaled_norms=scaled_norms)
+    reports = {}
+    for into_parameters in (True, False):
+        model = built(checkpoint, tp, rank, scaled_norms=scaled_norms)
+        report = load_step(model, engine_config(checkpoint), Request(checkpoint, into_parameters=into_parameters))
+        assert_same_parameters(model, expected)
+        reports[into_parameters] = report
+    names = open_weights(checkpoint).plan.names
+    converted = {"lm_head.weight"} | ({n for n in names if "layernorm" in n} if scaled_norms else set())
+    assert reports[True].in_place == len(names) - len(converted)  # (the rest went through load_weights)
+    assert reports[False].in_place == 0
+    assert reports[True].unknown_shares == reports[False].unknown_shares == []
+    if tp > 1:  # (a rank reads its share only, into place or not: no more than a model that keeps every weight whole)
+        whole = load_step(built(checkpoint, 1, 0), engine_config(checkpoint), Request(checkpoint))
+        assert reports[True].bytes_read <= whole.bytes_read and reports[False].bytes_read <= whole.bytes_read
+
+
+def test_a_model_that_replaces_a_parameters_memory_reads_every_weight_through_its_load_weights(checkpoint):
+    expected = oracle(checkpoint, 1, 0, replaced_norm=True)
+    model = built(checkpoint, 1, 0, replaced_norm=True)
+    report = load_step(model, engine_config(checkpoint), Request(checkpoint))
+    assert report.in_place == 0
+    assert_same_parameters(model, expected)
+
+
+def test_destinations_that_overlap_one_another_or_a_change_are_never_read_into_place():
+    """Random destinations in a few storages against the overlap graph's truth: a weight is read into place exactly
+    when no span of another weight, and no span changed by loading code, is connected to its own through overlapping
+    spans (for intervals, what one sweep in order finds)."""
+    rng = random.Random(DRAW.randrange(2**32))
+    for _ in range(100):
+        storages = [torch.empty(rng.randrange(8, 64)) for _ in range(rng.randrange(1, 4))]
+        targets = {
+            f"w{i}": [((), random_view(rng, storages)) for _ in range(rng.randrange(1, 3))]
+            for i in range(rng.randrange(1, 9))
+        }
+        changed = [_span(random_view(rng, storages)) for _ in range(rng.randrange(3))]
+        assert set(_apart(targets, changed)) == kept_by_search(targets, changed)
+
+
+def random_view(rng: random.Random, storages: list[torch.Tensor]) -> torch.Tensor:
+    s = rng.choice(storages)
+    start = rng.randrange(s.numel())
+    return s[start : rng.randrange(start + 1, s.numel() + 1)]
+
+
+def kept_by_search(targets: dict, changed: list) -> set[str]:
+    """The weights whose spans' connected components (through overlaps) hold spans of theirs alone."""
+    spans = [(_span(t), name) for name, places in targets.items() for _, t in places] + [(c, None) for c in changed]
+
+    def meet(i: int, j: int) -> bool:
+        (a, _), (b, _) = spans[i], spans[j]
+        return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+    kept = set(targets)
+    for i in range(len(spans)):
+        component, frontier = {i}, [i]
+        while frontier:
+            k = frontier.pop()
+            for j in range(len(spans)):
+                if j not in component and meet(k, j):
+                    component.add(j)
+                    frontier.append(j)
+        if {spans[j][1] for j in component} != {spans[i][1]}:
+            kept.discard(spans[i][1])
+    return kept
