@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -202,7 +204,9 @@ def draw_layout(arch: str) -> str:
 
 
 @pytest.mark.parametrize(("arch", "layout"), [(arch, draw_layout(arch)) for arch in FAMILIES])
-def test_each_family_serves_from_ucp_in_two_layouts_as_from_its_export_and_in_transformers(tmp_path, arch, layout):
+def test_each_family_serves_from_ucp_in_two_layouts_as_from_its_export_and_in_transformers(
+    tmp_path, arch, layout, caplog
+):
     cls, fields, dtype, as_transformers = FAMILIES[arch]
     hf = random_hf_model(cls, **DENSE, **fields)
     hf.save_pretrained(tmp_path / "hf")
@@ -211,8 +215,12 @@ def test_each_family_serves_from_ucp_in_two_layouts_as_from_its_export_and_in_tr
     export_hf(str(tmp_path / layout), tmp_path / "export")
 
     expected = served(tmp_path / "export", dtype)  # vLLM's own safetensors loader
-    assert from_ucp(tmp_path / "tp1pp1", dtype=dtype) == expected
-    assert from_ucp(tmp_path / layout, dtype=dtype) == expected
+    with caplog.at_level(logging.INFO, logger="ucp"):
+        assert from_ucp(tmp_path / "tp1pp1", dtype=dtype) == expected
+        assert from_ucp(tmp_path / layout, dtype=dtype) == expected
+    if dtype == "float32":  # (served in the dtype it was saved in: every weight read straight into its parameters)
+        loads = [r.getMessage() for r in caplog.records if "into vLLM" in r.getMessage()]
+        assert len(loads) == 2 and all(re.search(r"\((\d+) of \1 weights read straight into", m) for m in loads), loads
     if as_transformers:
         with torch.no_grad():
             reference = [

@@ -27,13 +27,13 @@ from .test_hf import random_full_state, save_in_layout, tiny_config
 
 class LoadsLikeVllm(torch.nn.Module):
     """A Mixtral's parameters as one tensor-parallel rank of vLLM keeps them, loaded by name as vLLM's weight loaders
-    do. `scaled_norms`: the layer norms are scaled after they are copied in (loading code that changes a parameter
-    itself); `replaced_norm`: the final norm's memory is replaced after the copy (`param.data = ...`)."""
+    do. `after_copy`, what loading code does with a parameter's data once a weight is copied into it: "scaled" (the
+    layer norms doubled), "derived" (a scale computed from the final norm), "relaid" (the final norm's memory
+    replaced, `param.data = ...`, as loaders that transpose or pad a weight do), or nothing."""
 
-    def __init__(self, cfg, tp: int, rank: int, *, scaled_norms: bool = False, replaced_norm: bool = False):
+    def __init__(self, cfg, tp: int, rank: int, *, after_copy: str | None = None):
         super().__init__()
-        self.cfg, self.tp, self.rank = cfg, tp, rank
-        self.scaled_norms, self.replaced_norm = scaled_norms, replaced_norm
+        self.cfg, self.tp, self.rank, self.after_copy = cfg, tp, rank, after_copy
         hidden, head = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
         self.q, self.kv = hidden // tp, cfg.num_key_value_heads * head // tp
         self.inter = cfg.intermediate_size // tp
@@ -53,6 +53,7 @@ class LoadsLikeVllm(torch.nn.Module):
         for name, shape in shapes.items():  # (float64 for the LM head: its weight is converted as it is copied)
             dtype = torch.float64 if name == "lm_head" else torch.float32
             self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=g, dtype=dtype), False))
+        self.register_buffer("scale", torch.zeros(()))  # ("derived": computed from the final norm)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = set()
@@ -75,8 +76,10 @@ class LoadsLikeVllm(torch.nn.Module):
             return "embed"
         if parts[1] == "norm":
             self.norm.data.copy_(w)
-            if self.replaced_norm:  # (re-laid after the copy, as loaders that transpose or pad a weight do)
+            if self.after_copy == "relaid":
                 self.norm.data = self.norm.data.clone()
+            if self.after_copy == "derived":
+                self.scale.copy_(self.norm.data.abs().max())
             return "norm"
         i, kind = int(parts[2]), parts[-2]
         if kind in ("q_proj", "k_proj", "v_proj"):
@@ -100,7 +103,7 @@ class LoadsLikeVllm(torch.nn.Module):
             return f"gate{i}"
         name = f"ln1_{i}" if kind == "input_layernorm" else f"ln2_{i}"
         getattr(self, name).data.copy_(w)
-        if self.scaled_norms:
+        if self.after_copy == "scaled":
             getattr(self, name).data.mul_(2)
         return name
 
@@ -135,24 +138,22 @@ def oracle(url: str, tp: int, rank: int, **kw) -> LoadsLikeVllm:
 
 
 def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert x.dtype == y.dtype and torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("scaled_norms", [False, True])
-def test_weights_read_into_place_leave_every_parameter_as_the_models_own_loading_does(checkpoint, scaled_norms):
+def test_weights_read_into_place_leave_every_parameter_as_the_models_own_loading_does(checkpoint):
     tp = DRAW.choice([1, 2])
     rank = DRAW.randrange(tp)
-    expected = oracle(checkpoint, tp, rank, scaled_norms=scaled_norms)
+    expected = oracle(checkpoint, tp, rank)
     reports = {}
     for into_parameters in (True, False):
-        model = built(checkpoint, tp, rank, scaled_norms=scaled_norms)
+        model = built(checkpoint, tp, rank)
         report = load_step(model, engine_config(checkpoint), Request(checkpoint, into_parameters=into_parameters))
         assert_same_parameters(model, expected)
         reports[into_parameters] = report
     names = open_weights(checkpoint).plan.names
-    converted = {"lm_head.weight"} | ({n for n in names if "layernorm" in n} if scaled_norms else set())
-    assert reports[True].in_place == len(names) - len(converted)  # (the rest went through load_weights)
+    assert reports[True].in_place == len(names) - 1  # (all but the LM head, converted to float64 as it is copied)
     assert reports[False].in_place == 0
     assert reports[True].unknown_shares == reports[False].unknown_shares == []
     if tp > 1:  # (a rank reads its share only, into place or not: no more than a model that keeps every weight whole)
@@ -160,9 +161,14 @@ def test_weights_read_into_place_leave_every_parameter_as_the_models_own_loading
         assert reports[True].bytes_read <= whole.bytes_read and reports[False].bytes_read <= whole.bytes_read
 
 
-def test_a_model_that_replaces_a_parameters_memory_reads_every_weight_through_its_load_weights(checkpoint):
-    expected = oracle(checkpoint, 1, 0, replaced_norm=True)
-    model = built(checkpoint, 1, 0, replaced_norm=True)
+@pytest.mark.parametrize("after_copy", ["scaled", "derived", "relaid"])
+def test_loading_code_that_uses_a_parameters_data_after_a_copy_has_every_weight_loaded_with_its_data(
+    checkpoint, after_copy
+):
+    tp = DRAW.choice([1, 2])
+    rank = DRAW.randrange(tp)
+    expected = oracle(checkpoint, tp, rank, after_copy=after_copy)
+    model = built(checkpoint, tp, rank, after_copy=after_copy)
     report = load_step(model, engine_config(checkpoint), Request(checkpoint))
     assert report.in_place == 0
     assert_same_parameters(model, expected)

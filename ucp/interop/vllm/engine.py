@@ -14,9 +14,10 @@ nothing of), the weight is read whole, as every rank reads it with vLLM's own lo
 At start-up, a weight whose every copy went unconverted into a view of a parameter (same dtype, same shape, the box
 the right way up) is read straight into those views: one pass over its bytes, as vLLM's mmap-then-copy of
 safetensors makes, where handing it to `load_weights` would be two (ucp's read into a tensor of its own, then
-vLLM's copy). The others go through `load_weights` with their data. A model whose loading code changes a tensor in
-any other way during the dry run (scales a weight after copying it, ties one to another) has every weight go through
-`load_weights`, as do weights whose destinations overlap.
+vLLM's copy). The others go through `load_weights` with their data, as do weights whose destinations overlap. A model
+whose loading code does anything with a parameter's data during the dry run beyond views of it and fills with a
+constant (scales a weight after copying it, computes a scale from it, re-lays it with `param.data = ...`) has every
+weight go through `load_weights`: what it computed came from memory the dry run never filled.
 
 The dry run happens while the engine builds its model, before vLLM turns its parameters into its kernels' formats
 (after which `load_weights` cannot run outside vLLM's reload); the shares are kept on the model for the refreshes to
@@ -195,9 +196,12 @@ def load_weights_of(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, tor
 class _CopyRecorder(TorchFunctionMode):
     """Intercepts every `copy_` whose source is a view of one of the probe tensors: records the region of the probe
     it views and where it was going, and skips the copy (the destination, the model's real parameter, is left as it
-    is). Notes every other change made to a tensor meanwhile, which is done (`changed`: the spans of memory changed;
-    `replaced`: a tensor's storage swapped, or a change to something whose memory cannot be told): a weight read
-    straight into memory that loading code also changed would lose that change."""
+    is). Everything else loading code does runs as it is, and is sorted by what it does to the model's real tensors:
+    views and shapes of them (`_VIEWS`, `_FACTS`) change nothing; a fill with a constant (`fill_(0)` of the
+    vocabulary's padding rows) is noted by the memory it changed (`changed`), which no weight read into place may
+    overlap; any other use of a real tensor's data or change to it (a weight scaled after its copy, a scale computed
+    from it, `param.data = ...`) makes the run `unsafe`: what it computed came from memory the dry run never filled,
+    and every weight must then be loaded with its data, in the model's own order."""
 
     def __init__(self, probes: Mapping[int, str], memory: set[int]):
         super().__init__()
@@ -205,33 +209,27 @@ class _CopyRecorder(TorchFunctionMode):
         self.memory = memory  # the addresses of the storages of the model's parameters and buffers
         self.copied: dict[str, list[Copy]] = {}
         self.changed: list[Span] = []
-        self.replaced: str | None = None
+        self.unsafe: str | None = None  # (the first call that used or changed real data otherwise)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
             name, copy = self._copy(args[0], args[1])
             if name is not None:
                 self.copied.setdefault(name, []).append(copy)
                 return args[0]
-        self._note_change(func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
-
-    def _note_change(self, func: Any, args: tuple, kwargs: dict) -> None:
-        name = getattr(func, "__name__", "")
-        if name in ("__set__", "set_"):  # (`param.data = ...`: the parameter's memory is another from now on)
-            self.replaced = self.replaced or name
-            return
-        if "out" in kwargs:
-            changed: Any = kwargs["out"]
-        elif name == "__setitem__" or (name.endswith("_") and not name.startswith("_")):
-            changed = args[0] if args else None
-        else:
-            return
-        if isinstance(changed, torch.Tensor) and not changed.is_meta:
-            if changed.numel():
-                self.changed.append(_span(changed))
-        elif not isinstance(changed, torch.Tensor):
-            self.replaced = self.replaced or name
+        called = getattr(func, "__name__", repr(func))
+        real = [t for t in _tensors(args, kwargs) if not t.is_meta]
+        if not real or called in _FACTS:
+            return func(*args, **kwargs)
+        if called in _FILLS and not kwargs and all(isinstance(a, (int, float, bool)) for a in args[1:]):
+            if args[0].numel():
+                self.changed.append(_span(args[0]))
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if called not in _VIEWS or not all(_shares_memory(o, real[0]) for o in _tensors((out,), {})):
+            self.unsafe = self.unsafe or called
+        return out
 
     def _copy(self, target: torch.Tensor, view: torch.Tensor) -> tuple[str | None, Copy]:
         base = view if view._base is None else view._base
@@ -263,6 +261,66 @@ class Copy:
 
     box: Box | None
     target: torch.Tensor | None
+
+
+_FACTS = frozenset(
+    {
+        "__get__",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "size",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "element_size",
+        "data_ptr",
+        "untyped_storage",
+        "get_device",
+        "is_floating_point",
+        "__len__",
+    }
+)  # (what a tensor is, not what it holds)
+_VIEWS = frozenset(
+    {
+        "__getitem__",
+        "narrow",
+        "select",
+        "unbind",
+        "split",
+        "chunk",
+        "unsqueeze",
+        "squeeze",
+        "view",
+        "view_as",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "reshape",
+        "flatten",
+        "contiguous",
+        "detach",
+        "as_strided",
+    }
+)  # (a view of the same memory where they return one: checked, as indexing by a tensor and a reshape may copy)
+_FILLS = frozenset({"fill_", "zero_"})
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments (and in the lists and tuples among them)."""
+    found: list[torch.Tensor] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += _tensors(tuple(a), {})
+    return found
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def view_box(base: torch.Tensor, view: torch.Tensor) -> Box | None:
@@ -332,9 +390,11 @@ def dry_run(model: torch.nn.Module, weights: StepWeights) -> DryRun:
         for name, copies in copied.items()
         if name in shares and all(c.target is not None for c in copies)
     }
-    if recorder.replaced is not None:
+    if recorder.unsafe is not None:
         log.info(
-            "vLLM's load_weights replaces a tensor's memory (%s): every weight is loaded through it", recorder.replaced
+            "vLLM's load_weights uses or changes a parameter's data beyond copying weights into it (%s): every weight"
+            " is loaded through it",
+            recorder.unsafe,
         )
         targets = {}
     return DryRun(shares, _apart(targets, recorder.changed), None if loaded is None else set(loaded))
@@ -354,10 +414,10 @@ def _apart(
     targets: dict[str, list[tuple[Box, torch.Tensor]]], changed: list[Span]
 ) -> dict[str, list[tuple[Box, torch.Tensor]]]:
     """`targets` less the weights whose destinations overlap another weight's (read in parallel, which lands last
-    would be left to chance, where `load_weights` puts them in its order) or memory that loading code changed
-    otherwise (the vocabulary's padding rows zeroed beside the embedding are apart from it; a weight scaled after it
-    was copied is not, and goes through `load_weights` with its data). One sweep over the spans in order: each run of
-    spans that overlap one another in a chain drops every weight in it, unless it is one weight's alone."""
+    would be left to chance, where `load_weights` puts them in its order) or memory that loading code filled (the
+    vocabulary's padding rows zeroed beside the embedding are apart from it; a fill over a weight's rows would be
+    undone by reading it into place after). One sweep over the spans in order: each run of spans that overlap one
+    another in a chain drops every weight in it, unless it is one weight's alone."""
     spans = sorted(
         [(_span(t), name) for name, places in targets.items() for _, t in places] + [(span, None) for span in changed],
         key=lambda item: (item[0][0], item[0][1]),
