@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ucp.distributed.sharded_model import atom_path
-from ucp.interop.vllm.engine import Request, _apart, _span, load_step
+from ucp.interop.vllm.engine import Request, _apart, _CopyRecorder, _span, load_step
 from ucp.interop.vllm.source import open_weights
 
 from .helpers import DRAW
@@ -29,7 +29,10 @@ class LoadsLikeVllm(torch.nn.Module):
     """A Mixtral's parameters as one tensor-parallel rank of vLLM keeps them, loaded by name as vLLM's weight loaders
     do. `after_copy`, what loading code does with a parameter's data once a weight is copied into it: "scaled" (the
     layer norms doubled), "derived" (a scale computed from the final norm), "relaid" (the final norm's memory
-    replaced, `param.data = ...`, as loaders that transpose or pad a weight do), or nothing."""
+    replaced, `param.data = ...`, as loaders that transpose or pad a weight do), or nothing. And two layouts where
+    the copies of two weights meet: "overlapping" (each layer's two norms share a parameter of two rows; the first
+    is broadcast into both, the second copied into its row after), "filled" (the first is broadcast into row 1, the
+    second copied into row 0 and row 1 zeroed after)."""
 
     def __init__(self, cfg, tp: int, rank: int, *, after_copy: str | None = None):
         super().__init__()
@@ -47,9 +50,11 @@ class LoadsLikeVllm(torch.nn.Module):
                 f"w13_{i}": (cfg.num_local_experts, 2 * self.inter, hidden),
                 f"w2_{i}": (cfg.num_local_experts, hidden, self.inter),
                 f"gate{i}": (cfg.num_local_experts, hidden),
-                f"ln1_{i}": (hidden,),
-                f"ln2_{i}": (hidden,),
             }
+            if after_copy in ("overlapping", "filled"):
+                shapes[f"pair{i}"] = (2, hidden)
+            else:
+                shapes |= {f"ln1_{i}": (hidden,), f"ln2_{i}": (hidden,)}
         for name, shape in shapes.items():  # (float64 for the LM head: its weight is converted as it is copied)
             dtype = torch.float64 if name == "lm_head" else torch.float32
             self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=g, dtype=dtype), False))
@@ -101,7 +106,17 @@ class LoadsLikeVllm(torch.nn.Module):
         if kind == "gate":
             getattr(self, f"gate{i}").data.copy_(w)
             return f"gate{i}"
-        name = f"ln1_{i}" if kind == "input_layernorm" else f"ln2_{i}"
+        first = kind == "input_layernorm"
+        if self.after_copy in ("overlapping", "filled"):
+            pair = getattr(self, f"pair{i}").data
+            if first:  # (a broadcast: not read into place)
+                (pair if self.after_copy == "overlapping" else pair[1:2]).copy_(w)
+            else:
+                pair[1 if self.after_copy == "overlapping" else 0].copy_(w)
+                if self.after_copy == "filled":
+                    pair[1].fill_(0)
+            return f"pair{i}"
+        name = f"ln1_{i}" if first else f"ln2_{i}"
         getattr(self, name).data.copy_(w)
         if self.after_copy == "scaled":
             getattr(self, name).data.mul_(2)
@@ -161,8 +176,8 @@ def test_weights_read_into_place_leave_every_parameter_as_the_models_own_loading
         assert reports[True].bytes_read <= whole.bytes_read and reports[False].bytes_read <= whole.bytes_read
 
 
-@pytest.mark.parametrize("after_copy", ["scaled", "derived", "relaid"])
-def test_loading_code_that_uses_a_parameters_data_after_a_copy_has_every_weight_loaded_with_its_data(
+@pytest.mark.parametrize("after_copy", ["scaled", "derived", "relaid", "filled", "overlapping"])
+def test_loading_code_that_uses_a_parameters_data_after_a_copy_or_overlaps_copies_loads_as_the_model_does(
     checkpoint, after_copy
 ):
     tp = DRAW.choice([1, 2])
@@ -170,23 +185,42 @@ def test_loading_code_that_uses_a_parameters_data_after_a_copy_has_every_weight_
     expected = oracle(checkpoint, tp, rank, after_copy=after_copy)
     model = built(checkpoint, tp, rank, after_copy=after_copy)
     report = load_step(model, engine_config(checkpoint), Request(checkpoint))
-    assert report.in_place == 0
     assert_same_parameters(model, expected)
+    layers = tiny_config().num_hidden_layers
+    names = open_weights(checkpoint).plan.names
+    # (overlapping: all but the LM head and both norms of each layer, which go through load_weights in its order)
+    assert report.in_place == (len(names) - 1 - 2 * layers if after_copy == "overlapping" else 0)
 
 
-def test_destinations_that_overlap_one_another_or_a_change_are_never_read_into_place():
+def test_a_copy_into_a_view_with_unit_dimensions_is_read_into_place_only_the_right_way_up():
+    param = torch.zeros(1, 4)
+    probe = torch.empty(4, 1, device="meta")
+    for view, direct in ((probe.t(), False), (probe.view(1, 4), False)):
+        recorder = _CopyRecorder({id(probe): "w"}, {param.untyped_storage().data_ptr()})
+        with recorder:
+            param.copy_(view) if view.shape == param.shape else param.t().copy_(view)
+        (copy,) = recorder.copied["w"]
+        assert (copy.target is not None) == direct
+    recorder = _CopyRecorder({id(probe): "w"}, {param.untyped_storage().data_ptr()})
+    with recorder:
+        param.t().copy_(probe)  # (a (4, 1) view of the parameter, the probe's own shape and orientation)
+    (copy,) = recorder.copied["w"]
+    assert copy.box == ((0, 4), (0, 1)) and copy.target is not None and copy.target.shape == (4, 1)
+
+
+def test_destinations_that_overlap_one_another_or_a_later_write_are_never_read_into_place():
     """Random destinations in a few storages against the overlap graph's truth: a weight is read into place exactly
-    when no span of another weight, and no span changed by loading code, is connected to its own through overlapping
-    spans (for intervals, what one sweep in order finds)."""
+    when no span of another weight, of another box of its own, or written later by load_weights, is connected to one of
+    its own through overlapping spans (for intervals, what one sweep in order finds)."""
     rng = random.Random(DRAW.randrange(2**32))
     for _ in range(100):
         storages = [torch.empty(rng.randrange(8, 64)) for _ in range(rng.randrange(1, 4))]
         targets = {
-            f"w{i}": [((), random_view(rng, storages)) for _ in range(rng.randrange(1, 3))]
+            f"w{i}": [(((0, rng.randrange(1, 3)),), random_view(rng, storages)) for _ in range(rng.randrange(1, 3))]
             for i in range(rng.randrange(1, 9))
         }
-        changed = [_span(random_view(rng, storages)) for _ in range(rng.randrange(3))]
-        assert set(_apart(targets, changed)) == kept_by_search(targets, changed)
+        later = [_span(random_view(rng, storages)) for _ in range(rng.randrange(3))]
+        assert set(_apart(targets, later)) == kept_by_search(targets, later)
 
 
 def random_view(rng: random.Random, storages: list[torch.Tensor]) -> torch.Tensor:
@@ -195,12 +229,13 @@ def random_view(rng: random.Random, storages: list[torch.Tensor]) -> torch.Tenso
     return s[start : rng.randrange(start + 1, s.numel() + 1)]
 
 
-def kept_by_search(targets: dict, changed: list) -> set[str]:
-    """The weights whose spans' connected components (through overlaps) hold spans of theirs alone."""
-    spans = [(_span(t), name) for name, places in targets.items() for _, t in places] + [(c, None) for c in changed]
+def kept_by_search(targets: dict, later: list) -> set[str]:
+    """The weights whose spans' connected components (through overlaps) hold nothing but copies of that span."""
+    spans = [(_span(t), name, box) for name, places in targets.items() for box, t in places]
+    spans += [(span, None, None) for span in later]
 
     def meet(i: int, j: int) -> bool:
-        (a, _), (b, _) = spans[i], spans[j]
+        a, b = spans[i][0], spans[j][0]
         return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
     kept = set(targets)
@@ -212,6 +247,6 @@ def kept_by_search(targets: dict, changed: list) -> set[str]:
                 if j not in component and meet(k, j):
                     component.add(j)
                     frontier.append(j)
-        if {spans[j][1] for j in component} != {spans[i][1]}:
+        if len({spans[j] for j in component}) > 1:
             kept.discard(spans[i][1])
     return kept

@@ -14,10 +14,12 @@ nothing of), the weight is read whole, as every rank reads it with vLLM's own lo
 At start-up, a weight whose every copy went unconverted into a view of a parameter (same dtype, same shape, the box
 the right way up) is read straight into those views: one pass over its bytes, as vLLM's mmap-then-copy of
 safetensors makes, where handing it to `load_weights` would be two (ucp's read into a tensor of its own, then
-vLLM's copy). The others go through `load_weights` with their data, as do weights whose destinations overlap. A model
-whose loading code does anything with a parameter's data during the dry run beyond views of it and fills with a
-constant (scales a weight after copying it, computes a scale from it, re-lays it with `param.data = ...`) has every
-weight go through `load_weights`: what it computed came from memory the dry run never filled.
+vLLM's copy). The others go through `load_weights` with their data, after the reads, as do weights whose destinations
+overlap another's or memory those later copies write (so that what lands last is what the model's order leaves). A
+model whose loading code does anything with a parameter's data during the dry run beyond views of it and fills with a
+constant apart from every copy (scales a weight after copying it, computes a scale from it, re-lays it with
+`param.data = ...`, zeroes rows a weight is copied into) has every weight go through `load_weights`: what it computed
+came from memory the dry run never filled, or its order matters.
 
 The dry run happens while the engine builds its model, before vLLM turns its parameters into its kernels' formats
 (after which `load_weights` cannot run outside vLLM's reload); the shares are kept on the model for the refreshes to
@@ -34,7 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -198,8 +200,8 @@ class _CopyRecorder(TorchFunctionMode):
     it views and where it was going, and skips the copy (the destination, the model's real parameter, is left as it
     is). Everything else loading code does runs as it is, and is sorted by what it does to the model's real tensors:
     views and shapes of them (`_VIEWS`, `_FACTS`) change nothing; a fill with a constant (`fill_(0)` of the
-    vocabulary's padding rows) is noted by the memory it changed (`changed`), which no weight read into place may
-    overlap; any other use of a real tensor's data or change to it (a weight scaled after its copy, a scale computed
+    vocabulary's padding rows) is noted by the memory it changed (`fills`), which no copy of a weight may overlap (the
+    order of the two is then the model's to keep); any other use of a real tensor's data or change to it (a weight scaled after its copy, a scale computed
     from it, `param.data = ...`) makes the run `unsafe`: what it computed came from memory the dry run never filled,
     and every weight must then be loaded with its data, in the model's own order."""
 
@@ -208,7 +210,7 @@ class _CopyRecorder(TorchFunctionMode):
         self.probes = probes  # id(probe tensor) -> HF name
         self.memory = memory  # the addresses of the storages of the model's parameters and buffers
         self.copied: dict[str, list[Copy]] = {}
-        self.changed: list[Span] = []
+        self.fills: list[Span] = []
         self.unsafe: str | None = None  # (the first call that used or changed real data otherwise)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -224,7 +226,7 @@ class _CopyRecorder(TorchFunctionMode):
             return func(*args, **kwargs)
         if called in _FILLS and not kwargs and all(isinstance(a, (int, float, bool)) for a in args[1:]):
             if args[0].numel():
-                self.changed.append(_span(args[0]))
+                self.fills.append(_span(args[0]))
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if called not in _VIEWS or not all(_shares_memory(o, real[0]) for o in _tensors((out,), {})):
@@ -235,32 +237,35 @@ class _CopyRecorder(TorchFunctionMode):
         base = view if view._base is None else view._base
         name = self.probes.get(id(base))
         if name is None:
-            return None, Copy(None, None)
+            return None, Copy(None, None, None)
         box = view_box(base, view)
-        upright = (
+        upright = (  # (the box as the view holds it: same dimensions, same order; a size-1 dimension's stride says
+            # nothing, so the box's extents must be the view's shape as well)
             box is not None
             and view.dim() == base.dim()
+            and tuple(b - a for a, b in box) == tuple(view.shape)
             and all(n == 1 or s == t for n, s, t in zip(view.shape, view.stride(), base.stride()))
         )
+        written = _span(target) if not target.is_meta and target.numel() else None
         direct = (
             upright
             and target.dtype == view.dtype
             and target.shape == view.shape
-            and not target.is_meta
-            and target.numel() > 0
+            and written is not None
             and target.untyped_storage().data_ptr() in self.memory
         )
-        return name, Copy(box, target if direct else None)
+        return name, Copy(box, target if direct else None, written)
 
 
 @dataclass(frozen=True)
 class Copy:
-    """One copy out of a probe in a dry run of `load_weights`: the box of the weight copied (None: not a box of it), and
+    """One copy out of a probe in a dry run of `load_weights`: the box of the weight copied (None: not a box of it);
     the tensor it went to where the box can be read straight into it (a view of a parameter of the weight's dtype and
-    the box's shape and orientation), else None."""
+    the box's shape and orientation), else None; and the memory it writes (None: none, or not the model's)."""
 
     box: Box | None
     target: torch.Tensor | None
+    written: Span | None
 
 
 _FACTS = frozenset(
@@ -390,6 +395,12 @@ def dry_run(model: torch.nn.Module, weights: StepWeights) -> DryRun:
         for name, copies in copied.items()
         if name in shares and all(c.target is not None for c in copies)
     }
+    writes = [(c.written, name) for name, copies in copied.items() for c in copies if c.written is not None]
+    if recorder.unsafe is None and any(
+        len({kind for _, kind in run}) > 1
+        for run in _runs([(span, "copy") for span, _ in writes] + [(span, "fill") for span in recorder.fills])
+    ):
+        recorder.unsafe = "a fill of memory a weight is copied into"
     if recorder.unsafe is not None:
         log.info(
             "vLLM's load_weights uses or changes a parameter's data beyond copying weights into it (%s): every weight"
@@ -397,7 +408,8 @@ def dry_run(model: torch.nn.Module, weights: StepWeights) -> DryRun:
             recorder.unsafe,
         )
         targets = {}
-    return DryRun(shares, _apart(targets, recorder.changed), None if loaded is None else set(loaded))
+    later = [span for span, name in writes if name not in targets]  # (what load_weights writes after the reads)
+    return DryRun(shares, _apart(targets, later), None if loaded is None else set(loaded))
 
 
 Span = tuple[tuple[str, int], int, int]  # (a storage: its device and address; first byte; one past the last byte)
@@ -410,28 +422,40 @@ def _span(t: torch.Tensor) -> Span:
     return (str(t.device), t.untyped_storage().data_ptr()), first, last
 
 
+L = TypeVar("L")
+
+
+def _runs(spans: list[tuple[Span, L]]) -> list[list[tuple[Span, L]]]:
+    """The labelled spans in runs that overlap one another in a chain (for intervals, the connected components of
+    their overlaps): one sweep in order of storage and first byte."""
+    runs: list[list[tuple[Span, L]]] = []
+    end: tuple[tuple[str, int], int] | None = None  # (the run's storage, the furthest byte it reaches)
+    for span, label in sorted(spans, key=lambda item: (item[0][0], item[0][1])):
+        storage, first, last = span
+        if end is None or end[0] != storage or first >= end[1]:
+            runs.append([])
+            end = (storage, last)
+        runs[-1].append((span, label))
+        end = (storage, max(end[1], last))
+    return runs
+
+
 def _apart(
-    targets: dict[str, list[tuple[Box, torch.Tensor]]], changed: list[Span]
+    targets: dict[str, list[tuple[Box, torch.Tensor]]], later: list[Span]
 ) -> dict[str, list[tuple[Box, torch.Tensor]]]:
     """`targets` less the weights whose destinations overlap another weight's (read in parallel, which lands last
-    would be left to chance, where `load_weights` puts them in its order) or memory that loading code filled (the
-    vocabulary's padding rows zeroed beside the embedding are apart from it; a fill over a weight's rows would be
-    undone by reading it into place after). One sweep over the spans in order: each run of spans that overlap one
-    another in a chain drops every weight in it, unless it is one weight's alone."""
-    spans = sorted(
-        [(_span(t), name) for name, places in targets.items() for _, t in places] + [(span, None) for span in changed],
-        key=lambda item: (item[0][0], item[0][1]),
-    )
+    would be left to chance, where `load_weights` puts them in its order), another box of the same weight, or memory
+    that `load_weights` writes `later` (the weights not read into place: their copies would land after the reads,
+    whatever the model's order). A run of overlapping spans (`_runs`) with more than one (weight, box, span) in it
+    drops every weight in it."""
+    spans: list[tuple[Span, tuple[str | None, Box | None]]] = [
+        (_span(t), (name, box)) for name, places in targets.items() for box, t in places
+    ]
+    spans += [(span, (None, None)) for span in later]
     dropped: set[str] = set()
-    run: set[str | None] = set()
-    end: tuple[tuple[str, int], int] | None = None  # (the run's storage, the furthest byte it reaches)
-    for (storage, first, last), name in spans:
-        if end is None or end[0] != storage or first >= end[1]:
-            run, end = set(), (storage, last)
-        run.add(name)
-        end = (storage, max(end[1], last))
-        if len(run) > 1:
-            dropped.update(n for n in run if n is not None)
+    for run in _runs(spans):
+        if len(set(run)) > 1:
+            dropped.update(name for _, (name, _) in run if name is not None)
     return {n: places for n, places in targets.items() if n not in dropped}
 
 
