@@ -22,11 +22,12 @@ from ucp.errors import IntegrityError
 from ucp.format.manifest import chunk_indices
 from ucp.interop.weights import load_weights
 from ucp.protocol.comm import LocalComm
+from ucp.sharding.families import canonical_atoms
 from ucp.sharding.reshard import shard
 from ucp.training_state import restore_training_state, training_state
 
 from .dist_worker import CONFIG, STATES, full_state
-from .helpers import assert_same_state, step_path
+from .helpers import assert_same_state, random_full_state, save_in_layout, step_path, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -280,6 +281,26 @@ def test_a_load_into_cuda_tensors_fills_them_in_place(tmp_path):
     assert [t.data_ptr() for t in [*into["small"].values(), into["big"]]] == pointers
     assert_same_state(state, {"small": {k: v.cpu() for k, v in into["small"].items()}, "big": into["big"].cpu(),
                               "step": into["step"]})  # fmt: skip
+
+
+def test_a_vllm_start_up_reads_weights_straight_into_cuda_parameters(tmp_path):
+    """ucp.interop.vllm's start-up on a model whose parameters are on the GPU: the weights whose places the dry run
+    finds land through page-locked memory straight into the parameters' views (strided ones included), and every
+    parameter ends as the model's own loading leaves it. Needs no vLLM: tests/test_vllm_dry_run.py's model loads as
+    vLLM's layers do."""
+    from ucp.interop.vllm.engine import Request, load_step
+
+    from .test_vllm_dry_run import LoadsLikeVllm, assert_same_parameters, engine_config, oracle
+
+    cfg = tiny_config()
+    url = str(tmp_path / "ckpt")
+    save_in_layout(random_full_state(cfg, states=()), cfg, "tp2", url)
+    for tp, rank in ((1, 0), (2, 1)):
+        model = LoadsLikeVllm(cfg, tp, rank).cuda()
+        report = load_step(model, engine_config(url), Request(url))
+        assert report.in_place == len(canonical_atoms(cfg)) - 1  # (all but the LM head, converted as it is copied)
+        torch.cuda.synchronize()
+        assert_same_parameters(model.cpu(), oracle(url, tp, rank))
 
 
 def test_restore_training_state_onto_a_gpu_model(tmp_path):

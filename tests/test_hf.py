@@ -10,57 +10,17 @@ import pytest
 import torch
 
 from ucp import cli as ucp_cli
-from ucp.distributed import ShardedModel, VirtualWorld
 from ucp.errors import IntegrityError
 from ucp.interop.errors import DestinationExistsError, InteropError, SourceMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.weights import load_weights
 from ucp.sharding.families import MixtralConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
-from ucp.sharding.reshard import DEFAULT_STATES, shard
+from ucp.sharding.reshard import shard
 
-from .helpers import damage_atom
+from .helpers import damage_atom, random_full_state, save_in_layout, tiny_config
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_config(**overrides) -> MixtralConfig:
-    """vocab 100 is not a multiple of 128: every layout pads it."""
-    fields = {
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-    }
-    fields.update(overrides)
-    return MixtralConfig(**fields)
-
-
-def random_full_state(cfg: MixtralConfig, states: tuple[str, ...] = DEFAULT_STATES, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    model = {n: torch.randn(shape, generator=g) * 0.2 for n, (shape, _) in canonical_atoms(cfg).items()}
-    full: dict = {"model": model}
-    if states:
-        full["optimizer"] = {
-            "state": {n: {s: torch.randn(t.shape, generator=g) for s in states} for n, t in model.items()}
-        }
-    return full
-
-
-def save_in_layout(
-    full: dict, cfg: MixtralConfig, layout: str, url: str, *, step: int = 1, storage_options=None, options=None
-) -> None:
-    """A checkpoint as a training job in `layout` would write it: every rank's local state, one distributed save."""
-    lay = parse_layout(layout)
-    states = tuple(next(iter(full["optimizer"]["state"].values()))) if "optimizer" in full else ()
-    local = [shard(full, cfg, lay, r, states) for r in range(lay.world_size)]
-    VirtualWorld(lay.world_size).save(
-        local, url, step=step, model=ShardedModel(cfg, lay, states), storage_options=storage_options, options=options
-    )
 
 
 def hf_reference_model(cfg: MixtralConfig, atoms: dict[str, torch.Tensor], **hf_fields) -> torch.nn.Module:

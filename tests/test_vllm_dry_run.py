@@ -21,8 +21,7 @@ from ucp.distributed.sharded_model import atom_path
 from ucp.interop.vllm.engine import Request, _apart, _CopyRecorder, _span, load_step
 from ucp.interop.vllm.source import open_weights
 
-from .helpers import DRAW
-from .test_hf import random_full_state, save_in_layout, tiny_config
+from .helpers import DRAW, random_full_state, save_in_layout, tiny_config
 
 
 class LoadsLikeVllm(torch.nn.Module):
