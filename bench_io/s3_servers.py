@@ -156,7 +156,9 @@ DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL", "--")
 # The config that runs on one host, on loopback, with no keys between the daemons. Without `auth client required =
 # none` and `ms mon client mode = crc` radosgw loops on "get_initial_auth_request returned -13". The logs are
 # quiet (radosgw logs every request at its default level, a cost in a benchmark), and radosgw's garbage collection
-# of deleted objects' tails runs at once rather than after 2 hours, so a long benchmark does not fill the OSD.
+# of deleted objects' tails runs at once rather than after 2 hours, so a long benchmark does not fill the OSD. The
+# monitor's check of the free space on its disk is off (`mon data avail crit = 0`): by default it refuses to start
+# below 5% free, a share of the disk that says nothing of the ~1 GiB this cluster needs (it refused with 12 GiB free).
 CEPH_CONF = """\
 [global]
 fsid = {fsid}
@@ -173,6 +175,8 @@ osd pool default pgp num = 8
 mon max pg per osd = 1000
 mon allow pool size one = true
 mon warn on pool no redundancy = false
+mon data avail crit = 0
+mon data avail warn = 0
 osd objectstore = bluestore
 bluestore block create = true
 bluestore block size = {block_bytes}

@@ -201,9 +201,9 @@ class _CopyRecorder(TorchFunctionMode):
     is). Everything else loading code does runs as it is, and is sorted by what it does to the model's real tensors:
     views and shapes of them (`_VIEWS`, `_FACTS`) change nothing; a fill with a constant (`fill_(0)` of the
     vocabulary's padding rows) is noted by the memory it changed (`fills`), which no copy of a weight may overlap (the
-    order of the two is then the model's to keep); any other use of a real tensor's data or change to it (a weight scaled after its copy, a scale computed
-    from it, `param.data = ...`) makes the run `unsafe`: what it computed came from memory the dry run never filled,
-    and every weight must then be loaded with its data, in the model's own order."""
+    order of the two is then the model's to keep); any other use of a real tensor's data or change to it (a weight
+    scaled after its copy, a scale computed from it, `param.data = ...`) makes the run `unsafe`: what it computed came
+    from memory the dry run never filled, and every weight must then be loaded with its data, in the model's order."""
 
     def __init__(self, probes: Mapping[int, str], memory: set[int]):
         super().__init__()
