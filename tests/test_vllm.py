@@ -296,6 +296,11 @@ def test_a_refresh_gives_exactly_a_fresh_engines_outputs_from_storage_and_from_m
         assert generate(llm) == fresh[3]
 
 
+def test_an_engine_whose_loader_hands_every_weight_to_load_weights_serves_the_same(trained, fresh):
+    # (into_parameters false: each weight read into a tensor of its own and copied by vLLM, the path before)
+    assert from_ucp(trained, 1, model_loader_extra_config={"into_parameters": False}) == fresh[1]
+
+
 def test_an_engine_built_and_refreshed_from_ucp_leaves_nothing_of_ucps_to_the_cyclic_collector(trained, fresh):
     # (vLLM runs full collections while it builds an engine: what ucp left in a cycle was freed by them, late)
     with left_to_the_collector() as left, engine(model_dir(str(trained), 1), load_format="ucp") as llm:
