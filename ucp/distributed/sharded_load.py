@@ -12,12 +12,11 @@ from typing import Any
 import torch
 
 from ..base import dtypes
-from ..base.boxes import box_shape
-from ..base.devices import load_device, on_host
+from ..base.boxes import Box, box_shape
+from ..base.devices import load_device
 from ..base.heap import collector_paused
 from ..base.workpool import ObjectCall
 from ..engine.checkpoint import CheckpointReader
-from ..engine.landing import open_landing
 from ..errors import StateError
 from ..format.manifest import AtomMeta
 from ..sharding.quantization import dequantize
@@ -85,7 +84,7 @@ def run_plan(
     device = load_device(device)
     local: dict[str, Any] = {}
     jobs: list[ObjectCall] = []
-    direct: list[tuple[AtomMeta, ReadItem, torch.Tensor]] = []  # read in the stored dtype, straight into the tensor
+    direct: list[tuple[AtomMeta, Box, torch.Tensor]] = []  # read in the stored dtype, straight into the tensor
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read in the plan's dtype, the caller's tensor)
     finishes: list[Callable[[], object]] = []  # once read: items read in another dtype, put into their tensors
     for t in plan.tensors:
@@ -109,14 +108,8 @@ def run_plan(
             if item.convert:
                 jobs += _converted_reads(reader, meta, item, view, finishes)
             else:
-                direct.append((meta, item, view))
-    # (only a load given a device or tensors of the caller's can land anywhere but in host memory)
-    off_host = [view for _, _, view in direct if not on_host(view)] if device is not None or into is not None else []
-    with open_landing(off_host, [meta for meta, _, view in direct if not on_host(view)] if off_host else []) as landing:
-        for meta, item, view in direct:
-            lands = landing if off_host and not on_host(view) else None
-            jobs += [reader.region_read(meta, index, item.box, view, lands) for index in item.chunks]
-        read = reader.run_reads(jobs)
+                direct.append((meta, item.box, view))
+    read = reader.read_regions(direct, also=jobs)
     for finish in finishes:
         finish()
     for tensor, given in casts:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -496,17 +496,18 @@ class CheckpointReader:
         once."""
         return [self.region_read(meta, i, box, view, landing) for i in chunks_touching(meta, box)]
 
-    def read_regions(self, regions: Iterable[tuple[AtomMeta, Box, torch.Tensor]]) -> int:
+    def read_regions(
+        self, regions: Iterable[tuple[AtomMeta, Box, torch.Tensor]], also: Sequence[ObjectCall] = ()
+    ) -> int:
         """Fill each view (shaped like its box, in its atom's stored dtype; in host memory, or on a device through a
-        `Landing`) with that region of its atom, every read at once; returns the bytes read from storage."""
+        `Landing`) with that region of its atom, every read at once, `also` (other object reads) among them; returns
+        the bytes read from storage."""
         regions = list(regions)
         off_host = [(meta, view) for meta, _, view in regions if not on_host(view)]
         with open_landing([view for _, view in off_host], [meta for meta, _ in off_host]) as landing:
-            reads = [
-                read
-                for meta, box, view in regions
-                for read in self.region_reads(meta, box, view, None if on_host(view) else landing)
-            ]
+            reads = list(also)
+            for meta, box, view in regions:
+                reads += self.region_reads(meta, box, view, None if on_host(view) else landing)
             return self.run_reads(reads)
 
     def run_reads(self, reads: list[ObjectCall]) -> int:
