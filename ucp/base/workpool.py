@@ -4,6 +4,7 @@ cancelled together when one fails; and keys packed into groups of bounded bytes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple, TypeVar
@@ -65,6 +66,25 @@ def submit_wide(pool: cf.ThreadPoolExecutor, calls: Sequence[ObjectCall]) -> lis
     ordered = sorted(calls, key=lambda c: -c.nbytes)  # (stable: objects of one size keep their order)
     large = sum(1 for c in ordered if c.nbytes >= SMALL_OBJECT_BYTES)
     return [pool.submit(c.call) for c in ordered[:large]] + submit_batched(pool, [c.call for c in ordered[large:]])
+
+
+def when_all_done(futures: Sequence[cf.Future], callback: Callable[[], None]) -> None:
+    """Call `callback` once every future is done (finished, failed or cancelled), in the thread that ends the last."""
+    if not futures:
+        callback()
+        return
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: cf.Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    for f in futures:
+        f.add_done_callback(one_done)
 
 
 def wait_all(futures: Sequence[cf.Future]) -> None:

@@ -42,7 +42,7 @@ import torch
 from ..base.chunking import ChunkingPolicy
 from ..base.devices import Copies, SideStreams, cuda_in_use, on_host
 from ..base.heap import collector_paused
-from ..base.workpool import SizedPool, chain, wait_all
+from ..base.workpool import ObjectCall, SizedPool, submit_sized, wait_all, when_all_done
 from ..errors import UcpError
 from ..format.manifest import ZARR_JSON, AtomMeta, StepManifest, dumps, group_json
 from ..format.packs import Pack, PackMember, lay_out
@@ -62,7 +62,8 @@ MODES = ("sync", "async", "lazy")
 WRITERS = ("process", "threads")
 DEFAULT_WRITER: Writer = "process" if PROCESS_WRITER_SUPPORTED else "threads"
 _BATCH_BYTES = 4 << 20  # chunks go to the writers in batches of about this size...
-_BATCH_CALLS = 64  # ...or this many, so that small objects do not pay one task (or message) each
+_BATCH_CALLS = 64  # ...or this many: small objects do not pay one message (or hand-over) each; the writers split
+# each batch into pool tasks by `workpool.submit_sized`
 # Staging memory of a one-shot sync save (`ucp.save`, `save_sharded`): only its chunks on a device are staged, each
 # written as soon as it is there, so a little memory serves any state (page-locked memory stays in torch's cache).
 ONE_SHOT_STAGING_BYTES = 512 << 20
@@ -259,26 +260,25 @@ class _ThreadWrites:
         self.serial_small = plan.storage.capabilities.serial_small_writes
 
     def write_documents(self, documents: list[tuple[str, bytes]]) -> list[cf.Future]:
-        calls = [functools.partial(self.plan.storage.write, key, [data]) for key, data in documents]
-        return [
-            self.pool.submit(chain(calls[i : i + _BATCH_CALLS]), 0, self.serial_small)  # (documents are small)
-            for i in range(0, len(calls), _BATCH_CALLS)
-        ]
+        calls = [ObjectCall(functools.partial(self.plan.storage.write, key, [data]), 0) for key, data in documents]
+        return submit_sized(self.pool, calls, self.serial_small)  # (documents are small)
 
     def write_chunks(self, staged: Sequence[_Staged]) -> list[cf.Future]:
-        """Queue the writes; from here on the staged chunks are theirs: each slot is released once its write
-        ends, fails or is cancelled, and at once if the write cannot be queued."""
+        """Queue the writes, split into pool tasks as the writer process splits what it is sent (`submit_sized`: on
+        an object store, where a request waits milliseconds, every small object a task of its own, many in flight);
+        from here on the staged chunks are theirs: each batch's slots are released once its writes end, fail or
+        are cancelled, and at once if they cannot be queued."""
         futures = []
         batches = _batches(staged)
         for i, batch in enumerate(batches):
             try:
-                calls = chain([functools.partial(self._write, s) for s in batch])
-                future = self.pool.submit(calls, sum(s.nbytes for s in batch) // len(batch), self.serial_small)
+                calls = [ObjectCall(functools.partial(self._write, s), s.nbytes) for s in batch]
+                submitted = submit_sized(self.pool, calls, self.serial_small)
             except BaseException:
                 _release_all(self.staging, batches[i:])
                 raise
-            future.add_done_callback(functools.partial(_release, self.staging, batch))
-            futures.append(future)
+            when_all_done(submitted, functools.partial(_release, self.staging, batch))
+            futures += submitted
         return futures
 
     def _write(self, staged: _Staged) -> None:
@@ -327,9 +327,7 @@ class _ProcessWrites:
                 _release_all(self.staging, batches[i:])
                 raise
             try:
-                future = self.process.write_chunks(
-                    self.sid, refs, functools.partial(_release, self.staging, batch, None)
-                )
+                future = self.process.write_chunks(self.sid, refs, functools.partial(_release, self.staging, batch))
             except BaseException:
                 _release_all(self.staging, batches[i + 1 :])  # (the failed batch was released by write_chunks)
                 raise
@@ -376,7 +374,7 @@ class _ProcessWrites:
         self.process.close_storage(self.sid)
 
 
-def _release(staging: StagingPool, batch: Sequence[_Staged], _future: cf.Future | None) -> None:
+def _release(staging: StagingPool, batch: Sequence[_Staged]) -> None:
     """Give the batch's slots back, each once its copy from a device has ended: a chunk whose write was cancelled or
     never handed over (a failed snapshot) may still have a copy queued, which would otherwise write into memory
     given to another chunk, or unmapped and unregistered with its arena."""
@@ -391,7 +389,7 @@ def _release(staging: StagingPool, batch: Sequence[_Staged], _future: cf.Future 
 
 def _release_all(staging: StagingPool, batches: Sequence[Sequence[_Staged]]) -> None:
     for batch in batches:
-        _release(staging, batch, None)
+        _release(staging, batch)
 
 
 # ---------------------------------------------------------------------------------------- the pipeline
@@ -637,7 +635,7 @@ class SavePipeline:
             # work queued after the snapshot (the optimizer step) must not change a tensor before its copy ran
             copies.order_after()
         except BaseException:
-            _release(self.staging, batch, None)
+            _release(self.staging, batch)
             _cancel(futures)
             writes.close()
             raise
