@@ -1,6 +1,6 @@
 """Inference start-up and RL refresh: a vLLM engine from a ucp checkpoint against vLLM's own loads of the same weights.
 
-    python -m bench_io inference --size-gib 1 [--s3 [moto,radosgw]] [--repeats 3] [--tp 1]
+    python -m bench_io inference --size-gib 1 [--s3 [moto,radosgw]] [--repeats 3] [--tp 1] [--refresh-budgets 1024,256]
 
 Writes one bf16 Llama-shaped model of about --size-gib as a ucp checkpoint of two steps (saved from tp2pp2, as a
 pretraining job would; the second step's weights differ) and step 0 as Hugging Face safetensors (`ucp export --to
@@ -19,7 +19,9 @@ own), each run with the page cache of every file dropped first (posix_fadvise DO
   - export, then safetensors: `ucp export --to hf` into a fresh directory, then the same (what a ucp checkpoint cost
     before `load_format="ucp"`);
 - refresh, a running engine taking the second step's weights: `refresh(llm, url, 1)`, against building a new engine
-  from that step (the ucp start-up above) and against vLLM's `reload_weights` from a safetensors copy of it.
+  from that step (the ucp start-up above) and against vLLM's `reload_weights` from a safetensors copy of it; with
+  --refresh-budgets, also with each memory budget named (the weights read in groups of a quarter of it),
+  alternating with the default's.
 
 With --s3 the checkpoint and the export go to each S3 server named (on 127.0.0.1: moto, a subprocess, and Ceph's
 radosgw where installed; default both, radosgw where installed) and the same rows are timed from there: ucp reads the
@@ -43,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ from typing import Any
 import torch
 
 from ucp.distributed import ShardedModel, VirtualWorld
+from ucp.interop.streaming import DEFAULT_MEMORY_BUDGET
 from ucp.sharding.families import LlamaConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
@@ -237,24 +240,35 @@ def save_sharded_state(bench: Bench, hf0: Path) -> Path | None:
 
 
 def refresh_rows(
-    bench: Bench, url: str, options: dict | None, hf: tuple[Path, Path] | None, label: str = "local"
+    bench: Bench,
+    url: str,
+    options: dict | None,
+    hf: tuple[Path, Path] | None,
+    label: str = "local",
+    budgets: Sequence[int] = (),
 ) -> list[int]:
     """Time refreshes of one running engine (step 0 -> 1 -> 0 ...), and where the safetensors copies `hf` of the two
     steps are local, vLLM's own `reload_weights` of them into an engine started from the first; returns the bytes
-    each worker read in the last refresh."""
+    each worker read in the last refresh. `budgets`: also refreshes with each of these memory budgets (bytes; the
+    weights read in groups of a quarter of it), alternating with the default's in each repeat."""
     from ucp.interop.vllm import refresh
 
     extra = {"storage_options": options} if options else None
     bytes_read: list[int] = []
+    runs = [(f"refresh ({label})", DEFAULT_MEMORY_BUDGET)]
+    runs += [(f"refresh, memory_budget {b >> 20} MiB ({label})", b) for b in budgets if b != DEFAULT_MEMORY_BUDGET]
     with bench.engine(
         model=str(bench.model_dir(url, options)), load_format="ucp", model_loader_extra_config=extra
     ) as llm:
-        for i in range(bench.repeats):
+        done = 0
+        for _ in range(bench.repeats):
+            for name, budget in runs:
 
-            def ucp_refresh(step: int = 1 - i % 2) -> None:
-                bytes_read[:] = refresh(llm, url, step, storage_options=options).bytes_read
+                def ucp_refresh(step: int = 1 - done % 2, budget: int = budget) -> None:
+                    bytes_read[:] = refresh(llm, url, step, storage_options=options, memory_budget=budget).bytes_read
 
-            bench.time(f"refresh ({label})", ucp_refresh)
+                bench.time(name, ucp_refresh)
+                done += 1
     if hf is not None:
         with bench.engine(model=str(hf[0])) as llm:
             for i in range(bench.repeats):
@@ -281,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel workers (> 1: each a process of its own)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument(
+        "--refresh-budgets",
+        default="",
+        help="a comma list of memory budgets in MiB: local refreshes with each too, alternating with the default's",
+    )
     args = p.parse_args(argv)
     _vllm_environment(args.tp)
     log = logging.getLogger("ucp")  # (each ucp load's own time, beside vLLM's "Loading weights took")
@@ -306,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             for name, run in local.items():
                 bench.time(f"{name} (local)", run)
-        bytes_read = refresh_rows(bench, url, None, (root / "hf0", root / "hf1"))
+        budgets = [int(b) << 20 for b in args.refresh_budgets.split(",") if b]
+        bytes_read = refresh_rows(bench, url, None, (root / "hf0", root / "hf1"), budgets=budgets)
         total = sum(m.nbytes for m in _reader(url).atoms.values())
         labels = ["local"]
         for server in s3_servers(args.s3):
