@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from ucp.base.workpool import SMALL_OBJECT_BYTES, ObjectCall, SizedPool, run_sized, wait_all
+from ucp.base.workpool import SMALL_OBJECT_BYTES, ObjectCall, SizedPool, run_sized, wait_all, when_all_done
 
 
 def _recorder():
@@ -115,3 +115,18 @@ def test_run_sized_tells_the_storage_the_small_lanes_keys_in_order_and_each_obje
         *[e for i in small for e in (("read", i), ("advanced",))],
         ("done",),
     ]
+
+
+def test_when_all_done_calls_back_once_after_the_last_future_ends_cancelled_ones_included():
+    gate = threading.Event()
+    called: list[str] = []
+    with cf.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(gate.wait, 30)
+        queued = [pool.submit(lambda: None) for _ in range(random.randint(1, 8))]
+        when_all_done([running, *queued], lambda: called.append(threading.current_thread().name))
+        assert queued[-1].cancel() and called == [], "one future cancelled, the rest not done: no call yet"
+        gate.set()
+        wait_all([running, *queued[:-1]])
+    assert len(called) == 1
+    when_all_done([], lambda: called.append("none"))
+    assert called[-1] == "none", "no futures: called at once"
