@@ -94,7 +94,7 @@ def test_a_staging_slot_goes_back_only_once_its_copy_has_ended(fails):
     slots = [pool.acquire(4096) for _ in range(2)]
     copies = [_QueuedCopy(slot, fails) for slot in slots]
     staged = [_Staged(None, slot.memory, slot, copy) for slot, copy in zip(slots, copies)]  # type: ignore[arg-type]
-    _release(pool, staged, None)
+    _release(pool, staged)
     assert [c.held_when_waited for c in copies] == [2, 1]  # (each waited for while its own slot was still held)
     assert slots[0].arena.live == 0
 
