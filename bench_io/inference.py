@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--refresh-budgets",
         default="",
-        help="a comma list of memory budgets in MiB: local refreshes with each too, alternating with the default's",
+        help="a comma list of memory budgets in MiB: refreshes with each too, alternating with the default's",
     )
     args = p.parse_args(argv)
     _vllm_environment(args.tp)
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         for server in s3_servers(args.s3):
             labels.append(f"s3 {server}")
             try:
-                _s3(bench, root, server)
+                _s3(bench, root, server, budgets)
             except Exception as e:  # noqa: BLE001 -- a server that fails here is reported with the rows measured
                 bench.notes[f"s3 {server}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         report(bench, bytes_read, total, labels)
@@ -358,7 +358,7 @@ def s3_servers(choice: str | None) -> list[str]:
     return names
 
 
-def _s3(bench: Bench, root: Path, server_name: str) -> None:
+def _s3(bench: Bench, root: Path, server_name: str, budgets: Sequence[int] = ()) -> None:
     server = start_s3_server(server_name)
     label = f"s3 {server_name}"
     try:
@@ -384,7 +384,7 @@ def _s3(bench: Bench, root: Path, server_name: str) -> None:
             for _ in range(bench.repeats):
                 for name, run in methods.items():
                     bench.time(f"{name} ({label})", run)
-            refresh_rows(bench, "s3://inference/ucp", options, None, label)
+            refresh_rows(bench, "s3://inference/ucp", options, None, label, budgets)
     finally:
         server.close()
 
@@ -411,8 +411,10 @@ def report(bench: Bench, bytes_read: list[int], total: int, labels: list[str]) -
             if ucp_start and other:
                 print(f"{where}: start-up, ucp / {baseline} = {ucp_start / other:.2f}x")
         refreshed = bench.median(f"refresh ({where})")
-        if refreshed and ucp_start:
-            print(f"{where}: refresh / a new engine (ucp) = {refreshed / ucp_start:.2f}x")
+        for name in bench.times:
+            if name.startswith("refresh") and name.endswith(f"({where})") and ucp_start:
+                label = name.removesuffix(f" ({where})")
+                print(f"{where}: {label} / a new engine (ucp) = {bench.median(name) / ucp_start:.2f}x")
         reload = bench.median(f"vLLM reload_weights, safetensors ({where})")
         if refreshed and reload:
             print(f"{where}: refresh / vLLM reload_weights of safetensors = {refreshed / reload:.2f}x")

@@ -9,8 +9,11 @@ serves every family from ucp through vLLM itself.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+import threading
+import time
 from collections.abc import Iterable
 from types import SimpleNamespace
 
@@ -19,7 +22,7 @@ import torch
 
 from ucp.distributed.sharded_model import atom_path
 from ucp.interop.vllm.engine import Request, _apart, _CopyRecorder, _span, load_step
-from ucp.interop.vllm.source import open_weights
+from ucp.interop.vllm.source import _prefetched, open_weights
 
 from .helpers import DRAW, random_full_state, save_in_layout, tiny_config
 
@@ -173,6 +176,42 @@ def test_weights_read_into_place_leave_every_parameter_as_the_models_own_loading
     if tp > 1:  # (a rank reads its share only, into place or not: no more than a model that keeps every weight whole)
         whole = load_step(built(checkpoint, 1, 0), engine_config(checkpoint), Request(checkpoint))
         assert reports[True].bytes_read <= whole.bytes_read and reports[False].bytes_read <= whole.bytes_read
+
+
+def test_weights_handed_over_in_many_groups_read_ahead_load_as_the_models_own_loading_does(checkpoint):
+    # (every weight through load_weights, in groups of one or a few weights, several read ahead of the one consumed)
+    tp = DRAW.choice([1, 2])
+    rank = DRAW.randrange(tp)
+    model = built(checkpoint, tp, rank)
+    budget = DRAW.choice([1, 64 << 10, 1 << 20])
+    load_step(model, engine_config(checkpoint), Request(checkpoint, memory_budget=budget, into_parameters=False))
+    assert_same_parameters(model, oracle(checkpoint, tp, rank))
+
+
+def test_groups_are_read_ahead_in_order_and_those_not_started_are_dropped_when_the_consumer_stops():
+    lock = threading.Lock()
+    started: list[int] = []
+    running = [0, 0]  # (now, most)
+
+    def load(i: int) -> dict[str, torch.Tensor]:
+        with lock:
+            started.append(i)
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        time.sleep(0.005)
+        with lock:
+            running[0] -= 1
+        return {f"w{i}.{j}": torch.tensor(i) for j in range(i % 3)}
+
+    n, ahead = DRAW.randint(5, 12), DRAW.randint(1, 4)
+    loads = [functools.partial(load, i) for i in range(n)]
+    got = [name for name, _ in _prefetched(loads, ahead)]
+    assert got == [f"w{i}.{j}" for i in range(n) for j in range(i % 3)] and running[1] <= ahead
+    started.clear()
+    stream = _prefetched(loads[1:], ahead)
+    assert next(stream)[0] == "w1.0"
+    stream.close()  # (waits for the loads running)
+    assert set(started) <= set(range(1, ahead + 2)), "no load beyond those already submitted starts"
 
 
 @pytest.mark.parametrize("after_copy", ["scaled", "derived", "relaid", "filled", "overlapping"])
