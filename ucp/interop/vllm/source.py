@@ -72,14 +72,15 @@ class Pointer:
             raise InteropError(f"{path} is malformed ({type(e).__name__}: {e})") from None
 
 
-# A refresh hands each weight to vLLM's layer-by-layer reload, which puts a layer back into its kernels' formats as
-# soon as its weights are in, and a group's weights are handed over only once the whole group is read: the budget's
-# share of reads in flight (a quarter of it) goes in this many groups, all but the one consumed read meanwhile, so
-# that vLLM starts early and little of its work is left after the last read, while the store keeps as many requests
-# in flight as one large group would (on S3 a group's end leaves the pool idle until the next group starts).
-# Measured (bench_io inference --refresh-budgets, 1 GiB): one group of 1 GiB ahead, refreshes took 1.52 s locally and
-# 3.03 s from radosgw; one group of 256 MiB ahead, 1.10 s and 3.35 s.
-READ_GROUPS = 4
+# vLLM's layer-by-layer reload (a refresh) puts each layer back into its kernels' formats as soon as its weights are in,
+# and a group's weights are handed over once the whole group is read. From local storage, where reading is quick and
+# vLLM's work is what takes the time, the reads go in groups of a quarter of the usual size, so that vLLM starts sooner
+# and little of its work is left after the last read; from an object store, whose requests take milliseconds, a
+# group's end leaves the pool with few in flight until the next group starts, and large groups do better.
+# Measured (bench_io inference --refresh-budgets, one run each, medians): locally 1.10 s against 1.52 at 1 GiB, 3.59
+# against 4.44 at 3 GiB; from radosgw 3.35 s against 3.03 at 1 GiB (groups of 256 MiB against 1 GiB). Reading three
+# groups ahead instead of one helped neither (the reads then take the cores vLLM's work needs).
+LOCAL_GROUP_SPLIT = 4
 
 
 @dataclass
@@ -110,8 +111,9 @@ class StepWeights:
         into: Mapping[str, list[tuple[Box, torch.Tensor]]] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for each weight (or each of `names`), in the stored dtype. A weight named in `regions`
-        is read only in its region: its tensor has the full shape, the rest left unset. Reads go in groups
-        (`READ_GROUPS`), several read at once while the current one is consumed.
+        is read only in its region: its tensor has the full shape, the rest left unset. Reads go in groups of at most
+        a quarter of `memory_budget` (smaller from local storage: LOCAL_GROUP_SPLIT), the next group read while the
+        current one is consumed.
 
         `into`: weights read straight into the tensors given for them instead ({HF name: [(box, view shaped like it,
         in the stored dtype)]}: views of an engine's parameters, in host memory or on a device), not yielded; their
@@ -120,13 +122,16 @@ class StepWeights:
         wanted = self.plan.names if names is None else names
         regions = regions or {}
         sizes = {n: _region_bytes(self.plan, n, regions.get(n)) for n in wanted}
-        groups = pack(sizes, group_limit(memory_budget) // READ_GROUPS) or [[]]
+        limit = group_limit(memory_budget)
+        if not self.reader.storage.capabilities.whole_object_reads:  # (local storage: LOCAL_GROUP_SPLIT)
+            limit //= LOCAL_GROUP_SPLIT
+        groups = pack(sizes, limit) or [[]]
         yield from _prefetched(
             [
                 functools.partial(self._read_group, group, regions, (into or {}) if i == 0 else {})
                 for i, group in enumerate(groups)
             ],
-            READ_GROUPS - 1,
+            ahead=1,
         )
 
     def _read_group(
