@@ -9,19 +9,13 @@ from ucp.sharding.families import MixtralConfig
 from ucp.sharding.layout import Layout, RankCoords, chunk_layer_counts, parse_layout, validate_for_model
 from ucp.sharding.partition import PartitionSpec, padded_rows, tp_shard
 
+from .helpers import tiny_config
+
 
 def small_config(**kw) -> MixtralConfig:
-    base = {
-        "vocab_size": 100,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "num_local_experts": 4,
-    }
-    base.update(kw)
-    return MixtralConfig(**base)
+    return tiny_config(
+        **{"intermediate_size": 48, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, **kw}
+    )
 
 
 @pytest.mark.parametrize(

@@ -25,23 +25,14 @@ from ucp.sharding.reshard import (
     write_grid,
 )
 
+from .helpers import tiny_config
+
 STATES = ("exp_avg", "exp_avg_sq")
 
 
 def config(**kw) -> MixtralConfig:
-    base = {
-        "vocab_size": 10,
-        "hidden_size": 3,
-        "intermediate_size": 4,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 2,
-        "num_local_experts": 2,
-        "make_vocab_size_divisible_by": 4,
-    }
-    base.update(kw)
-    return MixtralConfig(**base)
+    shape = {"vocab_size": 10, "hidden_size": 3, "intermediate_size": 4, "head_dim": 2, "num_local_experts": 2}
+    return tiny_config(**{**shape, "make_vocab_size_divisible_by": 4, **kw})
 
 
 def full_state(cfg: MixtralConfig, seed: int = 0, states=STATES, arange: bool = False) -> dict:
