@@ -17,7 +17,6 @@ is filled, since vLLM's weight loaders take a full tensor and cut their share ou
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import dataclasses
 import functools
@@ -130,8 +129,7 @@ class StepWeights:
             [
                 functools.partial(self._read_group, group, regions, (into or {}) if i == 0 else {})
                 for i, group in enumerate(groups)
-            ],
-            ahead=1,
+            ]
         )
 
     def _read_group(
@@ -157,24 +155,24 @@ def _region_bytes(plan: ExportPlan, name: str, box: Box | None) -> int:
     return math.prod(b - a for a, b in box) * meta.nbytes // max(1, math.prod(meta.shape))
 
 
-def _prefetched(loads: list[Callable[[], dict[str, torch.Tensor]]], ahead: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The items of each load's result in order, the next `ahead` loads running in background threads meanwhile
-    (those not started are cancelled if the consumer stops early)."""
-    with cf.ThreadPoolExecutor(ahead, thread_name_prefix="ucp-vllm-prefetch") as pool:
-        pending = collections.deque(pool.submit(load) for load in loads[:ahead])
-        queued = iter(loads[ahead:])
+def _prefetched(loads: list[Callable[[], dict[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The items of each load's result in order, the next load running in a background thread meanwhile (cancelled
+    if the consumer stops before it has started)."""
+    if not loads:
+        return
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="ucp-vllm-prefetch") as pool:
+        pending: cf.Future | None = pool.submit(loads[0])
         try:
-            while pending:
-                current = pending.popleft().result()
-                more = next(queued, None)
-                if more is not None:
-                    pending.append(pool.submit(more))
+            for i in range(len(loads)):
+                assert pending is not None
+                current = pending.result()
+                pending = pool.submit(loads[i + 1]) if i + 1 < len(loads) else None
                 while current:
                     yield _pop_first(current)
                 del current
         finally:
-            for future in pending:
-                future.cancel()
+            if pending is not None:
+                pending.cancel()
 
 
 def _pop_first(tensors: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
