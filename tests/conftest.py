@@ -16,7 +16,7 @@ import pytest
 
 from bench_io.s3_servers import S3_SERVERS
 
-from .helpers import load_factor
+from .helpers import load_factor, s3_client
 from .launch import SEED_VARIABLE, free_port
 from .s3_proxy import FaultProxy
 
@@ -141,15 +141,7 @@ def fresh_bucket(server, monkeypatch) -> tuple[str, dict]:
 
 
 def make_bucket(options: dict, bucket: str) -> None:
-    import boto3
-
-    boto3.client(
-        "s3",
-        endpoint_url=options["endpoint_url"],
-        aws_access_key_id=options["key"],
-        aws_secret_access_key=options["secret"],
-        region_name="us-east-1",
-    ).create_bucket(Bucket=bucket)
+    s3_client(options).create_bucket(Bucket=bucket)
 
 
 @pytest.fixture(scope="session", params=S3_SERVERS)

@@ -422,3 +422,17 @@ def save_in_layout(
     VirtualWorld(lay.world_size).save(
         local, url, step=step, model=ShardedModel(cfg, lay, states), storage_options=storage_options, options=options
     )
+
+
+def s3_client(options: dict) -> Any:
+    """A boto3 S3 client of the user in `options` (s3fs's storage options: endpoint_url, key, secret), for what a
+    test asks of the store beside ucp."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        aws_access_key_id=options["key"],
+        aws_secret_access_key=options["secret"],
+        region_name="us-east-1",
+    )

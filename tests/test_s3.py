@@ -9,7 +9,7 @@ import torch
 
 import ucp
 
-from .helpers import assert_same_state
+from .helpers import assert_same_state, s3_client
 from .s3_proxy import FaultProxy
 from .test_format import SMALL_CHUNKS, every_dtype_state
 
@@ -61,8 +61,6 @@ def test_every_object_is_put_with_its_crc32c_and_read_without_a_second_check(s3_
     byte itself)."""
     import base64
 
-    import boto3
-
     from ucp.storage import open_storage
 
     bucket, options = s3_bucket
@@ -79,10 +77,7 @@ def test_every_object_is_put_with_its_crc32c_and_read_without_a_second_check(s3_
         assert put.headers.get("x-amz-checksum-crc32c") == base64.b64encode(put.body_crc32c.to_bytes(4, "big")).decode()
         assert "x-amz-checksum-crc32" not in put.headers, put.path  # (botocore computed no checksum of its own)
         assert put.headers.get("x-amz-content-sha256") == "UNSIGNED-PAYLOAD", put.path  # (nor a SHA-256 of the body)
-    client = boto3.client(
-        "s3", endpoint_url=options["endpoint_url"], aws_access_key_id=options["key"],
-        aws_secret_access_key=options["secret"],
-    )  # fmt: skip
+    client = s3_client(options)
     kept_keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="sums/")["Contents"]}
     for put in puts:
         if put.path.split("/", 2)[2] not in kept_keys:

@@ -35,7 +35,7 @@ from ucp.protocol import commit
 from ucp.storage import S3_SINGLE_PUT_BYTES, open_storage, s3
 from ucp.storage.s3 import EXCLUSIVE_PROBE_KEY
 
-from .helpers import DRAW, assert_same_state
+from .helpers import DRAW, assert_same_state, s3_client
 from .s3_proxy import CUT, DAMAGE, FaultProxy
 
 QUICK = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 60}
@@ -48,18 +48,6 @@ def through(options: dict, proxy: FaultProxy) -> dict:
 
 def crc_header(data: bytes) -> str:
     return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
-
-
-def client(options: dict):
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=options["endpoint_url"],
-        aws_access_key_id=options["key"],
-        aws_secret_access_key=options["secret"],
-        region_name="us-east-1",
-    )
 
 
 def state(seed: int) -> dict:
@@ -310,7 +298,7 @@ def test_packs_and_an_object_over_the_multipart_threshold_round_trip(s3_bucket):
     saved = {"model": {"big": big, **small}, "step": 1}
     policy = ucp.ChunkingPolicy(object_bytes=big.nbytes + (1 << 20), inner_bytes=8 << 20)
     ucp.save(saved, url, step=1, storage_options=options, options=ucp.SaveOptions(chunking=policy))
-    listing = client(options).list_objects_v2(Bucket=bucket, Prefix="large/")["Contents"]
+    listing = s3_client(options).list_objects_v2(Bucket=bucket, Prefix="large/")["Contents"]
     assert max(o["Size"] for o in listing) > S3_SINGLE_PUT_BYTES
     assert any("ucp-packs/p" in o["Key"] and "zarr.json" not in o["Key"] for o in listing)
     reader = ucp.open_checkpoint(url, 1, storage_options=options)
@@ -337,7 +325,7 @@ def test_checksums_are_ucps_own(s3_bucket, proxy):
     assert proxy.fired, "no answer was damaged"
     assert_same_state(saved, ucp.load(url, storage_options=options))  # (nothing is damaged in the store)
 
-    s3 = client(options)
+    s3 = s3_client(options)
     key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="sums/")["Contents"] if "/w/c." in o["Key"])
     good = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     damaged = good[:100] + bytes([good[100] ^ 0x40]) + good[101:]

@@ -22,6 +22,7 @@ from ..errors import NonExclusiveStoreError, StorageError, UcpError
 from . import s3
 from .base import SINGLE_WRITER_OPTION, Buffer, Capabilities, IOStats, Storage, check_relative_key
 from .errors import object_missing, precondition_failed, range_not_satisfiable, storage_error
+from .s3_direct import DirectReads
 
 log = logging.getLogger("ucp")
 
@@ -47,6 +48,8 @@ class FsspecStorage(Storage):
         self.stats = IOStats()
         protocols = set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
         self._s3 = bool(s3.PROTOCOLS & protocols)
+        self._direct: DirectReads | None | bool = False  # (False: not yet made; None: this store reads through s3fs)
+        self._direct_lock = threading.Lock()
         self.capabilities = Capabilities(
             io_threads=FSSPEC_IO_THREADS,
             whole_object_reads=True,
@@ -175,6 +178,13 @@ class FsspecStorage(Storage):
         if not self._s3:
             return super().read_into(key, offset, buffers)
         path = self._path(key)
+        direct = self._direct_reads()
+        if direct is not None and sum(b.nbytes for b in buffers) <= s3.S3_PART_READ_BYTES:
+            bucket, object_key, _ = self.fs.split_path(path)
+            got = direct.get_into(bucket, object_key, offset, buffers)
+            if got is not None:
+                self.stats.record_read(got)
+                return got
         populate(buffers)  # (here: the event loop thread copies every response into them, taking their faults there)
         try:  # (streamed into the buffers: no copy of the whole body first)
             got = fsspec.asyn.sync(self.fs.loop, self._get_parts, path, offset, buffers)
@@ -185,6 +195,14 @@ class FsspecStorage(Storage):
             got = 0
         self.stats.record_read(got)
         return got
+
+    def _direct_reads(self) -> DirectReads | None:
+        """GETs made from the reading thread (`s3_direct`), where this file system's configuration allows them."""
+        if self._direct is False:
+            with self._direct_lock:
+                if self._direct is False:
+                    self._direct = DirectReads.of(self.fs)
+        return self._direct  # type: ignore[return-value]
 
     async def _get_parts(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """The bytes from `offset` into `buffers` (`s3.get_into`), in ranged GETs of at most `s3.S3_PART_READ_BYTES`

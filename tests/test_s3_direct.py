@@ -1,0 +1,141 @@
+"""A load's reads from S3 are GETs made straight from the reading thread (`ucp.storage.s3_direct`), signed with the
+client's credentials; anything but a success is read again through botocore, whose answer ucp's errors are told by.
+Checked on each server (radosgw and moto's signature-checking server verify every signature)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ucp.errors import StorageAuthError, StorageError
+from ucp.storage import open_storage, s3, s3_direct
+
+from .helpers import DRAW, s3_client
+from .s3_proxy import CUT
+
+QUICK = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 5, "read_timeout": 60}
+# keys as users name them: a path, spaces, characters that URLs and signatures encode, non-ASCII
+KEYS = ("plain", "a/b/c.bin", "with space", "plus+and=eq", "percent%41", "semi;colon,comma", "ünïcødé/名前", "~tilde*")
+
+
+@pytest.fixture
+def botocore_reads(monkeypatch):
+    """The paths of the reads that went through botocore (`s3.get_into`)."""
+    paths: list[str] = []
+    real = s3.get_into
+
+    async def counted(fs, path, *args):
+        paths.append(path)
+        return await real(fs, path, *args)
+
+    monkeypatch.setattr(s3, "get_into", counted)
+    return paths
+
+
+def filled(size: int) -> memoryview:
+    return memoryview(bytearray(size))
+
+
+def test_reads_are_direct_and_signed_as_botocore_signs_them(auth_server, botocore_reads):
+    options, bucket = auth_server
+    storage = open_storage(f"s3://{bucket}/direct-{DRAW.randrange(1 << 30)}", options)
+    data = {key: os.urandom(DRAW.randrange(1, 300_000)) for key in KEYS}
+    for key, value in data.items():
+        storage.write(key, [value])
+    for key, value in data.items():
+        start = DRAW.randrange(0, len(value))
+        cut = DRAW.randrange(0, len(value) - start + 1)
+        buffers = [filled(cut), filled(len(value) - start - cut + 7)]
+        assert storage.read_into(key, start, buffers) == len(value) - start, key
+        assert (bytes(buffers[0]) + bytes(buffers[1]))[: len(value) - start] == value[start:], key
+        assert storage.read_into(key, len(value) + DRAW.randrange(0, 9), [filled(5)]) == 0  # (past the end: 416)
+    assert botocore_reads == [], "a read went through botocore"
+    assert storage._direct_reads().disabled is None
+    with pytest.raises(FileNotFoundError):
+        storage.read_into("missing", 0, [filled(10)])
+    assert len(botocore_reads) == 1  # (the 404 is read again through botocore: its answer says what it means)
+
+
+def test_a_wrong_secret_is_refused_through_botocore_and_leaves_its_reads_there(auth_server, botocore_reads):
+    options, bucket = auth_server
+    root = f"s3://{bucket}/refused-{DRAW.randrange(1 << 30)}"
+    open_storage(root, options).write("obj", [b"data"])
+    storage = open_storage(root, {**options, "secret": "wrong"})
+    with pytest.raises(StorageAuthError, match="HTTP 403"):
+        storage.read_into("obj", 0, [filled(4)])
+    assert botocore_reads and storage._direct_reads().disabled == "HTTP 403"
+
+
+def test_faults_on_the_way_are_read_again_and_errors_told_by_the_stores_answer(s3_bucket, proxy, botocore_reads):
+    bucket, options = s3_bucket
+    storage = open_storage(f"s3://{bucket}/faults", {**options, "endpoint_url": proxy.url, "config_kwargs": QUICK})
+    storage.fs.retries = 1
+    data = os.urandom(DRAW.randrange(1 << 16, 1 << 20))
+    storage.write("obj", [data])
+
+    def read() -> bytes:
+        whole = filled(len(data))
+        assert storage.read_into("obj", 0, [whole]) == len(data)
+        return bytes(whole)
+
+    assert read() == data and botocore_reads == []
+    # the answer lost (the connection reset after the store answered): the GET is made again on a fresh connection
+    proxy.arm("read", 1, "reset", match="/obj")
+    assert read() == data and proxy.fired and botocore_reads == []
+    # a body cut off on the way, a store's 503 or 500 once: read again through botocore, which retries
+    for fault in ({"mode": CUT}, {"mode": "before", "status": 503, "code": "SlowDown"}, {"mode": "before"}):
+        botocore_reads.clear()
+        proxy.arm("read", 1, match="/obj", **fault)  # type: ignore[arg-type]
+        assert read() == data and proxy.fired and len(botocore_reads) == 1, fault
+    assert storage._direct_reads().disabled is None  # (a store's passing trouble keeps the direct path)
+    # what the store answers every time is the error, told by its answer
+    proxy.arm("read", 1, "before", times=10**6, status=500, code="InternalError", message="NoSuchKey", match="/obj")
+    with pytest.raises(StorageError, match="HTTP 500 InternalError"):
+        read()
+    proxy.arm("read", 1, "before", times=10**6, status=404, code="NoSuchKey", match="/obj")
+    with pytest.raises(FileNotFoundError):
+        read()
+    proxy.disarm()
+    assert read() == data
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_an_anonymous_client_reads_unsigned(s3_server, s3_bucket, botocore_reads):
+    bucket, options = s3_bucket
+    s3_client(options).put_object(Bucket=bucket, Key="anon/obj", Body=b"public bytes", ACL="public-read")
+    storage = open_storage(f"s3://{bucket}/anon", {"endpoint_url": options["endpoint_url"], "anon": True})
+    buffer = filled(12)
+    assert storage.read_into("obj", 0, [buffer]) == 12 and bytes(buffer) == b"public bytes"
+    assert botocore_reads == [], storage._direct_reads() and storage._direct_reads().disabled
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_what_direct_reads_do_not_reproduce_goes_through_botocore(s3_server, s3_bucket, botocore_reads, monkeypatch):
+    bucket, options = s3_bucket
+    open_storage(f"s3://{bucket}/other", options).write("obj", [b"bytes"])
+    for extra in ({"requester_pays": True}, {"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}}):
+        storage = open_storage(f"s3://{bucket}/other", {**options, **extra})
+        assert storage._direct_reads() is None, extra
+        assert storage.read_into("obj", 0, [filled(5)]) == 5
+    # a proxy of the environment's: botocore sends through it, so direct reads are not made
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    direct = s3_direct.DirectReads.of(open_storage(f"s3://{bucket}/other", options).fs)
+    assert direct is not None and direct.get_into(bucket, "other/obj", 0, [filled(5)]) is None
+    assert "proxy" in (direct.disabled or "")
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_credentials_are_taken_again_as_they_age(s3_bucket, botocore_reads, monkeypatch):
+    bucket, options = s3_bucket
+    monkeypatch.setattr(s3_direct, "CREDENTIALS_TTL_S", 0.0)
+    storage = open_storage(f"s3://{bucket}/aging", options)
+    storage.write("obj", [b"x" * 100])
+    made = []
+    real = s3_direct.DirectReads._make_signer
+    monkeypatch.setattr(s3_direct.DirectReads, "_make_signer", lambda self: made.append(1) or real(self))
+    for _ in range(3):
+        assert storage.read_into("obj", 0, [filled(100)]) == 100
+    assert len(made) == 3 and botocore_reads == []
