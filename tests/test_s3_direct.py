@@ -139,3 +139,30 @@ def test_credentials_are_taken_again_as_they_age(s3_bucket, botocore_reads, monk
     for _ in range(3):
         assert storage.read_into("obj", 0, [filled(100)]) == 100
     assert len(made) == 3 and botocore_reads == []
+
+
+def test_a_forked_child_reads_on_connections_of_its_own(s3_bucket, botocore_reads):
+    """A process forked after reads (a data loader's workers) has its parent's sockets in the forking thread's
+    connections: it makes its own, and parent and child read side by side, each its own bytes."""
+    import multiprocessing
+
+    bucket, options = s3_bucket
+    storage = open_storage(f"s3://{bucket}/fork", options)
+    data = {f"obj{i}": os.urandom(DRAW.randrange(1 << 16, 1 << 19)) for i in range(2)}
+    for key, value in data.items():
+        storage.write(key, [value])
+    first = filled(len(data["obj0"]))
+    assert storage.read_into("obj0", 0, [first]) == len(first)  # (this thread's connection, made before the fork)
+
+    def read_many(key: str, rounds: int) -> bool:
+        for _ in range(rounds):
+            buffer = filled(len(data[key]))
+            if storage.read_into(key, 0, [buffer]) != len(buffer) or bytes(buffer) != data[key]:
+                return False
+        return True
+
+    child = multiprocessing.get_context("fork").Process(target=lambda: os._exit(0 if read_many("obj1", 20) else 1))
+    child.start()
+    assert read_many("obj0", 20)
+    child.join(60)
+    assert child.exitcode == 0 and botocore_reads == []

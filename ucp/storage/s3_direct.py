@@ -167,7 +167,10 @@ class DirectReads:
         return S3SigV4Auth(frozen, "s3", self.region)
 
     def _connection(self, base: urllib.parse.SplitResult, fresh: bool) -> http.client.HTTPConnection:
-        connections: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("connections", {})
+        local = self._local.__dict__
+        if local.get("pid") != os.getpid():  # (a forked child has its parent's sockets: never read from those)
+            local["pid"], local["connections"] = os.getpid(), {}
+        connections: dict[str, http.client.HTTPConnection] = local["connections"]
         connection = connections.get(base.netloc)
         if connection is None or fresh:
             if connection is not None:
