@@ -57,14 +57,19 @@ def test_reads_are_direct_and_signed_as_botocore_signs_them(auth_server, botocor
     assert len(botocore_reads) == 1  # (the 404 is read again through botocore: its answer says what it means)
 
 
-def test_a_wrong_secret_is_refused_through_botocore_and_leaves_its_reads_there(auth_server, botocore_reads):
+def test_a_wrong_secret_is_refused_through_botocore_and_after_a_few_refusals_leaves_its_reads_there(
+    auth_server, botocore_reads
+):
     options, bucket = auth_server
     root = f"s3://{bucket}/refused-{DRAW.randrange(1 << 30)}"
     open_storage(root, options).write("obj", [b"data"])
     storage = open_storage(root, {**options, "secret": "wrong"})
-    with pytest.raises(StorageAuthError, match="HTTP 403"):
-        storage.read_into("obj", 0, [filled(4)])
-    assert botocore_reads and storage._direct_reads().disabled == "HTTP 403"
+    for refused in range(1, s3_direct.REFUSALS + 1):
+        assert storage._direct_reads().disabled is None  # (one refusal may be one object's, or one moment's)
+        with pytest.raises(StorageAuthError, match="HTTP 403"):
+            storage.read_into("obj", 0, [filled(4)])
+        assert len(botocore_reads) == refused
+    assert (storage._direct_reads().disabled or "").startswith(f"{s3_direct.REFUSALS} GETs answered")
 
 
 def test_faults_on_the_way_are_read_again_and_errors_told_by_the_stores_answer(s3_bucket, proxy, botocore_reads):
@@ -84,7 +89,9 @@ def test_faults_on_the_way_are_read_again_and_errors_told_by_the_stores_answer(s
     proxy.arm("read", 1, "reset", match="/obj")
     assert read() == data and proxy.fired and botocore_reads == []
     # a body cut off on the way, a store's 503 or 500 once: read again through botocore, which retries
-    for fault in ({"mode": CUT}, {"mode": "before", "status": 503, "code": "SlowDown"}, {"mode": "before"}):
+    faults = ({"mode": CUT}, {"mode": "before", "status": 503, "code": "SlowDown"}, {"mode": "before"})
+    once = ({"mode": "before", "status": 403, "code": "AccessDenied"}, {"mode": "before", "status": 400, "code": "X"})
+    for fault in faults + once:
         botocore_reads.clear()
         proxy.arm("read", 1, match="/obj", **fault)  # type: ignore[arg-type]
         assert read() == data and proxy.fired and len(botocore_reads) == 1, fault
@@ -166,3 +173,45 @@ def test_a_forked_child_reads_on_connections_of_its_own(s3_bucket, botocore_read
     assert read_many("obj0", 20)
     child.join(60)
     assert child.exitcode == 0 and botocore_reads == []
+
+
+def test_an_endpoint_that_stops_answering_is_left_to_botocore_within_its_timeouts(s3_bucket, botocore_reads):
+    """No answer on a new connection (the endpoint gone): the read is botocore's, with its retries and connect
+    timeout (an unreachable endpoint fails a command within about 30 s), and so is every read after."""
+    import socket
+    import time
+
+    from ucp.errors import StorageUnreachableError
+
+    bucket, options = s3_bucket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (nothing listens there once closed)
+    config = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 2}
+    storage = open_storage(
+        f"s3://{bucket}/gone", {**options, "endpoint_url": f"http://127.0.0.1:{port}", "config_kwargs": config}
+    )
+    began = time.monotonic()
+    with pytest.raises(StorageUnreachableError):
+        storage.read_into("obj", 0, [filled(10)])
+    assert time.monotonic() - began < 30
+    direct = storage._direct_reads()
+    assert direct is not None and (direct.disabled or "").startswith("no answer from")
+    assert direct.connect_timeout == 2 and len(botocore_reads) == 1
+
+
+@pytest.mark.parametrize(
+    "content_range, offset, want, length",
+    [
+        ("bytes 10-19/100", 10, 10, 10),
+        ("bytes 10-99/100", 10, 500, 90),  # (to the object's end)
+        ("bytes 10-18/100", 10, 10, None),  # (fewer than asked, before the object's end)
+        ("bytes 0-9/100", 10, 10, None),  # (another range)
+        ("bytes 10-19/*", 10, 10, 10),
+        ("items 10-19/100", 10, 10, None),
+        ("bytes x-19/100", 10, 10, None),
+        ("", 10, 10, None),
+    ],
+)
+def test_an_answers_range_must_be_the_one_asked_for(content_range, offset, want, length):
+    assert s3_direct._range_length(content_range, offset, want) == length

@@ -179,7 +179,7 @@ class FsspecStorage(Storage):
             return super().read_into(key, offset, buffers)
         path = self._path(key)
         direct = self._direct_reads()
-        if direct is not None and sum(b.nbytes for b in buffers) <= s3.S3_PART_READ_BYTES:
+        if direct is not None and direct.disabled is None and sum(b.nbytes for b in buffers) <= s3.S3_PART_READ_BYTES:
             bucket, object_key, _ = self.fs.split_path(path)
             got = direct.get_into(bucket, object_key, offset, buffers)
             if got is not None:
@@ -201,7 +201,11 @@ class FsspecStorage(Storage):
         if self._direct is False:
             with self._direct_lock:
                 if self._direct is False:
-                    self._direct = DirectReads.of(self.fs)
+                    try:
+                        self._direct = DirectReads.of(self.fs)
+                    except Exception as e:  # noqa: BLE001 -- the client's failure is botocore's read's to tell
+                        log.info("S3 reads go through botocore: %r", e)
+                        self._direct = None
         return self._direct  # type: ignore[return-value]
 
     async def _get_parts(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:

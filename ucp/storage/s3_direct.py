@@ -39,10 +39,11 @@ log = logging.getLogger("ucp")
 # Credentials are taken from the client again after this long (botocore refreshes temporary ones 10-15 minutes
 # before they expire, so a copy this old is still valid; one that is not is refused, and that read goes to botocore)
 CREDENTIALS_TTL_S = 60.0
-READ_TIMEOUT_S = 60.0  # botocore's default read timeout
 # Answers that may say this path does not reach the store as botocore does (another address or region, a refused
-# signature): the storage reads through botocore from then on (where botocore is refused too, nothing is lost).
+# signature), or may concern one object or one moment (a prefix the user may not read, credentials that just
+# expired: taken again at once). After REFUSALS of them the storage reads through botocore from then on.
 MISDIRECTED = frozenset({301, 307, 400, 401, 403})
+REFUSALS = 3
 
 
 class DirectReads:
@@ -51,11 +52,14 @@ class DirectReads:
     def __init__(self, fs: Any, client: Any):
         self.fs = fs
         self.client = client
+        config = client.meta.config
         self.region = client.meta.region_name or "us-east-1"
+        self.connect_timeout = config.connect_timeout  # (ucp's, or the user's: `s3.client_options`)
+        self.read_timeout = config.read_timeout
         self._bases: dict[str, urllib.parse.SplitResult] = {}  # bucket -> the address of its objects
         self._signer: Any = None  # botocore's SigV4 signer with the credentials of `_signed_at`; None: anonymous
         self._signed_at = -CREDENTIALS_TTL_S
-        self._lock = threading.Lock()
+        self._refusals = 0
         self._local = threading.local()
         self._ssl: ssl.SSLContext | None = None
         self.disabled: str | None = None  # why botocore reads everything now
@@ -74,6 +78,8 @@ class DirectReads:
                 why = f"signature version {config.signature_version}"
             elif getattr(config, "proxies", None):
                 why = "a proxy in the client's config"
+            elif getattr(config, "client_cert", None):
+                why = "a client certificate"
             elif not callable(getattr(client, "_get_credentials", None)):
                 why = "this botocore gives no client's credentials"
         if why is not None:
@@ -87,30 +93,40 @@ class DirectReads:
         if self.disabled is not None:
             return None
         want = sum(b.nbytes for b in buffers)
+        if want == 0:
+            return 0
         try:
             base, headers = self._request(bucket, key, offset, want)
         except Exception as e:  # noqa: BLE001 -- the address or the credentials: botocore says what is wrong
-            self.disabled = f"{type(e).__name__}: {e}"
-            log.info("S3 reads go through botocore from now on: %s", self.disabled)
+            self._disable(f"{type(e).__name__}: {e}")
             return None
         path = f"{base.path}{_quote(key)}"
-        for fresh in (False, True):  # (a kept connection the store has since closed fails at once: one more try)
-            connection = self._connection(base, fresh)
+        while True:
+            kept = base.netloc in self._connections()
             try:
+                connection = self._connection(base)
                 connection.request("GET", path, headers=headers)
                 response = connection.getresponse()
-            except (OSError, http.client.HTTPException):
-                connection.close()
-                continue
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(base)
+                if kept:  # (a kept connection the store has since closed fails at once: once more on a new one)
+                    continue
+                # no answer on a new connection (refused, timed out, TLS refused): botocore's reads, retries and
+                # timeouts from now on, as for a store that cannot be reached at all
+                self._disable(f"no answer from {base.netloc} ({type(e).__name__}: {e})")
+                return None
             try:
-                return self._body(response, offset, buffers)
+                return self._body(response, offset, want, buffers)
             except (OSError, http.client.HTTPException):  # (cut off on the way: botocore reads it again)
-                connection.close()
                 return None
             finally:
-                if not response.isclosed():
-                    connection.close()  # (a body not read to its end leaves nothing reusable on the connection)
-        return None
+                if not response.isclosed():  # (a body not read to its end leaves nothing reusable on the connection)
+                    self._drop(base)
+
+    def _disable(self, why: str) -> None:
+        if self.disabled is None:
+            self.disabled = why
+            log.info("S3 reads go through botocore from now on: %s", why)
 
     def _request(self, bucket: str, key: str, offset: int, want: int) -> tuple[urllib.parse.SplitResult, dict]:
         from botocore.awsrequest import AWSRequest
@@ -138,6 +154,10 @@ class DirectReads:
                 raise ValueError(f"an address that does not end with its key: {url}")
             if _proxied(parts):
                 raise ValueError(f"{parts.scheme} requests to {parts.hostname} go through a proxy")
+            # (a SigV4 presigned URL names the region botocore signs for, an access point's or a bucket's own)
+            credential = urllib.parse.parse_qs(parts.query).get("X-Amz-Credential", [""])[0].split("/")
+            if len(credential) == 5 and credential[2]:
+                self.region = credential[2]
             base = self._bases[bucket] = parts._replace(path=parts.path[: -len(probe)], query="", fragment="")
         return base
 
@@ -146,10 +166,10 @@ class DirectReads:
         CREDENTIALS_TTL_S); None for an anonymous client (no credentials: requests unsigned, as botocore's are)."""
         now = time.monotonic()
         if now - self._signed_at >= CREDENTIALS_TTL_S:
-            with self._lock:
-                if now - self._signed_at >= CREDENTIALS_TTL_S:
-                    self._signer = self._make_signer()
-                    self._signed_at = now
+            # (no lock: threads that meet an old copy at once each take the credentials, the same ones; a lock held
+            # while the event loop refreshes them would be held for good in a child forked meanwhile)
+            self._signer = self._make_signer()
+            self._signed_at = now
         return self._signer
 
     def _make_signer(self) -> Any:
@@ -166,53 +186,72 @@ class DirectReads:
             frozen = fsspec.asyn.sync(self.fs.loop, _awaited, frozen)
         return S3SigV4Auth(frozen, "s3", self.region)
 
-    def _connection(self, base: urllib.parse.SplitResult, fresh: bool) -> http.client.HTTPConnection:
+    def _connections(self) -> dict[str, http.client.HTTPConnection]:
+        """This thread's connections, by address."""
         local = self._local.__dict__
         if local.get("pid") != os.getpid():  # (a forked child has its parent's sockets: never read from those)
             local["pid"], local["connections"] = os.getpid(), {}
-        connections: dict[str, http.client.HTTPConnection] = local["connections"]
+        return local["connections"]
+
+    def _connection(self, base: urllib.parse.SplitResult) -> http.client.HTTPConnection:
+        """This thread's connection to `base`. A new one is connected here, within the client's connect timeout;
+        its reads wait at most the client's read timeout."""
+        connections = self._connections()
         connection = connections.get(base.netloc)
-        if connection is None or fresh:
-            if connection is not None:
-                connection.close()
-            host, port = base.hostname or "", base.port
-            if base.scheme == "https":
-                connection = http.client.HTTPSConnection(host, port, timeout=READ_TIMEOUT_S, context=self._context())
-            else:
-                connection = http.client.HTTPConnection(host, port, timeout=READ_TIMEOUT_S)
-            connections[base.netloc] = connection
+        if connection is not None:
+            return connection
+        host, port = base.hostname or "", base.port
+        if base.scheme == "https":
+            connection = http.client.HTTPSConnection(host, port, timeout=self.connect_timeout, context=self._context())
+        else:
+            connection = http.client.HTTPConnection(host, port, timeout=self.connect_timeout)
+        connections[base.netloc] = connection
+        connection.connect()  # (its failure is the caller's: no answer)
+        if connection.sock is not None:
+            connection.sock.settimeout(self.read_timeout)
         return connection
 
+    def _drop(self, base: urllib.parse.SplitResult) -> None:
+        connection = self._connections().pop(base.netloc, None)
+        if connection is not None:
+            connection.close()
+
     def _context(self) -> ssl.SSLContext:
-        """TLS as botocore verifies it: the file system's `verify` (False, or a CA bundle), else AWS_CA_BUNDLE,
-        else botocore's default bundle."""
+        """TLS as botocore verifies it: the file system's `verify` (False, or a CA bundle), else AWS_CA_BUNDLE, else
+        botocore's default bundle. (A CA bundle named in an AWS profile is not read here: such a store's certificate
+        fails the first handshake, and botocore reads everything from then on.)"""
         if self._ssl is None:
             from botocore.httpsession import get_cert_path
 
             verify = (getattr(self.fs, "client_kwargs", None) or {}).get("verify")
             if verify is False:
                 context = ssl._create_unverified_context()
+            elif isinstance(verify, str):
+                context = ssl.create_default_context(cafile=verify)
             else:
-                cafile = verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True)
-                context = ssl.create_default_context(cafile=cafile)
+                context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or get_cert_path(True))
             self._ssl = context
         return self._ssl
 
-    def _body(self, response: http.client.HTTPResponse, offset: int, buffers: Sequence[memoryview]) -> int | None:
+    def _body(
+        self, response: http.client.HTTPResponse, offset: int, want: int, buffers: Sequence[memoryview]
+    ) -> int | None:
         """The answer's body into `buffers`: the bytes read; None where the answer is not the range asked for."""
         if response.status == 416:
             return 0  # (at or past the object's end: no bytes, as botocore's path reads none)
-        content_range = response.getheader("Content-Range") or ""
-        if not (
-            (response.status == 206 and content_range.startswith(f"bytes {offset}-"))
-            or (response.status == 200 and offset == 0)
-        ):
-            if response.status in MISDIRECTED and self.disabled is None:
-                self.disabled = f"HTTP {response.status}"
-                log.info("S3 reads go through botocore from now on: a direct GET was answered HTTP %s", response.status)
+        if response.status in MISDIRECTED:
+            self._signed_at = -CREDENTIALS_TTL_S  # (credentials that expired: the next request takes them again)
+            self._refusals += 1
+            if self._refusals >= REFUSALS:
+                self._disable(f"{self._refusals} GETs answered HTTP 301/307/400/401/403, the last {response.status}")
             return None
         if response.length is None:
             return None  # (no Content-Length: a body cut off could not be told from the object's end)
+        if response.status == 206:
+            if _range_length(response.getheader("Content-Range") or "", offset, want) != response.length:
+                return None
+        elif response.status != 200 or offset != 0:
+            return None
         got = 0
         for buffer in buffers:
             view = memoryview(buffer).cast("B")
@@ -224,6 +263,22 @@ class DirectReads:
                 at += n
             got += at
         return got
+
+
+def _range_length(content_range: str, offset: int, want: int) -> int | None:
+    """The bytes a 206's Content-Range ("bytes FIRST-LAST/TOTAL") says its body holds, if it answers a range
+    of `want` bytes from `offset` (all of them, or those up to the object's end); else None."""
+    try:
+        unit, _, rest = content_range.partition(" ")
+        span, _, total = rest.partition("/")
+        first, _, last = span.partition("-")
+        first_n, last_n = int(first), int(last)
+        end = offset + want if total == "*" else min(offset + want, int(total))
+    except ValueError:
+        return None
+    if unit != "bytes" or first_n != offset or last_n != end - 1:
+        return None
+    return last_n - first_n + 1
 
 
 async def _awaited(awaitable: Any) -> Any:
