@@ -10,12 +10,14 @@ may share.
 
 What is taken from here is a success alone. Anything else (another status, no answer, a body cut off) returns None
 and the caller reads again through botocore, whose retries, redirects and answer ucp's errors are told by
-(`errors`): what a read means is decided in one place. Where an answer says this path may be wrong for the store (a
-redirect, a bad request, a refused signature), the storage reads through botocore from then on.
+(`errors`): what a read means is decided in one place. Where answers say this path may be wrong for the store (a
+few redirects, bad requests or refused signatures), or a new connection gets no answer, the storage reads through
+botocore from then on.
 
 Used only where it reproduces what botocore would send: the address is the one botocore itself gives for the bucket
-(a presigned URL's, cut at the key), the signature SigV4 in the client's region; not through a proxy, not with
-requester-pays, server-side encryption keys, version ids or another signature version (those read through botocore).
+(a presigned URL's, cut at the key), the signature SigV4 in the client's region (or the presigned URL's); not through
+a proxy, not with requester-pays, server-side encryption keys, version ids, a client certificate or another signature
+version (those read through botocore).
 """
 
 from __future__ import annotations
