@@ -108,7 +108,7 @@ def test_the_library_imports_nothing_of_the_trainer_the_benchmarks_or_the_data_l
 
 # The storage package's own order: the interfaces know no implementation; S3's specifics and the classification of
 # errors come before the stores that use them; `urls` picks a store, and the package re-exports them all.
-STORAGE_ORDER = ["base", "s3", "errors", "local", "fsspec", "urls", "__init__"]
+STORAGE_ORDER = ["base", "s3", "s3_direct", "errors", "local", "fsspec", "urls", "__init__"]
 
 
 def test_the_storage_package_imports_only_what_comes_before_each_module():
