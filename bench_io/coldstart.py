@@ -28,9 +28,10 @@ With --s3 the same files go to an S3 server on 127.0.0.1 (`--s3-server`: Ceph's 
 moto's), and S3 rows are added, with Run:ai's model streamer beside them where it is installed (`pip install
 runai-model-streamer runai-model-streamer-s3`): its SafetensorsStreamer streaming the safetensors files ("new": the
 tensors it returns, each its own; "into": copied into the job's parameters), an inference engine's cold start.
-Each repeat runs every method once in turn (a round), so that a repeat's methods meet the same machine. Prints a
-table: seconds (median of the repeats), bytes read from storage, the effective rate and each repeat's seconds; then
-ucp's time over each peer's, of the medians and repeat by repeat.
+`--reads-in-flight 16,32` adds rows of ucp tp1 "into" with those counts of reads in flight (otherwise the storage's
+own: on a disk 4 a core, at most 16; on S3 64). Each repeat runs every method once in turn (a round), so that a
+repeat's methods meet the same machine. Prints a table: seconds (median of the repeats), bytes read from storage,
+the effective rate and each repeat's seconds; then ucp's time over each peer's, of the medians and repeat by repeat.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,11 +135,17 @@ def timed(
 Params = dict[str, torch.Tensor]
 
 
-def ucp_load(url: str, layout: str, storage_options: dict | None, into: Params | None = None) -> Callable[[], int]:
+def ucp_load(
+    url: str, layout: str, storage_options: dict | None, into: Params | None = None, reads: int | None = None
+) -> Callable[[], int]:
+    """ucp's load of rank 0 of `layout`; `reads`: the reads in flight (None: the storage's default)."""
+    from ucp.engine.checkpoint import CheckpointReader
     from ucp.interop.weights import load_weights
+    from ucp.storage import open_storage
 
     def run() -> int:
-        return load_weights(url, layout, 0, storage_options=storage_options, into=into).report.bytes_read
+        source = url if reads is None else CheckpointReader(open_storage(url, storage_options), 0, io_threads=reads)
+        return load_weights(source, layout, 0, storage_options=storage_options, into=into).report.bytes_read
 
     return run
 
@@ -238,13 +245,22 @@ def raw_read(files: list[Path], threads: int) -> Callable[[], int]:
     return run
 
 
-def methods(ucp_url: str, hf: Callable[[Params | None], Callable[[], int]], st_params: Params, options: dict | None):
-    """(name, run) of every method, ucp's in both layouts and both destinations, then safetensors'."""
+def methods(
+    ucp_url: str,
+    hf: Callable[[Params | None], Callable[[], int]],
+    st_params: Params,
+    options: dict | None,
+    reads_in_flight: Sequence[int] = (),
+):
+    """(name, run) of every method, ucp's in both layouts and both destinations (tp1 "into" also with each count of
+    `reads_in_flight`), then safetensors'."""
     out = []
     for layout, label in (("tp1", "tp1"), ("tp2", "tp2 r0")):
         job = ucp_params(ucp_url, layout, options)
         out.append((f"ucp {label}, new", ucp_load(ucp_url, layout, options)))
         out.append((f"ucp {label}, into", ucp_load(ucp_url, layout, options, job)))
+        if layout == "tp1":
+            out += [(f"ucp tp1, into, {n} reads", ucp_load(ucp_url, layout, options, job, n)) for n in reads_in_flight]
     out.append(("safetensors, new", hf(None)))
     out.append(("safetensors, into", hf(st_params)))
     return out
@@ -263,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--raw-threads", type=int, default=8, help="threads of the raw read of ucp's files (default 8)")
+    p.add_argument(
+        "--reads-in-flight",
+        type=lambda v: [int(n) for n in v.split(",")],
+        default=[],
+        metavar="N[,N...]",
+        help="also time ucp tp1 'into' with each of these counts of reads in flight (otherwise the storage's own: "
+        "on a disk 4 a core, at most 16; on S3 64)",
+    )
     p.add_argument(
         "--cache",
         choices=("auto", "drop_caches", "fadvise"),
@@ -288,13 +312,14 @@ def main(argv: list[str] | None = None) -> int:
 
         st_params = safetensors_params(hf)
         objects, st_files = chunk_objects(Path(url)), sorted(hf.glob("*.safetensors"))
-        local = methods(url, lambda into: safetensors_local(hf, into), st_params, None) + [
+        local = methods(url, lambda into: safetensors_local(hf, into), st_params, None, args.reads_in_flight) + [
             (f"raw read, ucp's {len(objects)} files", raw_read(objects, args.raw_threads)),
             (f"raw read, safetensors' {len(st_files)}", raw_read(st_files, 1)),
         ]
         rows += timed(local, "local", args.repeats, cold)
         if args.s3:
-            rows += _s3_rows(root, hf, st_params, args.repeats, embedded_server(args.s3_server))
+            server = embedded_server(args.s3_server)
+            rows += _s3_rows(root, hf, st_params, args.repeats, server, args.reads_in_flight)
         print(f"{'method':<26} {'storage':<7} {'seconds':>9} {'MiB read':>11} {'GiB/s':>9}   each repeat's seconds")
         for row in rows:
             print(row.line())
@@ -340,7 +365,9 @@ def runai_s3(urls: list[str], options: dict, nbytes: int, into: Params | None = 
     return run
 
 
-def _s3_rows(root: Path, hf: Path, st_params: Params, repeats: int, server_name: str) -> list[Row]:
+def _s3_rows(
+    root: Path, hf: Path, st_params: Params, repeats: int, server_name: str, reads_in_flight: Sequence[int]
+) -> list[Row]:
     server = start_s3_server(server_name)
     try:
         options = server.endpoint.storage_options
@@ -355,7 +382,9 @@ def _s3_rows(root: Path, hf: Path, st_params: Params, repeats: int, server_name:
         def nothing() -> None:  # (no cache of the client's to drop; the server's is its own)
             return None
 
-        timing = methods(url, lambda into: safetensors_s3(fs, "coldstart/hf", into), st_params, options)
+        timing = methods(
+            url, lambda into: safetensors_s3(fs, "coldstart/hf", into), st_params, options, reads_in_flight
+        )
         urls = [f"s3://coldstart/hf/{f.name}" for f in st_files]
         nbytes = sum(f.stat().st_size for f in st_files)
         try:

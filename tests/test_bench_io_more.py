@@ -207,3 +207,35 @@ def test_readside_measures_every_scenario_and_its_ratios(tmp_path: Path) -> None
     for name in ("small: load against raw (no CRC)", "disk: cold load against raw-crc, 16 threads",
                  "mixed: load (into=) against DCP (fresh)"):  # fmt: skip
         assert ratios[name][0] > 0, name
+
+
+def test_coldstart_loads_with_other_counts_of_reads_in_flight_fill_the_same_parameters(tmp_path: Path) -> None:
+    """`bench_io coldstart --reads-in-flight`: ucp's "into" load with a count of reads in flight of the user's fills
+    the job's parameters with the model's weights, as the default count does, and reads the same bytes."""
+    import random
+
+    import torch
+
+    from bench_io.coldstart import ucp_load, ucp_params, write_sources
+    from ucp.interop.weights import load_weights
+    from ucp.sharding.families import MixtralConfig
+
+    rng = random.Random()
+    cfg = MixtralConfig(
+        vocab_size=rng.choice((64, 96)),
+        hidden_size=32,
+        intermediate_size=rng.choice((16, 48)),
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=rng.choice((2, 4)),
+    )
+    url = str(tmp_path / "ucp")
+    write_sources(cfg, tmp_path, url, None)
+    expected = load_weights(url, "tp1", 0).params
+    read = ucp_load(url, "tp1", None, params := ucp_params(url, "tp1", None))()
+    for reads in (1, rng.randint(2, 5)):
+        job = ucp_params(url, "tp1", None)
+        assert ucp_load(url, "tp1", None, job, reads)() == read
+        assert job.keys() == expected.keys() == params.keys()
+        assert all(torch.equal(job[n], expected[n]) and torch.equal(params[n], expected[n]) for n in expected)
