@@ -215,3 +215,44 @@ def test_an_endpoint_that_stops_answering_is_left_to_botocore_within_its_timeout
 )
 def test_an_answers_range_must_be_the_one_asked_for(content_range, offset, want, length):
     assert s3_direct._range_length(content_range, offset, want) == length
+
+
+def test_connections_outlive_the_threads_that_made_them(s3_bucket, botocore_reads, monkeypatch):
+    """A load's reading threads end with it; the connections they made are taken up by the next load's threads (no
+    new connection, no new TLS session over HTTPS), unless the store closed them (moto answers `Connection: close`:
+    then none is kept, and http.client never reopens one by itself, without the read timeout)."""
+    import concurrent.futures as cf
+    import http.client
+
+    bucket, options = s3_bucket
+    storage = open_storage(f"s3://{bucket}/kept-{DRAW.randrange(1 << 30)}", options)
+    data = {f"o{i}": os.urandom(DRAW.randrange(1, 1 << 18)) for i in range(DRAW.randrange(8, 24))}
+    for key, value in data.items():
+        storage.write(key, [value])
+    connects: list[int] = []
+    real = http.client.HTTPConnection.connect
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", lambda self: connects.append(1) or real(self))
+
+    def load(threads: int) -> None:
+        def read(key: str) -> bool:
+            buffer = filled(len(data[key]))
+            return storage.read_into(key, 0, [buffer]) == len(buffer) and bytes(buffer) == data[key]
+
+        with cf.ThreadPoolExecutor(threads) as pool:  # (threads of this load alone, as a load's reads are)
+            assert all(pool.map(read, list(data) * 2))
+
+    threads = DRAW.randrange(2, 6)
+    load(threads)
+    made = len(connects)
+    direct = storage._direct_reads()
+    assert direct is not None and direct.disabled is None and botocore_reads == []
+    idle = sum(len(kept) for kept in direct._idle.values())
+    if idle == 0:  # (a store that closes each connection after its answer)
+        assert made == 2 * len(data)
+        load(threads)
+        assert len(connects) == 4 * len(data)
+    else:
+        assert made <= threads and idle == made
+        load(threads)
+        assert len(connects) == made, "the second load made connections of its own"
+    assert botocore_reads == []

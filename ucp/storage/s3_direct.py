@@ -3,10 +3,11 @@ that are most of a load from S3, without botocore's per-request pipeline.
 
 Why: against radosgw on 127.0.0.1, a GET through s3fs and botocore costs ~1.5 ms of client CPU (endpoint rules,
 event hooks, signing, parsing the answer, the hand-off to s3fs's one event loop thread, and aiohttp copying the body
-there, holding the GIL), ~2 ms for 1 MiB; a GET made here costs ~0.5 and ~0.7 ms (`http.client` on a connection
-kept per thread, signed by botocore's own SigV4 signer, the body read with `readinto` straight into the destination,
+there, holding the GIL), ~2 ms for 1 MiB; a GET made here costs ~0.5 and ~0.7 ms (`http.client` on a kept
+connection, signed by botocore's own SigV4 signer, the body read with `readinto` straight into the destination,
 the GIL released while the socket is read). A 1 GiB load makes ~1,000 of them on a machine whose cores the store
-may share.
+may share. Connections are kept by the file system's reads, not by a thread: a load's reading threads end with it,
+and the next load's take up the connections (and, over HTTPS, the sessions) the last one left open.
 
 What is taken from here is a success alone. Anything else (another status, no answer, a body cut off) returns None
 and the caller reads again through botocore, whose retries, redirects and answer ucp's errors are told by
@@ -27,7 +28,6 @@ import inspect
 import logging
 import os
 import ssl
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -46,6 +46,8 @@ CREDENTIALS_TTL_S = 60.0
 # expired: taken again at once). After REFUSALS of them the storage reads through botocore from then on.
 MISDIRECTED = frozenset({301, 307, 400, 401, 403})
 REFUSALS = 3
+# Idle connections kept for each address, at most (more than the requests a load has in flight: 64 by default)
+IDLE_CONNECTIONS = 128
 
 
 class DirectReads:
@@ -62,7 +64,10 @@ class DirectReads:
         self._signer: Any = None  # botocore's SigV4 signer with the credentials of `_signed_at`; None: anonymous
         self._signed_at = -CREDENTIALS_TTL_S
         self._refusals = 0
-        self._local = threading.local()
+        # address -> connections between requests, each taken by one request at a time (list.pop and append are
+        # atomic: no lock, which a child forked while another thread held it would find held for good)
+        self._idle: dict[str, list[http.client.HTTPConnection]] = {}
+        self._idle_pid = os.getpid()
         self._ssl: ssl.SSLContext | None = None
         self.disabled: str | None = None  # why botocore reads everything now
 
@@ -104,26 +109,31 @@ class DirectReads:
             return None
         path = f"{base.path}{_quote(key)}"
         while True:
-            kept = base.netloc in self._connections()
+            connection, kept = None, False
             try:
-                connection = self._connection(base)
+                connection, kept = self._take(base)
                 connection.request("GET", path, headers=headers)
                 response = connection.getresponse()
             except (OSError, http.client.HTTPException) as e:
-                self._drop(base)
-                if kept:  # (a kept connection the store has since closed fails at once: once more on a new one)
+                if connection is not None:
+                    connection.close()
+                if kept:  # (a kept connection the store has since closed fails at once: those kept as long likely
+                    self._forget(base)  # are closed too; once more on a new one)
                     continue
                 # no answer on a new connection (refused, timed out, TLS refused): botocore's reads, retries and
                 # timeouts from now on, as for a store that cannot be reached at all
                 self._disable(f"no answer from {base.netloc} ({type(e).__name__}: {e})")
                 return None
             try:
-                return self._body(response, offset, want, buffers)
+                got = self._body(response, offset, want, buffers)
             except (OSError, http.client.HTTPException):  # (cut off on the way: botocore reads it again)
+                connection.close()
                 return None
-            finally:
-                if not response.isclosed():  # (a body not read to its end leaves nothing reusable on the connection)
-                    self._drop(base)
+            if response.isclosed():
+                self._give_back(base, connection)
+            else:  # (a body not read to its end leaves nothing reusable on the connection)
+                connection.close()
+            return got
 
     def _disable(self, why: str) -> None:
         if self.disabled is None:
@@ -188,35 +198,48 @@ class DirectReads:
             frozen = fsspec.asyn.sync(self.fs.loop, _awaited, frozen)
         return S3SigV4Auth(frozen, "s3", self.region)
 
-    def _connections(self) -> dict[str, http.client.HTTPConnection]:
-        """This thread's connections, by address."""
-        local = self._local.__dict__
-        if local.get("pid") != os.getpid():  # (a forked child has its parent's sockets: never read from those)
-            local["pid"], local["connections"] = os.getpid(), {}
-        return local["connections"]
+    def _idle_at(self, base: urllib.parse.SplitResult) -> list[http.client.HTTPConnection]:
+        """The idle connections to `base`."""
+        if self._idle_pid != os.getpid():  # (a forked child has its parent's sockets: never read from those)
+            self._idle, self._idle_pid = {}, os.getpid()
+        return self._idle.setdefault(base.netloc, [])
 
-    def _connection(self, base: urllib.parse.SplitResult) -> http.client.HTTPConnection:
-        """This thread's connection to `base`. A new one is connected here, within the client's connect timeout;
-        its reads wait at most the client's read timeout."""
-        connections = self._connections()
-        connection = connections.get(base.netloc)
-        if connection is not None:
-            return connection
+    def _take(self, base: urllib.parse.SplitResult) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection to `base` for one request, and whether it was kept from an earlier one (the store may have
+        closed it since). A new one is connected here, within the client's connect timeout (its failure is the
+        caller's: no answer); its reads wait at most the client's read timeout."""
+        try:
+            return self._idle_at(base).pop(), True
+        except IndexError:
+            pass
         host, port = base.hostname or "", base.port
+        connection: http.client.HTTPConnection
         if base.scheme == "https":
             connection = http.client.HTTPSConnection(host, port, timeout=self.connect_timeout, context=self._context())
         else:
             connection = http.client.HTTPConnection(host, port, timeout=self.connect_timeout)
-        connections[base.netloc] = connection
-        connection.connect()  # (its failure is the caller's: no answer)
+        connection.connect()
         if connection.sock is not None:
             connection.sock.settimeout(self.read_timeout)
-        return connection
+        return connection, False
 
-    def _drop(self, base: urllib.parse.SplitResult) -> None:
-        connection = self._connections().pop(base.netloc, None)
-        if connection is not None:
+    def _give_back(self, base: urllib.parse.SplitResult, connection: http.client.HTTPConnection) -> None:
+        """Keep `connection` for another request, if it is still open (a store that answered `Connection: close`
+        has closed it: http.client would open it again by itself, without the read timeout) and not one too many."""
+        idle = self._idle_at(base)
+        if connection.sock is None or len(idle) >= IDLE_CONNECTIONS:
             connection.close()
+        else:
+            idle.append(connection)
+
+    def _forget(self, base: urllib.parse.SplitResult) -> None:
+        """Close the idle connections to `base`."""
+        idle = self._idle_at(base)
+        while True:
+            try:
+                idle.pop().close()
+            except IndexError:
+                return
 
     def _context(self) -> ssl.SSLContext:
         """TLS as botocore verifies it: the file system's `verify` (False, or a CA bundle), else AWS_CA_BUNDLE, else
