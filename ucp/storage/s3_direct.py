@@ -218,7 +218,11 @@ class DirectReads:
             connection = http.client.HTTPSConnection(host, port, timeout=self.connect_timeout, context=self._context())
         else:
             connection = http.client.HTTPConnection(host, port, timeout=self.connect_timeout)
-        connection.connect()
+        try:
+            connection.connect()
+        except BaseException:
+            connection.close()  # (a TLS handshake refused leaves the connected socket in it)
+            raise
         if connection.sock is not None:
             connection.sock.settimeout(self.read_timeout)
         return connection, False
