@@ -28,6 +28,13 @@ radosgw where installed; default both, radosgw where installed) and the same row
 bucket; vLLM's safetensors loader cannot, so its row is a download of the export (s3fs) followed by its load;
 runai_streamer streams the bucket itself (the endpoint and keys in the AWS variables).
 
+Each start-up's weights phase (the loader's `load_weights`, vLLM's for its loaders, ucp's for its own) is timed
+apart, and what the start-up takes beside it reported as vLLM's own part (building the model, processing the weights
+into its kernels' formats, the KV cache, the first token: no loader makes it shorter). Locally, a raw read of a
+step's weight objects (`preadv` on 8 threads into memory touched beforehand, page cache dropped) is timed among the
+methods, and vLLM's own part of ucp's start-up plus that read reported against export-then-load: the fastest a
+start-up from these bytes could be, whatever the loader.
+
 Before the timed runs one engine is built and dropped, so that what a process pays once (imports, vLLM's model
 inspection) is paid by none of them. Prints seconds (median of the repeats; the methods alternate within each
 repeat), the bytes each ucp worker read (the refresh's report), and the ratios the aims are about.
@@ -58,6 +65,7 @@ from ucp.sharding.families import LlamaConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
+from .coldstart import chunk_objects, raw_read
 from .methods import runai_environment
 from .s3_servers import S3_SERVERS, radosgw_missing, s3_server_version, start_s3_server
 from .state import even_layers
@@ -101,15 +109,55 @@ def write_sources(cfg: LlamaConfig, root: Path, url: str, storage_options: dict 
         export_hf(url, root / f"hf{step}", step=step, storage_options=storage_options, max_shard_bytes=512 << 20)
 
 
+class WeightsPhase:
+    """Times the weights phase of every engine built in this process: each vLLM loader's `load_weights` (ucp's
+    included), wrapped in its class, the outermost call timed (a loader that calls its parent's is one phase). What
+    a start-up takes beside it is vLLM's own, whatever the loader: building the model, processing the weights into
+    its kernels' formats, the KV cache, the first token. Engines whose workers are processes of their own (--tp > 1)
+    are not seen."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._depth = 0
+
+    def install(self) -> None:
+        """Wrap the loaders registered so far (ucp's is registered by vLLM's plugins as its first engine starts, so
+        this is called before every run); a class wrapped already is left as it is."""
+        from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+        for cls in list(_LOAD_FORMAT_TO_MODEL_LOADER.values()):
+            owner = next(c for c in cls.__mro__ if "load_weights" in c.__dict__)
+            method = owner.__dict__["load_weights"]
+            if not getattr(method, "_bench_weights_phase", False):
+                owner.load_weights = self._timed(method)
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def load_weights(*args: Any, **kwargs: Any) -> Any:
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.seconds.append(time.perf_counter() - start)
+
+        load_weights._bench_weights_phase = True  # type: ignore[attr-defined]
+        return load_weights
+
+
 @dataclass
 class Bench:
-    """The engines' common arguments and where their files are; every run drops the page cache first."""
+    """The engines' common arguments and where their files are; every run drops the page cache first. `weights`:
+    the weights phase of each run that built one engine in this process (`WeightsPhase`)."""
 
     root: Path
     tp: int
     repeats: int
     times: dict[str, list[float]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    weights: dict[str, list[float]] = field(default_factory=dict)
+    phase: WeightsPhase = field(default_factory=WeightsPhase)
 
     def engine_args(self) -> dict[str, Any]:
         from ucp.interop.vllm import WORKER_EXTENSION
@@ -143,7 +191,9 @@ class Bench:
         """One timed run of `run` (page cache dropped first); a failure is noted once and the method left out."""
         if name in self.notes:
             return
+        self.phase.install()
         self.cold()
+        phases = len(self.phase.seconds)
         start = time.perf_counter()
         try:
             run()
@@ -151,6 +201,16 @@ class Bench:
             self.notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             return
         self.times.setdefault(name, []).append(time.perf_counter() - start)
+        if len(self.phase.seconds) == phases + 1:
+            self.weights.setdefault(name, []).append(self.phase.seconds[-1])
+
+    def own_part(self, name: str) -> float | None:
+        """vLLM's own part of the runs of `name`: the median of each run less its weights phase (None where a run
+        had none)."""
+        runs, phases = self.times.get(name, []), self.weights.get(name, [])
+        if not runs or len(runs) != len(phases):
+            return None
+        return statistics.median(t - w for t, w in zip(runs, phases))
 
     def start(self, **kw: Any) -> Callable[[], None]:
         """Engine construction to the first token, the engine then dropped (outside nothing: it is timed too, as a
@@ -304,7 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     _vllm_environment(args.tp)
     log = logging.getLogger("ucp")  # (each ucp load's own time, beside vLLM's "Loading weights took")
     log.setLevel(logging.INFO)
-    log.addHandler(logging.StreamHandler(sys.stdout))
+    handler = logging.StreamHandler(sys.stdout)
+    log.addHandler(handler)
+    try:
+        return _run(args)
+    finally:
+        log.removeHandler(handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     import vllm  # (after the environment is set)
 
     cfg = config_for(args.size_gib)
@@ -322,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.start(model=str(root / "hf0"))()  # (what the process pays once)
         sharded = save_sharded_state(bench, root / "hf0")
         local = startup_methods(bench, url, lambda: root / "hf0", None, sharded)
+        local[RAW_READ] = raw_read(chunk_objects(root / "ucp"), 8)
         for _ in range(args.repeats):
             for name, run in local.items():
                 bench.time(f"{name} (local)", run)
@@ -389,6 +458,17 @@ def _s3(bench: Bench, root: Path, server_name: str, budgets: Sequence[int] = ())
         server.close()
 
 
+RAW_READ = "raw read of a step's weights, 8 threads"  # (the floor of reading them: bench_io.coldstart.raw_read)
+ONE_ENGINE = (  # (the start-up rows that are one engine's construction and nothing else)
+    "ucp",
+    "ucp, every weight through load_weights",
+    "safetensors",
+    "runai_streamer",
+    "fastsafetensors",
+    "sharded_state",
+)
+
+
 def report(bench: Bench, bytes_read: list[int], total: int, labels: list[str]) -> None:
     print(f"{'method':<44} {'seconds':>9}  each run")
     for name, runs in bench.times.items():
@@ -418,6 +498,18 @@ def report(bench: Bench, bytes_read: list[int], total: int, labels: list[str]) -
         reload = bench.median(f"vLLM reload_weights, safetensors ({where})")
         if refreshed and reload:
             print(f"{where}: refresh / vLLM reload_weights of safetensors = {refreshed / reload:.2f}x")
+        own = {n: bench.own_part(f"{n} ({where})") for n in ONE_ENGINE}
+        own = {n: s for n, s in own.items() if s is not None}
+        if own:
+            parts = ", ".join(f"{n} {s:.2f}" for n, s in own.items())
+            print(f"{where}: vLLM's own part of a start-up (less the loader's load_weights), seconds: {parts}")
+        raw, export = bench.median(f"{RAW_READ} ({where})"), bench.median(f"export, then safetensors ({where})")
+        if raw and export and "ucp" in own:
+            floor = own["ucp"] + raw
+            print(
+                f"{where}: the fastest ucp start-up the weights' bytes allow (vLLM's own part + a raw read of them: "
+                f"{own['ucp']:.2f} + {raw:.2f} s) / export, then safetensors = {floor / export:.2f}x"
+            )
 
 
 def _vllm_environment(tp: int) -> None:

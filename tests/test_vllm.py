@@ -459,3 +459,29 @@ def complete(base: str) -> list[list[int]]:
         with urllib.request.urlopen(req, timeout=120) as answer:
             out.append(json.loads(answer.read())["choices"][0]["token_ids"])
     return out
+
+
+@pytest.mark.slow
+def test_the_inference_benchmark_times_each_start_up_and_its_weights_phase_apart(tmp_path, capsys):
+    """`python -m bench_io inference`, tiny: each start-up method timed, and the loader's weights phase of each engine
+    (ucp's loader and vLLM's own) timed apart: vLLM's own part of a start-up is less than the start-up, and the
+    floor of a ucp start-up (that part plus a raw read of the weights) is reported against export-then-load."""
+    from bench_io import inference
+
+    assert inference.main(["--size-gib", "0.01", "--repeats", "1", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    seconds = {}
+    for line in out.splitlines():
+        found = re.match(r"(.+ \(local\)) +([0-9.]+)  [0-9. ]+$", line)
+        if found:
+            seconds[found[1].strip()] = float(found[2])
+    for row in ("ucp", "safetensors", "export, then safetensors", inference.RAW_READ, "refresh"):
+        assert f"{row} (local)" in seconds, out
+    own = re.search(r"local: vLLM's own part of a start-up \(less the loader's load_weights\), seconds: (.+)", out)
+    assert own, out
+    parts = dict(re.findall(r"(ucp|safetensors) ([0-9.]+)(?:,|$)", own[1]))
+    assert set(parts) == {"ucp", "safetensors"}, own[1]
+    for name, part in parts.items():
+        assert 0 < float(part) < seconds[f"{name} (local)"], (name, part, out)
+    floor = re.search(r"local: the fastest ucp start-up .+ = ([0-9.]+)x", out)
+    assert floor and 0 < float(floor[1]) < 5, out
