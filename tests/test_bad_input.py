@@ -333,3 +333,30 @@ def test_a_bad_layout_is_named_as_written(tmp_path):
     result = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--from", "tp0pp4", "--to", "tp2")
     assert_cli_error(result, "tp0pp4")
     assert "vpp1" not in result.stderr and "zero0" not in result.stderr
+
+
+def test_storage_options_take_json_where_it_parses_and_keep_credentials_as_written():
+    """`-o KEY=VALUE`: a secret or profile that starts with a digit, is all digits or is empty stays the string
+    written (it crashed the CLI with a JSONDecodeError, or became an int); JSON values still parse."""
+    from ucp.cli_common import parse_storage_options
+
+    pairs = ["secret=9fK2/abcDEF", "key=1234", "profile=1prod", "token=", "endpoint_url=127.0.0.1:9000"]
+    pairs += ["max_concurrency=8", "use_ssl=false", 'config_kwargs={"max_pool_connections": 64}', "region=[eu"]
+    assert parse_storage_options(pairs) == {
+        "secret": "9fK2/abcDEF",
+        "key": "1234",
+        "profile": "1prod",
+        "token": "",
+        "endpoint_url": "127.0.0.1:9000",
+        "max_concurrency": 8,
+        "use_ssl": False,
+        "config_kwargs": {"max_pool_connections": 64},
+        "region": "[eu",
+    }
+
+
+def test_a_secret_that_starts_with_a_digit_reaches_the_store_from_the_cli():
+    out = run_cli("inspect", "s3://bucket/run", "-o", "secret=9fK2/abc", "-o", "endpoint_url=http://127.0.0.1:1")
+    assert out.returncode == 1
+    assert out.stderr.startswith("ucp: error: ") and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "127.0.0.1:1" in out.stderr

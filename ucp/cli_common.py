@@ -19,15 +19,29 @@ from typing import Any
 from .errors import UcpError
 
 
+# Options that are strings whatever they look like: a secret or a profile may well be all digits, or start with one.
+STRING_OPTIONS = frozenset(
+    {"key", "secret", "token", "profile", "endpoint_url", "region_name", "username", "password"}
+)
+
+
 def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
-    """`-o KEY=VALUE` pairs as fsspec storage options (JSON values where they parse as JSON)."""
+    """`-o KEY=VALUE` pairs as fsspec storage options: a value that is a JSON document (`8`, `true`, `{"a": 1}`) is
+    taken as one, any other as a string, and the options of STRING_OPTIONS always as strings."""
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UcpError(f"--storage-option takes KEY=VALUE, got {pair!r}")
-        options[key] = json.loads(value) if value[:1] in "{[0123456789" or value in ("true", "false", "null") else value
+        options[key] = value if key in STRING_OPTIONS else _json_or_text(value)
     return options
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def add_storage_option(
