@@ -359,6 +359,31 @@ def test_fuzzed_manifests_get_only_ucp_errors(pristine, tmp_path_factory, data):
     reseal_manifest_text(root, json.dumps(doc))
     every_reader(root)
     assert _peak_rss() - before < 256 << 20, "a fuzzed manifest made a reader allocate"
+    assert_verify_passes_only_what_loads(root)
+
+
+def assert_verify_passes_only_what_loads(root: Path) -> None:
+    """A step `verify` finds ok loads: what it passes, no load refuses."""
+    try:
+        report = verify(ucp.open_checkpoint(str(root), 3))
+    except ucp.UcpError:
+        return
+    if report.ok:
+        ucp.load(str(root), step=3)
+
+
+@pytest.mark.parametrize("node", [{"part": 5}, -1, "3.1", [-1], True, {"atom": 7}, {"dict": []}, {"float": "1"}])
+def test_a_resealed_state_tree_that_no_load_takes_fails_verify(tmp_path, node):
+    """A manifest whose state tree is malformed, resealed in its marker (a writer's bug, a hostile edit), fails
+    every load; verify, which passed it, reports it too (exit 1, naming the tree)."""
+    make(tmp_path)
+    doc = manifest_doc(tmp_path)
+    doc["attributes"]["ucp"]["tree"]["dict"]["model"] = node
+    reseal_manifest_text(tmp_path, json.dumps(doc))
+    with pytest.raises(ucp.FormatError, match="state tree"):
+        ucp.load(str(tmp_path))
+    out = run_cli("verify", str(tmp_path))
+    assert out.returncode == 1 and "state tree" in out.stdout, (out.stdout, out.stderr)
 
 
 @FUZZ

@@ -4,6 +4,7 @@ checksum is valid. Plain and sharded objects, whole loads and partial (reshardin
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -116,15 +117,24 @@ def test_swapped_inner_chunks_fail_a_partial_read(tmp_path):
             load_sharded(reader, ShardedModel(CONFIG, target, STATES), rank)
 
 
-@pytest.mark.parametrize("which", ["root", "group", "group-missing"])
+@pytest.mark.parametrize("which", ["root", "root-attributes", "root-ucp", "group", "group-missing"])
 def test_verify_checks_the_root_and_group_documents(tmp_path, which):
     ucp.save(state(1), str(tmp_path), step=1, options=PLAIN)
     if which == "root":
         (tmp_path / "zarr.json").write_text('{"zarr_format": 3, "node_type": "array"}')
+    elif which.startswith("root-"):  # (attributes, or ucp's among them, of another type: verify crashed on them)
+        doc = {
+            "zarr_format": 3,
+            "node_type": "group",
+            "attributes": [1] if which == "root-attributes" else {"ucp": 1.5},
+        }
+        (tmp_path / "zarr.json").write_text(json.dumps(doc))
     elif which == "group":
         (step_path(tmp_path) / "model" / "zarr.json").write_text('{"zarr_format": 2}')
     else:
         (step_path(tmp_path) / "model" / "zarr.json").unlink()
     out = verify_cli(tmp_path)
-    assert out.returncode == 1 and ("root group" if which == "root" else "group 'model'") in out.stdout, out.stdout
+    assert out.returncode == 1 and ("root group" if which.startswith("root") else "group 'model'") in out.stdout, (
+        out.stdout
+    )
     assert torch.equal(ucp.load(str(tmp_path))["model"]["w"], state(1)["model"]["w"])

@@ -18,11 +18,8 @@ from typing import Any
 
 from .errors import UcpError
 
-
 # Options that are strings whatever they look like: a secret or a profile may well be all digits, or start with one.
-STRING_OPTIONS = frozenset(
-    {"key", "secret", "token", "profile", "endpoint_url", "region_name", "username", "password"}
-)
+STRING_OPTIONS = frozenset({"key", "secret", "token", "profile", "endpoint_url", "region_name", "username", "password"})
 
 
 def parse_storage_options(pairs: list[str]) -> dict[str, Any]:

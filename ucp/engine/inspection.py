@@ -232,8 +232,16 @@ def _check_document(reader: CheckpointReader, key: str, expected: dict[str, Any]
 def _check_root(reader: CheckpointReader) -> None:
     _check_document(reader, ZARR_JSON, {"zarr_format": 3, "node_type": "group"}, "the root group's zarr.json")
     doc = loads(reader.storage.read(ZARR_JSON, 0, MAX_DOCUMENT_BYTES + 1), ZARR_JSON, MAX_DOCUMENT_BYTES)
-    if not isinstance(doc.get("attributes"), dict) or (doc["attributes"].get("ucp") or {}).get("kind") != "root":
+    attributes = doc.get("attributes")
+    ours = attributes.get("ucp") if isinstance(attributes, dict) else None
+    if not isinstance(ours, dict) or ours.get("kind") != "root":
         raise FormatError(f"the root group's zarr.json at {reader.storage.url} does not say it is a ucp root")
+
+
+def _check_tree(reader: CheckpointReader) -> None:
+    """The state tree, which every load rebuilds: each node well formed, each atom it names in the manifest (format
+    3.1 reads its tree parts here)."""
+    reader.tree_atoms  # noqa: B018 -- (the property checks the tree when first read)
 
 
 def check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...]) -> None:
@@ -294,7 +302,7 @@ def verify(reader: CheckpointReader) -> VerifyReport:
     """Re-read every object of every atom and check every checksum, each object's size and checksum against what
     the commit recorded, every atom's and group's zarr.json, and the root's; collect every problem."""
     problems: list[str] = []
-    tasks = [functools.partial(_check_root, reader)]
+    tasks = [functools.partial(_check_root, reader), functools.partial(_check_tree, reader)]
     tasks += [
         functools.partial(
             _check_document, reader, f"{reader.prefix}/{g}/{ZARR_JSON}", group_json(), f"group {g!r}'s zarr.json"
