@@ -112,3 +112,52 @@ def test_a_file_size_limit_stands_in_for_a_full_disk(tmp_path):
     assert_same_state(state(1, 0.5), ucp.load(str(root)))
     ucp.save(state(3, 2), str(root), step=2, options=OPTIONS)
     assert_same_state(state(3, 2), ucp.load(str(root)))
+
+
+def fill(mnt: Path, leave: int = 0) -> Path:
+    """A file that takes all of the file system's free space but `leave` bytes."""
+    st = os.statvfs(mnt)
+    filler = mnt / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+    return filler
+
+
+def test_a_save_whose_first_write_finds_the_disk_full_leaves_nothing(small_tmpfs, caplog):
+    """The owner record is an attempt's first write: where it fails, the attempt is removed at once as any failed
+    save's is (an empty record stayed, which gc took for a damaged one and left alone for ever)."""
+    root = small_tmpfs / "ckpt"
+    ucp.save(state(1, 0.5), str(root), step=1, options=OPTIONS)
+    filler = fill(small_tmpfs)
+    with pytest.raises(
+        ucp.StorageError,
+        match=r"step 2 was not saved .* what this attempt wrote was removed: .*"
+        r"ucp-attempt\.json: No space left",
+    ):
+        ucp.save(state(2, 0.5), str(root), step=2, options=OPTIONS)
+    assert not (root / step_dirname(2)).exists(), os.listdir(root / step_dirname(2))
+    filler.unlink()
+    with caplog.at_level("WARNING", logger="ucp"):
+        assert ucp.CheckpointManager(str(root)).gc() == []
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    ucp.save(state(2, 0.5), str(root), step=2, options=OPTIONS)
+    assert_same_state(state(2, 0.5), ucp.load(str(root)))
+
+
+def test_an_exclusive_create_on_a_full_disk_leaves_no_temporary_file(small_tmpfs):
+    """A commit marker's create (a temporary file linked to its name) that finds the disk full: a StorageError, and
+    neither the marker nor its temporary file stays (three of them stayed, one a retry, that gc never removed)."""
+    from ucp.storage import LocalStorage
+
+    storage = LocalStorage(str(small_tmpfs / "store"))
+    storage.write("step/kept", [b"x"])
+    filler = fill(small_tmpfs)
+    with pytest.raises(ucp.StorageError, match="No space left"):
+        storage.create_exclusive("step/ucp-commit.json", os.urandom(64 << 10))
+    assert os.listdir(small_tmpfs / "store" / "step") == ["kept"]
+    with pytest.raises(ucp.StorageError, match="No space left"):
+        storage.write("step/other", [os.urandom(64 << 10)])
+    assert os.listdir(small_tmpfs / "store" / "step") == ["kept"], "a failed write left a torn object"
+    filler.unlink()
+    storage.create_exclusive("step/ucp-commit.json", b"{}")
+    assert sorted(os.listdir(small_tmpfs / "store" / "step")) == ["kept", "ucp-commit.json"]

@@ -152,6 +152,13 @@ def record_key(step: int, attempt: str) -> str:
     return f"{step_dirname(step)}/{attempt}/{ATTEMPT_RECORD}"
 
 
+def remove(storage: Storage, step: int, attempt: str) -> None:
+    """Remove an attempt's directory, and its step's where that is left empty (the caller knows that no marker names
+    the attempt)."""
+    storage.delete(f"{step_dirname(step)}/{attempt}")
+    storage.remove_empty_dir(step_dirname(step))
+
+
 def write_owner(storage: Storage, record: OwnerRecord) -> None:
     storage.write(record_key(record.step, record.attempt), [dumps(asdict(record))])
 

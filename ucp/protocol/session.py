@@ -22,6 +22,7 @@ error), with the typed messages below. Single-process saves, `VirtualWorld`, the
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import math
 import threading
@@ -195,7 +196,14 @@ class SaveSession:
                 )
             ensure_root(storage)
             record = attempt.OwnerRecord.mine(step, attempt.new_attempt_id(), lease_s or attempt.DEFAULT_LEASE_S)
-            lease = attempt.Lease(storage, record)  # (writes the owner record first)
+            try:
+                lease = attempt.Lease(storage, record)  # (writes the owner record first)
+            except StorageError as e:  # (a full disk, a refused write: nothing of the attempt may stay behind)
+                with contextlib.suppress(UcpError):
+                    attempt.remove(storage, step, record.attempt)
+                raise StorageError(
+                    f"step {step} was not saved at {storage.url}, and what this attempt wrote was removed: {e}"
+                ) from e
             return Begun(record.attempt)
 
         begun = coordination.broadcast(comm, start, Begun)
@@ -405,8 +413,7 @@ class SaveSession:
             log.error("the attempt %s/%s is committed: not removed", *self._where)
             return
         try:
-            self.storage.delete(self.prefix)
-            self.storage.remove_empty_dir(commit.step_dirname(self.step))
+            attempt.remove(self.storage, self.step, self.attempt)
         except UcpError as e:
             log.warning("could not remove the failed attempt %s/%s (collect_garbage will): %s", *self._where, e)
 

@@ -48,6 +48,7 @@ def _in_page_cache(fd: int) -> bool:
 
 
 MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS})  # (what link says)
 
 
 def file_system_type(path: str) -> str | None:
@@ -192,7 +193,12 @@ class LocalStorage(Storage):
                     if os.path.lexists(temp):
                         os.unlink(temp)
             else:
-                total = self._write_file(path, parts, os.O_TRUNC)
+                try:
+                    total = self._write_file(path, parts, os.O_TRUNC)
+                except OSError:  # (a full disk: no object rather than a torn one, as a store's failed PUT leaves)
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                    raise
         except UcpError:
             raise
         except OSError as e:
@@ -236,15 +242,17 @@ class LocalStorage(Storage):
         path = self._path(key)
         temp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{uuid.uuid4().hex}.tmp"
         try:
-            self._write_file(temp, [data], os.O_EXCL)
             try:
-                os.link(temp, path, follow_symlinks=False)
-            except OSError as e:
-                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS):
-                    raise
-                self._write_file(path, [data], os.O_EXCL)
+                self._write_file(temp, [data], os.O_EXCL)
+                try:
+                    os.link(temp, path, follow_symlinks=False)
+                except OSError as e:
+                    if e.errno not in NO_HARD_LINKS:
+                        raise
+                    self._write_file(path, [data], os.O_EXCL)
             finally:
-                os.unlink(temp)
+                with contextlib.suppress(OSError):  # (also where its write failed: a full disk)
+                    os.unlink(temp)
             self._fsync_dir(os.path.dirname(path))
         except (FileExistsError, UcpError):
             raise
