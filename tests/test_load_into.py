@@ -18,7 +18,7 @@ import torch
 
 import ucp
 
-from .helpers import DRAW, assert_same_state
+from .helpers import DRAW, assert_same_state, damage_atom
 from .test_packs import OPTIONS, random_state
 
 
@@ -138,6 +138,25 @@ def test_a_state_of_another_structure_is_refused_before_anything_changes(saved):
     _refused(
         root, edited(lambda node: node.__setitem__(leaf, meta)), f"atom '{victim}' into a tensor on the meta device"
     )
+    if t.numel() > 1:  # (an expanded tensor: its elements share memory, and the load gave each the last one read)
+        expanded = torch.zeros(1, dtype=t.dtype).expand(t.shape)
+        _refused(root, edited(lambda node: node.__setitem__(leaf, expanded)), f"atom '{victim}'.*share memory")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_damaged_object_fails_a_load_into_the_callers_tensors_and_says_they_are_partly_overwritten(tmp_path, packed):
+    chunking = ucp.ChunkingPolicy(object_bytes=4096, inner_bytes=1024, pack_below=1 << 20 if packed else 0)
+    ucp.save({"w": torch.arange(4096.0), "b": torch.ones(8)}, str(tmp_path), options=ucp.SaveOptions(chunking=chunking))
+    damage_atom(tmp_path, "w")
+    into = {"w": torch.zeros(4096), "b": torch.zeros(8)}
+    with pytest.raises(ucp.IntegrityError, match=r"atom 'w'.*; the tensors given \(into=\) are partly overwritten"):
+        ucp.load(str(tmp_path), into=into)
+
+
+def test_a_tensor_whose_elements_share_memory_is_refused(tmp_path):
+    ucp.save({"w": torch.arange(5.0)}, str(tmp_path))
+    into = {"w": torch.zeros(1).expand(5)}
+    _refused(tmp_path, into, "atom 'w' into a tensor whose elements share memory")
 
 
 def test_one_tensor_given_for_two_atoms_is_filled_as_load_state_dict_fills_it(tmp_path):

@@ -568,7 +568,8 @@ class CheckpointReader:
         of its own), in host memory or on `device` (e.g. "cuda": the objects land in it through page-locked host
         memory, `ucp.engine.landing`); or, with `into` (by atom path: exactly the atoms asked for, each a tensor of its
         dtype and shape, on any device), the caller's tensors are filled in place and returned. What `into` holds is
-        checked before anything is read or changed (StateError naming the atom).
+        checked before anything is read or changed (StateError naming the atom); a read that fails after that (a
+        damaged or missing object) leaves them partly filled, as a failed `dcp.load` does, and its error says so.
 
         Reads are planned from the committed manifest alone (its checksum is in the commit marker), so an atom's
         own zarr.json, which only other Zarr readers need, is not read here: `ucp verify` checks that it agrees."""
@@ -620,7 +621,12 @@ class CheckpointReader:
                     )
                     for i in chunk_indices(m.grid)
                 ]
-            self.run_reads(tasks)
+            try:
+                self.run_reads(tasks)
+            except UcpError as e:
+                if into is not None:  # (the reads land in place: what they filled before the failure stays)
+                    e.args = (f"{e}; the tensors given (into=) are partly overwritten: load them from a good step",)
+                raise
         if into is not None:
             for path in paths:
                 if path in aliases:
@@ -661,6 +667,11 @@ class CheckpointReader:
                 raise StateError(
                     f"cannot load atom {path!r} ({meta.dtype} {list(meta.shape)}) into a tensor of "
                     f"{str(dest.dtype).removeprefix('torch.')} {list(dest.shape)}"
+                )
+            if any(stride == 0 and n > 1 for n, stride in zip(dest.shape, dest.stride())):
+                raise StateError(  # (an expanded tensor: every element of a row is one; torch's copy_ refuses it too)
+                    f"cannot load atom {path!r} into a tensor whose elements share memory (strides {dest.stride()}, "
+                    "an expanded tensor): give one with memory of its own for each element"
                 )
         return {p: into[p] for p in paths}
 
