@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -289,6 +290,15 @@ def test_a_root_that_is_a_file_or_of_no_known_protocol_is_named(tmp_path):
     with pytest.raises(ucp.StorageError, match="nosuch://x/y: no storage for nosuch://"):
         ucp.save({"w": torch.ones(2)}, "nosuch://x/y", step=0)
     assert_cli_error(run_cli("inspect", "nosuch://x/y"), "no storage for nosuch://")
+    # (file systems that connect or open their container when made: their errors were tracebacks)
+    for url, says in [
+        ("ftp://127.0.0.1:1/ck", "cannot open ftp://127.0.0.1:1/ck: ConnectionRefusedError"),
+        (f"zip://a::{root}", f"cannot open zip://a::{root}: BadZipFile"),
+        ("s3://", "s3:// names no bucket"),
+    ]:
+        with pytest.raises(ucp.UcpError, match=re.escape(says)):
+            ucp.load(url)
+        assert_cli_error(run_cli("inspect", url), says)
     convert = ("convert", str(tmp_path), str(tmp_path / "out"), "--from", "tp1", "--to", "tp2")
     for option, value, says in [
         ("--workers", "0", "must be at least 1"),

@@ -7,7 +7,7 @@ from typing import Any
 
 import fsspec
 
-from ..errors import CheckpointNotFoundError, StorageError
+from ..errors import CheckpointNotFoundError, StorageError, UcpError
 from . import s3
 from .base import SINGLE_WRITER_OPTION, Storage
 from .fsspec import FsspecStorage
@@ -28,9 +28,11 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsy
     single_writer = options.pop(SINGLE_WRITER_OPTION, False)
     if not isinstance(single_writer, bool):
         raise StorageError(f"{url}: the storage option {SINGLE_WRITER_OPTION} is true or false, not {single_writer!r}")
-    protocol, _, rest = url.partition("://")
-    if not rest:
+    protocol, scheme, rest = url.partition("://")
+    if not scheme:
         return LocalStorage(url, fsync=fsync)
+    if not rest and protocol in s3.PROTOCOLS:
+        raise CheckpointNotFoundError(f"{url} names no bucket: give s3://BUCKET/PREFIX")
     if protocol == "file":
         return LocalStorage(rest, fsync=fsync)
     if protocol in s3.PROTOCOLS:
@@ -40,5 +42,11 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None, *, fsy
             fsspec.get_filesystem_class(protocol)
         except (ValueError, ImportError) as e:  # not known, or its package is not installed
             raise StorageError(f"{url}: no storage for {protocol}:// ({e})") from None
-    fs, root = fsspec.core.url_to_fs(url, **options)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except UcpError:
+        raise
+    except Exception as e:  # (a file system connects or opens its container here and raises anything: ftp a
+        # refused connection or an unknown host, zip a file that is not one)
+        raise StorageError(f"cannot open {url}: {type(e).__name__}: {e}") from e
     return FsspecStorage(fs, root, url, single_writer=single_writer)
