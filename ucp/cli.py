@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "verify",
         help="re-read every object (each pack whole, with every packed atom's checksum), check every checksum, each "
-        "object's size and checksum against its commit's record, and every atom's, pack's, group's and the root's "
-        "zarr.json (exit 1 if anything is damaged)",
+        "object's size and checksum against its commit's record, the state tree every load rebuilds, and every "
+        "atom's, pack's, group's and the root's zarr.json (exit 1 if anything is damaged)",
     )
     _add_location(p)
     p.set_defaults(func=cmd_verify, **_LOCATION_RULES)
