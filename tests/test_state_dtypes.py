@@ -36,11 +36,24 @@ CONFIG = MixtralConfig(
     num_key_value_heads=2,
     num_local_experts=4,
 )
+# Odd sizes: ZeRO's pieces and the fragments sent between ranks of an odd number of elements (a bf16 fragment then
+# leaves the fp32 one after it misaligned in the peer's buffer, unless each is aligned).
+ODD = MixtralConfig(
+    vocab_size=101,
+    hidden_size=36,
+    intermediate_size=20,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+)
 
 
-def full_state(param_dtype: torch.dtype, state_dtypes: dict[str, torch.dtype], seed: int) -> dict:
+def full_state(
+    param_dtype: torch.dtype, state_dtypes: dict[str, torch.dtype], seed: int, config: MixtralConfig = CONFIG
+) -> dict:
     g = torch.Generator().manual_seed(seed)
-    atoms = canonical_atoms(CONFIG)
+    atoms = canonical_atoms(config)
     return {
         "model": {n: torch.randn(s, generator=g).to(param_dtype) for n, (s, _) in atoms.items()},
         "optimizer": {
@@ -52,13 +65,15 @@ def full_state(param_dtype: torch.dtype, state_dtypes: dict[str, torch.dtype], s
     }
 
 
-def save_and_check(tmp_path, full: dict, states: tuple[str, ...], saved_in: str, load_in: str, policy) -> None:
+def save_and_check(
+    tmp_path, full: dict, states: tuple[str, ...], saved_in: str, load_in: str, policy, config: MixtralConfig = CONFIG
+) -> None:
     """Save `full` from every rank of `saved_in`, check that every chunk the manifest names was written exactly once
     (by the plans) and is on storage, and that every rank of `load_in` reads its share bitwise."""
     source, target = parse_layout(saved_in), parse_layout(load_in)
-    model = ShardedModel(CONFIG, source, states)
+    model = ShardedModel(config, source, states)
     url = str(tmp_path / "ckpt")
-    locals_ = [shard(full, CONFIG, source, r, states) for r in range(source.world_size)]
+    locals_ = [shard(full, config, source, r, states) for r in range(source.world_size)]
     VirtualWorld(source.world_size).save(locals_, url, step=1, model=model, options=SaveOptions(chunking=policy))
     reader = ucp.open_checkpoint(url)
     # every chunk the manifest names is on storage: its object is readable and its checksum holds
@@ -66,8 +81,8 @@ def save_and_check(tmp_path, full: dict, states: tuple[str, ...], saved_in: str,
         for index in chunk_indices(meta.grid):
             assert reader.storage.exists(reader.object_key(meta, index)), (meta.path, index)
     for rank in range(target.world_size):
-        local, _ = load_sharded(reader, ShardedModel(CONFIG, target, states), rank)
-        assert same(local, shard(full, CONFIG, target, rank, states)), (saved_in, load_in, rank)
+        local, _ = load_sharded(reader, ShardedModel(config, target, states), rank)
+        assert same(local, shard(full, config, target, rank, states)), (saved_in, load_in, rank)
 
 
 def test_bf16_parameters_with_fp32_states_whose_grid_is_finer_commit_and_load(tmp_path):
@@ -83,6 +98,14 @@ def test_bf16_parameters_with_fp32_states_whose_grid_is_finer_commit_and_load(tm
     embed = "model.embed_tokens.weight"
     assert metas[(embed, "exp_avg")].grid != metas[(embed, None)].grid  # (what the case is about)
     save_and_check(tmp_path, full, states, "tp2pp1", "tp1pp1", policy)
+
+
+def test_zero3_fragments_of_odd_sizes_and_mixed_dtypes_travel_aligned(tmp_path):
+    """bf16 parameters, fp32 states, ZeRO-3 over 4 ranks of a model of odd sizes: a peer's buffer held a bf16 fragment
+    of an odd number of elements before an fp32 one, which the receiver could not view as fp32 (the save failed)."""
+    states = ("exp_avg", "exp_avg_sq")
+    full = full_state(torch.bfloat16, dict.fromkeys(states, torch.float32), seed=0, config=ODD)
+    save_and_check(tmp_path, full, states, "tp1pp1dp4zero3", "tp2pp1", ChunkingPolicy(), ODD)
 
 
 def test_chunk_write_plan_writes_each_states_own_grid_once():
@@ -107,12 +130,21 @@ def test_chunk_write_plan_writes_each_states_own_grid_once():
     assert sends == recvs
 
 
-SAVE_LAYOUTS = ("tp2pp1", "tp2pp2", "tp1pp1dp2zero1", "tp2pp1dp2zero1", "tp2pp1ep2dp2", "tp1pp2dp2zero3")
+SAVE_LAYOUTS = (
+    "tp2pp1",
+    "tp2pp2",
+    "tp1pp1dp2zero1",
+    "tp2pp1dp2zero1",
+    "tp2pp1ep2dp2",
+    "tp1pp2dp2zero3",
+    "tp1pp1dp4zero3",
+    "tp2pp1dp3zero3",
+)
 LOAD_LAYOUTS = ("tp1pp1", "tp4pp1", "tp1pp2dp2zero1", "tp2pp1ep2dp2zero1")
 
 
 def draw_case(param_dtype: torch.dtype) -> tuple:
-    """(state dtypes, save layout, load layout, chunking, seed): each state's dtype drawn on its own, chunk sizes from a
+    """(state dtypes, save layout, load layout, chunking, seed, model): each state's dtype drawn on its own, chunk sizes from a
     few hundred bytes (many chunks, finer than some TP parts) to larger than any atom (one chunk each)."""
     state_dtypes = {s: DRAW.choice(DTYPES) for s in STATES}
     inner = DRAW.choice([256, 512, 1024, 4096])
@@ -122,7 +154,8 @@ def draw_case(param_dtype: torch.dtype) -> tuple:
         pack_below=DRAW.choice([0, 0, 2048, 1 << 20]),
         pack_bytes=DRAW.choice([4096, 1 << 20]),
     )
-    return state_dtypes, DRAW.choice(SAVE_LAYOUTS), DRAW.choice(LOAD_LAYOUTS), policy, DRAW.randrange(1 << 30)
+    config = DRAW.choice([CONFIG, ODD])
+    return state_dtypes, DRAW.choice(SAVE_LAYOUTS), DRAW.choice(LOAD_LAYOUTS), policy, DRAW.randrange(1 << 30), config
 
 
 @pytest.mark.parametrize(
@@ -131,6 +164,6 @@ def draw_case(param_dtype: torch.dtype) -> tuple:
     ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else "",
 )
 def test_any_parameter_and_state_dtypes_against_random_chunk_sizes(tmp_path, param_dtype, case):
-    state_dtypes, saved_in, load_in, policy, seed = case
-    full = full_state(param_dtype, state_dtypes, seed)
-    save_and_check(tmp_path, full, STATES, saved_in, load_in, policy)
+    state_dtypes, saved_in, load_in, policy, seed, config = case
+    full = full_state(param_dtype, state_dtypes, seed, config)
+    save_and_check(tmp_path, full, STATES, saved_in, load_in, policy, config)

@@ -65,6 +65,16 @@ def _as_uint8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+# Each fragment in a peer's byte buffer starts at a multiple of this, so that the receiver views it as its dtype in
+# place: a bf16 parameter's fragment of an odd number of elements left the fp32 state after it at an offset of
+# 2 mod 4, which a view refuses (ZeRO-3 with bf16 parameters and fp32 optimizer states).
+FRAGMENT_ALIGN = 16
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // FRAGMENT_ALIGN) * FRAGMENT_ALIGN
+
+
 class RankSaver:
     """One rank's part of a distributed save: what it sends, what it writes. The local state may be on a device:
     chunks are then views of it (or assembled on it), copied to staging memory by the pipeline; only the fragments
@@ -101,13 +111,19 @@ class RankSaver:
         """Fragments of this rank's pieces that other ranks' chunks need, one byte buffer per peer."""
         buffers: dict[int, list[torch.Tensor]] = {}
         for t in self._order(self.transfers.sends):
-            buffers.setdefault(t.peer, []).append(_as_uint8(self._region((t.atom, t.state), t.atom_box)))
+            fragment = _as_uint8(self._region((t.atom, t.state), t.atom_box))
+            parts = buffers.setdefault(t.peer, [])
+            parts.append(fragment)
+            padding = _aligned(fragment.numel()) - fragment.numel()
+            if padding:
+                parts.append(torch.zeros(padding, dtype=torch.uint8, device=fragment.device))
         return {peer: torch.cat(parts).to("cpu") for peer, parts in buffers.items()}  # (the comm sends host memory)
 
     def incoming_sizes(self) -> dict[int, int]:
         sizes: dict[int, int] = {}
         for t in self.transfers.recvs:
-            sizes[t.peer] = sizes.get(t.peer, 0) + box_numel(t.atom_box) * self.metas[(t.atom, t.state)].itemsize
+            n = box_numel(t.atom_box) * self.metas[(t.atom, t.state)].itemsize
+            sizes[t.peer] = sizes.get(t.peer, 0) + _aligned(n)
         return sizes
 
     def _received_fragments(self, incoming: dict[int, torch.Tensor]) -> dict[AtomKey, list[tuple[Box, torch.Tensor]]]:
@@ -117,7 +133,7 @@ class RankSaver:
             meta = self.metas[(t.atom, t.state)]
             n = box_numel(t.atom_box) * meta.itemsize
             raw = incoming[t.peer][offsets[t.peer] : offsets[t.peer] + n]
-            offsets[t.peer] += n
+            offsets[t.peer] += _aligned(n)
             values = raw.view(dtypes.torch_dtype(meta.dtype)).view(box_shape(t.atom_box))
             fragments.setdefault((t.atom, t.state), []).append((t.atom_box, values))
         return fragments
