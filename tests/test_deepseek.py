@@ -113,6 +113,17 @@ def test_through_megatron_and_back_gives_the_same_logits(tmp_path, layout):
     assert torch.equal(logits(back_in_transformers(tmp_path / "out", model)), logits(model))
 
 
+def test_a_hidden_size_that_does_not_split_into_heads_goes_through_megatron_and_back(tmp_path):
+    """MLA needs no hidden_size // heads (each projection has its own head dims): such a model converted to Megatron
+    was refused on the way back ("give head_dim", which the command line cannot)."""
+    model = hf_model(tmp_path, hidden_size=36, num_attention_heads=8, num_key_value_heads=8)
+    import_hf(tmp_path / "hf", str(tmp_path / "u1"))
+    convert(str(tmp_path / "u1"), str(tmp_path / "megatron"), from_layout="universal", to_layout="tp2")
+    convert(str(tmp_path / "megatron"), str(tmp_path / "u2"), from_layout="tp2", to_layout="universal")
+    export_hf(str(tmp_path / "u2"), tmp_path / "out")
+    assert torch.equal(logits(back_in_transformers(tmp_path / "out", model)), logits(model))
+
+
 def test_through_dcp_and_the_weights_loader_gives_the_same_logits(tmp_path):
     from ucp.interop.dcp import export_dcp, import_dcp
     from ucp.interop.weights import load_into_module

@@ -64,6 +64,10 @@ class DeepseekV3Config(FamilyConfig):
     def __post_init__(self) -> None:
         if not self.num_key_value_heads:
             self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            # (MLA does not need hidden_size to split into heads, and no atom uses head_dim: HF's config says
+            # qk_rope_head_dim there; where it does split, hidden_size // heads as before, for the configs saved so)
+            self.head_dim = self.qk_rope_head_dim
         super().__post_init__()
         block = self.weight_block_size
         if block is not None:
