@@ -272,3 +272,56 @@ def test_a_damaged_hf_checkpoint_is_one_line_naming_the_file_and_leaves_no_desti
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and str(target) in err, err
     assert not dest.exists()
+
+
+SMALL = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+QWEN_MOE = {**SMALL, "moe_intermediate_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def _saved(tmp_path, config) -> str:
+    from ucp.sharding.families import canonical_atoms
+
+    url = str(tmp_path / "u")
+    full = {"model": {n: torch.randn(s) for n, (s, _) in canonical_atoms(config).items()}}
+    save_in_layout(full, config, "tp1pp1", url)
+    return url
+
+
+@pytest.mark.parametrize(
+    "family, fields, says",
+    [
+        ("llama", {"intermediate_size": 16, "attention_bias": True, "qk_norm": True}, "attention_bias=True"),
+        ("qwen_moe", {"qk_norm": False, "qk_norm_full": True, "shared_expert_intermediate_size": 16}, "shared_expert"),
+        ("qwen_moe", {"qk_norm": True, "shared_expert_intermediate_size": 16}, "shared_expert_intermediate_size=16"),
+        ("qwen_moe", {"qk_norm": True, "attention_bias": True}, "attention_bias=True"),
+    ],
+)
+def test_a_model_no_hf_architecture_holds_is_refused_by_export(tmp_path, family, fields, says):
+    """Models a training job can hold (Megatron's qk_layernorm with add_qkv_bias, a shared expert beside full q/k
+    norms) that no architecture here holds: exported as the nearest one, transformers dropped weights (q/k/v biases,
+    the shared expert) or made some anew (o_proj's bias). Refused, and nothing written."""
+    from ucp.sharding.families import LlamaConfig, QwenMoeConfig
+
+    config = LlamaConfig(**SMALL, **fields) if family == "llama" else QwenMoeConfig(**QWEN_MOE, **fields)
+    url = _saved(tmp_path, config)
+    with pytest.raises(SourceMismatchError, match=f"{says}.*has no Hugging Face architecture here"):
+        export_hf(url, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_qwen_moe_without_a_dense_size_exports_a_config_transformers_loads(tmp_path):
+    """intermediate_size (a dense MLP's, which no layer here has) is None where a training job never set it: it was
+    written as null, which transformers refuses; now left to transformers' default."""
+    from ucp.sharding.families import QwenMoeConfig
+
+    url = _saved(tmp_path, QwenMoeConfig(**QWEN_MOE))
+    export_hf(url, tmp_path / "hf")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -93,6 +93,17 @@ class HfArch:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # another config.json spelling -> the key
     aliases_only: bool = False  # an export writes the aliases alone (else both spellings, for readers of either)
     copies: dict[str, str] = dataclasses.field(default_factory=dict)  # config field -> the config.json key it copies
+    optional: tuple[str, ...] = ()  # keys an export leaves out where the config has None (HF's default stands)
+
+    def refuses(self, config: FamilyConfig) -> list[str]:
+        """The settings of `config` this architecture cannot hold (`implies` and `requires` on the config's own
+        fields): an export as it would drop their weights, or compute another model."""
+        wanted = {**self.requires, **self.implies}
+        return [
+            f"{k}={getattr(config, k)!r}"
+            for k, v in wanted.items()
+            if hasattr(config, k) and getattr(config, k) != v
+        ]
 
 
 _COMMON_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_dropout": 0.0}
@@ -117,9 +128,11 @@ HF_ARCHS: dict[str, HfArch] = {
             QwenMoeConfig,
             _QWEN_MOE_KEYS,
             implies={"qk_norm": True, "shared_expert_intermediate_size": 0},
-            requires=_QWEN_MOE_REQUIRES,
+            # (its attention_bias puts biases on q, k, v and o: ucp's atoms have none on o_proj)
+            requires={**_QWEN_MOE_REQUIRES, "attention_bias": False},
             defaults={**_QWEN_MOE_DEFAULTS, "max_position_embeddings": 40960, "norm_topk_prob": True},
             aliases={"num_experts": "num_local_experts"},  # (transformers < 5 writes num_experts)
+            optional=("intermediate_size",),
         ),
         HfArch(
             "qwen2_moe",
@@ -130,6 +143,7 @@ HF_ARCHS: dict[str, HfArch] = {
             requires=_QWEN_MOE_REQUIRES,
             defaults={**_QWEN_MOE_DEFAULTS, "max_position_embeddings": 32768, "norm_topk_prob": False},
             aliases={"num_experts": "num_local_experts", "qkv_bias": "attention_bias"},
+            optional=("intermediate_size",),
         ),
         HfArch(
             "olmoe",
@@ -239,10 +253,22 @@ class ImportReport:
 
 def arch_of(config: FamilyConfig, hf_extra: dict[str, Any] | None) -> HfArch:
     """The HF architecture to export a model as: the one it was imported from (its stored config says), else the
-    one its family config implies."""
+    one its family config implies; refused where that architecture cannot hold every setting of the model (a
+    Megatron model with q/k norms and q/k/v biases, say: no architecture here has both)."""
     stored = HF_ARCHS.get(str((hf_extra or {}).get("model_type")))
-    if stored is not None and isinstance(config, stored.config_cls):
+    if stored is not None and isinstance(config, stored.config_cls) and not stored.refuses(config):
         return stored
+    arch = _implied_arch(config)
+    refused = arch.refuses(config)
+    if refused:
+        raise SourceMismatchError(
+            f"a {type(config).__name__} model with {', '.join(refused)} has no Hugging Face architecture here: "
+            f"{arch.model_type} ({arch.architecture}), the nearest, would drop weights or compute another model"
+        )
+    return arch
+
+
+def _implied_arch(config: FamilyConfig) -> HfArch:
     if isinstance(config, MixtralConfig):
         return HF_ARCHS["mixtral"]
     if isinstance(config, DeepseekV3Config):
@@ -263,7 +289,7 @@ def hf_config_from_ucp(config: FamilyConfig, hf_extra: dict[str, Any] | None, dt
         doc.pop("rope_theta", None)
     doc.update(hf_extra or {})
     doc.update({"architectures": [arch.architecture], "model_type": arch.model_type})
-    doc.update({k: getattr(config, k) for k in arch.keys})
+    doc.update({k: getattr(config, k) for k in arch.keys if not (k in arch.optional and getattr(config, k) is None)})
     doc.update({key: getattr(config, f) for f, key in arch.copies.items()})
     doc.update({alias: doc[key] for alias, key in arch.aliases.items()})  # (readers of either spelling)
     if arch.aliases_only:
