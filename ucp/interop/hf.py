@@ -100,9 +100,7 @@ class HfArch:
         fields): an export as it would drop their weights, or compute another model."""
         wanted = {**self.requires, **self.implies}
         return [
-            f"{k}={getattr(config, k)!r}"
-            for k, v in wanted.items()
-            if hasattr(config, k) and getattr(config, k) != v
+            f"{k}={getattr(config, k)!r}" for k, v in wanted.items() if hasattr(config, k) and getattr(config, k) != v
         ]
 
 

@@ -174,7 +174,8 @@ def chunk_layer_counts(layout: Layout, num_layers: int, stage_layers: list[int] 
     if num_layers % n:
         raise LayoutError(
             f"{num_layers} layers do not split evenly over pp*vpp = {n} model chunks of layout {layout}; "
-            "give stage_layers (layers per chunk) explicitly"
+            "choose a pp*vpp that divides the layers, or, through the API, give the model config's stage_layers "
+            "(layers per model chunk; the command line converts to even splits only)"
         )
     return [num_layers // n] * n
 
