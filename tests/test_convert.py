@@ -359,7 +359,9 @@ def test_cli_convert(megatron_tp2, tmp_path, capsys):
     assert "args say tp2pp1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     # --target-ep says which job loads a torch_dist target; a layout names its own EP
-    for to, ep in (("tp1", "2"), ("torch_dist", "0")):
+    # (and an EP the model's experts do not split over: it wrote a checkpoint for a job that cannot exist)
+    experts = tiny_config().num_local_experts
+    for to, ep in (("tp1", "2"), ("torch_dist", "0"), ("torch_dist", str(experts + 1))):
         argv = ["convert", str(megatron_tp2), str(tmp_path / "x"), "--from", "tp2", "--to", to, "--target-ep", ep]
         assert ucp_cli.main(argv) == 1
         err = capsys.readouterr().err

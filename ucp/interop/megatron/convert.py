@@ -35,7 +35,7 @@ from ...base.workpool import pack
 from ...distributed.sharded_load import piece_reads
 from ...distributed.sharded_model import AtomKey, ShardedModel, atom_path, check_atom, extra_state, model_config_of
 from ...engine.checkpoint import CheckpointReader, open_checkpoint
-from ...errors import CheckpointNotFoundError, FormatError, UcpError
+from ...errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
 from ...format.manifest import AtomMeta
 from ...sharding.families import FamilyConfig, block_scales, buffer_atoms, canonical_atoms, family_for
 from ...sharding.layout import Layout
@@ -86,6 +86,15 @@ class DistJob:
         if target_ep is not None and target_ep < 1:
             raise UcpError(f"--target-ep {target_ep}: an expert-parallel size is 1 or more")
         return cls(parse_megatron_layout(target_layout) if target_layout is not None else None, target_ep)
+
+    def check_fits(self, config: FamilyConfig) -> None:
+        """The EP named must be one the model can be trained in: its experts split evenly over it."""
+        experts = getattr(config, "num_local_experts", 0)
+        if self.ep is not None and self.ep > 1 and (not experts or experts % self.ep):
+            raise LayoutError(
+                f"--target-ep {self.ep}: the model has {experts or 'no'} experts, which {self.ep} expert-parallel "
+                "ranks cannot split evenly"
+            )
 
     def expert_parallel(self, meta: OptimizerMeta) -> bool:
         """Whether the job chains a dense and an expert optimizer (EP > 1)."""
@@ -266,6 +275,7 @@ def _reshard(source: MegatronSource, dst: str, options: ConvertOptions) -> Conve
     layout, fmt = _target_layout(options.to_layout)
     for fits in (layout, job.layout or layout):  # the layouts fit the model, before anything is written
         local_plan(source.config, fits, 0, ())
+    job.check_fits(source.config)
     index = PieceIndex.of(source)
     dtypes_ = source_dtypes(source)
     # RNG states are per rank: a file of the same layout is the same rank, any other has no source to take them from
@@ -320,6 +330,7 @@ def _from_universal(src: str, dst: str, options: ConvertOptions) -> ConvertRepor
     layout, fmt = _target_layout(options.to_layout)
     for fits in (layout, job.layout or layout):  # the layouts fit the model, before anything is written
         local_plan(config, fits, 0, ())
+    job.check_fits(config)
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
     args = _dist_args(config, layout, job, hf=hf)
     args.ckpt_format = fmt
