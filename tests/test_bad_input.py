@@ -370,3 +370,29 @@ def test_a_secret_that_starts_with_a_digit_reaches_the_store_from_the_cli():
     assert out.returncode == 1
     assert out.stderr.startswith("ucp: error: ") and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "127.0.0.1:1" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["export", "{src}", "--to", "hf", "s3://bucket/hf"],
+        ["export", "{src}", "--to", "dcp", "s3://bucket/dcp"],
+        ["export", "{src}", "--to", "vllm", "s3://bucket/served"],
+        ["convert", "{src}", "s3://bucket/meg", "--from", "universal", "--to", "tp1"],
+    ],
+)
+def test_an_export_to_a_url_of_another_store_is_refused_and_writes_nothing(ckpt, tmp_path, argv):
+    """These outputs are files other tools read from a local disk: given an s3:// URL they were written to a local
+    directory named `s3:` (relative to the working directory), and the command said it wrote the URL."""
+    root, _ = ckpt
+    work = tmp_path / "cwd"
+    work.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "ucp", *[a.format(src=root) for a in argv]],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=work,
+    )
+    assert_cli_error(out, "this output is a directory of files on a local disk", "s3://bucket/")
+    assert list(work.iterdir()) == []

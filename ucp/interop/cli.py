@@ -25,7 +25,7 @@ from typing import Any
 
 from ..cli_common import Applies, add_storage_option, parse_storage_options, storage_option_applies
 from .megatron.save import TORCH_DIST, UNIVERSAL
-from .staging import check_apart
+from .staging import check_apart, local_output
 
 MEGATRON_DIST = "megatron-dist"  # Megatron-LM's torch_dist format, as export/import name it
 VLLM = "vllm"  # the model directory vLLM serves a ucp checkpoint from (ucp.interop.vllm.source.model_dir)
@@ -105,6 +105,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .megatron.convert import ConvertOptions, convert
 
     check_apart(args.src, args.dst)
+    if args.to != UNIVERSAL:  # (Megatron's files: a local directory; a ucp checkpoint goes to any URL)
+        local_output(args.dst)
     options = ConvertOptions(
         from_layout=args.from_,
         to_layout=args.to,
@@ -132,6 +134,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     check_apart(args.url, args.dir)
+    local_output(args.dir)  # (before anything is read)
     if args.to == VLLM:
         from .vllm.source import model_dir
 

@@ -14,12 +14,39 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import DestinationExistsError
+from .errors import DestinationExistsError, InteropError
+
+
+def local_output(dst: str | os.PathLike) -> Path:
+    """DST as the local directory these outputs are (files that other tools read from a local disk: safetensors,
+    DCP, Megatron's rank files, a vLLM model directory); `file://` taken off. The URL of another store is refused:
+    such a path was written to a local directory named after its scheme (`s3:`) and reported as written there.
+    A path made from such a URL (`Path("s3://b/x")` is `s3:/b/x`) is known by its first part, a known scheme."""
+    text = os.fspath(dst)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        first = Path(text).parts[0] if Path(text).parts else ""
+        scheme = first[:-1] if first.endswith(":") and _is_protocol(first[:-1]) else ""
+        rest = text[len(first) :]
+    if scheme == "file":
+        return Path(rest)
+    if scheme:
+        raise InteropError(
+            f"destination {text}: this output is a directory of files on a local disk; give a local directory, "
+            f"then copy it to {scheme}:// (ucp writes its own checkpoints to any URL, not other formats' files)"
+        )
+    return Path(text)
+
+
+def _is_protocol(name: str) -> bool:
+    import fsspec
+
+    return name in fsspec.available_protocols()
 
 
 def check_destination(dst: str | os.PathLike) -> Path:
-    """DST must be absent or an empty directory."""
-    path = Path(dst)
+    """DST must be a local directory (`local_output`), absent or empty."""
+    path = local_output(dst)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise DestinationExistsError(f"destination {path} already exists and is not empty; choose a new directory")
     return path

@@ -38,7 +38,7 @@ from ...engine.checkpoint import CheckpointReader, allocate, open_checkpoint
 from ...sharding.families import FamilyConfig
 from ..errors import InteropError, ModelMismatchError
 from ..hf import ExportPlan, plan_export, ucp_config_from_hf
-from ..staging import check_apart, staged_dir
+from ..staging import check_apart, local_output, staged_dir
 from ..streaming import DEFAULT_MEMORY_BUDGET, group_limit
 
 POINTER = "ucp-checkpoint.json"  # in a model directory: {"url": the checkpoint, "step": the step it serves}
@@ -230,7 +230,7 @@ def model_dir(
     weights = open_weights(url, step, storage_options=storage_options)
     if dir is not None:
         check_apart(url, str(dir))
-    target = Path(tempfile.mkdtemp(prefix="ucp-vllm-")) if dir is None else Path(dir)
+    target = Path(tempfile.mkdtemp(prefix="ucp-vllm-")) if dir is None else local_output(dir)
     where = url if "://" in url else os.path.abspath(url)  # (the engine may run from another directory)
     with staged_dir(target) as tmp:
         (tmp / CONFIG).write_text(json.dumps(weights.plan.config_json, indent=2) + "\n")
