@@ -332,6 +332,13 @@ def test_a_refresh_from_another_model_a_missing_step_or_bad_tensors_changes_noth
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
         capture_output=True,
     )
+    # the same weights and shapes, other settings that ucp's model config does not hold (were accepted, and the
+    # engine then computed with its own: other tokens than a fresh engine on that step)
+    export_hf(str(trained), tmp_path / "hf2", step=2)
+    doc = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    doc["rms_norm_eps"] = 0.5
+    (tmp_path / "hf2" / "config.json").write_text(json.dumps(doc))
+    import_hf(tmp_path / "hf2", str(tmp_path / "other-eps"))
     config = model_config_of(ucp.open_checkpoint(str(trained), 2))
     tensors = load_weights(str(trained), "tp1pp1", 0, step=2).params  # Megatron-Core names: not what vLLM takes
     with engine(model_dir(str(trained), 1), load_format="ucp") as llm:
@@ -339,6 +346,8 @@ def test_a_refresh_from_another_model_a_missing_step_or_bad_tensors_changes_noth
             refresh(llm, str(other))
         with pytest.raises(ModelMismatchError, match="intermediate_size 256 -> 128"):
             refresh(llm, str(wider))
+        with pytest.raises(ModelMismatchError, match=r"rms_norm_eps [0-9.e-]+ -> 0.5.* nothing was changed"):
+            refresh(llm, str(tmp_path / "other-eps"))
         with pytest.raises(CheckpointNotFoundError, match="no step 9"):
             refresh(llm, str(trained), 9)
         with pytest.raises(ModelMismatchError, match="do not hold .* nothing was changed"):

@@ -274,7 +274,9 @@ def _valid_marker(storage: ReadableStorage, step: int) -> CommitRecord | None:
 def _check_root(storage: ReadableStorage) -> None:
     """A CheckpointNotFoundError if the root does not exist (a missing bucket: `BucketNotFoundError`)."""
     if not storage.root_exists():
-        raise CheckpointNotFoundError(f"no ucp checkpoint at {storage.url}: no such directory")
+        raise CheckpointNotFoundError(
+            f"no ucp checkpoint at {storage.url}: the path does not exist or is not a directory"
+        )
 
 
 def read_manifest_bytes(storage: ReadableStorage, record: CommitRecord) -> bytes:

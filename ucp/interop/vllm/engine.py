@@ -45,7 +45,7 @@ from ...base.boxes import Box
 from ...format.manifest import AtomMeta
 from ..errors import InteropError
 from ..streaming import DEFAULT_MEMORY_BUDGET
-from .source import Pointer, StepWeights, check_same_model, open_weights, served_config
+from .source import Pointer, StepWeights, check_same_model, check_same_settings, open_weights, served_config
 
 log = logging.getLogger("ucp")
 
@@ -127,6 +127,7 @@ def open_for(hf_config: Any, request: Request, engine: str) -> StepWeights:
     """Open the requested step and refuse it if it holds another model than `hf_config` (the engine's) describes."""
     weights = open_weights(request.url, request.step, storage_options=request.storage_options)
     check_same_model(served_config(hf_config.to_dict(), engine), weights, engine)
+    check_same_settings(hf_config, weights, engine)
     return weights
 
 

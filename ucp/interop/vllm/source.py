@@ -213,6 +213,35 @@ def check_same_model(serving: FamilyConfig, step: StepWeights, engine: str) -> N
         )
 
 
+# config.json keys that say what the file is, not what the model computes (compared by neither check)
+_FILE_KEYS = frozenset({"transformers_version", "dtype", "torch_dtype"})
+
+
+def check_same_settings(hf_config: Any, step: StepWeights, engine: str) -> None:
+    """Refuse a step whose config.json says another computation than the engine's config (`hf_config`, a transformers
+    config) beyond ucp's model config: the norms' epsilon, RoPE's settings, a router's scaling. Each key the step's
+    config.json names is compared as transformers reads both (the step's read by the engine config's own class, so
+    that spellings such as rope_theta and rope_parameters agree)."""
+    try:
+        theirs = type(hf_config).from_dict(dict(step.plan.config_json)).to_dict()
+    except Exception as e:  # noqa: BLE001 -- a config the engine's class cannot read is another model's
+        raise ModelMismatchError(
+            f"step {step.step} of {step.url}: its config.json does not read as {engine}'s config "
+            f"({type(e).__name__}: {e}); nothing was changed"
+        ) from None
+    ours = hf_config.to_dict()
+    differ = [
+        f"{k} {ours[k]!r} -> {theirs[k]!r}"
+        for k in sorted(step.plan.config_json)
+        if not k.startswith("_") and k not in _FILE_KEYS and k in ours and k in theirs and ours[k] != theirs[k]
+    ]
+    if differ:
+        raise ModelMismatchError(
+            f"step {step.step} of {step.url} is another model than {engine} serves ({', '.join(differ)[:300]}); "
+            "nothing was changed"
+        )
+
+
 def model_dir(
     url: str,
     step: int | str | None = "latest",
