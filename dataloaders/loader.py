@@ -33,6 +33,18 @@ STATE_VERSION = 1
 LEGACY_STATE = {"shuffle": {"mode": "global"}}
 
 
+def check_batch(global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    """A global batch that `dp_size` ranks split evenly, and `dp_rank` one of them (BatchSizeError otherwise)."""
+    if global_batch_size <= 0:
+        raise BatchSizeError(f"global batch size must be positive, got {global_batch_size}")
+    if dp_size <= 0 or not 0 <= dp_rank < dp_size:
+        raise BatchSizeError(f"dp rank {dp_rank} is not in [0, dp size {dp_size})")
+    if global_batch_size % dp_size:
+        raise BatchSizeError(
+            f"global batch size {global_batch_size} is not divisible by the data-parallel size {dp_size}"
+        )
+
+
 class SampleSource(Protocol):
     """A dataset of fixed-shape samples with a deterministic global order."""
 
@@ -99,14 +111,7 @@ class ElasticLoader:
             raise StateError("a loader needs at least one source")
         if len({s.kind for s in sources}) != 1:
             raise StateError(f"cannot blend sources of kinds {sorted({s.kind for s in sources})}")
-        if global_batch_size <= 0:
-            raise BatchSizeError(f"global batch size must be positive, got {global_batch_size}")
-        if dp_size <= 0 or not 0 <= dp_rank < dp_size:
-            raise BatchSizeError(f"dp rank {dp_rank} is not in [0, dp size {dp_size})")
-        if global_batch_size % dp_size:
-            raise BatchSizeError(
-                f"global batch size {global_batch_size} is not divisible by the data-parallel size {dp_size}"
-            )
+        check_batch(global_batch_size, dp_rank, dp_size)
         self.sources = list(sources)
         self.kind = sources[0].kind
         self.global_batch_size = global_batch_size

@@ -20,7 +20,7 @@ from .corpus import Corpus, open_corpus
 from .diskcache import DiskCache
 from .errors import DataLoaderError
 from .fetch import IOStats
-from .loader import ElasticLoader
+from .loader import ElasticLoader, check_batch
 from .order import SHUFFLES, EpochOrder, WindowOrder
 from .windows import WindowReader, window_nbytes
 
@@ -157,6 +157,7 @@ class PretrainLoader(ElasticLoader):
         disk_cache: str | os.PathLike | DiskCache | None = None,
         disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     ) -> None:
+        check_batch(global_batch_size, dp_rank, dp_size)  # (before the sources, which plan for dp_size ranks)
         datasets = list(data) if weights is not None else [data]
         self.io_stats = IOStats()
         if disk_cache is None or isinstance(disk_cache, DiskCache):

@@ -300,6 +300,8 @@ def prepare(
                 except FileNotFoundError:
                     pass
         raise
+    if not n_docs:  # (a manifest of no shards is a dataset no loader can take a sample from)
+        raise InputFormatError(f"{', '.join(inputs)}: no document with a token in it: nothing to prepare")
     manifest = Manifest(tuple(shards))
 
     doc = manifest.to_json()

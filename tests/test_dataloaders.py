@@ -496,6 +496,28 @@ def test_global_batch_not_divisible_by_dp(tmp_path):
         PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=8, dp_rank=0, dp_size=3)
     with pytest.raises(BatchSizeError, match="dp rank 4 is not in"):
         PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=8, dp_rank=4, dp_size=4)
+    with pytest.raises(BatchSizeError, match=r"dp rank 0 is not in \[0, dp size 0\)"):  # (a ZeroDivisionError)
+        PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=8, dp_rank=0, dp_size=0)
+
+
+@pytest.mark.parametrize("lines", ["", "[]\n[]\n"])
+def test_a_corpus_without_tokens_is_refused_in_one_line_wherever_it_goes(tmp_path, lines):
+    """Into a new directory it was a FileNotFoundError traceback; into an existing one a manifest of no shards."""
+    src = tmp_path / "ids.jsonl"
+    src.write_text(lines)
+    for out in (tmp_path / "new", tmp_path / "existing"):
+        if out.name == "existing":
+            out.mkdir()
+        result = subprocess.run(
+            [sys.executable, "-m", "dataloaders", "prepare", str(src), "--out", str(out), "--tokenized", "--quiet"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+        assert "no document with a token in it" in result.stderr
+        assert not (out / "manifest.json").exists()
 
 
 # --- S3 ----------------------------------------------------------------------------------------------------------
