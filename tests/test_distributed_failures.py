@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
+import pytest
 import torch
 
 import ucp
@@ -47,3 +49,31 @@ def test_one_rank_out_of_space_fails_every_rank_and_commits_nothing(tmp_path):
         local, _ = load_sharded(ucp.open_checkpoint(url), ShardedModel(CONFIG, layout, STATES), rank)
         expected = shard(full_state(), CONFIG, layout, rank, STATES)
         assert all(torch.equal(local["model"][k], v) for k, v in expected["model"].items())
+
+
+@pytest.mark.parametrize("scenario, world", [("save", 2), ("drain", 4)])
+def test_a_peer_killed_in_a_save_fails_every_survivor_promptly_with_a_peer_lost_error(tmp_path, scenario, world):
+    """A rank SIGKILLed during a save (its chunk writes; the hot tier's drain to durable storage, after the step's
+    commit): every other rank raises PeerLostError within seconds (gloo's own RuntimeError before, naming no step;
+    in the drain, the one rank that saw the loss went on to its next save and the others waited for it for good)."""
+    from trainer.launch import kill, start
+
+    url, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    out.mkdir()
+    procs = start(["-m", "tests.peer_loss_worker", scenario, url, str(out)], world, tmp_path / "logs")
+    dead = 1 if scenario == "save" else 3
+    try:
+        for proc in procs:
+            proc.wait(timeout=150)
+    finally:
+        kill(procs)
+    logs = {r: (tmp_path / "logs" / f"rank{r}.log").read_text()[-1500:] for r in range(world)}
+    assert procs[dead].returncode == -signal.SIGKILL, logs[dead]
+    for rank in range(world):
+        if rank == dead:
+            continue
+        assert procs[rank].returncode == 0, logs[rank]
+        kind, message = json.loads((out / f"rank{rank}.json").read_text())
+        assert kind == "PeerLostError" and f"rank {rank} of {world}" in message, (rank, kind, message)
+        if scenario == "drain":
+            assert "step 2 at" in message and "is committed, but the work after its commit lost a peer" in message

@@ -58,6 +58,12 @@ class WriterProcessError(UcpError):
     """The writer process of async saves could not be started or died while a save was in flight."""
 
 
+class PeerLostError(UcpError):
+    """A collective of a distributed save or load failed on this rank: another process of the job is gone or cannot
+    be reached (the process group's own error is in the message). The job must re-form its group: ucp never goes on
+    to its next collective after one failed, which the other ranks would not be in step with."""
+
+
 class StorageError(UcpError):
     """A storage operation failed for a reason other than damaged data: no space, no permission, an unreachable
     or refusing object store, a path that is not a regular file or that passes through a symbolic link."""

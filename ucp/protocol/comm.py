@@ -11,11 +11,14 @@ sends typed messages over `gather_bytes` and `broadcast_bytes` and carries any r
 
 from __future__ import annotations
 
+import contextlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+
+from ..errors import PeerLostError
 
 
 class Comm(Protocol):
@@ -77,7 +80,24 @@ class TorchComm:
     def _global(self, rank: int) -> int:
         return rank if self.group is None else self.dist.get_global_rank(self.group, rank)
 
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """The process group's failure (gloo's RuntimeError: a peer closed its connection, a timeout) as a
+        PeerLostError naming this rank and the operation."""
+        try:
+            yield
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerLostError(
+                f"rank {self.rank} of {self.world_size}: {what} failed, a process of the job is gone or cannot be "
+                f"reached ({first[:300]})"
+            ) from e
+
     def exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, int]) -> dict[int, torch.Tensor]:
+        with self._collective("the exchange of chunk fragments"):
+            return self._exchange(outgoing, incoming)
+
+    def _exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, int]) -> dict[int, torch.Tensor]:
         received = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in incoming.items()}
         requests = [
             self.dist.irecv(buf, self._global(peer), group=self.group) for peer, buf in sorted(received.items())
@@ -91,9 +111,14 @@ class TorchComm:
         return received
 
     def barrier(self) -> None:
-        self.dist.barrier(group=self.group)
+        with self._collective("a barrier"):
+            self.dist.barrier(group=self.group)
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
+        with self._collective("a broadcast from rank 0"):
+            return self._broadcast_bytes(data)
+
+    def _broadcast_bytes(self, data: bytes | None) -> bytes:
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         self.dist.broadcast(size, self._global(0), group=self.group)
         buf = (
@@ -123,11 +148,13 @@ class TorchComm:
         """Up a binomial tree of point-to-point messages of exact sizes (`tree_gather`): rank 0 takes log2(W)
         messages holding the payload itself, not W buffers of the longest (torch.distributed's gather pads every
         rank's to one size, and gloo's root receives from every rank)."""
-        return tree_gather(self.rank, self.world_size, data, self._send, self._recv)
+        with self._collective("a gather to rank 0"):
+            return tree_gather(self.rank, self.world_size, data, self._send, self._recv)
 
     def scatter_bytes(self, data: list[bytes] | None) -> bytes:
         """Down the same tree (`tree_scatter`)."""
-        return tree_scatter(self.rank, self.world_size, data, self._send, self._recv)
+        with self._collective("a scatter from rank 0"):
+            return tree_scatter(self.rank, self.world_size, data, self._send, self._recv)
 
 
 def tree_gather(

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Self
 
-from ..errors import StepExistsError, StorageError, UcpError
+from ..errors import PeerLostError, StepExistsError, StorageError, UcpError
 from ..format import index as step_index
 from ..format.manifest import (
     FORMAT_VERSION,
@@ -259,6 +259,11 @@ class SaveSession:
         for hook in self.after_commit:
             try:
                 hook(record)
+            except PeerLostError as e:  # (the hooks' collectives: the ranks are no longer in step, so none goes on)
+                raise PeerLostError(
+                    f"step {self.step} at {self.storage.url} is committed, but the work after its commit lost a "
+                    f"peer: {e}"
+                ) from e
             except Exception as e:  # noqa: BLE001 -- the step is committed: what follows cannot undo that
                 self.after_commit_errors.append(e)
                 log.error(
