@@ -48,7 +48,15 @@ import torch
 
 from ..base.workpool import pack
 from ..engine.checkpoint import CheckpointReader, SaveOptions
-from ..errors import CheckpointNotFoundError, FormatError, IntegrityError, ObjectMissingError, StorageError, UcpError
+from ..errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    IntegrityError,
+    ObjectMissingError,
+    PeerLostError,
+    StorageError,
+    UcpError,
+)
 from ..format.manifest import ZARR_JSON, AtomMeta, StepManifest, chunk_indices
 from ..protocol import attempt, commit
 from ..protocol.comm import Comm, LocalComm, exchange_sizes
@@ -424,12 +432,22 @@ class HotTier:
         drain = self.saves % self.durable_every == 0
 
         def after_commit(record: CommitRecord | None) -> None:
-            self.replicate(session)
-            self.publish(session)
-            if self.is_leader:
-                self.apply_retention()
-            if drain:
-                on_durable(self.drain(session, documents, manifest, durable, options))
+            # Every rank runs every step's collectives whatever failed on it before (a replica it could not write,
+            # its node's retention): one that skipped the drain would take the others' next collective for its own.
+            # The first failure is raised at the end (the save logs it: the step is committed); a lost peer at once.
+            failures: list[Exception] = []
+            works = [lambda: self.replicate(session), lambda: self.publish(session)]
+            works += [self.apply_retention] if self.is_leader else []
+            works += [lambda: on_durable(self.drain(session, documents, manifest, durable, options))] if drain else []
+            for work in works:
+                try:
+                    work()
+                except PeerLostError:
+                    raise
+                except Exception as e:  # noqa: BLE001 -- this rank's own failure: the others go on in step
+                    failures.append(e)
+            if failures:
+                raise failures[0]
 
         session.after_commit.append(after_commit)
 
@@ -440,10 +458,16 @@ class HotTier:
         buddy = self.nodes.buddy(self.rank)
         received = 0
 
+        failed: list[UcpError] = []
+
         def keep(_peer: int, items: dict[str, memoryview]) -> None:
             nonlocal received
             for key, data in items.items():
-                self.storage.write(key, [data])
+                try:
+                    self.storage.write(key, [data])
+                except UcpError as e:  # (a full node disk: the rounds go on, in step with the senders)
+                    failed.append(e)
+                    continue
                 received += data.nbytes
 
         batches = [
@@ -451,6 +475,8 @@ class HotTier:
             for keys in pack({k: s[0] for k, s in objects.items()}, self.transfer_bytes)
         ]
         send_rounds(self.comm, {buddy: batches} if buddy is not None else {}, self.nodes.senders_to(self.rank), keep)
+        if failed:
+            raise StorageError(f"hot tier {self.storage.url}: {len(failed)} replicas not kept: {failed[0]}")
         self.storage.flush()
         return received
 

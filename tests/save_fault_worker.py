@@ -1,11 +1,14 @@
-"""One rank of test_distributed_failures.py's peer-loss tests: a process of the job SIGKILLed during a save.
+"""One rank of test_distributed_failures.py's fault tests: a process of the job SIGKILLed during a save, or one
+rank's own failure in the hot tier's work after a commit.
 
-Usage: python -m tests.peer_loss_worker SCENARIO URL OUT_DIR
+Usage: python -m tests.save_fault_worker SCENARIO URL OUT_DIR
 - "save": world 2, tp2, a plain distributed save; rank 1 dies at its first chunk write.
 - "drain": world 4, tp2pp2 on two nodes (ranks 0-1 and 2-3) with a hot tier that drains every step to the durable
   URL, async; rank 3 dies in step 2's drain, just before the drain's commit (its last collective). Only rank 2
   talks to rank 3 there: it took the failure for an error after the commit, went on to step 3, and every other
   rank waited for it for good.
+- "replica": the same job, none dies; rank 2 cannot write the replicas it receives for step 2 (its node's disk
+  full). It skipped the rest of step 2's work after the commit, the drain's collectives among it.
 Each surviving rank writes OUT_DIR/rank{r}.json: the error it raised ([type, message]), or null.
 """
 
@@ -19,6 +22,7 @@ import sys
 import torch.distributed as dist
 
 from ucp.distributed import ShardedModel, TorchComm, save_sharded, tiers
+from ucp.errors import StorageError
 from ucp.manager import CheckpointManager
 from ucp.protocol.session import SaveSession
 from ucp.sharding.layout import parse_layout
@@ -59,9 +63,31 @@ def save(url: str, rank: int) -> None:
     save_sharded(local, url, step=1, model=ShardedModel(CONFIG, layout, STATES), comm=TorchComm(), storage=storage)
 
 
-def drain(url: str, rank: int, hot: str) -> None:
-    if rank == 3:
+def fail_replicas_of(step: int) -> None:
+    """This process's hot tier cannot write the replicas it receives for `step`."""
+    replicate, write = tiers.HotTier.replicate, LocalStorage.write
+    replicating: list[int] = []
+
+    def traced_replicate(self, session):
+        replicating.append(session.step)
+        try:
+            return replicate(self, session)
+        finally:
+            replicating.pop()
+
+    def failing_write(self, key, parts):
+        if replicating == [step]:
+            raise StorageError(f"cannot write {key}: No space left on device")
+        return write(self, key, parts)
+
+    tiers.HotTier.replicate, LocalStorage.write = traced_replicate, failing_write
+
+
+def hot_tier_job(url: str, rank: int, hot: str, scenario: str) -> None:
+    if rank == 3 and scenario == "drain":
         die_in_drain_of(2)
+    if rank == 2 and scenario == "replica":
+        fail_replicas_of(2)
     layout = parse_layout("tp2pp2", 4)
     model = ShardedModel(CONFIG, layout, STATES)
     manager = CheckpointManager(
@@ -78,7 +104,7 @@ def main() -> None:
     rank = dist.get_rank()
     failed = None
     try:
-        save(url, rank) if scenario == "save" else drain(url, rank, f"{out}/hot")
+        save(url, rank) if scenario == "save" else hot_tier_job(url, rank, f"{out}/hot", scenario)
     except Exception as e:  # noqa: BLE001 -- what it raised is the result
         failed = [type(e).__name__, str(e)]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
