@@ -123,11 +123,13 @@ class LoadReport:
         )
 
 
-def open_for(hf_config: Any, request: Request, engine: str) -> StepWeights:
-    """Open the requested step and refuse it if it holds another model than `hf_config` (the engine's) describes."""
+def open_for(model_config: Any, request: Request) -> StepWeights:
+    """Open the requested step and refuse it if it holds another model than the engine's `model_config` (vLLM's:
+    its `hf_config`, and `model`, the directory it started from) describes."""
+    engine = f"the engine of {model_config.model}"
     weights = open_weights(request.url, request.step, storage_options=request.storage_options)
-    check_same_model(served_config(hf_config.to_dict(), engine), weights, engine)
-    check_same_settings(hf_config, weights, engine)
+    check_same_model(served_config(model_config.hf_config.to_dict(), engine), weights, engine)
+    check_same_settings(model_config.hf_config, str(model_config.model), weights, engine)
     return weights
 
 
@@ -138,7 +140,7 @@ def load_step(model: torch.nn.Module, model_config: Any, request: Request) -> Lo
     no copy after: one pass over the bytes, as vLLM's mmap of safetensors makes), the others read (their boxes only)
     and handed to `load_weights`."""
     start = time.perf_counter()
-    weights = open_for(model_config.hf_config, request, f"the engine of {model_config.model}")
+    weights = open_for(model_config, request)
     run = dry_run(model, weights)
     setattr(model, SHARES, run.shares)
     targets = run.targets if request.into_parameters else {}

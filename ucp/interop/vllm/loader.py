@@ -57,7 +57,7 @@ class UcpModelLoader(BaseModelLoader):
         """The weights vLLM's own `reload_weights` takes when given no tensors: of the step `model_config.model` names
         (after `reload_weights(weights_path=DIR)`, the model directory DIR), each worker reading its share."""
         request = self.request(model_config)
-        weights = open_for(model_config.hf_config, request, f"the engine of {model_config.model}")
+        weights = open_for(model_config, request)
         return tensors_for(model, weights, request)
 
 

@@ -217,20 +217,26 @@ def check_same_model(serving: FamilyConfig, step: StepWeights, engine: str) -> N
 _FILE_KEYS = frozenset({"transformers_version", "dtype", "torch_dtype"})
 
 
-def check_same_settings(hf_config: Any, step: StepWeights, engine: str) -> None:
-    """Refuse a step whose config.json says another computation than the engine's config (`hf_config`, a transformers
-    config) beyond ucp's model config: the norms' epsilon, RoPE's settings, a router's scaling. Each key the step's
-    config.json names is compared as transformers reads both (the step's read by the engine config's own class, so
-    that spellings such as rope_theta and rope_parameters agree)."""
+def check_same_settings(hf_config: Any, model: str, step: StepWeights, engine: str) -> None:
+    """Refuse a step whose config.json says another computation than the engine's beyond ucp's model config: the
+    norms' epsilon, RoPE's settings, a router's scaling. The engine's is the config.json it started from (`model`'s,
+    a local directory; else its config `hf_config`, which vLLM may have adjusted, a sliding window say). Each key the
+    step's config.json names is compared as transformers reads both (by the engine config's own class, so that
+    spellings such as rope_theta and rope_parameters agree)."""
     read = getattr(type(hf_config), "from_dict", None)  # (a transformers config's; without it, compared as written)
+    started = Path(model) / CONFIG
+    try:
+        served = json.loads(started.read_text()) if started.is_file() else None
+    except (OSError, ValueError):
+        served = None
     try:
         theirs = read(dict(step.plan.config_json)).to_dict() if read is not None else dict(step.plan.config_json)
+        ours = read(served).to_dict() if read is not None and served is not None else hf_config.to_dict()
     except Exception as e:  # noqa: BLE001 -- a config the engine's class cannot read is another model's
         raise ModelMismatchError(
             f"step {step.step} of {step.url}: its config.json does not read as {engine}'s config "
             f"({type(e).__name__}: {e}); nothing was changed"
         ) from None
-    ours = hf_config.to_dict()
     differ = [
         f"{k} {ours[k]!r} -> {theirs[k]!r}"
         for k in sorted(step.plan.config_json)

@@ -39,7 +39,7 @@ class UcpWorkerExtension:
     def ucp_check(self, request: str) -> dict[str, str] | None:
         """None if the requested step can replace this worker's weights, else the reason (`refusal`)."""
         try:
-            open_for(self.vllm_config.model_config.hf_config, Request.loads(request), self._engine_name())
+            open_for(self.vllm_config.model_config, Request.loads(request))
         except UcpError as e:
             return refusal(e)
         return None
@@ -51,7 +51,7 @@ class UcpWorkerExtension:
         start = time.perf_counter()
         parsed = Request.loads(request)
         try:
-            weights = open_for(self.vllm_config.model_config.hf_config, parsed, self._engine_name())
+            weights = open_for(self.vllm_config.model_config, parsed)
             model = self.get_model()
             self.reload_weights(weights_iterator=tensors_for(model, weights, parsed))
         except UcpError as e:
