@@ -6,6 +6,7 @@ Which dtypes, layouts and chunk sizes each case takes is drawn at collection (he
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -38,15 +39,7 @@ CONFIG = MixtralConfig(
 )
 # Odd sizes: ZeRO's pieces and the fragments sent between ranks of an odd number of elements (a bf16 fragment then
 # leaves the fp32 one after it misaligned in the peer's buffer, unless each is aligned).
-ODD = MixtralConfig(
-    vocab_size=101,
-    hidden_size=36,
-    intermediate_size=20,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=4,
-)
+ODD = dataclasses.replace(CONFIG, vocab_size=101, hidden_size=36, intermediate_size=20, head_dim=None)  # (derived)
 
 
 def full_state(

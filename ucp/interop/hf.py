@@ -64,7 +64,7 @@ SINGLE_NAME = "model.safetensors"
 DEFAULT_SHARD_BYTES = 1 << 30
 
 # Keys that describe the file, not the model: never carried over.
-_FILE_KEYS = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
+FILE_KEYS = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
 _DENSE_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -369,7 +369,7 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[FamilyConfig, d
         config = arch.config_cls(**fields)
     except (TypeError, ValueError, UcpError) as e:
         raise InteropError(f"{where}: {e}") from None
-    extra = {k: v for k, v in doc.items() if k not in arch.keys and k not in _FILE_KEYS}
+    extra = {k: v for k, v in doc.items() if k not in arch.keys and k not in FILE_KEYS}
     return config, extra
 
 

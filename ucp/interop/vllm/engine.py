@@ -123,10 +123,15 @@ class LoadReport:
         )
 
 
+def engine_name(model_config: Any) -> str:
+    """How messages name the engine of vLLM's `model_config`."""
+    return f"the engine of {model_config.model}"
+
+
 def open_for(model_config: Any, request: Request) -> StepWeights:
     """Open the requested step and refuse it if it holds another model than the engine's `model_config` (vLLM's:
     its `hf_config`, and `model`, the directory it started from) describes."""
-    engine = f"the engine of {model_config.model}"
+    engine = engine_name(model_config)
     weights = open_weights(request.url, request.step, storage_options=request.storage_options)
     check_same_model(served_config(model_config.hf_config.to_dict(), engine), weights, engine)
     check_same_settings(model_config.hf_config, str(model_config.model), weights, engine)

@@ -35,7 +35,7 @@ from ...sharding.layout import Layout, parse_layout
 from ...sharding.reshard import assemble
 from ..errors import InteropError, ModelMismatchError
 from ..streaming import DEFAULT_MEMORY_BUDGET
-from .engine import LoadReport, Request
+from .engine import LoadReport, Request, engine_name
 from .source import served_config
 
 
@@ -169,7 +169,7 @@ def _raise_first(problems: Sequence[dict[str, str] | None]) -> None:
 
 def _in_process_engine(llm: Any) -> str:
     """The engine's name, if its one worker runs in this process; else a refusal saying what to do instead."""
-    engine = f"the engine of {llm.llm_engine.model_config.model}"
+    engine = engine_name(llm.llm_engine.model_config)
     executor = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "model_executor", None)
     if type(executor).__name__ != "UniProcExecutor":
         raise InteropError(

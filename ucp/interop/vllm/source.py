@@ -37,7 +37,7 @@ from ...distributed.sharded_model import model_config_of
 from ...engine.checkpoint import CheckpointReader, allocate, open_checkpoint
 from ...sharding.families import FamilyConfig
 from ..errors import InteropError, ModelMismatchError
-from ..hf import ExportPlan, plan_export, ucp_config_from_hf
+from ..hf import FILE_KEYS, ExportPlan, plan_export, ucp_config_from_hf
 from ..staging import check_apart, local_output, staged_dir
 from ..streaming import DEFAULT_MEMORY_BUDGET, group_limit
 
@@ -213,10 +213,6 @@ def check_same_model(serving: FamilyConfig, step: StepWeights, engine: str) -> N
         )
 
 
-# config.json keys that say what the file is, not what the model computes (compared by neither check)
-_FILE_KEYS = frozenset({"transformers_version", "dtype", "torch_dtype"})
-
-
 def check_same_settings(hf_config: Any, model: str, step: StepWeights, engine: str) -> None:
     """Refuse a step whose config.json says another computation than the engine's beyond ucp's model config: the
     norms' epsilon, RoPE's settings, a router's scaling. The engine's is the config.json it started from (`model`'s,
@@ -240,7 +236,7 @@ def check_same_settings(hf_config: Any, model: str, step: StepWeights, engine: s
     differ = [
         f"{k} {ours[k]!r} -> {theirs[k]!r}"
         for k in sorted(step.plan.config_json)
-        if not k.startswith("_") and k not in _FILE_KEYS and k in ours and k in theirs and ours[k] != theirs[k]
+        if not k.startswith("_") and k not in FILE_KEYS and k in ours and k in theirs and ours[k] != theirs[k]
     ]
     if differ:
         raise ModelMismatchError(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ...errors import UcpError
-from .engine import Request, kept_shares, open_for, report_of, tensors_for
+from .engine import Request, engine_name, kept_shares, open_for, report_of, tensors_for
 
 WORKER_EXTENSION = "ucp.interop.vllm.worker.UcpWorkerExtension"
 
@@ -34,7 +34,7 @@ class UcpWorkerExtension:
     reload_weights: Any
 
     def _engine_name(self) -> str:
-        return f"the engine of {self.vllm_config.model_config.model}"
+        return engine_name(self.vllm_config.model_config)
 
     def ucp_check(self, request: str) -> dict[str, str] | None:
         """None if the requested step can replace this worker's weights, else the reason (`refusal`)."""
