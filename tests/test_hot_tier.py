@@ -75,6 +75,27 @@ def test_a_node_and_its_replica_holder_lost_the_durable_url_serves_the_rest(tmp_
     assert r["local"] > 0 and r["durable"] > 0 and r["peers"] == 0, r  # a's and c's objects hot, b's from the URL
 
 
+def test_the_saves_before_a_drain_are_counted_across_restarts(tmp_path):
+    """`durable_every` counts the hot saves since the last drain, not those of one manager: a job restarted more
+    often than every `durable_every` saves still drains (each node keeps the count; a new node's is the others')."""
+    url = str(tmp_path / "durable")
+    a, b, c = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-c"
+    every = DRAW.choice([3, 4])
+    for step in range(1, every):  # a job restarted after each save
+        run("save", url, "tp1pp1dp2", [a, b], tmp_path, steps=str(step), durable_every=every)
+    assert ucp.CheckpointManager(url).steps() == []
+    shutil.rmtree(a)  # rank 0's node is lost with its count: node b's holds
+    run("save", url, "tp1pp1dp2", [c, b], tmp_path, steps=f"{every},{every + 1}", durable_every=every)
+    assert ucp.CheckpointManager(url).steps() == [every], f"the {every}th save drains, the one after it does not"
+    for node in (c, b):
+        assert json.loads((run_dir(node) / "undrained.json").read_text()) == {"saves": 1}
+
+    (run_dir(b) / "undrained.json").write_text("{damaged")  # a damaged count: a drain is due
+    shutil.rmtree(c)
+    run("save", url, "tp1pp1dp2", [c, b], tmp_path, steps=str(every + 2), durable_every=every)
+    assert ucp.CheckpointManager(url).steps() == [every, every + 2]
+
+
 def test_a_damaged_hot_copy_is_replaced_by_a_good_one_and_reported(tmp_path):
     url = str(tmp_path / "durable")
     a, b = tmp_path / "node-a", tmp_path / "node-b"

@@ -42,7 +42,8 @@ class CheckpointManager:
 
     With `local_dir` (node-local storage, e.g. a directory in /dev/shm) the manager keeps a hot tier
     (`ucp.distributed.tiers`): every save commits there first, each node holding its ranks' objects plus a replica of the
-    previous node's, and every `durable_every`-th save is then drained to `root_url` and committed there; each
+    previous node's, and every `durable_every`-th save since the last drain (counted across restarts: each node
+    keeps the count) is then drained to `root_url` and committed there; each
     node keeps `local_keep` hot steps. `restore_sharded` takes the newest step that the surviving nodes hold
     between them or that `root_url` holds, reading over the process group what other nodes hold; what it read
     from where is in `last_restore`. Every rank of the job must pass a `local_dir` (its node's).

@@ -9,7 +9,9 @@ Saving a step (`HotTier.plan_save` and the hooks it adds; every rank, in the sav
    writes them into its node's directory, so losing any one node loses no hot copy;
 3. `publish`: rank 0 sends the manifest and the marker to the other nodes, whose leaders commit the step there;
 4. `drain`, every `durable_every`-th save: every rank copies what it wrote to the durable URL, where the step is
-   committed as an ordinary save of its own (its own attempt and exclusive commit).
+   committed as an ordinary save of its own (its own attempt and exclusive commit). The saves since the last drain
+   are counted across restarts of the job (`UNDRAINED_KEY`, in each node's directory), so that a job restarted
+   more often than every `durable_every` saves still drains.
 Each node keeps its newest `keep_last` hot steps; the durable URL keeps what the manager's `keep_last` says.
 
 Restoring (`HotTier.restore_sharded`, every rank):
@@ -68,6 +70,7 @@ from ..storage import Capabilities, IOStats, LocalStorage, ReadableStorage, Stor
 log = logging.getLogger("ucp")
 
 DEFAULT_TRANSFER_BYTES = 256 << 20
+UNDRAINED_KEY = "undrained.json"  # in a node's run directory: {"saves": the hot saves committed since the last drain}
 
 
 def run_directory(local_dir: str, durable_url: str) -> str:
@@ -107,6 +110,21 @@ class NodeMap:
     @classmethod
     def from_json(cls, doc: Any) -> NodeMap:
         return cls([int(n) for n in doc])
+
+
+@dataclass(frozen=True)
+class Undrained:
+    """A node's count of hot saves committed since the last drain (from its leader; 0 from the other ranks), and
+    rank 0's decision: the largest, so that a node that lost its count (a new node) never delays a drain."""
+
+    saves: int
+
+    def to_json(self) -> int:
+        return self.saves
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Undrained:
+        return cls(int(doc))
 
 
 @dataclass(frozen=True)
@@ -403,9 +421,15 @@ class HotTier:
         self.comm: Comm = comm or LocalComm()
         self.keep_last, self.durable_every, self.transfer_bytes = keep_last, durable_every, transfer_bytes
         self.nodes = find_nodes(self.comm, local_dir)
-        self.saves = 0
         if self.is_leader:
             attempt.collect_garbage(self.storage)
+        self.undrained = all_reduce(
+            self.comm,
+            lambda: Undrained(self._read_undrained() if self.is_leader else 0),
+            lambda counts: Undrained(max(c.saves for c in counts)),
+            Undrained,
+            Undrained,
+        ).saves
 
     @property
     def rank(self) -> int:
@@ -428,17 +452,24 @@ class HotTier:
     ) -> None:
         """Add the hot tier's steps (module doc, 2-4) to a save whose storage is `self.storage`: they run after the
         attempt commits on rank 0's node. `documents`: the zarr.json keys this rank wrote; `manifest`: rank 0's."""
-        self.saves += 1
-        drain = self.saves % self.durable_every == 0
+        drain = self.undrained + 1 >= self.durable_every  # (the previous save's hooks have run: saves are in turn)
 
         def after_commit(record: CommitRecord | None) -> None:
             # Every rank runs every step's collectives whatever failed on it before (a replica it could not write,
             # its node's retention): one that skipped the drain would take the others' next collective for its own.
             # The first failure is raised at the end (the save logs it: the step is committed); a lost peer at once.
             failures: list[Exception] = []
+            drained = False
+
+            def drain_step() -> None:
+                nonlocal drained
+                record = self.drain(session, documents, manifest, durable, options)
+                drained = True  # (committed at the durable URL, or raised, on every rank alike)
+                on_durable(record)
+
             works = [lambda: self.replicate(session), lambda: self.publish(session)]
             works += [self.apply_retention] if self.is_leader else []
-            works += [lambda: on_durable(self.drain(session, documents, manifest, durable, options))] if drain else []
+            works += [drain_step] if drain else []
             for work in works:
                 try:
                     work()
@@ -446,10 +477,35 @@ class HotTier:
                     raise
                 except Exception as e:  # noqa: BLE001 -- this rank's own failure: the others go on in step
                     failures.append(e)
+            # A failed drain is tried again at the next save, not `durable_every` saves later.
+            self.undrained = 0 if drained else self.undrained + 1
+            if self.is_leader:
+                try:
+                    self.storage.write(UNDRAINED_KEY, [json.dumps({"saves": self.undrained}).encode()])
+                except UcpError as e:
+                    failures.append(e)
             if failures:
                 raise failures[0]
 
         session.after_commit.append(after_commit)
+
+    def _read_undrained(self) -> int:
+        """This node's count of saves since the last drain; a damaged count is taken as a drain due (logged)."""
+        if not self.storage.exists(UNDRAINED_KEY):
+            return 0
+        try:
+            saves = json.loads(bytes(self.storage.read(UNDRAINED_KEY)))["saves"]
+            if type(saves) is not int or saves < 0:
+                raise ValueError(f"not a count: {saves!r}")
+            return saves
+        except (UcpError, ValueError, KeyError, TypeError) as e:
+            log.warning(
+                "hot tier %s: %s is unreadable (%s); the next save drains to the durable URL",
+                self.storage.url,
+                UNDRAINED_KEY,
+                e,
+            )
+            return self.durable_every - 1
 
     def replicate(self, session: SaveSession) -> int:
         """Step 2: send the objects this rank wrote to its buddy and keep the replicas sent to it; returns the bytes
