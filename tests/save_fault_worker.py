@@ -9,6 +9,8 @@ Usage: python -m tests.save_fault_worker SCENARIO URL OUT_DIR
   rank waited for it for good.
 - "replica": the same job, none dies; rank 2 cannot write the replicas it receives for step 2 (its node's disk
   full). It skipped the rest of step 2's work after the commit, the drain's collectives among it.
+- "readback": the same job, none dies; rank 1 cannot read back the objects it wrote for step 2 to send them to its
+  buddy. It left the rounds of transfers at its first such object, and its buddy waited for it for good.
 Each surviving rank writes OUT_DIR/rank{r}.json: the error it raised ([type, message]), or null.
 """
 
@@ -18,6 +20,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -63,24 +66,44 @@ def save(url: str, rank: int) -> None:
     save_sharded(local, url, step=1, model=ShardedModel(CONFIG, layout, STATES), comm=TorchComm(), storage=storage)
 
 
-def fail_replicas_of(step: int) -> None:
-    """This process's hot tier cannot write the replicas it receives for `step`."""
-    replicate, write = tiers.HotTier.replicate, LocalStorage.write
-    replicating: list[int] = []
+def replicating(step: int) -> Callable[[], bool]:
+    """Whether this process's hot tier is replicating `step` now (its `replicate` traced)."""
+    replicate = tiers.HotTier.replicate
+    steps: list[int] = []
 
     def traced_replicate(self, session):
-        replicating.append(session.step)
+        steps.append(session.step)
         try:
             return replicate(self, session)
         finally:
-            replicating.pop()
+            steps.pop()
+
+    tiers.HotTier.replicate = traced_replicate
+    return lambda: steps == [step]
+
+
+def fail_replicas_of(step: int) -> None:
+    """This process's hot tier cannot write the replicas it receives for `step`."""
+    write, now = LocalStorage.write, replicating(step)
 
     def failing_write(self, key, parts):
-        if replicating == [step]:
+        if now():
             raise StorageError(f"cannot write {key}: No space left on device")
         return write(self, key, parts)
 
-    tiers.HotTier.replicate, LocalStorage.write = traced_replicate, failing_write
+    LocalStorage.write = failing_write
+
+
+def fail_readback_of(step: int) -> None:
+    """This process's hot tier cannot read back what it wrote for `step` to replicate it."""
+    read_into, now = LocalStorage.read_into, replicating(step)
+
+    def failing_read_into(self, key, offset, buffers):
+        if now():
+            raise StorageError(f"cannot read {key}: Input/output error")
+        return read_into(self, key, offset, buffers)
+
+    LocalStorage.read_into = failing_read_into
 
 
 def hot_tier_job(url: str, rank: int, hot: str, scenario: str) -> None:
@@ -88,6 +111,8 @@ def hot_tier_job(url: str, rank: int, hot: str, scenario: str) -> None:
         die_in_drain_of(2)
     if rank == 2 and scenario == "replica":
         fail_replicas_of(2)
+    if rank == 1 and scenario == "readback":
+        fail_readback_of(2)
     layout = parse_layout("tp2pp2", 4)
     model = ShardedModel(CONFIG, layout, STATES)
     manager = CheckpointManager(

@@ -79,15 +79,17 @@ def test_a_peer_killed_in_a_save_fails_every_survivor_promptly_with_a_peer_lost_
             assert "step 2 at" in message and "is committed, but the work after its commit lost a peer" in message
 
 
-def test_a_ranks_own_failure_after_a_commit_keeps_it_in_step_with_the_others(tmp_path):
-    """One rank cannot keep the replicas it receives (its node's disk full): it logs that and still runs the rest of
-    the work after the commit with the others (publication, the drain to the durable URL): no rank waits for it, and
-    every step reaches the durable URL."""
+@pytest.mark.parametrize("scenario", ["replica", "readback"])
+def test_a_ranks_own_failure_after_a_commit_keeps_it_in_step_with_the_others(tmp_path, scenario):
+    """One rank cannot keep the replicas it receives (its node's disk full), or another cannot read back what it
+    wrote to send it: each logs that and still runs the rest of the work after the commit with the others (the
+    transfers, publication, the drain to the durable URL): no rank waits for it, and every step reaches the durable
+    URL."""
     from trainer.launch import kill, start
 
     url, out = str(tmp_path / "ckpt"), tmp_path / "out"
     out.mkdir()
-    procs = start(["-m", "tests.save_fault_worker", "replica", url, str(out)], 4, tmp_path / "logs")
+    procs = start(["-m", "tests.save_fault_worker", scenario, url, str(out)], 4, tmp_path / "logs")
     try:
         for proc in procs:
             proc.wait(timeout=150)
@@ -96,7 +98,8 @@ def test_a_ranks_own_failure_after_a_commit_keeps_it_in_step_with_the_others(tmp
     logs = {r: (tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(4)}
     for rank in range(4):
         assert procs[rank].returncode == 0 and json.loads((out / f"rank{rank}.json").read_text()) is None, logs[rank]
-    assert "replicas not kept" in logs[2] and "step 2" in logs[2], logs[2][-2000:]
+    failing, said = (2, "replicas not kept") if scenario == "replica" else (1, "not replicated to rank 3")
+    assert said in logs[failing] and "step 2" in logs[failing], logs[failing][-2000:]
     assert ucp.CheckpointManager(url).steps() == [1, 2, 3, 4]
     layout = parse_layout("tp2pp2")
     for rank in range(4):

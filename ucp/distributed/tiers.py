@@ -314,7 +314,13 @@ Item = tuple[str, int, Fill]  # (name, size, fill)
 
 def from_storage(storage: Storage, key: str, size: int) -> Item:
     """An item read from `storage` straight into the send buffer (one copy)."""
-    return key, size, lambda dest: storage.read_into(key, 0, [dest])
+
+    def fill(dest: memoryview) -> None:
+        got = storage.read_into(key, 0, [dest])
+        if got != size:  # (a file cut short since it was written: never send what the buffer held before)
+            raise StorageError(f"{storage.url}/{key}: {got} bytes read back of the {size} written")
+
+    return key, size, fill
 
 
 def from_bytes(name: str, data: bytes) -> Item:
@@ -324,18 +330,28 @@ def from_bytes(name: str, data: bytes) -> Item:
     return name, len(data), fill
 
 
-def _pack(items: list[Item], more: bool) -> torch.Tensor:
-    """Named items in one buffer: an 8-byte header length, a JSON header, then the items' bytes back to back."""
-    header = json.dumps({"items": [[name, size] for name, size, _ in items], "more": more}).encode()
-    buf = torch.empty(8 + len(header) + sum(size for _, size, _ in items), dtype=torch.uint8)
-    view = buf.numpy().data
-    view[:8] = struct.pack("<Q", len(header))
-    view[8 : 8 + len(header)] = header
-    pos = 8 + len(header)
-    for _, size, fill in items:
-        fill(view[pos : pos + size])
-        pos += size
-    return buf
+def _pack(items: list[Item], more: bool) -> tuple[torch.Tensor, dict[str, UcpError]]:
+    """Named items in one buffer: an 8-byte header length, a JSON header, then the items' bytes back to back; and the
+    items left out, with why: one whose fill fails (an object this rank cannot read) is not sent, and the peer still
+    gets its buffer, so the rounds stay in step (the header precedes the fills: a failure packs the batch again)."""
+    failed: dict[str, UcpError] = {}
+    while True:
+        kept = [item for item in items if item[0] not in failed]
+        header = json.dumps({"items": [[name, size] for name, size, _ in kept], "more": more}).encode()
+        buf = torch.empty(8 + len(header) + sum(size for _, size, _ in kept), dtype=torch.uint8)
+        view = buf.numpy().data
+        view[:8] = struct.pack("<Q", len(header))
+        view[8 : 8 + len(header)] = header
+        pos = 8 + len(header)
+        for name, size, fill in kept:
+            try:
+                fill(view[pos : pos + size])
+            except UcpError as e:
+                failed[name] = e
+                break
+            pos += size
+        else:
+            return buf, failed
 
 
 def _unpack(buf: torch.Tensor) -> tuple[dict[str, memoryview], bool]:
@@ -355,18 +371,21 @@ def send_rounds(
     sends: dict[int, list[list[Item]]],
     receives: Iterable[int],
     on_receive: Callable[[int, dict[str, memoryview]], None],
-) -> None:
+) -> dict[str, UcpError]:
     """Point-to-point transfers in rounds: `sends[peer]` is this rank's batches for `peer` (each a list of items
     filled when the batch is sent, so that one batch at a time is in memory), `receives` the peers that send to
     this rank. Each batch says whether more follow; every peer in `sends` gets at least one (maybe empty) batch.
-    `on_receive` gets views of the received buffer: it must copy what it keeps beyond the call."""
+    `on_receive` gets views of the received buffer: it must copy what it keeps beyond the call. Returns the items
+    this rank could not send, with why (left out of their batches: a receiver never gets them)."""
     pending = {peer: list(batches) or [[]] for peer, batches in sends.items()}
     expecting = set(receives)
+    failed: dict[str, UcpError] = {}
     while pending or expecting:
         out = {}
         for peer, batches in pending.items():
             batch = batches.pop(0)
-            out[peer] = _pack(batch, more=bool(batches))  # (what is left after this one)
+            out[peer], unsent = _pack(batch, more=bool(batches))  # (what is left after this one)
+            failed.update(unsent)
         lengths = comm.exchange(
             {p: torch.tensor([t.numel()], dtype=torch.int64).view(torch.uint8) for p, t in out.items()},
             dict.fromkeys(expecting, 8),
@@ -378,6 +397,7 @@ def send_rounds(
             if not more:
                 expecting.discard(peer)
             on_receive(peer, items)
+    return failed
 
 
 # ----------------------------------------------------------------------------------------------- tier
@@ -530,7 +550,15 @@ class HotTier:
             [from_storage(self.storage, k, objects[k][0]) for k in keys]
             for keys in pack({k: s[0] for k, s in objects.items()}, self.transfer_bytes)
         ]
-        send_rounds(self.comm, {buddy: batches} if buddy is not None else {}, self.nodes.senders_to(self.rank), keep)
+        unsent = send_rounds(
+            self.comm, {buddy: batches} if buddy is not None else {}, self.nodes.senders_to(self.rank), keep
+        )
+        if unsent:
+            key, error = next(iter(unsent.items()))
+            raise StorageError(
+                f"hot tier {self.storage.url}: {len(unsent)} objects of this rank not replicated to rank {buddy} "
+                f"(cannot be read back: {key}: {error})"
+            )
         if failed:
             raise StorageError(f"hot tier {self.storage.url}: {len(failed)} replicas not kept: {failed[0]}")
         self.storage.flush()
@@ -654,9 +682,12 @@ class HotTier:
             peer: [[from_storage(self.storage, k, sizes[k]) for k in keys] for keys in pack(sizes, self.transfer_bytes)]
             for peer, sizes in serve.items()
         }
-        send_rounds(
+        unsent = send_rounds(
             self.comm, sends, receives, lambda _peer, items: fetched.update((k, bytes(v)) for k, v in items.items())
         )
+        if unsent:  # (the peers read those from the durable URL, or say that no intact copy is left)
+            key, error = next(iter(unsent.items()))
+            log.warning("hot tier: %d objects asked of rank %d not sent (%s: %s)", len(unsent), self.rank, key, error)
         # an object is usable here if every chunk it holds is intact here (a pack holds many)
         keys = [_key(reader, o) for o in objects]
         usable = set(keys) - {k for i, k in enumerate(keys) if my_node not in directory.holders(i)}
