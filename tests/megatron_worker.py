@@ -297,24 +297,30 @@ def forward(model: torch.nn.Module, toks: torch.Tensor) -> torch.Tensor:
 
 def write_tp2_logits(cfg, spec, ckpt: str, out: str, rank: int) -> None:
     """The oracle workers' end (megatron_family_worker.py, megatron_deepseek_worker.py): megatron-core's GPT model of
-    `cfg` and `spec` in TP `cfg.tensor_model_parallel_size` (2 unless told) loads this rank's file under CKPT strictly
+    `cfg` and `spec` in TP `cfg.tensor_model_parallel_size` (2 unless told), with RoPE as the file's args say it (its
+    base and scaling, as Megatron-LM's `model_provider` passes them), loads this rank's file under CKPT strictly
     (every name and shape its own) and writes its gathered logits to OUT.rank; then the process exits."""
     import glob
 
     from megatron.core.models.gpt import GPTModel
 
+    (path,) = glob.glob(os.path.join(ckpt, "iter_*", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
+    saved = torch.load(path, weights_only=False)
+    args = saved["args"]
     model = GPTModel(
         cfg,
         spec,
         vocab_size=128 * cfg.tensor_model_parallel_size,
         max_sequence_length=64,
         position_embedding_type="rope",
-        rotary_base=10000,
+        rotary_base=args.rotary_base,
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
         share_embeddings_and_output_weights=False,
         parallel_output=False,
     )
-    (path,) = glob.glob(os.path.join(ckpt, "iter_*", f"mp_rank_{rank:02d}", "model_optim_rng.pt"))
-    model.load_state_dict(torch.load(path, weights_only=False)["model"], strict=True)
+    model.load_state_dict(saved["model"], strict=True)
     model.eval()
     with torch.no_grad():
         torch.save(forward(model, tokens()), f"{out}.{rank}")

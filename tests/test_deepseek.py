@@ -105,7 +105,7 @@ def test_import_holds_every_tensor_as_an_atom_of_its_layer(tmp_path):
 
 @pytest.mark.parametrize("layout", DRAW.sample(["tp2ep2", "tp2pp3ep2", "tp1pp3", "tp2pp1ep4", "tp4"], 2))
 def test_through_megatron_and_back_gives_the_same_logits(tmp_path, layout):
-    model = hf_model(tmp_path)
+    model = hf_model(tmp_path, norm_topk_prob=True)  # (as Megatron's router computes: below)
     import_hf(tmp_path / "hf", str(tmp_path / "u1"))
     convert(str(tmp_path / "u1"), str(tmp_path / "megatron"), from_layout="universal", to_layout=layout)
     convert(str(tmp_path / "megatron"), str(tmp_path / "u2"), from_layout=layout, to_layout="universal")
@@ -116,7 +116,7 @@ def test_through_megatron_and_back_gives_the_same_logits(tmp_path, layout):
 def test_a_hidden_size_that_does_not_split_into_heads_goes_through_megatron_and_back(tmp_path):
     """MLA needs no hidden_size // heads (each projection has its own head dims): such a model converted to Megatron
     was refused on the way back ("give head_dim", which the command line cannot)."""
-    model = hf_model(tmp_path, hidden_size=36, num_attention_heads=8, num_key_value_heads=8)
+    model = hf_model(tmp_path, hidden_size=36, num_attention_heads=8, num_key_value_heads=8, norm_topk_prob=True)
     import_hf(tmp_path / "hf", str(tmp_path / "u1"))
     convert(str(tmp_path / "u1"), str(tmp_path / "megatron"), from_layout="universal", to_layout="tp2")
     convert(str(tmp_path / "megatron"), str(tmp_path / "u2"), from_layout="tp2", to_layout="universal")
@@ -195,8 +195,10 @@ def config_of(directory) -> dict:
 def test_every_hyperparameter_survives_megatron_and_dcp(tmp_path, path):
     from ucp.interop.dcp import export_dcp, import_dcp
 
-    # (RoPE on halves instead of interleaved pairs: DCP carries it, Megatron cannot run it, see below)
-    model = hf_model(tmp_path, **FIELDS, **({"rope_interleave": False} if path == "dcp" else {}))
+    # (RoPE on halves instead of interleaved pairs, the top-k weights not renormalised: DCP carries them, Megatron
+    # cannot run them, see below)
+    unlike_megatron = {"rope_interleave": False, "norm_topk_prob": False}
+    model = hf_model(tmp_path, **{**FIELDS, **(unlike_megatron if path == "dcp" else {"norm_topk_prob": True})})
     import_hf(tmp_path / "hf", str(tmp_path / "u1"))
     if path == "megatron":
         convert(str(tmp_path / "u1"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2ep2")
@@ -224,7 +226,7 @@ def test_every_hyperparameter_survives_megatron_and_dcp(tmp_path, path):
 def test_a_megatron_checkpoint_says_its_router_and_rope_settings_in_its_own_args(tmp_path):
     """A checkpoint Megatron wrote (no HF config of ucp's in its args): the router's groups and scaling and YaRN's
     settings come back into the HF config from Megatron's own arguments."""
-    hf_model(tmp_path, **FIELDS)
+    hf_model(tmp_path, **{**FIELDS, "norm_topk_prob": True})
     import_hf(tmp_path / "hf", str(tmp_path / "u1"))
     convert(str(tmp_path / "u1"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2")
     for path in (tmp_path / "m").glob("iter_*/mp_rank_*/model_optim_rng.pt"):
@@ -236,6 +238,7 @@ def test_a_megatron_checkpoint_says_its_router_and_rope_settings_in_its_own_args
     got = config_of(tmp_path / "out")
     for key in ("n_group", "topk_group", "routed_scaling_factor", "rms_norm_eps", "max_position_embeddings"):
         assert got[key] == FIELDS[key], key
+    assert got["norm_topk_prob"] is True  # (Megatron's router renormalises the top 2)
     assert got["rope_parameters"] == FIELDS["rope_parameters"]
 
 
@@ -275,10 +278,14 @@ def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_p
         assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (rank, (got - expected).abs().max())
 
 
-def test_a_model_megatron_would_compute_differently_is_not_converted_to_megatron(tmp_path):
-    hf_model(tmp_path, rope_interleave=False)
+@pytest.mark.parametrize(
+    "setting",
+    [{"rope_interleave": False}, {"norm_topk_prob": False}, {"num_experts_per_tok": 1, "norm_topk_prob": True}],
+)
+def test_a_model_megatron_would_compute_differently_is_not_converted_to_megatron(tmp_path, setting):
+    hf_model(tmp_path, **setting)
     import_hf(tmp_path / "hf", str(tmp_path / "u"))
-    with pytest.raises(SourceMismatchError, match="rope_interleave=False"):
+    with pytest.raises(SourceMismatchError, match=f"{list(setting)[-1]}={list(setting.values())[-1]}"):
         convert(str(tmp_path / "u"), str(tmp_path / "m"), from_layout="universal", to_layout="tp2")
     assert not (tmp_path / "m").exists()
 
@@ -301,7 +308,7 @@ def test_a_bf16_checkpoint_keeps_its_fp32_router_bias_through_every_path(tmp_pat
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    hf_model(tmp_path)
+    hf_model(tmp_path, norm_topk_prob=True)
     weights = tmp_path / "hf" / "model.safetensors"
     with safe_open(str(weights), framework="pt") as f:
         names = f.keys()

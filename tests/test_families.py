@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ucp.interop.hf import export_hf, import_hf
+from ucp.interop.megatron.args import MEGATRON_LLAMA3
 from ucp.interop.megatron.convert import convert
 from ucp.sharding.families import LlamaConfig
 
@@ -28,6 +29,18 @@ SHAPE = {
 ARCHS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"rope_theta": 5e5, "rms_norm_eps": 1e-6}),
     "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"tie_word_embeddings": True}),
+    # RoPE scaled as Megatron's args say it (use_rope_scaling, rotary_seq_len_interpolation_factor); the base large
+    # enough that llama3's scaling moves a frequency (one wavelength over 8192)
+    "llama-llama3": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, **MEGATRON_LLAMA3}},
+    ),
+    "llama-linear": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+    ),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
@@ -71,11 +84,12 @@ def test_the_reshaper_saves_in_one_layout_and_loads_in_others(tmp_path, flags):
     assert_reshards(config, str(tmp_path), "tp2pp2", ["tp1pp1", "tp2pp1dp2zero1", "tp1pp2dp2"])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama-llama3", "llama-linear"])
 @pytest.mark.slow
 def test_megatron_core_loads_the_rank_files_strictly_and_computes_the_same(tmp_path, arch):
     """megatron-core's own GPT model (TP 2, local spec) takes ucp's tp2 files with strict=True, names and shapes as
-    its own, and computes the logits transformers computes (within float tolerance: another kernel order)."""
+    its own, and with RoPE as their args say it computes the logits transformers computes (within float tolerance:
+    another kernel order)."""
     pytest.importorskip("megatron.core")
     from .launch import spawn
 

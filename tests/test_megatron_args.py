@@ -6,6 +6,7 @@ argument; and `ConvertOptions` refuses what means nothing before anything is rea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import random
 
@@ -13,7 +14,15 @@ import pytest
 
 from ucp.errors import UcpError
 from ucp.interop.errors import InteropError
-from ucp.interop.megatron.args import HF_CONFIG_ARG, args_for, args_layout, config_from_args
+from ucp.interop.megatron.args import (
+    HF_CONFIG_ARG,
+    MEGATRON_LLAMA3,
+    UNEVEN_STAGE_ARGS,
+    args_for,
+    args_layout,
+    check_even_stages,
+    config_from_args,
+)
 from ucp.interop.megatron.convert import ConvertOptions, convert
 from ucp.sharding.families import (
     FAMILIES,
@@ -108,6 +117,15 @@ def draw_hf(family: str, rng: random.Random) -> dict:
         hf["router_aux_loss_coef"] = rng.choice([0.001, 0.02])
     if family == "qwen_moe":
         hf["norm_topk_prob"] = rng.random() < 0.5
+    if family != "deepseek_v3" and rng.random() < 0.5:  # RoPE scaled, as Megatron's GPT model scales it
+        theta = hf.pop("rope_theta")
+        factor = rng.choice([2.0, 8.0, 32.0])
+        hf["rope_parameters"] = rng.choice(
+            [
+                {"rope_type": "llama3", "rope_theta": theta, "factor": factor, **MEGATRON_LLAMA3},
+                {"rope_type": "linear", "rope_theta": theta, "factor": factor},
+            ]
+        )
     if family == "deepseek_v3":
         hf.update(n_group=rng.choice([1, 2]), topk_group=1, routed_scaling_factor=rng.choice([1.0, 2.5]))
         if rng.random() < 0.5:  # YaRN, in transformers >= 5's spelling
@@ -177,6 +195,27 @@ REFUSED = [
         {**GOOD, "swiglu": True, "num_attention_heads": 4, "num_query_groups": 3, "group_query_attention": True},
         "num_key_value_heads=3",
     ),
+    # what changes the model's math and no family's HF config says: refused, not dropped
+    ({**GOOD, "swiglu": True, "apply_layernorm_1p": True}, "apply_layernorm_1p: norm weights kept less one"),
+    ({**GOOD, "swiglu": True, "position_embedding_type": "learned_absolute"}, "learned_absolute'; ucp's families"),
+    ({**GOOD, "swiglu": True, "rotary_percent": 0.5}, "rotary_percent=0.5: RoPE over part of each head"),
+    ({**GOOD, "swiglu": True, "rotary_interleaved": True}, "rotary_interleaved: RoPE on interleaved pairs"),
+    (
+        {**GOOD, "swiglu": True, "use_rope_scaling": True, "rotary_seq_len_interpolation_factor": 2},
+        "use_rope_scaling and rotary_seq_len_interpolation_factor together",
+    ),
+    *(
+        ({**GOOD, "swiglu": True, "num_experts": 4, **router}, f"{match}: the {family} family's router")
+        for family, moe in (("Mixtral", {}), ("Qwen MoE", {"qk_layernorm": True}))
+        for router, match in (
+            ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid'"),
+            ({"moe_router_topk_scaling_factor": 2.5}, "moe_router_topk_scaling_factor=2.5"),
+            ({"moe_router_num_groups": 2, "moe_router_group_topk": 1}, "moe_router_group_topk=1"),
+            ({"moe_router_load_balancing_type": "sinkhorn"}, "moe_router_load_balancing_type='sinkhorn'"),
+            *([({"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True")] if family == "Mixtral" else []),
+        )
+        for router in [{**router, **moe}]
+    ),
 ]
 
 
@@ -193,12 +232,49 @@ def test_args_that_no_family_holds_are_refused_naming_the_file(given, match):
         ({"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias is off"),
         ({"moe_shared_expert_intermediate_size": 7}, "moe_shared_expert_intermediate_size=7 is not a multiple"),
         ({"kv_lora_rank": None}, "args has no kv_lora_rank"),
+        ({"moe_router_score_function": "softmax"}, "moe_router_score_function='softmax': the DeepSeek-V3 family"),
     ],
 )
 def test_deepseek_args_it_cannot_hold_are_refused(changes, match):
     args = _moe_args(**{"num_layers": 2, "moe_layer_freq": [0, 1], **changes})
     with pytest.raises(InteropError, match=f"^common.pt: {match}"):
         config_from_args(args, "common.pt")
+
+
+@pytest.mark.parametrize(
+    ("family", "hf", "match"),
+    [
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling .*'yarn'"),
+        ("mixtral", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE scaling .*'dynamic'"),
+        (
+            "qwen_moe",
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, **MEGATRON_LLAMA3, "low_freq_factor": 2.0}},
+            "RoPE scaling .*'low_freq_factor': 2.0",
+        ),
+    ],
+)
+def test_a_rope_scaling_megatron_does_not_compute_is_refused(family, hf, match):
+    with pytest.raises(UcpError, match=f"{match}.*Megatron would compute another model"):
+        args_for(draw_config(family, random.Random(0)), Layout(), hf=hf)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_deepseek_s_top_k_weights_are_renormalised_as_megatron_does(topk):
+    """Megatron's sigmoid router renormalises the top-k weights exactly when k > 1 (HF's norm_topk_prob)."""
+    config = dataclasses.replace(draw_config("deepseek_v3", random.Random(0)), num_experts_per_tok=topk)
+    names = FAMILIES["deepseek_v3"].megatron
+    assert names is not None
+    assert config_from_args(args_for(config, Layout()), "args.pt")[1]["norm_topk_prob"] == (topk > 1)
+    assert names.refuses(config, {"norm_topk_prob": topk > 1}) is None
+    assert "norm_topk_prob" in str(names.refuses(config, {"norm_topk_prob": topk == 1}))
+
+
+@pytest.mark.parametrize("name", UNEVEN_STAGE_ARGS)
+def test_files_of_pipeline_stages_split_unevenly_are_refused_naming_the_argument(name):
+    args = argparse.Namespace(pipeline_model_parallel_size=2, **{name: 1})
+    with pytest.raises(InteropError, match=f"^mp_rank_00_000/model_optim_rng.pt: {name}=1: .* even split"):
+        check_even_stages(args, "mp_rank_00_000/model_optim_rng.pt")
+    check_even_stages(argparse.Namespace(pipeline_model_parallel_size=1, **{name: 1}), "x")  # (one stage: all)
 
 
 def test_no_args_is_refused():

@@ -18,7 +18,7 @@ import torch
 
 from ...errors import UcpError
 from ...sharding.families import FamilyConfig, family_for, megatron_family
-from ...sharding.families.megatron_names import arg, gpt_args, gpt_shape
+from ...sharding.families.megatron_names import arg, gpt_args, gpt_shape, latent_attention, rope_scaling
 from ...sharding.layout import Layout
 from ..errors import InteropError
 from .files import ForeignEnum, real_enum
@@ -52,6 +52,43 @@ _HF_ARGS = {
 HF_CONFIG_ARG = "ucp_hf_config"
 
 
+# RoPE scaling as megatron-core's GPT model computes it (`RotaryEmbedding`): Llama 3's with these settings fixed
+# (use_rope_scaling, rope_scaling_factor), or positions linearly interpolated (rotary_seq_len_interpolation_factor).
+# Multi-latent attention has RoPE of its own (YaRN: the DeepSeek-V3 family's args) and ignores both.
+MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_from_args(args: Any, where: str) -> dict[str, Any]:
+    """RoPE's scaling as a (non-MLA) job's args set it, as HF's rope_parameters say it (without the base)."""
+    llama3, linear = arg(args, "use_rope_scaling", False), arg(args, "rotary_seq_len_interpolation_factor")
+    if llama3 and linear:
+        raise InteropError(
+            f"{where}: use_rope_scaling and rotary_seq_len_interpolation_factor together have no Hugging Face config"
+        )
+    if llama3:
+        return {"rope_type": "llama3", "factor": float(arg(args, "rope_scaling_factor", 8.0)), **MEGATRON_LLAMA3}
+    if linear:
+        return {"rope_type": "linear", "factor": float(linear)}
+    return {"rope_type": "default"}
+
+
+def _rope_args(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Megatron's args for an HF config's RoPE scaling (of a model without multi-latent attention); a scaling
+    megatron-core does not compute is a UcpError."""
+    params = rope_scaling(hf)
+    kind = params["rope_type"]
+    if kind == "default":
+        return {}
+    if kind == "linear":
+        return {"rotary_seq_len_interpolation_factor": params["factor"]}
+    if kind == "llama3" and all(float(params.get(k, v)) == v for k, v in MEGATRON_LLAMA3.items()):
+        return {"use_rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
+    raise UcpError(
+        f"the model's RoPE scaling ({params}) is not one Megatron's GPT model computes (linear, or llama3 with "
+        f"{MEGATRON_LLAMA3}): Megatron would compute another model"
+    )
+
+
 def rope_theta(hf: Mapping[str, Any]) -> float | None:
     """RoPE's base in an HF config, in either spelling."""
     params = hf.get("rope_parameters")
@@ -73,7 +110,15 @@ def hf_fields_from_args(args: Any, where: str) -> dict[str, Any]:
         if not isinstance(hf, dict):
             raise InteropError(f"{where}: args.{HF_CONFIG_ARG} is not a JSON object")
     base = float(arg(args, "rotary_base", 10000))  # (Megatron's default)
-    if isinstance(hf.get("rope_parameters"), dict):
+    scaling = None if latent_attention(args) else _rope_from_args(args, where)  # (MLA's: its family's)
+    if scaling is not None:  # the args say what RoPE the model computes, whatever a stored config says
+        hf.pop("rope_scaling", None)
+        if scaling["rope_type"] != "default" or isinstance(hf.get("rope_parameters"), dict):
+            hf.pop("rope_theta", None)
+            hf["rope_parameters"] = {**scaling, "rope_theta": base}
+        else:
+            hf["rope_theta"] = base
+    elif isinstance(hf.get("rope_parameters"), dict):
         hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": base}
     else:
         hf["rope_theta"] = base
@@ -95,9 +140,11 @@ def args_for(
         if names is None:
             raise UcpError(f"a {family_for(config).name} model has no Megatron-LM arguments here")
         fields = hf or {}
+        own = names.args(config, fields)
         out = argparse.Namespace(
             **gpt_args(config),
-            **names.args(config, fields),
+            **own,
+            **({} if own.get("multi_latent_attention") else _rope_args(fields)),  # (MLA's RoPE: its family's)
             rotary_base=rope_theta(fields) or 10000,
             norm_epsilon=fields.get("rms_norm_eps", 1e-5),
             **{name: fields[h] for h, name in _HF_ARGS.items() if h != "rms_norm_eps" and h in fields},
@@ -161,6 +208,32 @@ def args_json(args: Any) -> dict[str, Any]:
         elif isinstance(v, torch.dtype):
             out[k] = str(v)
     return out
+
+
+# Megatron-LM's arguments that give the pipeline's first or last stages other numbers of layers than the rest
+UNEVEN_STAGE_ARGS = (
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "pipeline_model_parallel_layout",
+    "standalone_embedding_stage",
+)
+
+
+def check_even_stages(args: Any, where: str) -> None:
+    """Refuse the files of a job whose pipeline stages hold different numbers of layers: ucp maps Megatron's
+    stages as Megatron's default split does (layers evenly over PP x VPP model chunks)."""
+    if arg(args, "pipeline_model_parallel_size", 1) == 1:
+        return
+    for name in UNEVEN_STAGE_ARGS:
+        if arg(args, name, False):
+            raise InteropError(
+                f"{where}: {name}={getattr(args, name)!r}: the pipeline's stages hold different numbers of layers, "
+                "and ucp maps Megatron's files by the even split only"
+            )
 
 
 def args_layout(args: Any) -> Layout:

@@ -332,7 +332,10 @@ def _from_universal(src: str, dst: str, options: ConvertOptions) -> ConvertRepor
         local_plan(config, fits, 0, ())
     job.check_fits(config)
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
-    args = _dist_args(config, layout, job, hf=hf)
+    try:
+        args = _dist_args(config, layout, job, hf=hf)
+    except UcpError as e:  # (what the model's config says that no Megatron args say: its RoPE's scaling)
+        raise SourceMismatchError(f"{src}: {e}") from None
     args.ckpt_format = fmt
     optimizer, expert_parallel = _target_optimizer(meta, fmt, job)
     target = TargetFiles(

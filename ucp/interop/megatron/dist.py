@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ...base.boxes import Box, box_numel, box_shape, full_box, intersect, relative, to_slices, translate
+from ...errors import UcpError
 from ...sharding.families import FamilyConfig, family_for
 from ...sharding.families.megatron_names import arg
 from ...sharding.layout import Layout
@@ -51,7 +52,7 @@ from ..dcp import METADATA, read_metadata
 from ..errors import InteropError, SourceMismatchError
 from ..staging import staged_dir
 from ..torch_file import TorchFile
-from .args import args_for, args_layout, bucket_size_of, config_from_args, distributed_buffers
+from .args import args_for, args_layout, bucket_size_of, check_even_stages, config_from_args, distributed_buffers
 from .distrib_optim import BUCKET_ALIGNMENT, MOMENTS, STATE_OF, grad_buffers, optimizer_entry
 from .files import open_torch_file
 from .optimizer import (
@@ -389,7 +390,10 @@ def model_shape(
         raise InteropError(f"--config {path}: not a readable JSON file ({e})") from None
     if isinstance(doc, dict) and ("model_type" in doc or "architectures" in doc):
         config, hf = ucp_config_from_hf(doc, str(path))
-        return args_for(config, Layout(), hf=hf), config, hf
+        try:
+            return args_for(config, Layout(), hf=hf), config, hf
+        except UcpError as e:
+            raise InteropError(f"--config {path}: {e}") from None
     if isinstance(doc, dict) and {"num_layers", "hidden_size"} <= set(doc):
         args = argparse.Namespace(**doc)
         config, hf = config_from_args(args, str(path), vocab_size)
@@ -484,6 +488,7 @@ def _saved_layout(args: Any, where: Path) -> Layout:
     """The layout a torch_dist checkpoint was saved in (args.args_layout), of a job whose experts have the
     dense layers' TP and that has no context parallelism: the dp_reshardable buckets of any other are not mapped."""
     saved = args_layout(args)
+    check_even_stages(args, str(where))
     # (expert TP unset: the dense layers' TP, as megatron-core takes it)
     etp = arg(args, "expert_tensor_parallel_size", saved.tp)
     cp = arg(args, "context_parallel_size", 1)

@@ -26,7 +26,7 @@ from ...sharding.reshard import LocalTensor, Piece, local_plan, local_tensor, ow
 from ..dtypes import Dtypes, most_common
 from ..errors import InteropError, SourceMismatchError
 from ..torch_file import TorchFile, TorchFiles
-from .args import args_layout, bucket_size_of, config_from_args
+from .args import args_layout, bucket_size_of, check_even_stages, config_from_args
 from .distrib_optim import read_distributed
 from .files import is_model_chunk, open_rank_file, open_torch_file
 from .optimizer import LocalOptimState, OptimizerMeta, read_optimizer
@@ -139,6 +139,8 @@ def open_megatron(
             f"{' ...' if len(missing) > 4 else ''} of the {len(expected)} that {asked} has"
         )
     config, hf = config_from_args(args, str(probe), vocab_size)
+    if args is not None:
+        check_even_stages(args, str(probe))
     paths = {rank: iter_dir / name / RANK_FILE for name, rank in expected.items()}
     opened = {rank: ((first, first_reader) if path == probe else open_rank_file(path)) for rank, path in paths.items()}
     distrib = _open_distrib_optim(paths)

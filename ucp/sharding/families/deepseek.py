@@ -27,7 +27,7 @@ from ...errors import UcpError
 from ..quantization import SCALE_DTYPES
 from . import llama, qwen_moe
 from .config import FamilyConfig
-from .megatron_names import MegatronNames, arg, experts, latent_attention, required
+from .megatron_names import MegatronNames, arg, check_router, experts, latent_attention, required, rope_scaling
 from .table import Family, Rule, block_scaled, column_split, gate_up_spec, replicated, row_split
 
 SCALE_DTYPE_NAMES = tuple(zarr_name(d) for d in SCALE_DTYPES)
@@ -248,6 +248,7 @@ def _from_megatron(args: Any, shape: dict[str, Any]) -> DeepseekV3Config:
         raise UcpError(
             f"moe_layer_freq={freq!r}; ucp's DeepSeek-V3 family has dense layers first, then MoE layers only"
         )
+    check_router(args, "DeepSeek-V3", score="sigmoid", pre_softmax=None, scaled=True, grouped=True)
     if not arg(args, "moe_router_enable_expert_bias", False):
         raise UcpError(
             "moe_router_enable_expert_bias is off; ucp's DeepSeek-V3 family holds the router's expert bias "
@@ -301,6 +302,7 @@ def _megatron_args(c: DeepseekV3Config, hf: Mapping[str, Any]) -> dict[str, Any]
 def _hf_from_megatron(args: Any, hf: dict[str, Any]) -> dict[str, Any]:
     """The router's settings and YaRN's (in rope_parameters, beside RoPE's base) as the args say them."""
     out = {**hf, **{h: arg(args, m) for h, m in _ROUTER_ARGS.items() if arg(args, m) is not None}}
+    out["norm_topk_prob"] = _normalises(arg(args, "moe_router_topk", 2))
     if arg(args, "rope_type") == "yarn":
         rope = dict(out.pop("rope_parameters", None) or {})
         rope.update(rope_type="yarn", rope_theta=out.pop("rope_theta", rope.get("rope_theta")))
@@ -309,7 +311,21 @@ def _hf_from_megatron(args: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _normalises(topk: int) -> bool:
+    """Whether Megatron's sigmoid router renormalises the top-k weights (HF's norm_topk_prob): only for k > 1."""
+    return topk > 1
+
+
 def _megatron_refuses(c: DeepseekV3Config, hf: Mapping[str, Any]) -> str | None:
+    if hf.get("norm_topk_prob", True) != _normalises(c.num_experts_per_tok):
+        return (
+            f"norm_topk_prob={hf.get('norm_topk_prob', True)} with {c.num_experts_per_tok} experts a token, but "
+            "Megatron's sigmoid router renormalises the top-k weights exactly when it takes more than one: Megatron "
+            "would compute another model"
+        )
+    rope = rope_scaling(hf)["rope_type"]
+    if rope not in ("default", "yarn"):
+        return f"RoPE of type {rope!r}; Megatron's multi-latent attention has RoPE plain or with YaRN only"
     if hf.get("rope_interleave") is False:
         return (
             "rope_interleave=False, but Megatron's multi-latent attention applies RoPE to interleaved pairs (HF's "

@@ -46,6 +46,40 @@ def latent_attention(args: Any) -> bool:
     return bool(arg(args, "multi_latent_attention", False))
 
 
+def rope_scaling(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """An HF config's RoPE scaling in either spelling (transformers 5's rope_parameters, 4's rope_scaling), with its
+    rope_type ("default": none)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    params = dict(params) if isinstance(params, Mapping) else {}
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def check_router(args: Any, family: str, *, score: str, pre_softmax: bool | None, scaled: bool, grouped: bool) -> None:
+    """Refuse a MoE router whose weights `family`'s Hugging Face model computes otherwise, naming the argument:
+    `score` the function it scores experts with, `pre_softmax` whether it takes the top-k of the softmax over all
+    experts (None: either, as the family's config says), `scaled` / `grouped` whether it has a scaling of the
+    weights / group-limited routing (megatron-core's `topk_routing_with_score_function`)."""
+    balancing = arg(args, "moe_router_load_balancing_type", "aux_loss")
+    scores = arg(args, "moe_router_score_function", "softmax")
+    pre = bool(arg(args, "moe_router_pre_softmax", False))
+    scaling = arg(args, "moe_router_topk_scaling_factor", 1.0)
+    groups = arg(args, "moe_router_group_topk")
+    wrong = [
+        ("moe_router_load_balancing_type", balancing, balancing == "sinkhorn"),
+        ("moe_router_score_function", scores, scores != score),
+        ("moe_router_pre_softmax", pre, pre_softmax is not None and pre != pre_softmax),
+        ("moe_router_topk_scaling_factor", scaling, not scaled and scaling != 1.0),
+        ("moe_router_group_topk", groups, not grouped and bool(groups)),
+    ]
+    for name, value, is_wrong in wrong:
+        if is_wrong:
+            raise UcpError(
+                f"{name}={value!r}: the {family} family's router (as Hugging Face computes it) weighs the experts "
+                "otherwise; converting would change the model"
+            )
+
+
 def _hf_as_is(args: Any, hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
@@ -74,13 +108,25 @@ class MegatronNames(Generic[C]):
 
 def gpt_shape(args: Any, vocab_size: int | None = None) -> dict[str, Any]:
     """The config fields every family shares, from a job's args (`vocab_size`: the true vocabulary, where the args
-    know only the padded one); refuses a decoder that no family is (not SwiGLU, linear biases, not RMSNorm)."""
+    know only the padded one); refuses a decoder that no family is (not SwiGLU, linear biases, not RMSNorm, norm
+    weights kept less one, positions other than RoPE over whole heads), rather than convert it to another model."""
     if not arg(args, "swiglu", False):
         raise UcpError("args.swiglu is off; ucp's families are SwiGLU (gate/up fused in linear_fc1)")
     if arg(args, "add_bias_linear", False):
         raise UcpError("linear biases (add_bias_linear) have no atom in ucp's families")
     if arg(args, "normalization", "RMSNorm") != "RMSNorm":
         raise UcpError(f"normalization={args.normalization!r}; ucp's families use RMSNorm")
+    if arg(args, "apply_layernorm_1p", False):
+        raise UcpError("apply_layernorm_1p: norm weights kept less one have no atom in ucp's families")
+    if arg(args, "position_embedding_type", "rope") != "rope":
+        raise UcpError(f"position_embedding_type={args.position_embedding_type!r}; ucp's families use RoPE")
+    if arg(args, "rotary_percent", 1.0) != 1.0:
+        raise UcpError(
+            f"rotary_percent={args.rotary_percent}: RoPE over part of each head has no Hugging Face config in "
+            "ucp's families"
+        )
+    if arg(args, "rotary_interleaved", False) and not latent_attention(args):
+        raise UcpError("rotary_interleaved: RoPE on interleaved pairs has no Hugging Face config in ucp's families")
     heads, hidden = required(args, "num_attention_heads"), required(args, "hidden_size")
     vocab = vocab_size or arg(args, "vocab_size") or arg(args, "padded_vocab_size")
     if vocab is None:

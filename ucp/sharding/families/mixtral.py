@@ -11,7 +11,7 @@ from typing import Any
 
 from . import llama, qwen_moe
 from .config import FamilyConfig
-from .megatron_names import MegatronNames, arg, experts, latent_attention, required
+from .megatron_names import MegatronNames, arg, check_router, experts, latent_attention, required
 from .table import Family, Rule, gate_up_spec, replicated, row_split
 
 
@@ -75,6 +75,8 @@ RULES = (
 
 
 def _from_megatron(args: Any, shape: dict[str, Any]) -> MixtralConfig:
+    # (Mixtral: the softmax over the top-k logits, which is HF's renormalised top-k of the softmax over all)
+    check_router(args, "Mixtral", score="softmax", pre_softmax=False, scaled=False, grouped=False)
     return MixtralConfig(
         intermediate_size=arg(args, "moe_ffn_hidden_size") or required(args, "ffn_hidden_size"),
         num_local_experts=experts(args),

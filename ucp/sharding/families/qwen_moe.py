@@ -22,7 +22,7 @@ from typing import Any
 from ...errors import UcpError
 from . import llama
 from .config import FamilyConfig
-from .megatron_names import MegatronNames, arg, experts, latent_attention, required
+from .megatron_names import MegatronNames, arg, check_router, experts, latent_attention, required
 from .table import Family, Rule, column_split, gate_up_spec, replicated, row_split
 
 
@@ -168,6 +168,8 @@ def _from_megatron(args: Any, shape: dict[str, Any]) -> QwenMoeConfig:
     shared = arg(args, "moe_shared_expert_intermediate_size", 0)
     if shared and not arg(args, "moe_shared_expert_gate", False):
         raise UcpError("a shared expert without its gate (moe_shared_expert_gate) has no Qwen MoE atom")
+    # (either softmax: before the top-k is HF's norm_topk_prob=False, `_hf_from_megatron`)
+    check_router(args, "Qwen MoE", score="softmax", pre_softmax=None, scaled=False, grouped=False)
     ffn = required(args, "ffn_hidden_size")
     return QwenMoeConfig(
         moe_intermediate_size=arg(args, "moe_ffn_hidden_size") or ffn,
