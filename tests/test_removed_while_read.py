@@ -13,7 +13,7 @@ import torch
 
 import ucp
 from ucp.errors import ObjectMissingError, StepRemovedError
-from ucp.protocol import commit
+from ucp.protocol import attempt
 from ucp.storage import open_storage
 
 OPTIONS = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(object_bytes=8192, inner_bytes=2048), fsync=False)
@@ -29,7 +29,7 @@ def state(seed: int) -> dict:
 def test_a_step_deleted_after_it_was_opened_is_removed_not_damaged(tmp_path, options):
     ucp.save(state(1), str(tmp_path), step=1, options=options)
     reader = ucp.open_checkpoint(str(tmp_path))
-    commit.delete_step(open_storage(str(tmp_path)), 1)
+    attempt.delete_step(open_storage(str(tmp_path)), 1)
     with pytest.raises(StepRemovedError, match="step 1 .* was removed while it was being read"):
         reader.load_state()
     assert issubclass(StepRemovedError, ucp.CheckpointNotFoundError)

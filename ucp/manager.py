@@ -282,7 +282,7 @@ class CheckpointManager:
         if self.keep_last is None:
             return
         for step in self.steps()[: -self.keep_last]:
-            commit.delete_step(self.storage, step)
+            attempt.delete_step(self.storage, step)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -590,7 +590,7 @@ class HotTier:
 
     def apply_retention(self) -> None:
         for step in commit.committed_steps(self.storage)[: -self.keep_last]:
-            commit.delete_step(self.storage, step)
+            attempt.delete_step(self.storage, step)
         attempt.collect_garbage(self.storage)
 
     def drain(
@@ -757,7 +757,7 @@ class HotTier:
         if self.is_leader:  # a timeline the job will now redo (all of it, on a fresh start)
             for step in mine:
                 if chosen is None or step > chosen.step:
-                    commit.delete_step(self.storage, step)
+                    attempt.delete_step(self.storage, step)
         if chosen is None:
             raise CheckpointNotFoundError(f"no committed step at {durable.url} nor held whole by the nodes' hot tiers")
         return chosen

@@ -18,8 +18,9 @@ of the lease while the save runs. An uncommitted attempt is garbage, and `collec
 
 An attempt of a step that another attempt committed is removed only once its owner is gone too: a live loser of
 a race is still writing into it, and removes it itself when its commit is refused. The attempt that a commit
-marker names is never removed (only `commit.delete_step`, which removes the marker first, does that). A step
-directory with a damaged commit marker is never touched.
+marker names is never removed (only `delete_step`, retention's, which removes the marker first, does that; it too
+leaves alone an attempt whose owner may still be saving: another job's save of the same step). A step directory
+with a damaged commit marker is never touched.
 
 A saver that cannot renew its lease (a host cut off from the store) may have its attempt removed once the lease
 has run out; so it never commits after its own clock says that its last renewal is more than `lease_s` old, less a
@@ -271,6 +272,31 @@ def collect_garbage(storage: Storage, *, now: float | None = None) -> list[str]:
         if record is None and removed and removed[-1].startswith(step_dir + "/"):
             storage.remove_empty_dir(step_dir)
     return removed
+
+
+def delete_step(storage: Storage, step: int, *, now: float | None = None) -> None:
+    """Remove a committed step (retention): the marker first, so it is never visible half-deleted, then everything
+    under the step's directory but an attempt that a live process may still be saving (another job's save of the
+    same step: removed, its writes would go on into nothing and its commit would name objects that are gone)."""
+    clock = _StoreClock(storage, now)
+    record = commit.read_marker(storage, step)
+    storage.delete(commit.marker_key(step))
+    storage.flush()
+    step_dir = step_dirname(step)
+    kept = False
+    for name in storage.listdir(step_dir):
+        live = (
+            is_attempt_dirname(name)
+            and (record is None or name != record.attempt)
+            and not _attempt_is_dead(storage, step, name, clock)
+        )
+        if live:
+            kept = True
+            log.info("kept %s/%s/%s: a save of it may still run", storage.url, step_dir, name)
+        else:
+            storage.delete(f"{step_dir}/{name}")
+    if not kept:
+        storage.delete(step_dir)
 
 
 def _named_by_marker(storage: Storage, step: int, attempt: str) -> bool:

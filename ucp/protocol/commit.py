@@ -306,10 +306,3 @@ def check_manifest_bytes(data: bytes, record: CommitRecord, where: str) -> bytes
             f"!= {struct.pack('>I', record.manifest_crc32c).hex()} recorded by the commit)"
         )
     return data
-
-
-def delete_step(storage: Storage, step: int) -> None:
-    """Remove a step: the marker first, so it is never visible half-deleted."""
-    storage.delete(marker_key(step))
-    storage.flush()
-    storage.delete(step_dirname(step))

@@ -328,7 +328,8 @@ class SaveSession:
         )
 
     def _check_lease(self) -> None:
-        """Refuse to commit once the lease may have run out where gc judges it (`attempt.Lease.expired`)."""
+        """Refuse to commit once the lease may have run out where gc judges it (`attempt.Lease.expired`), or once
+        the attempt is gone (removed by another process: what it wrote before may be gone with it)."""
         lease = self._lease
         expired = lease.expired() if lease is not None else None
         if lease is not None and expired is not None:
@@ -336,6 +337,11 @@ class SaveSession:
                 f"step {self.step} at {self.storage.url} was not committed: its attempt's lease could not be renewed "
                 f"for {lease.record.lease_s + expired:.1f} s (the store unreachable?), so garbage collection may have "
                 "removed the attempt"
+            )
+        if lease is not None and not self.storage.exists(attempt.record_key(self.step, self.attempt)):
+            raise StorageError(
+                f"step {self.step} at {self.storage.url} was not committed: its attempt {self.attempt} was removed "
+                "while it was saved (by another process's retention or garbage collection)"
             )
 
     def abort(self, error: BaseException) -> None:
