@@ -57,16 +57,27 @@ def manager_with(storage: LocalStorage, **kwargs) -> ucp.CheckpointManager:
 
 @pytest.mark.parametrize("mode", ["async", "lazy"])
 def test_snapshot_is_taken_before_training_changes_the_tensors(tmp_path, mode):
+    """The tensors and the JSON values (a loader's position, a scheduler's groups: kept by reference before, so an
+    async save wrote what training had made of them by its commit)."""
     storage = SlowStorage(str(tmp_path))
     manager = manager_with(storage, mode=mode)
     state = make_state()
-    expected = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": 0}
+    state["loader"] = {"position": 100, "history": [1, 2], "groups": [{"lr": 0.1}], "order": (3, [4])}
+    expected = {
+        "model": {k: v.clone() for k, v in state["model"].items()},
+        "step": 0,
+        "loader": {"position": 100, "history": [1, 2], "groups": [{"lr": 0.1}], "order": [3, [4]]},
+    }
     handle = manager.save(1, state)
     handle.wait_snapshot()
     assert not handle.done(), "writes are held, so the save cannot have finished"
     assert manager.steps() == []
     for t in state["model"].values():  # the optimizer step
         t.add_(1.0)
+    state["loader"]["position"] = 200  # the data loader and the scheduler move on, in place
+    state["loader"]["history"].append(3)
+    state["loader"]["groups"][0]["lr"] = 0.05
+    state["loader"]["order"][1].append(5)
     storage.gate.set()
     record = manager.wait()
     assert record.step == 1 and manager.steps() == [1]

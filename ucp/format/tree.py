@@ -65,8 +65,18 @@ def _plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def _copied(value: Any) -> Any:
+    """A copy of a plain value (`_plain`): what the caller changes after a save began is not what it saves (an
+    async save writes the tree in the background, after training went on)."""
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copied(v) for v in value]
+    return value  # (None, bool, int, float, str: immutable)
+
+
 def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Split a state into its JSON tree and its tensors, keyed by atom path ('a/b/c')."""
+    """Split a state into its JSON tree (its plain values copied) and its tensors, keyed by atom path ('a/b/c')."""
     if not isinstance(state, dict):
         raise StateError(f"a state must be a dict, got {type(state).__name__}")
     tensors: dict[str, torch.Tensor] = {}
@@ -96,11 +106,11 @@ def _encode(value: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> di
         return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, dict):
         if path and _plain(value, len(path)):
-            return {"value": value}
+            return {"value": _copied(value)}
         return {"dict": {check_key(k, where): _encode(v, [*path, k], tensors) for k, v in value.items()}}
     if isinstance(value, (list, tuple)):
         if _plain(value, len(path)):
-            return {"value": list(value)}
+            return {"value": _copied(value)}
         return {"list": [_encode(v, [*path, str(i)], tensors) for i, v in enumerate(value)]}
     if _plain(value):
         return {"value": value}
