@@ -403,3 +403,43 @@ def test_memory_storage_stays_on_writer_threads():
     assert handle.writer == "threads"
     assert_same_state(make_state(1), manager.restore())
     manager.close()
+
+
+@pytest.mark.parametrize("abandon", [False, True])
+def test_a_save_s_result_can_be_asked_from_two_threads(tmp_path, abandon):
+    """`result()` from the caller and from another thread (abandon's release thread is one): both get the outcome.
+    Before, the second could find the future dropped by the first between its check and its use (AttributeError)."""
+    manager = ucp.CheckpointManager(str(tmp_path), mode="async", writer="threads", options=OPTIONS)
+    for step in range(20):
+        handle = manager.save(step, make_state(step))
+        outcomes: list = []
+
+        def outcome(handle=handle, outcomes=outcomes) -> None:
+            try:
+                outcomes.append(handle.result())
+            except Exception as e:  # noqa: BLE001 -- what it raised is the outcome
+                outcomes.append(e)
+
+        other = threading.Thread(target=outcome)
+        other.start()
+        if abandon and step == 19:
+            manager.abandon()
+        outcome()
+        other.join()
+        assert not [o for o in outcomes if isinstance(o, AttributeError)], outcomes
+        if not (abandon and step == 19):
+            assert [o.step for o in outcomes] == [step, step]
+    if not abandon:
+        manager.close()
+
+
+def test_a_lazy_snapshot_that_fails_is_reported_by_wait_snapshot(tmp_path):
+    """(wait_snapshot returned as if the snapshot were complete: the failure reached the future only later.)"""
+    manager = ucp.CheckpointManager(str(tmp_path), mode="lazy", writer="threads", staging_bytes=1 << 20)
+    handle = manager.save(0, {"w": torch.randn(1000, 1000)})  # (a 4 MB chunk: more than the staging pool holds)
+    with pytest.raises(ucp.UcpError, match="staging"):
+        handle.wait_snapshot()
+    with pytest.raises(ucp.UcpError, match="staging"):
+        handle.result()
+    assert manager.steps() == []
+    manager.close()

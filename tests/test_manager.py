@@ -92,3 +92,24 @@ def test_a_closed_or_abandoned_manager_refuses_to_save_and_leaves_nothing(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [step_dirname(1)]
     with ucp.CheckpointManager(str(tmp_path)) as again:
         assert again.steps() == [1] and again.restore()["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("step", [-1, 2**63, 2**64, True, "3"])
+def test_a_step_no_reader_can_hold_is_refused_before_anything_is_written(tmp_path, step):
+    """(A step past 2^63 - 1 was committed, then unreadable: its marker out of every reader's bounds, invisible to
+    `steps()` and never removed.)"""
+    manager = ucp.CheckpointManager(str(tmp_path))
+    with pytest.raises(ucp.StateError, match=r"a step must be an integer in \[0, 2\^63 - 1\]"):
+        manager.save(step, {"w": torch.ones(3)})
+    manager.save(2**63 - 1, {"w": torch.ones(3)}).result()
+    assert manager.steps() == [2**63 - 1]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step_")] == [step_dirname(2**63 - 1)]
+
+
+@pytest.mark.parametrize("where", ["manager", "save"])
+def test_a_save_mode_that_does_not_exist_is_refused_before_anything_begins(tmp_path, where):
+    """(Refused only inside the save, after its attempt began: the attempt stayed, owned by a live process.)"""
+    with pytest.raises(ucp.UcpError, match="save mode must be one of .*, got 'asynch'"):
+        manager = ucp.CheckpointManager(str(tmp_path), **({"mode": "asynch"} if where == "manager" else {}))
+        manager.save(0, {"w": torch.ones(2)}, mode="asynch")
+    assert not any(p.name.startswith("step_") for p in tmp_path.iterdir())

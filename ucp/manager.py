@@ -16,7 +16,7 @@ from .distributed.sharded_save import RankSaver, extra_atoms, plan_sharded_save
 from .distributed.shared_manifest import open_shared
 from .distributed.tiers import HotTier, RestoreReport
 from .engine.checkpoint import CheckpointReader, SaveOptions, chunk_jobs, io_threads_for, plan_atoms, plan_save
-from .engine.pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer
+from .engine.pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer, check_mode
 from .errors import StateError
 from .format import tree
 from .protocol import attempt, commit
@@ -76,7 +76,7 @@ class CheckpointManager:
         self.root_url = root_url
         self.keep_last = keep_last
         self.options = options or SaveOptions()
-        self.mode = mode
+        self.mode = check_mode(mode)
         self.comm = comm
         self.storage: Storage = open_storage(root_url, storage_options, fsync=self.options.fsync)
         self.hot = (
@@ -122,6 +122,7 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Save `state` (a nested dict of tensors and JSON values) as `step`; retention follows the commit."""
         self._check_open()
+        check_mode(mode or self.mode)
         self.pipeline.wait()
         plan = plan_save(state, self._target, step, self.options, layout=layout, atom_attributes=atom_attributes)
         return self._submit(plan, mode)
@@ -139,6 +140,7 @@ class CheckpointManager:
         if self.comm is None:
             raise ValueError("save_sharded needs the manager's comm (CheckpointManager(..., comm=TorchComm(group)))")
         self._check_open()
+        check_mode(mode or self.mode)
         self.pipeline.wait()
         plan = plan_sharded_save(
             local_state, self._target, step=step, model=model, comm=self.comm, extra=extra, options=self.options

@@ -61,6 +61,15 @@ Writer = Literal["process", "threads"]
 MODES = ("sync", "async", "lazy")
 WRITERS = ("process", "threads")
 DEFAULT_WRITER: Writer = "process" if PROCESS_WRITER_SUPPORTED else "threads"
+
+
+def check_mode(mode: object) -> Mode:
+    """A save mode, checked before a save begins (a save refused later would leave its attempt begun)."""
+    if mode not in MODES:
+        raise UcpError(f"save mode must be one of {MODES}, got {mode!r:.80}")
+    return mode  # type: ignore[return-value]
+
+
 _BATCH_BYTES = 4 << 20  # chunks go to the writers in batches of about this size...
 _BATCH_CALLS = 64  # ...or this many: small objects do not pay one message (or hand-over) each; the writers split
 # each batch into pool tasks by `workpool.submit_sized`
@@ -195,15 +204,21 @@ class SaveHandle:
     _record: CommitRecord | None = None
     _error: BaseException | None = None  # the save's failure, once `result` has raised it
     _session: SaveSession | None = None  # (abandon cancels it)
+    _snapshot_error: BaseException | None = None  # why the snapshot failed (set before `snapshot_done`)
 
     def wait_snapshot(self) -> None:
-        """Block until the snapshot is complete (lazy mode: before changing the saved tensors)."""
+        """Block until the snapshot is complete (lazy mode: before changing the saved tensors); raise why it failed,
+        if it did (the save fails with it: `result`)."""
         self.snapshot_done.wait()
-        if self._future is not None and self._future.done() and self._future.exception() is not None:
-            raise self._future.exception()  # type: ignore[misc]
+        if self._snapshot_error is not None:
+            raise self._snapshot_error
+        future = self._future  # (read once: `result` in another thread may drop it)
+        if future is not None and future.done() and future.exception() is not None:
+            raise future.exception()  # type: ignore[misc]
 
     def done(self) -> bool:
-        return self._future is None or self._future.done()
+        future = self._future
+        return future is None or future.done()
 
     @property
     def after_commit_errors(self) -> list[Exception]:
@@ -213,17 +228,19 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> CommitRecord | None:
         """Wait for the commit (None on processes that do not commit); raise the save's error if it failed (again
-        at each call: once raised here, the next save and `wait` no longer raise it)."""
-        if self._future is not None:
+        at each call: once raised here, the next save and `wait` no longer raise it). Any thread may call it (the
+        caller's, and the release thread of `abandon`)."""
+        future = self._future  # (read once: another caller may drop it once it is done)
+        if future is not None:
             try:
-                self._record = self._future.result(timeout)
+                self._record = future.result(timeout)
             except cf.TimeoutError:
                 raise
             except BaseException as e:
                 self._error = e
                 raise
             finally:
-                if self._future.done():
+                if future.done():
                     self._future = None
         if self._error is not None:
             raise self._error
@@ -462,8 +479,10 @@ class SavePipeline:
 
     @collector_paused()
     def submit(self, plan: SavePlan, mode: Mode = "sync") -> SaveHandle:
-        if mode not in MODES:
-            raise UcpError(f"save mode must be one of {MODES}, got {mode!r}")
+        try:
+            check_mode(mode)
+        except UcpError as e:  # (the caller checks it before it plans: this ends the plan's attempt all the same)
+            self._fail(plan, e)
         self.fit_packs(plan)
         try:
             self.wait()
@@ -634,10 +653,11 @@ class SavePipeline:
                         hand_over()
             # work queued after the snapshot (the optimizer step) must not change a tensor before its copy ran
             copies.order_after()
-        except BaseException:
+        except BaseException as e:
             _release(self.staging, batch)
             _cancel(futures)
             writes.close()
+            handle._snapshot_error = e
             raise
         finally:
             handle.snapshot_s = time.perf_counter() - start

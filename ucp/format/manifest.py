@@ -60,10 +60,14 @@ def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
 
 
+MAX_STEP = (1 << 63) - 1  # (a signed 64-bit integer: what every reader of the markers can hold)
+
+
 def check_step(step: object) -> int:
-    """A step number to save: a non-negative integer (step directories hold at least 8 digits, more if needed)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise StateError(f"a step must be a non-negative integer, got {step!r:.80}")
+    """A step number to save: an integer in [0, MAX_STEP] (step directories hold at least 8 digits, more if
+    needed)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise StateError(f"a step must be an integer in [0, 2^63 - 1], got {step!r:.80}")
     return step
 
 
