@@ -113,3 +113,13 @@ def test_a_save_mode_that_does_not_exist_is_refused_before_anything_begins(tmp_p
         manager = ucp.CheckpointManager(str(tmp_path), **({"mode": "asynch"} if where == "manager" else {}))
         manager.save(0, {"w": torch.ones(2)}, mode="asynch")
     assert not any(p.name.startswith("step_") for p in tmp_path.iterdir())
+
+
+def test_a_step_older_than_every_kept_one_is_saved_then_removed_with_a_warning(tmp_path, caplog):
+    manager = ucp.CheckpointManager(str(tmp_path), keep_last=2)
+    for step in (5, 6):
+        manager.save(step, {"w": torch.ones(3)})
+    with caplog.at_level("WARNING", logger="ucp"):
+        manager.save(3, {"w": torch.ones(3)}).result()
+    assert manager.steps() == [5, 6]
+    assert "step 3 at" in caplog.text and "removed as soon as it was committed" in caplog.text

@@ -3,6 +3,7 @@ cleanup of interrupted saves, so that a trainer says little."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -23,6 +24,8 @@ from .protocol import attempt, commit
 from .protocol.comm import Comm
 from .protocol.commit import CommitRecord
 from .storage import Storage, open_storage
+
+log = logging.getLogger("ucp")
 
 
 class CheckpointManager:
@@ -202,7 +205,7 @@ class CheckpointManager:
 
     def _after_commit(self, record: CommitRecord | None) -> None:
         if record is not None:  # (the coordinator)
-            self._apply_retention()
+            self._apply_retention(record.step)
             self.gc()
 
     def wait(self) -> CommitRecord | None:
@@ -280,10 +283,17 @@ class CheckpointManager:
         job, is never touched: ownership is decided by the attempt's owner record (`ucp.protocol.attempt`)."""
         return attempt.collect_garbage(self.storage)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, saved: int) -> None:
         if self.keep_last is None:
             return
         for step in self.steps()[: -self.keep_last]:
+            if step == saved:  # (a step older than every kept one: saved, then removed by its own retention)
+                log.warning(
+                    "step %d at %s was removed as soon as it was committed: %d newer steps are kept (keep_last)",
+                    step,
+                    self.root_url,
+                    self.keep_last,
+                )
             attempt.delete_step(self.storage, step)
 
 
