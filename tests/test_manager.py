@@ -87,6 +87,7 @@ def test_a_closed_or_abandoned_manager_refuses_to_save_and_leaves_nothing(tmp_pa
     manager = ucp.CheckpointManager(str(tmp_path), mode=mode)
     manager.save(1, {"w": torch.ones(3)}).result()
     getattr(manager, stop)()
+    manager.close()  # (closing after either: what the manager was stays what it says)
     with pytest.raises(ucp.StateError, match=f"was {stop}(ed|d): saves need a new CheckpointManager"):
         manager.save(2, {"w": torch.ones(3)})
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [step_dirname(1)]

@@ -215,7 +215,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish the save in flight and stop the writers (threads and process)."""
-        self._stopped = "closed"
+        self._stopped = self._stopped or "closed"  # (an abandoned manager stays one: that is what its saves lost)
         self.pipeline.close()
 
     def abandon(self) -> None:
