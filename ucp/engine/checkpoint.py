@@ -624,9 +624,12 @@ class CheckpointReader:
             try:
                 self.run_reads(tasks)
             except UcpError as e:
-                if into is not None:  # (the reads land in place: what they filled before the failure stays)
-                    e.args = (f"{e}; the tensors given (into=) are partly overwritten: load them from a good step",)
-                raise
+                if into is None:
+                    raise
+                # (the reads land in place: what they filled before the failure stays; every ucp error is its message)
+                raise type(e)(
+                    f"{e}; the tensors given (into=) are partly overwritten: load them from a good step"
+                ) from e
         if into is not None:
             for path in paths:
                 if path in aliases:
