@@ -269,13 +269,26 @@ def _write(
     return write_rank_files(dst, target, produce, dtype_of, o.memory_budget, o.workers, o.progress)
 
 
+def _check_fits(config: FamilyConfig, layout: Layout, options: ConvertOptions) -> None:
+    """The target's layout and the job it is written for fit the model, before anything is written; a refusal
+    names the flag and the layout as the user wrote it (ucp's own name of a Megatron layout adds its DP = EP)."""
+    for flag, value, fits in (
+        ("--to", options.to_layout, layout),
+        ("--target-layout", options.target_layout, options.job.layout),
+    ):
+        if fits is not None:
+            try:
+                local_plan(config, fits, 0, ())
+            except LayoutError as e:
+                raise LayoutError(f"{flag} {value}: {e}") from None
+    options.job.check_fits(config)
+
+
 def _reshard(source: MegatronSource, dst: str, options: ConvertOptions) -> ConvertReport:
     """Megatron -> Megatron: each target tensor (parameter or optimizer state) filled from the source regions."""
     job = options.job
     layout, fmt = _target_layout(options.to_layout)
-    for fits in (layout, job.layout or layout):  # the layouts fit the model, before anything is written
-        local_plan(source.config, fits, 0, ())
-    job.check_fits(source.config)
+    _check_fits(source.config, layout, options)
     index = PieceIndex.of(source)
     dtypes_ = source_dtypes(source)
     # RNG states are per rank: a file of the same layout is the same rank, any other has no source to take them from
@@ -328,9 +341,7 @@ def _from_universal(src: str, dst: str, options: ConvertOptions) -> ConvertRepor
             "then convert URL"
         )
     layout, fmt = _target_layout(options.to_layout)
-    for fits in (layout, job.layout or layout):  # the layouts fit the model, before anything is written
-        local_plan(config, fits, 0, ())
-    job.check_fits(config)
+    _check_fits(config, layout, options)
     meta = OptimizerMeta.from_json(extra["megatron_optimizer"]) if "megatron_optimizer" in extra else None
     try:
         args = _dist_args(config, layout, job, hf=hf)
