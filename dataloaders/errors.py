@@ -11,6 +11,10 @@ class IndexFormatError(DataLoaderError):
     """A ``.idx`` (or its ``.bin``) is damaged, truncated or not in the MMIDIDX layout."""
 
 
+class ManifestFormatError(DataLoaderError):
+    """A dataset's ``manifest.json`` is damaged, cut short or not one ``prepare`` writes."""
+
+
 class ShardNotFoundError(DataLoaderError):
     """A shard named by a manifest or a URL does not exist."""
 

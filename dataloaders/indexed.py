@@ -200,10 +200,11 @@ class IndexedDatasetWriter:
         self._bin.close()
         idx = encode_index(self.dtype, np.array(self._lengths, dtype=np.int32), np.array(self._docs))
         if self._tmp is not None:
+            tmp, self._tmp = self._tmp, None  # (removed here whatever the upload does: `abort` must not again)
             try:
-                self.fs.put_file(self._tmp.name, self._bin_path)
+                self.fs.put_file(tmp.name, self._bin_path)
             finally:
-                os.unlink(self._tmp.name)
+                os.unlink(tmp.name)
         # The .idx last: a reader that finds it finds a complete .bin.
         self.fs.pipe_file(self._idx_path, idx)
         return parse_index(idx, self._idx_path)

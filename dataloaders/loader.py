@@ -262,13 +262,22 @@ class ElasticLoader:
             )
         if state.get("kind") != self.kind:
             raise StateError(f"state is for a {state.get('kind')!r} loader, this is a {self.kind!r} loader")
+        changed = state.get("manifest_hash") != self.manifest_hash and allow_manifest_change
         for key, value in self.sources[0].describe().items():
             saved = state.get(key, LEGACY_STATE.get(key))
+            if changed and key == "shuffle" and isinstance(saved, dict):
+                # (another dataset: a window's size follows from it, so only the kind of order must be the same)
+                saved, value = saved.get("mode"), value.get("mode")
             if saved != value:
                 hint = ""
                 if key == "shuffle" and isinstance(saved, dict) and "mode" in saved:
                     # (a state saved before the windowed order became the default is in the global order)
-                    hint = f"; resume it with shuffle={saved['mode']!r} (and that order's parameters)"
+                    mode = saved["mode"]  # (the SFT loader's shuffle is on or off: its orders are global or none)
+                    hint = (
+                        f"; resume it with shuffle={mode != 'none'}"
+                        if self.kind == "sft"
+                        else f"; resume it with shuffle={mode!r} (and that order's parameters)"
+                    )
                 raise StateError(f"state has {key}={saved!r}, this loader has {key}={value!r}{hint}")
         if state.get("seed") != self.seed:
             raise StateError(f"state has seed {state.get('seed')}, this loader has seed {self.seed}")

@@ -12,7 +12,7 @@ import json
 import posixpath
 from dataclasses import asdict, dataclass
 
-from .errors import ManifestMismatchError, ShardNotFoundError
+from .errors import ManifestFormatError, ManifestMismatchError, ShardNotFoundError
 from .fetch import IOStats
 from .indexed import IndexInfo, parse_index
 
@@ -92,9 +92,7 @@ def resolve_shards(fs, sources: list[str], stats: IOStats | None = None) -> list
         if fs.exists(man_path):
             raw = fs.cat_file(man_path)
             stats.add(man_path, 0, len(raw), index=True)
-            doc = json.loads(raw)
-            for rec in doc["shards"]:
-                out.append((rec["name"], posixpath.join(src, rec["name"]), rec))
+            out.extend((rec["name"], posixpath.join(src, rec["name"]), rec) for rec in _shard_records(raw, man_path))
             continue
         stats.metadata()
         if fs.isdir(src):
@@ -108,6 +106,37 @@ def resolve_shards(fs, sources: list[str], stats: IOStats | None = None) -> list
     return out
 
 
+def _shard_records(raw: bytes, where: str) -> list[dict]:
+    """The shard records of a dataset's manifest.json, each naming a shard inside the dataset's directory."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise ManifestFormatError(f"{where} is not JSON (damaged or cut short?): {str(e)[:200]}") from None
+    records = doc.get("shards") if isinstance(doc, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ManifestFormatError(f"{where}: not a dataset manifest (no list of shard records under 'shards')")
+    for rec in records:
+        name = rec.get("name")
+        if not isinstance(name, str) or not name or name.startswith("/") or ".." in name.split("/"):
+            raise ManifestFormatError(f"{where}: a shard record names {name!r:.80}, not a shard of this dataset")
+    return records
+
+
+def _read_all(fs, paths: list[str]) -> dict[str, bytes | Exception]:
+    """Each path's bytes, or the error reading it: together where fsspec can (`cat` of a list, concurrent on remote
+    stores), but a path with a glob character fsspec would expand (`run[1]` matches only `run1`) on its own."""
+    magic = [p for p in paths if any(c in p for c in "*?[")]
+    plain = [p for p in paths if p not in set(magic)]
+    datas = fs.cat(plain, on_error="return") if plain else {}
+    datas = dict(datas) if isinstance(datas, dict) else {plain[0]: datas}
+    for path in magic:
+        try:
+            datas[path] = fs.cat_file(path)
+        except Exception as e:  # noqa: BLE001 -- as `cat`'s on_error="return" gives it
+            datas[path] = e
+    return datas
+
+
 def build_manifest(
     fs, sources: list[str], url_of=lambda p: p, stats: IOStats | None = None
 ) -> tuple[Manifest, list[IndexInfo]]:
@@ -115,12 +144,11 @@ def build_manifest(
     reads (``.idx`` files and ``manifest.json`` as index bytes)."""
     stats = stats if stats is not None else IOStats()
     resolved = resolve_shards(fs, sources, stats)
-    paths = [p + ".idx" for _, p, _ in resolved]
-    datas = fs.cat(paths, on_error="return") if paths else {}
+    datas = _read_all(fs, [p + ".idx" for _, p, _ in resolved])
     infos, shards = [], []
     for name, prefix, recorded in resolved:
         path = prefix + ".idx"
-        data = datas.get(path) if isinstance(datas, dict) else datas
+        data = datas.get(path)
         if data is None:  # some filesystems normalise keys; fall back to a direct read
             data = fs.cat_file(path)
         if isinstance(data, FileNotFoundError):

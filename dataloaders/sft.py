@@ -179,7 +179,7 @@ class SFTSource:
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]} if rows else {}
 
     def describe(self) -> dict:
-        return {"seq_len": self.seq_len}
+        return {"seq_len": self.seq_len, "shuffle": self.order.describe()}
 
 
 class SFTLoader(ElasticLoader):

@@ -3,6 +3,7 @@ made: JSONL of integer lists or ``.npy`` arrays -> MMIDIDX shards)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import posixpath
@@ -187,9 +188,10 @@ def iter_token_documents(
             for j, x in enumerate(seq):
                 if type(x) is not int:
                     raise InputFormatError(f"{where}: token {j} is {x!r}, not an integer id")
-                if x > MAX_TOKEN_ID:  # (checked here: past int64, numpy would raise an OverflowError of its own)
+                if not 0 <= x <= MAX_TOKEN_ID:  # (checked here: past int64, numpy raises an OverflowError of its own)
                     raise InputFormatError(
-                        f"{where}: token id {x} at index {j} is too large for a shard's int32 tokens"
+                        f"{where}: token id {str(x)[:80]} at index {j} is "
+                        + ("negative" if x < 0 else "too large for a shard's int32 tokens")
                     )
             ids = np.asarray(seq, dtype=np.int64)
             _check_ids(ids, vocab_size, where)
@@ -292,13 +294,12 @@ def prepare(
         # Bad input (or an interrupt) half way: remove the shards written so far, so that no directory of shards
         # without a manifest is left to be read as a smaller dataset.
         if writer is not None:
-            writer.abort()
+            with contextlib.suppress(OSError):  # (the cleanup never hides what failed)
+                writer.abort()
         for prefix in written:
             for path in (prefix + ".bin", prefix + ".idx"):
-                try:
+                with contextlib.suppress(OSError):  # (not there, or the store as broken as what failed)
                     fs.rm_file(fs._strip_protocol(path))
-                except FileNotFoundError:
-                    pass
         raise
     if not n_docs:  # (a manifest of no shards is a dataset no loader can take a sample from)
         raise InputFormatError(f"{', '.join(inputs)}: no document with a token in it: nothing to prepare")

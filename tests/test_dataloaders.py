@@ -34,6 +34,8 @@ from dataloaders import (
 from dataloaders.fetch import filesystem
 from dataloaders.sft import IGNORE_INDEX, pack_best_fit
 
+from .helpers import DRAW
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -488,6 +490,94 @@ def test_resume_on_another_dataset_is_refused_unless_overridden(tmp_path):
         a.load_state_dict({**state, "version": 99})
     for ld in (a, b):
         ld.close()
+
+
+@pytest.mark.parametrize("shuffle", ["windows", "global"])
+def test_resume_on_a_grown_dataset_keeps_the_counters_in_either_order(tmp_path, shuffle):
+    """(With the windowed order, a window's size follows from the corpus: a grown dataset's state was refused for
+    its other window, allow_manifest_change or not.)"""
+    make_corpus(tmp_path / "a", n_shards=1, docs_per_shard=30)
+    make_corpus(tmp_path / "b", n_shards=DRAW.choice([3, 5]), docs_per_shard=60, seed=3)
+    a = PretrainLoader(str(tmp_path / "a"), seq_len=8, global_batch_size=4, shuffle=shuffle)
+    take(a, 3)
+    b = PretrainLoader(str(tmp_path / "b"), seq_len=8, global_batch_size=4, shuffle=shuffle)
+    b.load_state_dict(a.state_dict(), allow_manifest_change=True)
+    assert next(b).position == 12
+    other = PretrainLoader(str(tmp_path / "b"), seq_len=8, global_batch_size=4, shuffle="none")
+    with pytest.raises(StateError, match=f"state has shuffle='{shuffle}', this loader has shuffle='none'"):
+        other.load_state_dict(a.state_dict(), allow_manifest_change=True)  # (the kind of order still counts)
+    for ld in (a, b, other):
+        ld.close()
+
+
+def test_an_sft_state_of_another_shuffle_is_refused(tmp_path):
+    """(The SFT loader's state said nothing of its order: one of shuffle=False resumed a shuffled loader.)"""
+    url = write_jsonl(tmp_path / "sft.jsonl", sft_records(40))
+    plain = SFTLoader(url, seq_len=48, global_batch_size=4, shuffle=False)
+    take(plain, 1)
+    shuffled = SFTLoader(url, seq_len=48, global_batch_size=4)
+    with pytest.raises(StateError, match=r"state has shuffle=\{'mode': 'none'\}.*resume it with shuffle=False"):
+        shuffled.load_state_dict(plain.state_dict())
+    again = SFTLoader(url, seq_len=48, global_batch_size=4, shuffle=False)
+    again.load_state_dict(plain.state_dict())
+    assert next(again).sample_ids.tolist() == next(plain).sample_ids.tolist()
+    for ld in (plain, shuffled, again):
+        ld.close()
+
+
+def test_a_dataset_whose_path_has_glob_characters_opens(tmp_path):
+    """(fsspec's `cat` of a list expands globs: `run[1]` matched only `run1`, and the shards were not found.)"""
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"some text {i} " * 5} for i in range(20)])
+    ds = tmp_path / "sweep" / "run[1]" / "ds*?"
+    prepare([str(tmp_path / "a.jsonl")], str(ds), shard_tokens=100, progress=False)
+    for source in (str(ds), str(ds / "shard_00000")):
+        loader = PretrainLoader(source, seq_len=8, global_batch_size=2)
+        assert next(loader)["input_ids"].shape == (2, 8)
+        loader.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('{"version": 1, "shards": [{"name": "shard_00000"', "is not JSON"),
+        ("[]", "not a dataset manifest"),
+        ('{"shards": {"name": "x"}}', "not a dataset manifest"),
+        ('{"shards": [{"name": "../../etc/x"}]}', "names '../../etc/x', not a shard of this dataset"),
+        ('{"shards": [{"name": "/abs/x"}]}', "names '/abs/x', not a shard of this dataset"),
+        ('{"shards": [{"nom": "x"}]}', "names None"),
+    ],
+)
+def test_a_damaged_dataset_manifest_is_refused_naming_it(tmp_path, text, match):
+    from dataloaders.errors import ManifestFormatError
+
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"some text {i} " * 5} for i in range(20)])
+    prepare([str(tmp_path / "a.jsonl")], str(tmp_path / "o"), shard_tokens=100, progress=False)
+    (tmp_path / "o" / "manifest.json").write_text(text)
+    with pytest.raises(ManifestFormatError, match=f"manifest.json.*{match}"):
+        open_corpus(str(tmp_path / "o"))
+
+
+def test_a_failed_upload_of_prepare_raises_its_error_and_leaves_no_shard(tmp_path, monkeypatch):
+    """(The failed upload's temporary file was removed twice: a FileNotFoundError of it hid the upload's error, and
+    the shards uploaded before stayed, without a manifest.)"""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    put_file, calls = MemoryFileSystem.put_file, []
+
+    def failing_put_file(self, lpath, rpath, *args, **kwargs):
+        calls.append(rpath)
+        if len(calls) == 2:
+            raise ConnectionError(f"connection reset while uploading {rpath}")
+        return put_file(self, lpath, rpath, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "put_file", failing_put_file)
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"some text {i} " * 5} for i in range(40)])
+    url = f"memory://prepare-{DRAW.randrange(1 << 30)}/ds"
+    with pytest.raises(ConnectionError, match="connection reset while uploading .*shard_00001.bin"):
+        prepare([str(tmp_path / "a.jsonl")], url, shard_tokens=100, progress=False)
+    fs = fsspec.filesystem("memory")
+    assert not fs.exists(url) or fs.find(url) == []
 
 
 def test_global_batch_not_divisible_by_dp(tmp_path):

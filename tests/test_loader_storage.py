@@ -365,6 +365,7 @@ BAD_JSONL = {
     "bool": ("[1, true]", "True, not an integer"),
     "negative": ("[3, -1]", "-1 at index 1 is negative"),
     "past-int64": (f"[1, {2**70}]", "too large"),
+    "below-int64": (f"[1, {-(2**70)}]", "is negative"),
     "past-int32": (f"[{2**31}]", "too large"),
     "not-a-list": ('{"text": "hello"}', "expected a list of token ids"),
 }
