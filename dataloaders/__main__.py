@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="tokenize text files or JSONL (or take token ids) into MMIDIDX shards")
     p.add_argument(
         "inputs", nargs="+",
-        help="text files (one document each) or .jsonl files (one per line); with --tokenized, .jsonl files of "
-        "integer lists (or objects whose --text-key field is one) and .npy integer arrays (a document per row)",
+        help="text files (one document each) or .jsonl/.json files (JSON Lines: one per line); with --tokenized, "
+        ".jsonl files of integer lists (or objects whose --text-key field is one) and .npy integer arrays (a "
+        "document per row)",
     )  # fmt: skip
     p.add_argument("--out", required=True, help="output directory URL (local path, s3://bucket/prefix, ...)")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a tokenizer.json")

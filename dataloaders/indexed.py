@@ -107,6 +107,8 @@ def parse_index(data: bytes, name: str = "<idx>") -> IndexInfo:
         raise IndexFormatError(f"{name}: unsupported MMIDIDX version {version} at offset 9, expected {VERSION}")
     if code not in DTYPE_CODES:
         raise IndexFormatError(f"{name}: unknown dtype code {code} at offset 17, expected one of 1..8")
+    if DTYPE_CODES[code].kind == "f":  # (valid in Megatron's format, for other data; a token is an integer)
+        raise IndexFormatError(f"{name}: dtype code {code} at offset 17 is {DTYPE_CODES[code]}, not token ids")
     expected = _HEADER.size + 12 * n_seq + 8 * n_doc
     if len(data) < expected:
         raise IndexFormatError(

@@ -84,7 +84,7 @@ class PretrainSource:
                 log.warning(
                     "cache_bytes=%d is below what one rank of %d draws from at once in the windowed order "
                     "(%d bytes: %d lanes, %d windows of %d bytes each): windows will be read more than once",
-                    cache_bytes, ranks, needed, self.lanes_per_rank(ranks), span_windows, nbytes,
+                    cache_bytes, ranks, needed, self.lanes_per_rank(ranks), needed // nbytes, nbytes,
                 )  # fmt: skip
             self.windows = WindowReader(corpus, seq_len, window, self.num_samples, cache_bytes)
         else:
@@ -175,6 +175,14 @@ class PretrainLoader(ElasticLoader):
             )
             for d in datasets
         ]  # fmt: skip
+        if shuffle == "windows" and global_batch_size % lanes and lanes % global_batch_size:
+            log.warning(
+                "global batch %d and %d lanes: neither divides the other, so a rank's slice of each batch moves "
+                "across the lanes and draws from all of them; the cache, sized for a rank's own lanes, will read "
+                "windows more than once (make the batch a multiple of the lanes, or give cache_bytes for all)",
+                global_batch_size,
+                lanes,
+            )
         self.seq_len = seq_len
         self.disk_cache = disk
         super().__init__(sources, global_batch_size, dp_rank, dp_size, weights, seed, prefetch, num_threads)

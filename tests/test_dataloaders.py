@@ -419,6 +419,19 @@ def test_damaged_idx_magic(tmp_path):
         PretrainLoader(str(tmp_path), seq_len=8, global_batch_size=2)
 
 
+@pytest.mark.parametrize(("code", "dtype"), [(6, "float64"), (7, "float32"), (9, "")])
+def test_an_idx_of_another_dtype_than_token_ids_is_refused(tmp_path, code, dtype):
+    """(Megatron's format holds floats too: a float shard loaded as truncated token ids.)"""
+    make_corpus(tmp_path, n_shards=1)
+    p = tmp_path / "shard_00.idx"
+    raw = bytearray(p.read_bytes())
+    raw[17] = code
+    p.write_bytes(bytes(raw))
+    match = f"dtype code {code} at offset 17 is {dtype}, not token ids" if dtype else "unknown dtype code 9"
+    with pytest.raises(IndexFormatError, match=rf"shard_00\.idx: {match}"):
+        open_corpus(str(tmp_path))
+
+
 def test_truncated_idx(tmp_path):
     make_corpus(tmp_path, n_shards=1)
     p = tmp_path / "shard_00.idx"
