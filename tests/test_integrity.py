@@ -138,3 +138,35 @@ def test_verify_checks_the_root_and_group_documents(tmp_path, which):
         out.stdout
     )
     assert torch.equal(ucp.load(str(tmp_path))["model"]["w"], state(1)["model"]["w"])
+
+
+@pytest.mark.parametrize("edit", ["far", "swapped", "moved"])
+def test_a_shard_index_changed_with_its_own_checksum_fixed_is_refused(tmp_path, edit):
+    """The head's recorded checksum cannot tell one index from another that carries its own CRC (a message followed
+    by its CRC-32C always hashes to one constant), so an index is held to the layout every shard is written in. An
+    offset of 16 TiB was a MemoryError (a gap of that size allocated); two entries swapped read each inner chunk
+    from the other's place (each carries its own checksum: a false IntegrityError of the data, or worse)."""
+    import struct
+
+    import crc32c
+
+    ucp.save(state(0), str(tmp_path), step=1, options=SHARDED)
+    meta = ucp.open_checkpoint(str(tmp_path)).atoms["model/w"]
+    n = meta.inner_grid[0] * meta.inner_grid[1]
+    shard_file = step_path(tmp_path) / "model/w" / meta.chunk_key((0, 0))
+    data = bytearray(shard_file.read_bytes())
+    entries = list(struct.unpack(f"<{2 * n}Q", data[: 16 * n]))
+    if edit == "far":
+        entries[2] = 1 << 44
+    elif edit == "swapped":
+        entries[0], entries[2] = entries[2], entries[0]
+    else:  # (one inner chunk moved past the last one's end: a gap where the object ends)
+        entries[2 * (n - 1)] += entries[1]
+    index = struct.pack(f"<{2 * n}Q", *entries)
+    data[: 16 * n] = index
+    data[16 * n : 16 * n + 4] = struct.pack("<I", crc32c.crc32c(index))
+    shard_file.write_bytes(bytes(data))
+    with pytest.raises(ucp.IntegrityError, match=r"model/w' chunk c\.0\.0.*(bad index entry|does not lay)"):
+        ucp.load(str(tmp_path))
+    out = verify_cli(tmp_path)
+    assert out.returncode == 1 and "atom 'model/w' chunk c.0.0" in out.stdout, out.stdout

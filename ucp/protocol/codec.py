@@ -171,19 +171,31 @@ class ShardIndex:
         expected = meta.stored_chunk_bytes() + CRC_BYTES
         chunks: list[InnerChunk] = []
         boxes = _inner_boxes(meta, outer)  # (those outside the array are absent: their entries are not read)
+        # No entry points past the largest shard of this atom (or its recorded size): an edited offset must never
+        # become a read, or an allocation, of its size.
+        end = recorded[0] if recorded is not None else head + len(boxes) * expected
         for i, box in enumerate(boxes):
             offset, nbytes = values[2 * i], values[2 * i + 1]
             if box is None:
                 continue
             if offset == EMPTY_INDEX_ENTRY:
                 raise IntegrityError(f"{where}: inner chunk {i} is missing from the shard index")
-            if nbytes != expected or offset < head:
+            if nbytes != expected or not head <= offset <= end - nbytes:
                 raise IntegrityError(
                     f"{where}: inner chunk {i} has a bad index entry (offset {offset}, {nbytes} bytes)"
                 )
             crc = table[i * CRC_BYTES : (i + 1) * CRC_BYTES] if table is not None else None
             chunks.append(InnerChunk(i, offset, nbytes, crc))
-        return cls(len(boxes), tuple(chunks), crc_table=meta.crc_table)
+        index = cls(len(boxes), tuple(chunks), crc_table=meta.crc_table)
+        # The head's recorded checksum cannot tell one index from another that carries its own CRC (the CRC of a
+        # message followed by its CRC is a constant), so format 2's index is held to the layout its writer gives
+        # every shard: the inner chunks back to back after the head, in C order.
+        if meta.crc_table and not index.is_dense():
+            raise IntegrityError(
+                f"{where}: the shard index does not lay the inner chunks back to back after the head, as every "
+                "shard is written: it was changed after the commit"
+            )
+        return index
 
     def head(self) -> list[bytes]:
         """The head's bytes: the index ((offset, nbytes) per inner chunk, all ones where absent), its checksum and,
