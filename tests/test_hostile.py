@@ -497,3 +497,41 @@ def test_a_hostile_index_part_is_a_format_error_naming_it(pristine_packed, tmp_p
     with pytest.raises(ucp.FormatError, match=fragment):
         ucp.load(str(root), step=3)
     assert_one_line_error(run_cli("verify", str(root), "--step", "3"), fragment)
+
+
+def test_packed_chunks_of_two_index_parts_that_overlap_are_refused_by_load_and_verify(tmp_path, monkeypatch):
+    """Each index part's own records are checked not to overlap when it is read; records of two parts meet only in
+    a read of the pack (or verify's): there, an overlap is a FormatError. Before, verify passed it and a load read
+    the second chunk out of place (a false IntegrityError of intact data)."""
+    import crc32c
+
+    from ucp.format import index
+
+    packed = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=1 << 20), fsync=False)
+    ucp.save({"a": torch.randn(7), "b": torch.randn(9)}, str(tmp_path), step=3, options=packed)
+    doc = manifest_view(tmp_path, 3)
+    atoms = doc["attributes"]["ucp"]["atoms"]
+    (pack, offset, _, _), (_, _, nbytes, _) = atoms["a"]["packed"][0], atoms["b"]["packed"][0]
+    data = (step_path(tmp_path, 3) / pack / "c.0").read_bytes()
+    atoms["b"]["packed"][0] = [pack, offset, nbytes, crc32c.crc32c(data[offset : offset + nbytes])]  # over a's
+    monkeypatch.setattr(index, "PART_RECORDS", 1)  # (a part per atom: a's record and b's in two)
+    reseal_manifest(tmp_path, doc, 3)
+    assert len(list((step_path(tmp_path, 3) / "ucp-index").glob("atoms-*"))) == 2
+    with pytest.raises(ucp.FormatError, match=r"atom '(a|b)' chunk c .*overlap another chunk's"):
+        ucp.load(str(tmp_path))
+    out = run_cli("verify", str(tmp_path))
+    assert out.returncode == 1 and "overlap atom" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_verify_reads_no_more_of_a_pack_than_its_recorded_size(tmp_path):
+    """(It read a pack whole whatever its size on storage: a pack grown to a 4 TiB sparse file was a MemoryError.)"""
+    packed = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=1 << 20), fsync=False)
+    ucp.save({"a": torch.randn(7), "b": torch.randn(9)}, str(tmp_path), step=3, options=packed)
+    (pack,) = (step_path(tmp_path, 3) / "ucp-packs").glob("p*")
+    with open(pack / "c.0", "r+b") as f:
+        f.truncate(1 << 42)
+    out = run_cli("verify", str(tmp_path))
+    assert out.returncode == 1 and "is more than the" in out.stdout and "bytes its commit recorded" in out.stdout, (
+        out.stdout,
+        out.stderr,
+    )

@@ -143,9 +143,9 @@ def test_verify_checks_the_root_and_group_documents(tmp_path, which):
 @pytest.mark.parametrize("edit", ["far", "swapped", "moved"])
 def test_a_shard_index_changed_with_its_own_checksum_fixed_is_refused(tmp_path, edit):
     """The head's recorded checksum cannot tell one index from another that carries its own CRC (a message followed
-    by its CRC-32C always hashes to one constant), so an index is held to the layout every shard is written in. An
-    offset of 16 TiB was a MemoryError (a gap of that size allocated); two entries swapped read each inner chunk
-    from the other's place (each carries its own checksum: a false IntegrityError of the data, or worse)."""
+    by its CRC-32C always hashes to one constant): an index is held by its bounds and the table. An offset of 16 TiB
+    was a MemoryError (a gap of that size allocated); entries swapped or moved read an inner chunk from another
+    place, which fails the checksum the table lists for its own."""
     import struct
 
     import crc32c
@@ -166,7 +166,7 @@ def test_a_shard_index_changed_with_its_own_checksum_fixed_is_refused(tmp_path, 
     data[: 16 * n] = index
     data[16 * n : 16 * n + 4] = struct.pack("<I", crc32c.crc32c(index))
     shard_file.write_bytes(bytes(data))
-    with pytest.raises(ucp.IntegrityError, match=r"model/w' chunk c\.0\.0.*(bad index entry|does not lay)"):
+    with pytest.raises(ucp.IntegrityError, match=r"model/w' chunk c\.0\.0.*(bad index entry|not the one the commit)"):
         ucp.load(str(tmp_path))
     out = verify_cli(tmp_path)
     assert out.returncode == 1 and "atom 'model/w' chunk c.0.0" in out.stdout, out.stdout

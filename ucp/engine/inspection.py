@@ -16,7 +16,16 @@ import torch
 from ..base import dtypes
 from ..base.boxes import box_shape, relative, to_slices
 from ..errors import FormatError, IntegrityError, ObjectMissingError, StorageError
-from ..format.manifest import CRC_BYTES, MAX_DOCUMENT_BYTES, ZARR_JSON, AtomMeta, chunk_indices, group_json, loads
+from ..format.manifest import (
+    CRC_BYTES,
+    MAX_DOCUMENT_BYTES,
+    ZARR_JSON,
+    AtomMeta,
+    PackedChunk,
+    chunk_indices,
+    group_json,
+    loads,
+)
 from ..format.packs import pack_meta, pack_object_key
 from .checkpoint import CheckpointReader, group_paths
 
@@ -261,9 +270,22 @@ def check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...
             )
 
 
-def check_pack(reader: CheckpointReader, name: str) -> None:
-    """Read one pack whole and check it: its zarr.json, its size and checksum against what the commit recorded, and
-    every packed chunk it holds against its own recorded checksum. A failure names the atoms the pack holds."""
+PackMembers = dict[str, list[tuple[str, tuple[int, ...], PackedChunk]]]  # pack -> (atom, chunk index, where)
+
+
+def pack_members(reader: CheckpointReader) -> PackMembers:
+    """Every packed chunk of the step, by pack (built once for all the packs: each atom's records read once)."""
+    members: PackMembers = {name: [] for name in reader.manifest.packs}
+    for path, chunks in reader.manifest.packed.items():
+        for index, c in zip(chunk_indices(reader.atoms[path].grid), chunks):
+            members.setdefault(c.pack, []).append((path, index, c))
+    return members
+
+
+def check_pack(reader: CheckpointReader, name: str, members: PackMembers) -> None:
+    """Read one pack whole (no more than its recorded size) and check it: its zarr.json, its size and checksum
+    against what the commit recorded, and every packed chunk it holds (`members`): inside it, overlapping no other,
+    and matching its own recorded checksum. A failure names the atoms the pack holds."""
     nbytes, crc = reader.manifest.packs[name]
     meta = pack_meta(name, nbytes - CRC_BYTES)
     where = f"pack {name} (step {reader.step})"
@@ -273,13 +295,12 @@ def check_pack(reader: CheckpointReader, name: str) -> None:
         raise IntegrityError(f"{where}: its {ZARR_JSON} is missing") from None
     meta.check_zarr_json(loads(doc, f"{where} {ZARR_JSON}", MAX_DOCUMENT_BYTES))
     try:
-        data = reader.storage.read(pack_object_key(reader.prefix, name))
+        data = reader.storage.read(pack_object_key(reader.prefix, name), 0, nbytes + 1)
     except FileNotFoundError:
         raise IntegrityError(f"{where} is missing; {reader.pack_holds(name)}") from None
     if len(data) != nbytes:
-        raise IntegrityError(
-            f"{where} is {len(data)} bytes, not the {nbytes} its commit recorded; {reader.pack_holds(name)}"
-        )
+        longer = "more than" if len(data) > nbytes else f"{len(data)} bytes, not"
+        raise IntegrityError(f"{where} is {longer} the {nbytes} bytes its commit recorded; {reader.pack_holds(name)}")
     body, stored = data[:-CRC_BYTES], int.from_bytes(data[-CRC_BYTES:], "little")
     if crc32c.crc32c(body) != stored:
         raise IntegrityError(
@@ -290,12 +311,18 @@ def check_pack(reader: CheckpointReader, name: str) -> None:
             f"{where} is not the pack the commit recorded (its checksum differs): it was swapped, copied from another "
             f"step or left by another save; {reader.pack_holds(name)}"
         )
-    for path, chunks in reader.manifest.packed.items():
-        for index, c in zip(chunk_indices(reader.atoms[path].grid), chunks):
-            if c.pack == name and crc32c.crc32c(body[c.offset : c.offset + c.nbytes]) != c.crc:
-                raise IntegrityError(
-                    f"atom {path!r} chunk {reader.atoms[path].chunk_key(index)} in {where}: checksum mismatch"
-                )
+    end, previous = 0, ""
+    for path, index, c in sorted(members.get(name, []), key=lambda m: m[2].offset):
+        chunk = f"atom {path!r} chunk {reader.atoms[path].chunk_key(index)} in {where}"
+        if c.offset < end or c.offset + c.nbytes > len(body):
+            # (the records of different index parts: each part's own are checked when it is read)
+            raise FormatError(
+                f"{chunk}: bytes [{c.offset}, {c.offset + c.nbytes}) "
+                + (f"overlap {previous}'s" if c.offset < end else f"pass the pack's end ({len(body)})")
+            )
+        end, previous = c.offset + c.nbytes, chunk.split(" in ")[0]
+        if crc32c.crc32c(body[c.offset : c.offset + c.nbytes]) != c.crc:
+            raise IntegrityError(f"{chunk}: checksum mismatch")
 
 
 def verify(reader: CheckpointReader) -> VerifyReport:
@@ -313,7 +340,8 @@ def verify(reader: CheckpointReader) -> VerifyReport:
         if not meta.packed:
             tasks.append(functools.partial(reader.check_atom_metadata, meta))
             tasks += [functools.partial(check_object, reader, meta, i) for i in chunk_indices(meta.grid)]
-    tasks += [functools.partial(check_pack, reader, name) for name in reader.manifest.packs]
+    members = pack_members(reader)
+    tasks += [functools.partial(check_pack, reader, name, members) for name in reader.manifest.packs]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         with cf.ThreadPoolExecutor(reader.io_threads) as pool:

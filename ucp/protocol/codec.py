@@ -28,7 +28,7 @@ import torch
 
 from ..base import dtypes
 from ..base.boxes import Box, box_shape, intersect, relative, to_slices
-from ..errors import IntegrityError, ObjectMissingError
+from ..errors import FormatError, IntegrityError, ObjectMissingError
 from ..format.manifest import (
     CRC_BYTES,
     EMPTY_INDEX_ENTRY,
@@ -186,16 +186,10 @@ class ShardIndex:
                 )
             crc = table[i * CRC_BYTES : (i + 1) * CRC_BYTES] if table is not None else None
             chunks.append(InnerChunk(i, offset, nbytes, crc))
-        index = cls(len(boxes), tuple(chunks), crc_table=meta.crc_table)
-        # The head's recorded checksum cannot tell one index from another that carries its own CRC (the CRC of a
-        # message followed by its CRC is a constant), so format 2's index is held to the layout its writer gives
-        # every shard: the inner chunks back to back after the head, in C order.
-        if meta.crc_table and not index.is_dense():
-            raise IntegrityError(
-                f"{where}: the shard index does not lay the inner chunks back to back after the head, as every "
-                "shard is written: it was changed after the commit"
-            )
-        return index
+        # (The head's recorded checksum cannot tell one index from another that carries its own CRC: the CRC of a
+        # message followed by its CRC is a constant. What holds the index is these bounds and the table: an inner
+        # chunk read from any place but its own fails the checksum the table lists for its place.)
+        return cls(len(boxes), tuple(chunks), crc_table=meta.crc_table)
 
     def head(self) -> list[bytes]:
         """The head's bytes: the index ((offset, nbytes) per inner chunk, all ones where absent), its checksum and,
@@ -445,6 +439,11 @@ def read_packed(
         buffers: list[memoryview] = []
         for r in reads:
             gap = r.offset - pos
+            if gap < 0:  # (the records of different index parts: each part's own are checked when it is read)
+                raise FormatError(
+                    f"atom {r.atom!r} chunk {r.chunk} (step {step}): bytes [{r.offset}, {r.offset + r.nbytes}) of pack "
+                    f"{pack} overlap another chunk's: the step's records are not ones a save writes"
+                )
             if gap > GAP_READ_BYTES:  # (a long run of chunks not wanted: split the read there)
                 _read_run(storage, key, pack, start, buffers, pos, r, step)
                 start, buffers = r.offset, []
@@ -547,7 +546,13 @@ def read_object(
             and _read_dense_shard(storage, key, meta, outer, boxes, dest_for, where, recorded)
         ):
             return
-        whole = storage.read(key) if all_wanted and storage.capabilities.whole_object_reads else None
+        # (a whole read: never more than the object's recorded size, or the largest shard of this atom, and one byte)
+        largest = (
+            recorded[0]
+            if recorded is not None
+            else head_nbytes(meta) + len(boxes) * (meta.stored_chunk_bytes() + CRC_BYTES)
+        )
+        whole = storage.read(key, 0, largest + 1) if all_wanted and storage.capabilities.whole_object_reads else None
         head = whole if whole is not None else storage.read(key, 0, head_nbytes(meta))
         extents = []
         for inner in ShardIndex.parse(meta, outer, head, where, recorded).by_offset():
