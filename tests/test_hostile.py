@@ -7,6 +7,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -535,3 +536,109 @@ def test_verify_reads_no_more_of_a_pack_than_its_recorded_size(tmp_path):
         out.stdout,
         out.stderr,
     )
+
+
+def _reseal_part(root: Path, number: int, part: dict) -> None:
+    """Write index part `number` and record its size and checksum in the manifest, the manifest's in the marker."""
+    import crc32c
+
+    data = json.dumps(part).encode()
+    (step_path(root, 3) / f"ucp-index/atoms-{number}.json").write_bytes(data)
+    doc = manifest_doc(root)
+    doc["attributes"]["ucp"]["index"]["parts"][number][3:] = [len(data), crc32c.crc32c(data)]
+    reseal_manifest_text(root, json.dumps(doc))
+
+
+@pytest.mark.parametrize("edit", ["twice", "out-of-order"])
+def test_an_atom_in_the_wrong_index_part_is_refused_whichever_parts_a_load_reads(tmp_path, monkeypatch, edit):
+    """A part's paths are bounded by the directory only at its ends: an atom listed by two parts, or out of order
+    inside one, gave a whole load one record and a load of that atom alone another (or none), and verify passed."""
+    from ucp.format import index
+
+    monkeypatch.setattr(index, "PART_RECORDS", 6)  # (three atoms a part: a record each and one of its chunk)
+    ucp.save({k: torch.randn(3) for k in "abcdef"}, str(tmp_path), step=3, options=OPTIONS)
+    parts = [json.loads(p.read_text()) for p in sorted((step_path(tmp_path, 3) / "ucp-index").glob("atoms-*.json"))]
+    assert [p["paths"] for p in parts] == [["a", "b", "c"], ["d", "e", "f"]]
+    if edit == "twice":
+        parts[1]["paths"][1] = "b"  # (e's record, named b: b is part 0's too)
+    else:
+        parts[0]["paths"][1], parts[1]["paths"][1] = "e", "b"  # (each part's ends in place, their middles swapped)
+    for number, part in enumerate(parts):
+        _reseal_part(tmp_path, number, part)
+    with pytest.raises(ucp.FormatError, match="listed by (another index part too|index part .* out of the order)"):
+        reader = ucp.open_checkpoint(str(tmp_path), 3)
+        report = verify(reader)
+        assert not report.ok, report
+        raise ucp.FormatError(report.problems[0])
+
+
+def test_a_resealed_tree_naming_an_atom_twice_is_refused(tmp_path):
+    """(Both keys got one tensor, sharing storage, and `into=` filled one of the caller's two.)"""
+    make(tmp_path)
+    doc = manifest_doc(tmp_path)
+    doc["attributes"]["ucp"]["tree"]["dict"]["model"]["dict"]["again"] = {"atom": "model/w"}
+    reseal_manifest_text(tmp_path, json.dumps(doc))
+    with pytest.raises(ucp.FormatError, match="the state tree names atom 'model/w' twice"):
+        ucp.load(str(tmp_path))
+    assert run_cli("verify", str(tmp_path)).returncode == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("zarr_format", 2),
+        ("fill_value", "banana"),
+        ("storage_transformers", [{"name": "x", "must_understand": True}]),
+        ("dimension_names", [1, 2]),
+        ("attributes", {"ucp": {"role": "optimizer_state"}}),
+    ],
+)
+def test_verify_holds_every_key_of_an_atoms_zarr_json_to_the_manifest(tmp_path, key, value):
+    """(It compared six keys: a zarr.json that zarr-python cannot open, or whose attributes were changed, passed.)"""
+    make(tmp_path)
+    path = step_path(tmp_path, 3) / "model" / "w" / "zarr.json"
+    doc = json.loads(path.read_text())
+    doc[key] = value
+    path.write_text(json.dumps(doc))
+    out = run_cli("verify", str(tmp_path))
+    assert out.returncode == 1 and f"atom 'model/w': zarr.json says {key} = " in out.stdout, out.stdout
+
+
+def test_a_role_or_quantization_attribute_of_another_type_is_shown_or_refused(tmp_path):
+    """A caller's attribute may be any JSON value (`inspect` crashed on a role that is not a string); a
+    `quantization` attribute is the format's (section 2.1), checked by verify as a sharded load checks it."""
+    ucp.save({"w": torch.randn(4, 4)}, str(tmp_path), step=3, atom_attributes={"w": {"role": 5}}, options=OPTIONS)
+    shown = run_cli("inspect", str(tmp_path))
+    assert shown.returncode == 0 and any(line.split()[:2] == ["w", "5"] for line in shown.stdout.splitlines())
+    doc = manifest_view(tmp_path, 3)
+    doc["attributes"]["ucp"]["atoms"]["w"]["attributes"]["quantization"] = {"scales": 5, "block": [2, 2]}
+    reseal_manifest(tmp_path, doc, 3)
+    out = run_cli("verify", str(tmp_path))
+    assert out.returncode == 1 and "quantization scales 5 is not the path of an atom" in out.stdout, out.stdout
+
+
+def test_a_path_to_an_attempt_that_is_not_committed_is_refused(tmp_path):
+    """(`open_checkpoint` of step_N/attempt-X read the committed attempt whatever X was: verify said ok of a
+    directory it never read.)"""
+    make(tmp_path)
+    other = step_path(tmp_path, 3).parent / ("attempt-" + "b" * 32)
+    shutil.copytree(step_path(tmp_path, 3), other)
+    with pytest.raises(ucp.CheckpointNotFoundError, match="is not the committed attempt of step 3"):
+        ucp.open_checkpoint(str(other))
+    assert ucp.open_checkpoint(str(step_path(tmp_path, 3))).step == 3
+    out = run_cli("verify", str(other))
+    assert out.returncode != 0 and "is not the committed attempt" in out.stderr, (out.stdout, out.stderr)
+
+
+def test_a_format_3_0_packed_entry_whose_pack_is_not_a_name_is_refused(tmp_path):
+    """(A pack named by a JSON list was a TypeError, unhashable, in every reader of a 3.0 step.)"""
+    root = tmp_path / "v3"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "v3" / "single", root)
+    doc = manifest_view(root, "latest")
+    atoms = doc["attributes"]["ucp"]["atoms"]
+    path = next(p for p, a in atoms.items() if "packed" in a)
+    atoms[path]["packed"][0][0] = [atoms[path]["packed"][0][0]]
+    reseal_manifest(root, doc, "latest")
+    with pytest.raises(ucp.FormatError, match=f"packed atom {path!r} has an entry .* not \\[a listed pack"):
+        ucp.load(str(root))
+    assert_one_line_error(run_cli("verify", str(root)), "that is not [a listed pack")

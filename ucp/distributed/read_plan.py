@@ -21,11 +21,11 @@ from ..base import dtypes
 from ..base.boxes import Box, box_numel
 from ..engine.checkpoint import chunks_touching
 from ..errors import FormatError, StateError
-from ..format.manifest import AtomMeta
+from ..format.manifest import AtomMeta, quantization_of
 from ..format.tree import tree_atoms
 from ..sharding.families import canonical_atoms
 from ..sharding.layout import Layout
-from ..sharding.quantization import FLOAT8, SCALE_DTYPES, scale_box, scale_shape
+from ..sharding.quantization import FLOAT8, scale_box
 from ..sharding.reshard import Piece, local_plan
 from .sharded_model import ShardedModel, atom_path, check_atom, states_held
 
@@ -220,22 +220,10 @@ def dequantised(
     """The scale atom and block of a block-quantised weight atom (docs/FORMAT.md section 2.1) that the load
     dequantises: the model being loaded holds it dequantised (its config has no such scales: `shapes`, its canonical
     atoms), or holds its scales but the weight is `wanted` in a dtype that is not float8; None for any other."""
-    quantised = meta.attributes.get("quantization")
-    if not isinstance(quantised, dict) or "scales" not in quantised:
+    found = quantization_of(meta, atoms)
+    if found is None:
         return None
-    path = quantised["scales"]
-    if path.removeprefix("model/") in shapes and (wanted is None or wanted in FLOAT8):
+    scales, block = found
+    if scales.path.removeprefix("model/") in shapes and (wanted is None or wanted in FLOAT8):
         return None  # (held as stored, beside its scales)
-    block = quantised.get("block")
-    scales = atoms.get(path)
-    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
-        raise FormatError(f"atom {meta.path!r}: quantization block {block!r} is not two positive integers")
-    expected = scale_shape(meta.shape, block)
-    scale_dtypes = [dtypes.zarr_name(d) for d in SCALE_DTYPES]
-    if scales is None or scales.dtype not in scale_dtypes or scales.shape != expected:
-        found = "absent" if scales is None else f"{scales.dtype} {list(scales.shape)}"
-        raise FormatError(
-            f"atom {meta.path!r} is block-quantised ({block}), but its scale atom {path!r} is {found}, not "
-            f"{' or '.join(scale_dtypes)} {list(expected)}"
-        )
-    return scales, (block[0], block[1])
+    return scales, block

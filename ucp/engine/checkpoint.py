@@ -23,7 +23,14 @@ from ..base.chunking import ChunkingPolicy, choose_chunks
 from ..base.devices import load_device, on_host
 from ..base.heap import collector_paused
 from ..base.workpool import ObjectCall, run_sized
-from ..errors import FormatError, ObjectMissingError, StateError, StepRemovedError, UcpError
+from ..errors import (
+    CheckpointNotFoundError,
+    FormatError,
+    ObjectMissingError,
+    StateError,
+    StepRemovedError,
+    UcpError,
+)
 from ..format import tree
 from ..format.index import IndexedManifest
 from ..format.index import parse as parse_manifest
@@ -795,12 +802,20 @@ def open_checkpoint(
 ) -> CheckpointReader:
     """Open a committed step for reading. `url` is a checkpoint root, or a step directory inside one."""
     root, _, last = url.rstrip("/").rpartition("/")
+    attempt = None
     if is_attempt_dirname(last):  # the committed attempt's group: its step directory names the step
+        attempt = last
         root, _, last = root.rpartition("/")
     named = parse_step_dirname(last) if root else None
     if named is not None and step in (None, "latest"):
         url, step = root, named
-    return CheckpointReader(open_storage(url, storage_options), step)
+    reader = CheckpointReader(open_storage(url, storage_options), step)
+    if attempt is not None and named is not None and reader.record.attempt != attempt:
+        # (another attempt of the step: an interrupted save's, a race's loser; never read in its place)
+        raise CheckpointNotFoundError(
+            f"{url}/{last}/{attempt} is not the committed attempt of step {named} (that is {reader.record.attempt})"
+        )
+    return reader
 
 
 def load(

@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from ..base import dtypes
 from ..base.boxes import box_shape, relative, to_slices
 from ..errors import FormatError, IntegrityError, ObjectMissingError, StorageError
+from ..format.index import IndexedManifest
 from ..format.manifest import (
     CRC_BYTES,
     MAX_DOCUMENT_BYTES,
@@ -25,6 +27,7 @@ from ..format.manifest import (
     chunk_indices,
     group_json,
     loads,
+    quantization_of,
 )
 from ..format.packs import pack_meta, pack_object_key
 from .checkpoint import CheckpointReader, group_paths
@@ -192,7 +195,7 @@ def format_table(info: dict[str, Any]) -> str:
     rows = [
         (
             a["name"],
-            a["role"],
+            str(a["role"]),  # (a caller's attribute: any JSON value)
             "x".join(map(str, a["shape"])) or "scalar",
             a["dtype"],
             _human(a["bytes"]),
@@ -251,6 +254,8 @@ def _check_tree(reader: CheckpointReader) -> None:
     """The state tree, which every load rebuilds: each node well formed, each atom it names in the manifest (format
     3.1 reads its tree parts here)."""
     reader.tree_atoms  # noqa: B018 -- (the property checks the tree when first read)
+    if isinstance(reader.manifest, IndexedManifest):
+        reader.manifest.check_placement()
 
 
 def check_object(reader: CheckpointReader, meta: AtomMeta, index: tuple[int, ...]) -> None:
@@ -329,7 +334,7 @@ def verify(reader: CheckpointReader) -> VerifyReport:
     """Re-read every object of every atom and check every checksum, each object's size and checksum against what
     the commit recorded, every atom's and group's zarr.json, and the root's; collect every problem."""
     problems: list[str] = []
-    tasks = [functools.partial(_check_root, reader), functools.partial(_check_tree, reader)]
+    tasks: list[Callable[[], object]] = [functools.partial(_check_root, reader), functools.partial(_check_tree, reader)]
     tasks += [
         functools.partial(
             _check_document, reader, f"{reader.prefix}/{g}/{ZARR_JSON}", group_json(), f"group {g!r}'s zarr.json"
@@ -337,6 +342,8 @@ def verify(reader: CheckpointReader) -> VerifyReport:
         for g in group_paths(reader.atoms.values())
     ]
     for meta in reader.atoms.values():
+        if "quantization" in meta.attributes:  # (what a sharded load takes to dequantise it)
+            tasks.append(functools.partial(quantization_of, meta, reader.atoms))
         if not meta.packed:
             tasks.append(functools.partial(reader.check_atom_metadata, meta))
             tasks += [functools.partial(check_object, reader, meta, i) for i in chunk_indices(meta.grid)]

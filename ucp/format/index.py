@@ -597,10 +597,14 @@ def _records(
         fail(is_packed & single & (size != nbytes[atom]), "of another size than the atom")
         fail(is_packed & (offset + size > limit), "outside its pack's data")
         fail(is_packed & (offset % itemsize[atom] != 0), "not on an element boundary")
+        grids: dict[int, tuple[AtomMeta, list[tuple[int, ...]]]] = {}  # (each split atom's chunks listed once)
         for r in np.nonzero(is_packed & ~single)[0].tolist():  # (atoms a writer split: their chunks' sizes)
             i = int(atom[r])
-            meta = atoms.meta(i)
-            box = meta.chunk_box(chunk_indices(meta.grid)[r - first[i]])
+            if i not in grids:
+                meta = atoms.meta(i)
+                grids[i] = meta, chunk_indices(meta.grid)
+            meta, indices = grids[i]
+            box = meta.chunk_box(indices[r - first[i]])
             if int(size[r]) != math.prod(b - a for a, b in box) * meta.itemsize:
                 fail(np.arange(count) == r, "of another size than the chunk's region")
         order = np.lexsort((offset, pack))
@@ -732,11 +736,26 @@ class IndexedManifest:
         part = IndexPart.decode(loads(data, where, MAX_PART_BYTES), entry, end, where)
         with self._lock:
             if number not in self._parts:
+                twice = next((p for p in part.paths if p in self._located), None)
+                if twice is not None:  # (each part's paths are its own: a load that read the other would differ)
+                    raise FormatError(f"{where}: atom {twice!r:.200} is listed by another index part too")
                 self.index_bytes += len(data)
                 self._raw[number] = data
                 self._located.update(zip(part.paths, zip(itertools.repeat(part), range(len(part.paths)))))
                 self._parts[number] = part
             return self._parts[number]
+
+    def check_placement(self) -> None:
+        """Read every part and check that each atom lies in the part the directory finds it in (what a load that
+        reads only the parts of its atoms relies on); decoding checks a part's first and last paths only."""
+        self.load(list(range(len(self.entries))))
+        for number, part in sorted(self._parts.items()):
+            for path in part.paths:
+                if self.part_of(path) != number:
+                    raise FormatError(
+                        f"{self._where}: atom {path!r:.200} is listed by index part {atoms_part_name(number)}, "
+                        "out of the order of its paths: a load of it alone would not find it there"
+                    )
 
     def has_part(self, number: int) -> bool:
         return number in self._parts

@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
@@ -60,7 +61,8 @@ def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
 
 
-MAX_STEP = (1 << 63) - 1  # (a signed 64-bit integer: what every reader of the markers can hold)
+MAX_INT = (1 << 63) - 1  # every integer of the format's JSON is a signed 64-bit one (a step number too)
+MAX_STEP = MAX_INT
 
 
 def check_step(step: object) -> int:
@@ -134,19 +136,49 @@ def _nesting(data: bytes | bytearray | memoryview) -> int:
     return max(0, int(np.cumsum(np.where(opens, 1, -1), dtype=np.int64).max()))
 
 
-def json_int(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> int:
+def json_int(value: object, where: str, what: str, low: int = 0, high: int = MAX_INT) -> int:
     """A JSON integer (not a bool, float or string) within [low, high], or a FormatError naming it."""
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise FormatError(f"{where}: {what} must be an integer in [{low}, {high}], got {value!r:.80}")
     return value
 
 
-def json_ints(value: object, where: str, what: str, low: int = 0, high: int = 1 << 63) -> tuple[int, ...]:
+def json_ints(value: object, where: str, what: str, low: int = 0, high: int = MAX_INT) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > MAX_NDIM:
         raise FormatError(f"{where}: {what} must be a list of at most {MAX_NDIM} integers, got {value!r:.80}")
     if all(type(v) is int and low <= v <= high for v in value):  # (the common case, without a call per value)
         return tuple(value)
     return tuple(json_int(v, where, what, low, high) for v in value)
+
+
+# ------------------------------------------------------------------------------------- quantised atoms
+
+# What a block-quantised weight's scales may be stored as (section 2.1)
+SCALE_DTYPE_NAMES = ("float32", "float8_e8m0fnu")
+
+
+def quantization_of(meta: AtomMeta, atoms: Mapping[str, AtomMeta]) -> tuple[AtomMeta, tuple[int, int]] | None:
+    """The scale atom and block of a block-quantised weight atom (section 2.1: its `quantization` attribute), checked
+    against the step's atoms; None for an atom that is not one. A FormatError names what is wrong."""
+    quantised = meta.attributes.get("quantization")
+    if not isinstance(quantised, dict) or "scales" not in quantised:
+        return None
+    path, block = quantised["scales"], quantised.get("block")
+    if type(path) is not str:
+        raise FormatError(f"atom {meta.path!r}: quantization scales {path!r:.100} is not the path of an atom")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise FormatError(f"atom {meta.path!r}: quantization block {block!r:.100} is not two positive integers")
+    if len(meta.shape) != 2:
+        raise FormatError(f"atom {meta.path!r}: block-quantised, but not a matrix ({list(meta.shape)})")
+    expected = tuple(-(-n // b) for n, b in zip(meta.shape, block, strict=True))  # (a partial block counts)
+    scales = atoms.get(path)
+    if scales is None or scales.dtype not in SCALE_DTYPE_NAMES or scales.shape != expected:
+        found = "absent" if scales is None else f"{scales.dtype} {list(scales.shape)}"
+        raise FormatError(
+            f"atom {meta.path!r} is block-quantised ({block}), but its scale atom {path!r:.200} is {found}, not "
+            f"{' or '.join(SCALE_DTYPE_NAMES)} {list(expected)}"
+        )
+    return scales, (block[0], block[1])
 
 
 # ---------------------------------------------------------------------------------------------- atoms
@@ -324,11 +356,14 @@ class AtomMeta:
         expected = self.zarr_json()
         if not isinstance(doc, dict):
             raise FormatError(f"atom {self.path!r}: zarr.json is not a JSON object")
-        for key in ("node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs"):
-            if doc.get(key) != expected[key]:
+        # (every key: what a Zarr reader takes from it, fill value and attributes too, and nothing it does not know)
+        for key in sorted(expected.keys() | doc.keys(), key=lambda k: (k not in expected, k)):
+            if doc.get(key) != expected.get(key):
+                said = "has no " + key if key not in doc else f"says {key} = {json.dumps(doc[key])[:200]}"
+                should = f"says {json.dumps(expected[key])[:200]}" if key in expected else f"has no {key}"
                 raise FormatError(
-                    f"atom {self.path!r}: zarr.json says {key} = {json.dumps(doc.get(key))}, but the committed "
-                    f"manifest says {json.dumps(expected[key])} (the metadata was edited after the save)"
+                    f"atom {self.path!r}: zarr.json {said}, but the committed manifest {should} (the metadata was "
+                    "edited after the save)"
                 )
 
     def chunk_key(self, index: tuple[int, ...]) -> str:
@@ -626,7 +661,7 @@ def _packed_chunks(
             raise FormatError(f"{where}: packed atom {path!r:.200} must list {count} [pack, offset, nbytes, crc32c]")
         chunks = []
         for index, entry in zip([()] if single else chunk_indices(meta.grid), doc):
-            if type(entry) is not list or len(entry) != 4 or entry[0] not in packs:
+            if type(entry) is not list or len(entry) != 4 or type(entry[0]) is not str or entry[0] not in packs:
                 raise FormatError(
                     f"{where}: packed atom {path!r:.200} has an entry {entry!r:.100} that is not "
                     "[a listed pack, offset, nbytes, crc32c]"

@@ -217,9 +217,10 @@ def check_root(tree: Any) -> None:
 
 
 def tree_atoms(tree: Any) -> list[str]:
-    """Atom paths referenced by a (sub)tree, in tree order; a FormatError for any malformed node or nesting deeper
-    than the format allows (checked without recursion, so that `unflatten` can recurse safely afterwards)."""
+    """Atom paths referenced by a (sub)tree, in tree order; a FormatError for any malformed node, an atom named
+    twice, or nesting deeper than the format allows (checked without recursion, so that `unflatten` can recurse safely afterwards)."""
     out: list[str] = []
+    seen: set[str] = set()
     stack: list[tuple[Any, int]] = [(tree, 0)]
     while stack:
         node, depth = stack.pop()
@@ -231,6 +232,9 @@ def tree_atoms(tree: Any) -> list[str]:
         if kind in _BODY_TYPES and not isinstance(body, _BODY_TYPES[kind]):
             raise FormatError(f"state tree node {kind!r} holds a {type(body).__name__}")
         if kind == "atom":
+            if body in seen:  # (every key of a saved state is an atom of its own: two would share one tensor)
+                raise FormatError(f"the state tree names atom {body!r:.200} twice")
+            seen.add(body)
             out.append(body)
         elif kind == "dict":
             stack += [(v, depth + 1) for v in reversed(body.values())]

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from ..base import dtypes
 from ..base.boxes import Box
+from ..format.manifest import SCALE_DTYPE_NAMES
 
 SCALE_SUFFIX = "_scale_inv"
 
 # What a quantised weight's atom may be stored as (HF's `fmt` "e4m3"): the one DeepSeek-V3's checkpoints use.
 WEIGHT_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32  # the scales' dtype unless the model's config says another of SCALE_DTYPES
-SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+SCALE_DTYPES = tuple(dtypes.torch_dtype(name) for name in SCALE_DTYPE_NAMES)
 # The dtypes a weight keeps quantised in (loaded into any other, it is dequantised).
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
