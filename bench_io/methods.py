@@ -602,7 +602,7 @@ class Dcp(Method):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             return FsspecWriter(
-                (directory / "dcp").url, thread_count=self.io_threads, sync_files=False, **directory.storage_options
+                (directory / "dcp").url, thread_count=self.io_threads, sync_files=False, **directory.fsspec_options
             )
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -612,7 +612,7 @@ class Dcp(Method):
         if is_remote(directory):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-            return FsspecReader((directory / "dcp").url, **directory.storage_options)
+            return FsspecReader((directory / "dcp").url, **directory.fsspec_options)
         from torch.distributed.checkpoint import FileSystemReader
 
         return FileSystemReader(directory / "dcp")

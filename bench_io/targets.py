@@ -36,6 +36,7 @@ from typing import Any, Self
 
 from ucp.errors import BucketNotFoundError, StorageError, UcpError
 from ucp.storage import Storage, file_system_type, open_storage, storage_error
+from ucp.storage.base import SINGLE_WRITER_OPTION
 from ucp.storage.s3 import client_options
 
 from .s3_servers import S3Server, radosgw_missing, s3_server_version, start_s3_server
@@ -257,8 +258,13 @@ class RemoteDir:
         return self.url.split("://", 1)[1]
 
     @property
+    def fsspec_options(self) -> dict[str, Any]:
+        """The storage options without ucp's own (`single_writer`): what another library's fsspec client takes."""
+        return {k: v for k, v in self.storage_options.items() if k != SINGLE_WRITER_OPTION}
+
+    @property
     def fs(self) -> Any:
-        return s3_filesystem(self.storage_options)
+        return s3_filesystem(self.fsspec_options)
 
 
 class S3Requests:

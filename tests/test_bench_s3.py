@@ -115,9 +115,8 @@ def test_a_run_leaves_nothing_outside_its_prefix_and_its_columns_agree(s3_bucket
     before = store(options)
     out = tmp_path / "r.json"
     args = ["--endpoint-url", options["endpoint_url"], "--bucket", bucket, "--small-tensors", "0", "--json", str(out)]
-    result = bench(
-        *args, "--methods", "raw,ucp,ucp-async,dcp,dcp-async,copy", "-o", "key=testing", "-o", "secret=testing"
-    )
+    options_given = ["-o", "key=testing", "-o", "secret=testing", "-o", "single_writer=true"]  # (ucp's own: not s3fs's)
+    result = bench(*args, "--methods", "raw,ucp,ucp-async,dcp,dcp-async,copy", *options_given)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "by the probes" in result.stderr  # (how long it will take, said before it starts)
     assert store(options) == before  # every method's objects removed, no bucket made

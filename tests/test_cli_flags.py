@@ -267,6 +267,9 @@ def test_the_refusals_a_user_met(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["convert", "A", "B", "--from", "tp2", "--to", "tp1", "--step", "4"], "--step 4 applies only"),
         (["inspect", str(tmp_path), "-o", "endpoint_url=http://x"], f"not to the local path {tmp_path}"),
         (["bench", "--targets", "tmpfs", "--bucket", "b"], "--bucket b applies only with the s3 target"),
+        (["inspect", "s3://b/run", "-o", 'config_kwargs={"s3": 5}'], "config_kwargs.s3 is a mapping"),
+        (["inspect", "s3://b/run", "-o", "config_kwargs=5"], "the storage option config_kwargs is a mapping"),
+        (["inspect", "s3://b/run", "-o", "client_kwargs=x"], "the storage option client_kwargs is a mapping"),
         (["bench", "--targets", "disk", "--small-tensors", "0", "--small-methods", "raw"], "--small-methods"),
     ):
         status, lines = refused([a.replace("SRC", str(tmp_path / "s")) for a in argv], capsys)

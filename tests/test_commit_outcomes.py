@@ -169,6 +169,39 @@ def test_a_commit_whose_answer_is_lost_locally_is_a_commit(tmp_path):
     assert_same_state(state(3), ucp.load(str(tmp_path)))
 
 
+@pytest.mark.parametrize("unreadable", [1, commit.COMMIT_TRIES, commit.COMMIT_TRIES + 1, commit.COMMIT_TRIES + 3])
+def test_a_commit_whose_answer_and_read_backs_are_lost_is_told_as_the_store_holds_it(tmp_path, unreadable):
+    """The marker lands, its create's answer is lost, and the next `unreadable` reads of it fail: the save reads it
+    again while it may (each try of the create, then once more) and reports the commit it finds. Before, the first
+    failed read-back failed the save, whose clean-up then found the step committed (and only logged it)."""
+
+    class Unreadable(LandsThenFails):
+        failing = 0
+
+        def create_exclusive(self, key: str, data: bytes) -> None:
+            if key.endswith("ucp-commit.json") and not self.lost:
+                self.failing = unreadable
+            super().create_exclusive(key, data)
+
+        def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
+            if key.endswith("ucp-commit.json") and self.failing:
+                self.failing -= 1
+                raise StorageError(f"cannot read {key}: connection reset")
+            return super().read(key, start, end)
+
+    storage = Unreadable(str(tmp_path))
+    try:
+        told = ucp.save(state(3), str(tmp_path), step=3, storage=storage).step
+    except StorageError as e:
+        assert "is unknown" in str(e), e
+        told = None
+    assert storage.lost == 1
+    if unreadable <= commit.COMMIT_TRIES:
+        assert told == 3  # (what the store holds, read back in time)
+    assert ucp.CheckpointManager(str(tmp_path)).steps() == [3]  # (what it holds: told, or said to be unknown)
+    assert_same_state(state(3), ucp.load(str(tmp_path)))
+
+
 def test_create_once_tells_its_own_object_from_anothers(tmp_path):
     storage = LandsThenFails(str(tmp_path))
     assert commit.create_once(storage, "a/ucp-commit.json", b"mine")  # landed, answer lost, read back: ours
@@ -202,3 +235,26 @@ def test_a_save_whose_lease_ran_out_does_not_commit(tmp_path):
     with pytest.raises(StorageError, match="lease"):
         session.finish(StepManifest(step=5, tree={}, atoms={}))
     assert commit.committed_steps(storage) == []
+
+
+@pytest.mark.parametrize("removable", [True, False])
+def test_a_failed_save_says_whether_what_it_wrote_was_removed(tmp_path, removable):
+    """(It said "removed" whatever its removal did: a store that refused the deletes too kept the attempt.)"""
+
+    class Refusing(LocalStorage):
+        def write(self, key, parts):
+            if "/c." in key:
+                raise StorageError(f"cannot write {key}: InternalError")
+            super().write(key, parts)
+
+        def delete(self, key):
+            if not removable:
+                raise StorageError(f"cannot delete {key}: InternalError")
+            super().delete(key)
+
+    storage = Refusing(str(tmp_path))
+    said = "was removed" if removable else "is left to garbage collection"
+    with pytest.raises(StorageError, match=f"step 3 was not saved at .*, and what this attempt wrote {said}"):
+        ucp.save(state(3), str(tmp_path), step=3, storage=storage, options=OPTIONS)
+    left = [p for p in tmp_path.glob("step_*/attempt-*")]
+    assert (left == []) == removable, left

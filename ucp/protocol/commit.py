@@ -98,6 +98,7 @@ def create_once(storage: Storage, key: str, data: bytes) -> bool:
     answer was lost: a retried conditional put finds its own first success and is refused), False if it holds
     anything else (another writer's). Raises StorageError if neither can be told (the store cannot be read)."""
     failure: StorageError | None = None
+    unread: StorageError | None = None  # the last read-back that failed (a later try may still tell)
     for _ in range(COMMIT_TRIES):
         try:
             storage.create_exclusive(key, data)
@@ -111,16 +112,20 @@ def create_once(storage: Storage, key: str, data: bytes) -> bool:
         try:
             held = bytes(storage.read(key, 0, len(data) + 1))
         except FileNotFoundError:
+            unread = None
             continue  # it did not land (or was removed meanwhile): try again
         except StorageError as e:
-            raise StorageError(
-                f"the outcome of creating {storage.url.rstrip('/')}/{key} is unknown ({failure or 'it exists'}), "
-                f"and reading it back failed: {e}"
-            ) from e
+            unread = e
+            continue  # (the create again: refused if it landed, and read back once more)
         if held != data:
             return False
         log.info("%s/%s: a create's answer was lost; the store holds what it wrote", storage.url, key)
         return True
+    if unread is not None:
+        raise StorageError(
+            f"the outcome of creating {storage.url.rstrip('/')}/{key} is unknown ({failure or 'it exists'}), "
+            f"and reading it back failed: {unread}"
+        ) from unread
     raise failure or StorageError(f"cannot create {storage.url.rstrip('/')}/{key}: it keeps vanishing")
 
 

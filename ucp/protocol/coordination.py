@@ -212,6 +212,7 @@ def _run(
     failures = [RankFailure.from_json(m["failed"]) for m in messages if "failed" in m]
     decision: Any = None
     if failures:
+        _undo(on_failure)  # (first: the error may say how the undoing went)
         shared = _described(failed(Failures(tuple(failures), comm.world_size)))
     else:
         try:
@@ -219,8 +220,7 @@ def _run(
             shared = {"value": write_decision(decision)}
         except BaseException as e:  # noqa: BLE001 -- raised on every rank below
             error, shared = e, _described(e)
-    if "error" in shared:
-        _undo(on_failure)
+            _undo(on_failure)
     comm.broadcast_bytes(json.dumps(shared).encode())
     if "error" in shared:
         _raise(shared["error"], error)

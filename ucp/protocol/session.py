@@ -22,7 +22,6 @@ error), with the typed messages below. Single-process saves, `VirtualWorld`, the
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import logging
 import math
 import threading
@@ -168,6 +167,7 @@ class SaveSession:
         self._packs = 0
         self._lock = threading.Lock()
         self._ended = False
+        self._removed: bool | None = None  # (the coordinator's, once a failed attempt's removal was tried)
         self._cancelled = False
         self._started = time.perf_counter()
         if self.is_coordinator:
@@ -199,11 +199,12 @@ class SaveSession:
             try:
                 lease = attempt.Lease(storage, record)  # (writes the owner record first)
             except StorageError as e:  # (a full disk, a refused write: nothing of the attempt may stay behind)
-                with contextlib.suppress(UcpError):
+                removed = "what this attempt wrote was removed"
+                try:
                     attempt.remove(storage, step, record.attempt)
-                raise StorageError(
-                    f"step {step} was not saved at {storage.url}, and what this attempt wrote was removed: {e}"
-                ) from e
+                except UcpError:
+                    removed = "what this attempt wrote is left to garbage collection (it could not be removed now)"
+                raise StorageError(f"step {step} was not saved at {storage.url}, and {removed}: {e}") from e
             return Begun(record.attempt)
 
         begun = coordination.broadcast(comm, start, Begun)
@@ -322,9 +323,13 @@ class SaveSession:
         every rank that failed with its reason. A StepExistsError is raised as it is."""
         if failures.kind() is StepExistsError:
             return StepExistsError(failures.first.reason)
+        removed = (
+            "what this attempt wrote was removed"
+            if self._removed
+            else "what this attempt wrote is left to garbage collection (it could not be removed now)"
+        )
         return failures.error(
-            f"step {self.step} was not saved at {self.storage.url}, and what this attempt wrote was removed",
-            default=StorageError,
+            f"step {self.step} was not saved at {self.storage.url}, and {removed}", default=StorageError
         )
 
     def _check_lease(self) -> None:
@@ -380,7 +385,10 @@ class SaveSession:
         self.storage.write(f"{self.prefix}/{ZARR_JSON}", [manifest_bytes])
         self.storage.flush()
         nbytes = sum(a.nbytes for a in manifest.atoms.values())
-        record = commit.commit(self.storage, self.step, self.attempt, manifest_bytes, len(manifest.atoms), nbytes)
+        try:
+            record = commit.commit(self.storage, self.step, self.attempt, manifest_bytes, len(manifest.atoms), nbytes)
+        except StorageError as e:  # (the outcome unknown: what the store holds decides it, read once more)
+            record = self._held_commit(e)
         log.info(
             "committed step %d at %s: %d atoms, %d bytes, %.2f s after its save began",
             self.step,
@@ -390,6 +398,20 @@ class SaveSession:
             time.perf_counter() - self._started,
         )
         return record
+
+    def _held_commit(self, unknown: StorageError) -> commit.CommitRecord:
+        """The commit record of this attempt if the step's marker names it after all (a create whose answer and
+        read-backs were lost), else `unknown` raised: what a save is told is what the store holds."""
+        try:
+            held = commit.read_marker(self.storage, self.step)
+        except UcpError:
+            raise unknown from None
+        if held is None or held.attempt != self.attempt:
+            raise unknown
+        log.warning(
+            "step %d at %s is committed (its marker read back at last): %s", self.step, self.storage.url, unknown
+        )
+        return held
 
     def _object_sums(self, meta: AtomMeta, objects: dict[str, ObjectSum]) -> list[ObjectSum]:
         """The atom's chunk objects' sizes and checksums in C order over its grid (`objects`: keyed below the attempt's
@@ -415,6 +437,7 @@ class SaveSession:
     def _abort(self) -> None:
         """Remove the attempt, unless a commit marker names it: a commit whose answer was lost may have landed, and
         what a marker names is never removed (an unreadable marker leaves it to `collect_garbage`, which checks)."""
+        self._removed = False
         try:
             held = commit.read_marker(self.storage, self.step)
         except UcpError as e:
@@ -425,6 +448,7 @@ class SaveSession:
             return
         try:
             attempt.remove(self.storage, self.step, self.attempt)
+            self._removed = True
         except UcpError as e:
             log.warning("could not remove the failed attempt %s/%s (collect_garbage will): %s", *self._where, e)
 

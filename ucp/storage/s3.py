@@ -10,7 +10,7 @@ from typing import Any
 
 import crc32c
 
-from ..errors import BucketNotFoundError
+from ..errors import BucketNotFoundError, StorageError
 from ..version import __version__
 
 PROTOCOLS = frozenset({"s3", "s3a"})
@@ -36,7 +36,12 @@ def client_options(storage_options: dict[str, Any], environ: dict[str, str]) -> 
     the requests in flight, bounded retries and connects) and the endpoint of AWS_ENDPOINT_URL unless one is given."""
     options = dict(storage_options)
     options.setdefault("use_listings_cache", False)
+    for name in ("config_kwargs", "client_kwargs", "s3_additional_kwargs"):  # (botocore's, taken as mappings)
+        if not isinstance(options.get(name) or {}, dict):
+            raise StorageError(f"the storage option {name} is a mapping (JSON object), not {options[name]!r:.80}")
     config = dict(options.pop("config_kwargs", {}) or {})
+    if not isinstance(config.get("s3") or {}, dict):
+        raise StorageError(f"the storage option config_kwargs.s3 is a mapping (JSON object), not {config['s3']!r:.80}")
     config.setdefault("max_pool_connections", S3_POOL_CONNECTIONS)
     config.setdefault("retries", {"max_attempts": S3_ATTEMPTS, "mode": "standard"})
     config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
