@@ -235,6 +235,12 @@ def setup_targets(args: argparse.Namespace) -> list[Target]:
             try:
                 if name == "s3":
                     options = parse_storage_options(args.storage_option)
+                    given = options.get("endpoint_url")
+                    if args.endpoint_url and given is not None and given != args.endpoint_url:
+                        raise UcpError(
+                            f"--endpoint-url {args.endpoint_url} and -o endpoint_url={given} name two endpoints: "
+                            "give one"
+                        )
                     targets.append(
                         TARGETS[name](
                             args.dir,

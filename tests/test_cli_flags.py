@@ -268,6 +268,10 @@ def test_the_refusals_a_user_met(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["inspect", str(tmp_path), "-o", "endpoint_url=http://x"], f"not to the local path {tmp_path}"),
         (["bench", "--targets", "tmpfs", "--bucket", "b"], "--bucket b applies only with the s3 target"),
         (["inspect", "s3://b/run", "-o", 'config_kwargs={"s3": 5}'], "config_kwargs.s3 is a mapping"),
+        (
+            ["bench", "--targets", "s3", "--endpoint-url", "http://a", "--bucket", "b", "-o", "endpoint_url=http://b"],
+            "--endpoint-url http://a and -o endpoint_url=http://b name two endpoints",
+        ),
         (["inspect", "s3://b/run", "-o", "config_kwargs=5"], "the storage option config_kwargs is a mapping"),
         (["inspect", "s3://b/run", "-o", "client_kwargs=x"], "the storage option client_kwargs is a mapping"),
         (["bench", "--targets", "disk", "--small-tensors", "0", "--small-methods", "raw"], "--small-methods"),
