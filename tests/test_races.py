@@ -137,7 +137,9 @@ def test_a_save_whose_attempt_was_removed_meanwhile_is_not_committed(tmp_path):
     from ucp.protocol import attempt
 
     url = str(tmp_path / "ckpt")
-    manager = ucp.CheckpointManager(url, options=ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=0)))
+    # (one writer thread: no other write races the removal, which runs inside the first chunk's write)
+    options = ucp.SaveOptions(chunking=ucp.ChunkingPolicy(pack_below=0), io_threads=1)
+    manager = ucp.CheckpointManager(url, options=options)
 
     def remove_the_attempt() -> None:
         (name,) = manager.storage.listdir(step_dirname(3))
