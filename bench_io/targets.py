@@ -372,6 +372,8 @@ def s3_target(
             f"--bucket: name an existing bucket on {endpoint_url} to write under (the benchmark works under a fresh "
             "prefix of it and removes it; it creates no bucket on a store of yours)"
         )
+    if bucket is not None and "://" in bucket:
+        raise UcpError(f"--bucket {bucket}: a bucket's name (and a prefix under it: BUCKET/PREFIX), not a URL")
     started = None
     if endpoint_url is None:
         started = start_s3_server(embedded_server(server))

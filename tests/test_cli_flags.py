@@ -269,6 +269,10 @@ def test_the_refusals_a_user_met(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["bench", "--targets", "tmpfs", "--bucket", "b"], "--bucket b applies only with the s3 target"),
         (["inspect", "s3://b/run", "-o", 'config_kwargs={"s3": 5}'], "config_kwargs.s3 is a mapping"),
         (
+            ["bench", "--targets", "s3", "--endpoint-url", "http://a", "--bucket", "s3://b"],
+            "--bucket s3://b: a bucket's name (and a prefix under it: BUCKET/PREFIX), not a URL",
+        ),
+        (
             ["bench", "--targets", "s3", "--endpoint-url", "http://a", "--bucket", "b", "-o", "endpoint_url=http://b"],
             "--endpoint-url http://a and -o endpoint_url=http://b name two endpoints",
         ),
