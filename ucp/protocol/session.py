@@ -199,12 +199,12 @@ class SaveSession:
             try:
                 lease = attempt.Lease(storage, record)  # (writes the owner record first)
             except StorageError as e:  # (a full disk, a refused write: nothing of the attempt may stay behind)
-                removed = "what this attempt wrote was removed"
+                removed = True
                 try:
                     attempt.remove(storage, step, record.attempt)
                 except UcpError:
-                    removed = "what this attempt wrote is left to garbage collection (it could not be removed now)"
-                raise StorageError(f"step {step} was not saved at {storage.url}, and {removed}: {e}") from e
+                    removed = False
+                raise StorageError(f"step {step} was not saved at {storage.url}, and {_left(removed)}: {e}") from e
             return Begun(record.attempt)
 
         begun = coordination.broadcast(comm, start, Begun)
@@ -323,13 +323,9 @@ class SaveSession:
         every rank that failed with its reason. A StepExistsError is raised as it is."""
         if failures.kind() is StepExistsError:
             return StepExistsError(failures.first.reason)
-        removed = (
-            "what this attempt wrote was removed"
-            if self._removed
-            else "what this attempt wrote is left to garbage collection (it could not be removed now)"
-        )
         return failures.error(
-            f"step {self.step} was not saved at {self.storage.url}, and {removed}", default=StorageError
+            f"step {self.step} was not saved at {self.storage.url}, and {_left(bool(self._removed))}",
+            default=StorageError,
         )
 
     def _check_lease(self) -> None:
@@ -459,3 +455,10 @@ class SaveSession:
     def _stop_lease(self) -> None:
         if self._lease is not None:
             self._lease.stop()
+
+
+def _left(removed: bool) -> str:
+    """What a failed save's error says of what its attempt wrote (whether its removal went through)."""
+    if removed:
+        return "what this attempt wrote was removed"
+    return "what this attempt wrote is left to garbage collection (it could not be removed now)"
