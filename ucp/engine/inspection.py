@@ -318,16 +318,16 @@ def check_pack(reader: CheckpointReader, name: str, members: PackMembers) -> Non
         )
     end, previous = 0, ""
     for path, index, c in sorted(members.get(name, []), key=lambda m: m[2].offset):
-        chunk = f"atom {path!r} chunk {reader.atoms[path].chunk_key(index)} in {where}"
+        chunk = f"atom {path!r} chunk {reader.atoms[path].chunk_key(index)}"
         if c.offset < end or c.offset + c.nbytes > len(body):
             # (the records of different index parts: each part's own are checked when it is read)
             raise FormatError(
-                f"{chunk}: bytes [{c.offset}, {c.offset + c.nbytes}) "
+                f"{chunk} in {where}: bytes [{c.offset}, {c.offset + c.nbytes}) "
                 + (f"overlap {previous}'s" if c.offset < end else f"pass the pack's end ({len(body)})")
             )
-        end, previous = c.offset + c.nbytes, chunk.split(" in ")[0]
+        end, previous = c.offset + c.nbytes, chunk
         if crc32c.crc32c(body[c.offset : c.offset + c.nbytes]) != c.crc:
-            raise IntegrityError(f"{chunk}: checksum mismatch")
+            raise IntegrityError(f"{chunk} in {where}: checksum mismatch")
 
 
 def verify(reader: CheckpointReader) -> VerifyReport:

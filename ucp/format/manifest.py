@@ -157,6 +157,11 @@ def json_ints(value: object, where: str, what: str, low: int = 0, high: int = MA
 SCALE_DTYPE_NAMES = ("float32", "float8_e8m0fnu")
 
 
+def scale_shape(shape: tuple[int, ...], block: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """The scales' shape of a weight of `shape` in blocks of `block` (a partial block at the end of a dim counts)."""
+    return tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
+
+
 def quantization_of(meta: AtomMeta, atoms: Mapping[str, AtomMeta]) -> tuple[AtomMeta, tuple[int, int]] | None:
     """The scale atom and block of a block-quantised weight atom (section 2.1: its `quantization` attribute), checked
     against the step's atoms; None for an atom that is not one. A FormatError names what is wrong."""
@@ -170,7 +175,7 @@ def quantization_of(meta: AtomMeta, atoms: Mapping[str, AtomMeta]) -> tuple[Atom
         raise FormatError(f"atom {meta.path!r}: quantization block {block!r:.100} is not two positive integers")
     if len(meta.shape) != 2:
         raise FormatError(f"atom {meta.path!r}: block-quantised, but not a matrix ({list(meta.shape)})")
-    expected = tuple(-(-n // b) for n, b in zip(meta.shape, block, strict=True))  # (a partial block counts)
+    expected = scale_shape(meta.shape, block)
     scales = atoms.get(path)
     if scales is None or scales.dtype not in SCALE_DTYPE_NAMES or scales.shape != expected:
         found = "absent" if scales is None else f"{scales.dtype} {list(scales.shape)}"

@@ -35,11 +35,6 @@ def scale_name(weight: str) -> str:
     return weight + SCALE_SUFFIX
 
 
-def scale_shape(shape: tuple[int, ...], block: tuple[int, ...] | list[int]) -> tuple[int, ...]:
-    """The scales' shape of a weight of `shape` in blocks of `block` (a partial block at the end of a dim counts)."""
-    return tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
-
-
 def scale_box(box: Box, block: tuple[int, ...] | list[int]) -> Box:
     """The scale rows/cols of the blocks that a region `box` of a weight falls in (its first and last may be shared
     with the regions beside it: a split that is not on block edges)."""

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ...format.manifest import scale_shape
 from ..partition import PartitionSpec
-from ..quantization import scale_name, scale_shape
+from ..quantization import scale_name
 from .config import FamilyConfig
 from .megatron_names import MegatronNames
 
