@@ -208,10 +208,12 @@ STALE_AFTER_S = 600
 
 def remove_stale_clusters(parent: Path) -> None:
     """Remove the directories of clusters whose starter was killed before it could (its daemons died with it: none
-    of the PIDs in their pid files lives), once they are old enough not to be one that is starting now."""
+    of the PIDs in their pid files lives), once they are old enough not to be one that is starting now. Only a
+    cluster's own directory (its ceph.conf in it) is removed: another directory whose name starts alike is not
+    ours to judge (a test run's keeper directory once was, and its live cluster went with it)."""
     for old in parent.glob(f"{CLUSTER_PREFIX}*"):
         try:
-            if time.time() - old.stat().st_mtime < STALE_AFTER_S:
+            if not (old / "ceph.conf").is_file() or time.time() - old.stat().st_mtime < STALE_AFTER_S:
                 continue
             pids = [int(p.read_text().strip() or 0) for p in (old / "run").glob("*.pid")]
         except (OSError, ValueError):

@@ -34,7 +34,7 @@ UNCLAIMED_S = 120  # a keeper whose cluster nobody registered for this long stop
 
 def run_dir() -> Path:
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    return Path(tempfile.gettempdir()) / f"ucp-radosgw-run-{run}"
+    return Path(tempfile.gettempdir()) / f"ucp-test-radosgw-{run}"  # (not a cluster's CLUSTER_PREFIX)
 
 
 @contextmanager

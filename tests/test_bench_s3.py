@@ -148,3 +148,41 @@ def test_a_radosgw_daemon_that_dies_while_serving_is_named_with_its_exit_status(
         gone = server.exited()
         assert gone is not None and gone.startswith("radosgw exited with -9"), gone
     assert not server.dir.exists()
+
+
+def test_the_stale_cluster_sweep_removes_only_dead_clusters(tmp_path, monkeypatch):
+    """A new Radosgw sweeps the directories of clusters whose starter was killed; it must leave a live cluster and
+    anything that is not a cluster alone: the test run's keeper directory (old, with no pid files) once went, and
+    the shared cluster with it mid-run (its keeper could no longer take its lock)."""
+    import os
+    import tempfile
+    import time
+
+    from bench_io.s3_servers import CLUSTER_PREFIX, STALE_AFTER_S, remove_stale_clusters
+
+    from .radosgw import CLIENTS, run_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    def cluster(name: str, pid: str | None) -> Path:
+        path = tmp_path / f"{CLUSTER_PREFIX}{name}"
+        (path / "run").mkdir(parents=True)
+        (path / "ceph.conf").write_text("[global]\n")
+        if pid is not None:
+            (path / "run" / "mon.a.pid").write_text(f"{pid}\n")
+        return path
+
+    keeper = run_dir()
+    (keeper / CLIENTS).mkdir(parents=True)
+    (keeper / "lock").touch()
+    not_ours = tmp_path / f"{CLUSTER_PREFIX}notes"  # (a name alike, no ceph.conf)
+    not_ours.mkdir()
+    dead, alive, young = cluster("dead", dead_pid), cluster("alive", str(os.getpid())), cluster("young", dead_pid)
+    stale = time.time() - STALE_AFTER_S - 60
+    for path in (keeper, not_ours, dead, alive):
+        os.utime(path, (stale, stale))
+    remove_stale_clusters(tmp_path)
+    assert keeper.exists() and not_ours.exists() and alive.exists() and young.exists()
+    assert not dead.exists()
