@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import BucketNotFoundError, StorageAuthError, StorageError, StorageUnreachableError
-from .s3 import S3_ATTEMPTS, endpoint_of
+from .s3 import endpoint_of
 
 # No answer: the client found no credentials to sign with
 _NO_CREDENTIALS = {
@@ -100,7 +100,7 @@ def storage_error(what: str, e: BaseException, fs: Any = None) -> StorageError:
         return StorageAuthError(f"{what}: permission denied{where} ({cause})")
     if names & _UNREACHABLE or any(isinstance(exc, (ConnectionRefusedError, TimeoutError)) for exc in _chain(e)):
         return StorageUnreachableError(
-            f"{what}: the endpoint{where} cannot be reached after {S3_ATTEMPTS} attempts ({cause})"
+            f"{what}: the endpoint{where} cannot be reached, after the client's retries ({cause})"
         )
     return StorageError(f"{what}: {cause}")
 
