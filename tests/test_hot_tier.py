@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import ucp
 from ucp.format.manifest import step_dirname
@@ -178,3 +179,86 @@ def test_each_rank_keeps_the_replicas_of_exactly_the_ranks_whose_buddy_it_is(see
         assert nodes.is_leader(rank) == (nodes.leader(nodes.node_of[rank]) == rank)
         if nodes.count > 1:
             assert nodes.node_of[nodes.buddy(rank)] == (nodes.node_of[rank] + 1) % nodes.count
+
+
+def test_hot_steps_of_a_durable_root_removed_and_made_again_are_never_restored(tmp_path):
+    """A job that starts over (its durable root removed) on nodes whose local directories still hold the old run's
+    hot steps starts fresh: those steps are another root's (the root's id differs), removed, not restored."""
+    url = str(tmp_path / "durable")
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    run("save", url, "tp1pp1dp2", [a, b], tmp_path, steps="1,2", durable_every=5)  # hot only
+    shutil.rmtree(url)
+    for r in run("restore", url, "tp1pp1dp2", [a, b], tmp_path):
+        assert r["step"] is None, r
+    for node in (a, b):
+        assert not list(run_dir(node).glob("step_*")), "the other root's steps are removed"
+    run("save", url, "tp1pp1dp2", [a, b], tmp_path, steps="1", durable_every=5)  # the new run saves its own step 1
+    for r in run("restore", url, "tp1pp1dp2", [a, b], tmp_path):
+        assert r["step"] == 1 and r["source"] == "hot" and r["exact"], r
+
+
+def test_a_relative_durable_path_names_the_hot_tier_of_its_absolute_place(tmp_path, monkeypatch):
+    from ucp.distributed.tiers import HotTier
+    from ucp.storage import open_storage
+
+    node = tmp_path / "node"
+    homes = [tmp_path / "job-a", tmp_path / "job-b"]
+    places = []
+    for home in homes:
+        home.mkdir()
+        monkeypatch.chdir(home)
+        places.append(HotTier(str(node), open_storage("ckpt"), None).storage.url)
+    assert places[0] != places[1], "two jobs' 'ckpt' are two durable roots, two hot tiers"
+
+
+def test_a_damaged_manifest_on_the_first_holder_is_read_from_another_node(tmp_path):
+    url = str(tmp_path / "durable")
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    run("save", url, "tp1pp1dp2", [a, b], tmp_path, steps="1,2", durable_every=5)  # hot only
+    (manifest,) = run_dir(a).glob(f"{step_dirname(2)}/attempt-*/zarr.json")
+    manifest.write_bytes(manifest.read_bytes()[: DRAW.randrange(1, manifest.stat().st_size)])  # cut short on a
+    for r in run("restore", url, "tp1pp1dp2", [a, b], tmp_path):
+        assert r["step"] == 2 and r["source"] == "hot" and r["exact"] and r["durable"] == 0, r
+
+
+def test_a_pack_damaged_on_a_node_in_chunks_a_rank_does_not_read_is_still_read_there(tmp_path):
+    """A rank reads a pack from its own node if every chunk it reads of the pack is intact there, whatever the
+    pack's other chunks (damaged here, intact on another node) are."""
+    url = str(tmp_path / "durable")
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    run("save", url, "tp1pp1dp2", [a, b], tmp_path, steps="1", durable_every=5)  # hot only: no durable copy
+    hot = ucp.open_checkpoint(str(run_dir(a)))
+    members: dict[str, list[str]] = {}
+    for path, chunks in hot.manifest.packed.items():
+        members.setdefault(chunks[0].pack, []).append(path)
+    # tp1pp2 on 4 layers: rank 0 (node a) reads layers 0-1, rank 1 (node b) layers 2-3
+    last = []
+    for paths in members.values():
+        late = [p for p in paths if ".layers.3." in p]
+        if late and any(".layers.0." in p or ".layers.1." in p for p in paths):
+            last.append(DRAW.choice(late))
+    assert last, "a pack holds atoms of both stages"
+    damage_atom(run_dir(a), last[0])
+    results = run("restore", url, "tp1pp2", [a, b], tmp_path)
+    for r in results:
+        assert r["step"] == 1 and r["source"] == "hot" and r["exact"] and r["durable"] == 0, r
+    assert any(last[0] in d for d in results[0]["damaged"]), results[0]["damaged"]
+    assert results[0]["peers"] == 0, "rank 0 read its whole stage on its own node"
+
+
+def test_a_single_process_restore_reads_a_damaged_hot_step_from_the_durable_url(tmp_path):
+    url, local = str(tmp_path / "durable"), str(tmp_path / "shm")
+    state = {f"w{i}": torch.randn(DRAW.randrange(1, 300)) for i in range(5)}
+    with ucp.CheckpointManager(url, local_dir=local, durable_every=1) as manager:
+        manager.save(1, {"w": torch.zeros(2)})
+        manager.save(2, state)
+        damage_atom(manager.hot.storage.url, DRAW.choice(sorted(state)))
+        restored = manager.restore()
+    assert restored.keys() == state.keys() and all(torch.equal(restored[k], v) for k, v in state.items())
+
+    url2 = str(tmp_path / "durable-2")
+    with ucp.CheckpointManager(url2, local_dir=local, durable_every=5) as manager:  # the hot copy is the only one
+        manager.save(2, state)
+        damage_atom(manager.hot.storage.url, "w0")
+        with pytest.raises(ucp.IntegrityError, match=rf"hot tier .*step 2 is damaged and {url2} lacks it"):
+            manager.restore()

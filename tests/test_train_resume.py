@@ -185,3 +185,14 @@ def test_pretrain_tokens_split_global_batches_and_resume_on_another_dp_size():
     finally:
         for source in (whole, *parts):
             source.close()
+
+
+def test_a_runs_last_step_reaches_the_durable_url_whatever_durable_every_says(tmp_path):
+    """With a hot tier, every `--durable-every`-th save drains to the URL; the run's last one always does (the
+    node-local copies go with the job's nodes)."""
+    every = DRAW.choice([3, 4])
+    steps = every + DRAW.choice([1, 2])  # (the last save is not one that `every` drains)
+    ckpt = tmp_path / "ckpt"
+    train("tp1pp1dp2", steps, tmp_path, "--ckpt", str(ckpt), "--save-interval", "1", "--durable-every", str(every),
+          "--ckpt-local", str(tmp_path / "node"))  # fmt: skip
+    assert commit.committed_steps(open_storage(str(ckpt))) == [every, steps]

@@ -58,20 +58,10 @@ def main(action: str, url: str, layout_name: str, out_dir: str, steps: str) -> N
         except ucp.UcpError as e:
             result = {"error": type(e).__name__, "message": str(e)}
     else:
-        local, extra, report = manager.restore_sharded(model, rank)
-        r = manager.last_restore
-        step = extra["step"]
-        result = {
-            "step": step,
-            "exact": same(local, shard(full_state(step), CONFIG, layout, rank, STATES)),
-            "extra_ok": torch.equal(extra["rng"], torch.arange(4, dtype=torch.uint8) + step),
-            "source": r.source,
-            "local": r.bytes_local,
-            "peers": r.bytes_peers,
-            "durable": r.bytes_durable,
-            "damaged": r.damaged,
-            "amplification": report.amplification,
-        }
+        try:
+            result = restored(manager, model, layout, rank)
+        except ucp.CheckpointNotFoundError as e:  # (a fresh start: nothing to restore)
+            result = {"step": None, "error": str(e)}
         for step in (int(s) for s in steps.split(",") if s != "0"):  # the job goes on: it saves the steps it redoes
             manager.save_sharded(
                 step,
@@ -84,6 +74,24 @@ def main(action: str, url: str, layout_name: str, out_dir: str, steps: str) -> N
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def restored(manager: ucp.CheckpointManager, model: ShardedModel, layout, rank: int) -> dict:
+    """Restore the latest step: which, whether it is exact, and where its bytes came from."""
+    local, extra, report = manager.restore_sharded(model, rank)
+    r = manager.last_restore
+    step = extra["step"]
+    return {
+        "step": step,
+        "exact": same(local, shard(full_state(step), CONFIG, layout, rank, STATES)),
+        "extra_ok": torch.equal(extra["rng"], torch.arange(4, dtype=torch.uint8) + step),
+        "source": r.source,
+        "local": r.bytes_local,
+        "peers": r.bytes_peers,
+        "durable": r.bytes_durable,
+        "damaged": r.damaged,
+        "amplification": report.amplification,
+    }
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ucp.distributed import ShardedModel, TorchComm
 from ucp.engine.pipeline import SaveHandle
-from ucp.errors import CheckpointNotFoundError
+from ucp.errors import CheckpointNotFoundError, StorageError
 from ucp.manager import CheckpointManager
 from ucp.training_state import rng_state, set_rng_state
 
@@ -86,6 +86,7 @@ class Checkpointer:
         # The staging memory of the saves (page-locked on a GPU) is made now, not inside the first save.
         self.manager.prepare(trainer.local_state(), self.model, extra=self.extra(0))
         self.pending: SaveHandle | None = None  # lazy mode: a snapshot that may still read the tensors
+        self.last_saved: int | None = None
 
     def restore(self) -> Resumed | None:
         """Load the newest committed step (of the hot tier or the URL) into the trainer, whatever layout saved it;
@@ -132,7 +133,11 @@ class Checkpointer:
         if not last and not (self.interval and step % self.interval == 0):
             return None
         start = time.perf_counter()
-        handle = self.manager.save_sharded(step, self.trainer.local_state(), self.model, extra=self.extra(step))
+        # (the last step is committed at the URL whatever --durable-every says: the hot tier goes with the nodes)
+        handle = self.manager.save_sharded(
+            step, self.trainer.local_state(), self.model, extra=self.extra(step), durable=last
+        )
+        self.last_saved = step
         if handle.mode == "lazy":
             self.pending = handle
         return {
@@ -174,9 +179,18 @@ class Checkpointer:
         self.manager.abandon()
 
     def close(self) -> None:
-        """Wait for the save in flight to commit (its error is raised here) and stop the writer threads."""
+        """Wait for the save in flight to commit (its error is raised here) and stop the writer threads. With a hot
+        tier, rank 0 raises if the run's last step did not reach the durable URL (its drain failed: logged)."""
         try:
             self.before_update()
             self.manager.wait()
         finally:
             self.manager.close()
+        last, hot = self.last_saved, self.manager.hot
+        final = hot is not None and last == self.cfg.train.steps and self.trainer.mesh.rank == 0
+        if final and self.manager.latest_step() != last:
+            errors = self.manager.after_commit_errors
+            raise StorageError(
+                f"the last step {last} is committed in the nodes' hot tiers ({hot.storage.url} on rank 0's node) but"
+                f" not at {self.manager.root_url}" + (f": {errors[0]}" if errors else "")
+            )

@@ -87,7 +87,7 @@ def read_metrics(path: Path) -> list[dict]:
 def hot_steps(node_dir: Path, ckpt: str) -> list[int]:
     """The steps committed in a node's hot tier."""
     try:
-        return commit.committed_steps(LocalStorage(run_directory(str(node_dir), ckpt)))
+        return commit.committed_steps(LocalStorage(run_directory(str(node_dir), open_storage(ckpt).url)))
     except Exception:  # noqa: BLE001 -- a directory being written: nothing to say yet
         return []
 

@@ -230,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--durable-every",
         type=int,
-        help="with --ckpt-local: drain every K-th save to --ckpt (overrides checkpoint.durable_every)",
+        help="with --ckpt-local: drain every K-th save and the last to --ckpt (overrides checkpoint.durable_every)",
     )
     parser.add_argument(
         "--regroup-store",

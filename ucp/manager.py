@@ -18,7 +18,7 @@ from .distributed.shared_manifest import open_shared
 from .distributed.tiers import HotTier, RestoreReport
 from .engine.checkpoint import CheckpointReader, SaveOptions, chunk_jobs, io_threads_for, plan_atoms, plan_save
 from .engine.pipeline import DEFAULT_WRITER, Mode, SaveHandle, SavePipeline, SavePlan, Writer, check_mode
-from .errors import StateError
+from .errors import FormatError, IntegrityError, ObjectMissingError, StateError
 from .format import tree
 from .protocol import attempt, commit
 from .protocol.comm import Comm
@@ -82,13 +82,16 @@ class CheckpointManager:
         self.mode = check_mode(mode)
         self.comm = comm
         self.storage: Storage = open_storage(root_url, storage_options, fsync=self.options.fsync)
-        self.hot = (
-            HotTier(
-                local_dir, root_url, comm, keep_last=local_keep, durable_every=durable_every, fsync=self.options.fsync
+        self.hot: HotTier | None = None
+        if local_dir:
+            self.hot = HotTier(
+                local_dir,
+                self.storage,
+                comm,
+                keep_last=local_keep,
+                durable_every=durable_every,
+                fsync=self.options.fsync,
             )
-            if local_dir
-            else None
-        )
         self.last_restore: RestoreReport | None = None
         self._stopped: str | None = None  # "closed" or "abandoned": no more saves
         self._last: SaveHandle | None = None
@@ -122,13 +125,16 @@ class CheckpointManager:
         layout: str | None = None,
         atom_attributes: Mapping[str, Mapping[str, Any]] | None = None,
         mode: Mode | None = None,
+        durable: bool = False,
     ) -> SaveHandle:
-        """Save `state` (a nested dict of tensors and JSON values) as `step`; retention follows the commit."""
+        """Save `state` (a nested dict of tensors and JSON values) as `step`; retention follows the commit. With a hot
+        tier, `durable=True` commits the step at the durable URL too, whatever `durable_every` says (a run's last
+        save: the node-local copies go with the job's nodes)."""
         self._check_open()
         check_mode(mode or self.mode)
         self.pipeline.wait()
         plan = plan_save(state, self._target, step, self.options, layout=layout, atom_attributes=atom_attributes)
-        return self._submit(plan, mode)
+        return self._submit(plan, mode, durable)
 
     def save_sharded(
         self,
@@ -138,8 +144,10 @@ class CheckpointManager:
         *,
         extra: dict[str, Any] | None = None,
         mode: Mode | None = None,
+        durable: bool = False,
     ) -> SaveHandle:
-        """Every rank calls this with its local state (docs/LOCAL_STATE.md); `extra` is taken from rank 0."""
+        """Every rank calls this with its local state (docs/LOCAL_STATE.md); `extra` is taken from rank 0. `durable`
+        as `save` takes it (every rank passes the same)."""
         if self.comm is None:
             raise ValueError("save_sharded needs the manager's comm (CheckpointManager(..., comm=TorchComm(group)))")
         self._check_open()
@@ -148,7 +156,7 @@ class CheckpointManager:
         plan = plan_sharded_save(
             local_state, self._target, step=step, model=model, comm=self.comm, extra=extra, options=self.options
         )
-        return self._submit(plan, mode)
+        return self._submit(plan, mode, durable)
 
     def prepare(
         self,
@@ -193,13 +201,15 @@ class CheckpointManager:
         never fail a committed save; they are logged (`ucp` logger) and kept here until the next save."""
         return self._last.after_commit_errors if self._last is not None else []
 
-    def _submit(self, plan: SavePlan, mode: Mode | None) -> SaveHandle:
+    def _submit(self, plan: SavePlan, mode: Mode | None, durable: bool) -> SaveHandle:
         self.pipeline.fit_packs(plan)  # (before the hot tier learns the packs' documents)
         if self.hot is None:
             plan.session.after_commit.append(self._after_commit)
         else:
             documents = [key for key, _ in plan.documents()]
-            self.hot.attach(plan.session, documents, plan.manifest, self.storage, self.options, self._after_commit)
+            self.hot.attach(
+                plan.session, documents, plan.manifest, self.storage, self.options, self._after_commit, drain=durable
+            )
         self._last = self.pipeline.submit(plan, mode or self.mode)
         return self._last
 
@@ -239,10 +249,21 @@ class CheckpointManager:
         """The state of a committed step ('latest' or None: the newest; with a hot tier, of either tier), its tensors
         on `device` (default: host memory)."""
         if self.hot is not None and step in ("latest", None):
-            hot = commit.committed_steps(self.hot.storage)
-            if hot and hot[-1] >= (self.latest_step() or -1):
-                reader = CheckpointReader(self.hot.storage, hot[-1], io_threads=self.options.io_threads)
-                return reader.load_state(device=device)
+            hot, durable = commit.committed_steps(self.hot.storage), self.steps()
+            if hot and hot[-1] >= (durable[-1] if durable else -1):
+                try:
+                    reader = CheckpointReader(self.hot.storage, hot[-1], io_threads=self.options.io_threads)
+                    return reader.load_state(device=device)
+                except (IntegrityError, FormatError, ObjectMissingError) as e:
+                    # (a damaged hot copy: the durable URL's copy of the same step serves, where it has one)
+                    if hot[-1] not in durable:
+                        raise type(e)(
+                            f"hot tier {self.hot.storage.url}: step {hot[-1]} is damaged and {self.root_url} lacks "
+                            f"it: {e}"
+                        ) from e
+                    log.warning("hot tier %s: step %d is damaged (%s); read from %s", self.hot.storage.url,
+                                hot[-1], e, self.root_url)  # fmt: skip
+                    step = hot[-1]
         return self.reader(step).load_state(device=device)
 
     def restore_sharded(

@@ -64,17 +64,19 @@ from ..protocol import attempt, commit
 from ..protocol.comm import Comm, LocalComm, exchange_sizes
 from ..protocol.commit import CommitRecord
 from ..protocol.coordination import all_reduce, broadcast
-from ..protocol.session import SaveSession, ensure_root
+from ..protocol.session import SaveSession, ensure_root, root_id
 from ..storage import Capabilities, IOStats, LocalStorage, ReadableStorage, Storage, scatter_into
 
 log = logging.getLogger("ucp")
 
 DEFAULT_TRANSFER_BYTES = 256 << 20
 UNDRAINED_KEY = "undrained.json"  # in a node's run directory: {"saves": the hot saves committed since the last drain}
+ROOT_KEY = "root.json"  # in a node's run directory: {"url": the durable URL, "id": the id of the root its steps are of}
 
 
 def run_directory(local_dir: str, durable_url: str) -> str:
-    """Where a run's hot tier lives in a node's local directory: one directory per durable URL."""
+    """Where a run's hot tier lives in a node's local directory: one directory per durable URL (as its storage
+    names it: a local path made absolute)."""
     return os.path.join(local_dir, f"run-{hashlib.sha1(durable_url.rstrip('/').encode()).hexdigest()[:12]}")
 
 
@@ -144,20 +146,36 @@ class Holdings:
 
 
 @dataclass(frozen=True)
-class Candidates:
-    """Rank 0 to every rank: the hot steps worth trying, newest first, each with the lowest rank whose node holds
-    it (it hands the step's marker and manifest to the others), and the durable URL's newest step."""
+class RootId:
+    """Rank 0 to every rank: the durable root's id (None: a root without one, written by an older ucp)."""
 
-    hot: list[tuple[int, int]]  # (step, holding rank)
+    id: str | None
+
+    def to_json(self) -> dict:
+        return {"id": self.id}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> RootId:
+        return cls(doc["id"])
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Rank 0 to every rank: the hot steps worth trying, newest first, each with the lowest rank of each node that
+    holds it (one of them hands the step's marker and manifest to the others: the first whose copy reads), and the
+    durable URL's newest step."""
+
+    hot: list[tuple[int, list[int]]]  # (step, holding ranks)
     durable: int | None
 
     def to_json(self) -> dict:
-        return {"hot": [list(c) for c in self.hot], "durable": self.durable}
+        return {"hot": [[step, ranks] for step, ranks in self.hot], "durable": self.durable}
 
     @classmethod
     def from_json(cls, doc: Any) -> Candidates:
         durable = doc["durable"]
-        return cls([(int(s), int(r)) for s, r in doc["hot"]], int(durable) if durable is not None else None)
+        hot = [(int(step), [int(r) for r in ranks]) for step, ranks in doc["hot"]]
+        return cls(hot, int(durable) if durable is not None else None)
 
 
 def _ints(values: Sequence[int]) -> str:
@@ -422,7 +440,7 @@ class HotTier:
     def __init__(
         self,
         local_dir: str,
-        durable_url: str,
+        durable: Storage,
         comm: Comm | None,
         *,
         keep_last: int = 2,
@@ -431,17 +449,20 @@ class HotTier:
         fsync: bool = True,
     ):
         """A collective: every rank of `comm` constructs its HotTier together (finding the nodes exchanges each
-        rank's host and directory); each node's leader then collects its directory's garbage (IO)."""
+        rank's host and directory; rank 0 makes the durable root if there is none and tells every rank its id); each
+        node's leader then removes steps kept for another root and collects its directory's garbage (IO)."""
         if keep_last < 1 or durable_every < 1:
             raise ValueError(
                 f"the hot tier keeps at least 1 step (local_keep) and makes every Nth durable with N at least 1 "
                 f"(durable_every), got {keep_last} and {durable_every}"
             )
-        self.storage = LocalStorage(run_directory(local_dir, durable_url), fsync=fsync)
+        self.storage = LocalStorage(run_directory(local_dir, durable.url), fsync=fsync)
         self.comm: Comm = comm or LocalComm()
         self.keep_last, self.durable_every, self.transfer_bytes = keep_last, durable_every, transfer_bytes
         self.nodes = find_nodes(self.comm, local_dir)
+        root = broadcast(self.comm, lambda: RootId(root_id(durable)), RootId)
         if self.is_leader:
+            self._claim(durable.url, root.id)
             attempt.collect_garbage(self.storage)
         self.undrained = all_reduce(
             self.comm,
@@ -469,10 +490,14 @@ class HotTier:
         durable: Storage,
         options: SaveOptions,
         on_durable: Callable[[CommitRecord | None], None],
+        *,
+        drain: bool = False,
     ) -> None:
         """Add the hot tier's steps (module doc, 2-4) to a save whose storage is `self.storage`: they run after the
-        attempt commits on rank 0's node. `documents`: the zarr.json keys this rank wrote; `manifest`: rank 0's."""
-        drain = self.undrained + 1 >= self.durable_every  # (the previous save's hooks have run: saves are in turn)
+        attempt commits on rank 0's node. `documents`: the zarr.json keys this rank wrote; `manifest`: rank 0's;
+        `drain`: drain this save whatever `durable_every` says."""
+        # (the previous save's hooks have run: saves are in turn)
+        drain = drain or self.undrained + 1 >= self.durable_every
 
         def after_commit(record: CommitRecord | None) -> None:
             # Every rank runs every step's collectives whatever failed on it before (a replica it could not write,
@@ -508,6 +533,33 @@ class HotTier:
                 raise failures[0]
 
         session.after_commit.append(after_commit)
+
+    def _claim(self, durable_url: str, root: str | None) -> None:
+        """Make this node's directory the hot tier of the durable root `root`: steps kept here for another root (one
+        removed and made again at the URL, by a job that starts over) are another job's timeline, never restored:
+        they are removed (logged). A directory of a root without an id (an older ucp's) is taken as this root's."""
+        try:
+            recorded = json.loads(bytes(self.storage.read(ROOT_KEY)))["id"]
+        except FileNotFoundError:
+            recorded = root if root is None else ""  # ("": no record, steps of unknown root if any)
+        except (UcpError, ValueError, KeyError, TypeError):
+            recorded = ""
+        steps = commit.committed_steps(self.storage)
+        if recorded != root:
+            if steps:
+                log.warning(
+                    "hot tier %s: steps %s are of another root than the one now at %s; removed, not restored",
+                    self.storage.url,
+                    steps,
+                    durable_url,
+                )
+            for step in steps:
+                attempt.delete_step(self.storage, step)
+            if self.storage.exists(UNDRAINED_KEY):
+                self.storage.delete(UNDRAINED_KEY)
+        if recorded != root or not self.storage.exists(ROOT_KEY):
+            self.storage.write(ROOT_KEY, [json.dumps({"url": durable_url, "id": root}).encode()])
+            self.storage.flush()
 
     def _read_undrained(self) -> int:
         """This node's count of saves since the last drain; a damaged count is taken as a drain due (logged)."""
@@ -661,13 +713,24 @@ class HotTier:
         except UcpError as e:
             plan = e
         planned = plan.objects() if isinstance(plan, ReadPlan) else set()
-        # What this node lacks, asked of one rank of a node that holds it (spread over its holders and their ranks)
-        asks: dict[int, list[int]] = {}
+        # Where this rank reads each object from (a pack holds chunks of many atoms): this node, if its copy holds
+        # intact every chunk the rank reads of it; else, whole, a node whose copy does (asked of one of its ranks,
+        # spread over such nodes and their ranks); else the durable URL.
+        keys = [_key(reader, o) for o in objects]
+        read: dict[str, list[int]] = {}
         for i in sorted(number[o] for o in planned | _extra_objects(reader)):
-            holders = directory.holders(i)
-            if holders and my_node not in holders:  # (else read on this node, or from the durable URL)
-                ranks = self.nodes.ranks(holders[i % len(holders)])
-                asks.setdefault(ranks[i % len(ranks)], []).append(i)
+            read.setdefault(keys[i], []).append(i)
+        # (an object intact here whole is read here whatever reads it)
+        usable = set(keys) - {k for i, k in enumerate(keys) if my_node not in directory.holders(i)}
+        asks: dict[int, list[int]] = {}
+        for key, chunks in read.items():
+            intact = set(directory.holders(chunks[0])).intersection(*(directory.holders(i) for i in chunks[1:]))
+            if my_node in intact:
+                usable.add(key)
+            elif intact:
+                nodes, first = sorted(intact), chunks[0]
+                ranks = self.nodes.ranks(nodes[first % len(nodes)])
+                asks.setdefault(ranks[first % len(ranks)], []).append(first)
         sent = {peer: torch.tensor(wanted, dtype=torch.int64).view(torch.uint8) for peer, wanted in asks.items()}
         asked = self.comm.exchange(sent, exchange_sizes(self.comm, {p: t.numel() for p, t in sent.items()}))
         serve: dict[int, dict[str, int]] = {}  # peer -> {key: nbytes} that this rank sends it
@@ -688,9 +751,6 @@ class HotTier:
         if unsent:  # (the peers read those from the durable URL, or say that no intact copy is left)
             key, error = next(iter(unsent.items()))
             log.warning("hot tier: %d objects asked of rank %d not sent (%s: %s)", len(unsent), self.rank, key, error)
-        # an object is usable here if every chunk it holds is intact here (a pack holds many)
-        keys = [_key(reader, o) for o in objects]
-        usable = set(keys) - {k for i, k in enumerate(keys) if my_node not in directory.holders(i)}
         durable_reader = CheckpointReader(durable, chosen.step) if chosen.durable_too else None
         source = TierSource(self.storage, usable, fetched, durable_reader)
         tiered = CheckpointReader(source, committed=(reader.record, chosen.manifest_bytes, chosen.index))
@@ -726,12 +786,14 @@ class HotTier:
 
         def candidates(reports: list[Holdings]) -> Candidates:
             durable_latest = reports[0].durable
-            holder: dict[int, int] = {}
+            holders: dict[int, dict[int, int]] = {}  # step -> node -> its lowest rank that reported the step
             for rank, report in enumerate(reports):
                 for step in report.hot:
-                    holder.setdefault(step, rank)
+                    holders.setdefault(step, {}).setdefault(self.nodes.node_of[rank], rank)
             hot = [
-                (s, r) for s, r in sorted(holder.items(), reverse=True) if durable_latest is None or s >= durable_latest
+                (s, sorted(by_node.values()))
+                for s, by_node in sorted(holders.items(), reverse=True)
+                if durable_latest is None or s >= durable_latest
             ]
             return Candidates(hot, durable_latest)
 
@@ -744,16 +806,20 @@ class HotTier:
             failed=lambda f: f.error("hot tier: choosing the step"),
         )
         chosen = None
-        for step, holder in steps.hot:
-            choice = _Choice(step, "hot", holder, steps.durable == step)
-            self._load_holdings(choice, step in mine)
+        for step, holders in steps.hot:
+            choice = _Choice(step, "hot", holders, steps.durable == step)
+            if not self._load_holdings(choice, step in mine):
+                if choice.durable_too:  # (no node's documents of it read: the durable URL's copy serves)
+                    chosen = _Choice(step, "durable", [], True)
+                    break
+                continue
             assert choice.directory is not None
             if choice.durable_too or choice.directory.whole:
                 chosen = choice
                 break
             log.warning("hot tier: step %d is not held whole by the surviving nodes; trying an older one", step)
         if chosen is None and steps.durable is not None:
-            chosen = _Choice(steps.durable, "durable", 0, True)
+            chosen = _Choice(steps.durable, "durable", [], True)
         if self.is_leader:  # a timeline the job will now redo (all of it, on a fresh start)
             for step in mine:
                 if chosen is None or step > chosen.step:
@@ -762,52 +828,22 @@ class HotTier:
             raise CheckpointNotFoundError(f"no committed step at {durable.url} nor held whole by the nodes' hot tiers")
         return chosen
 
-    def _load_holdings(self, choice: _Choice, held_here: bool) -> None:
-        """The step's commit record and manifest (read by the lowest rank whose node holds the step, handed to rank 0,
-        broadcast from there: a node that joined holds nothing), and which nodes hold each object intact: each rank
-        checks its share of its node's copies against the commit's checksums, and rank 0 makes the directory."""
+    def _load_holdings(self, choice: _Choice, held_here: bool) -> bool:
+        """The step's commit record and manifest (read by a rank whose node holds the step: the first of its holders
+        whose copy reads), and which nodes hold each object intact: each rank checks its share of its node's copies
+        against the commit's checksums, and rank 0 makes the directory. False where no holder's documents read (each
+        is logged)."""
         from ..engine.inspection import check_object
 
-        held_by: Published | str | None = None  # the holder's copy of the step's documents, or why it has none
-        if self.rank == choice.holder:
+        for holder in choice.holders:
             try:
-                marker = bytes(self.storage.read(commit.marker_key(choice.step)))
-                where = f"{self.storage.url}/{commit.marker_key(choice.step)}"
-                record = commit.parse_marker(marker, choice.step, where)
-                manifest = commit.read_manifest_bytes(self.storage, record)
-                # (format 3.1: the manifest's index parts go with it)
-                index = CheckpointReader(self.storage, committed=(record, manifest)).index_parts()
-                held_by = Published(marker, manifest, index)
-            except (UcpError, OSError) as e:
-                held_by = f"hot tier: rank {self.rank} cannot read step {choice.step}'s marker and manifest: {e}"
-        if choice.holder != 0:  # (handed to rank 0, which broadcasts it; an empty marker says it failed)
-
-            def received(_peer: int, items: dict[str, memoryview]) -> None:
-                nonlocal held_by
-                marker, manifest = bytes(items["marker"]), bytes(items["manifest"])
-                index = {k.removeprefix("index/"): bytes(v) for k, v in items.items() if k.startswith("index/")}
-                held_by = Published(marker, manifest, index) if marker else manifest.decode()
-
-            ours = (
-                (held_by.marker, held_by.manifest) if isinstance(held_by, Published) else (b"", str(held_by).encode())
-            )
-            parts = held_by.index if isinstance(held_by, Published) else {}
-            items = [from_bytes("marker", ours[0]), from_bytes("manifest", ours[1])]
-            items += [from_bytes(f"index/{name}", data) for name, data in parts.items()]
-            send_rounds(
-                self.comm,
-                {0: [items]} if self.rank == choice.holder else {},
-                [choice.holder] if self.rank == 0 else [],
-                received,
-            )
-
-        def documents() -> Published:
-            if not isinstance(held_by, Published):
-                raise StorageError(str(held_by))
-            return held_by
-
-        step = broadcast(self.comm, documents, Published)
-        record = commit.parse_marker(step.marker, choice.step, f"hot tier step {choice.step} from rank {choice.holder}")
+                step = self._documents(choice.step, holder)
+                break
+            except StorageError as e:  # (the same on every rank: the next holder is tried by all)
+                log.warning("%s", e)
+        else:
+            return False
+        record = commit.parse_marker(step.marker, choice.step, f"hot tier step {choice.step} from rank {holder}")
         reader = CheckpointReader(self.storage, committed=(record, step.manifest, step.index))
         objects = _object_list(reader.atoms)
         share, ranks_here = self.nodes.position[self.rank], len(self.nodes.ranks(self.nodes.node_of[self.rank]))
@@ -838,6 +874,47 @@ class HotTier:
         found = all_reduce(self.comm, check, directory, Checked, Directory, failed=lambda f: f.error(failed))
         choice.reader, choice.manifest_bytes, choice.index, choice.directory = reader, step.manifest, step.index, found
         choice.damaged = found.damaged
+        return True
+
+    def _documents(self, step: int, holder: int) -> Published:
+        """Step `step`'s marker, manifest and index parts as rank `holder` reads them from its node, on every rank
+        (handed to rank 0, broadcast from there: a node that joined holds nothing); a StorageError on every rank says
+        why that rank could not read them."""
+        held_by: Published | str | None = None  # the holder's copy of the step's documents, or why it has none
+        if self.rank == holder:
+            try:
+                marker = bytes(self.storage.read(commit.marker_key(step)))
+                where = f"{self.storage.url}/{commit.marker_key(step)}"
+                record = commit.parse_marker(marker, step, where)
+                manifest = commit.read_manifest_bytes(self.storage, record)
+                # (format 3.1: the manifest's index parts go with it)
+                index = CheckpointReader(self.storage, committed=(record, manifest)).index_parts()
+                held_by = Published(marker, manifest, index)
+            except (UcpError, OSError) as e:
+                held_by = f"hot tier: rank {self.rank} cannot read step {step}'s marker and manifest: {e}"
+        if holder != 0:  # (handed to rank 0, which broadcasts it; an empty marker says it failed)
+
+            def received(_peer: int, items: dict[str, memoryview]) -> None:
+                nonlocal held_by
+                marker, manifest = bytes(items["marker"]), bytes(items["manifest"])
+                index = {k.removeprefix("index/"): bytes(v) for k, v in items.items() if k.startswith("index/")}
+                held_by = Published(marker, manifest, index) if marker else manifest.decode()
+
+            ours = (
+                (held_by.marker, held_by.manifest) if isinstance(held_by, Published) else (b"", str(held_by).encode())
+            )
+            parts = held_by.index if isinstance(held_by, Published) else {}
+            items = [from_bytes("marker", ours[0]), from_bytes("manifest", ours[1])]
+            items += [from_bytes(f"index/{name}", data) for name, data in parts.items()]
+            send_rounds(self.comm, {0: [items]} if self.rank == holder else {}, [holder] if self.rank == 0 else [],
+                        received)  # fmt: skip
+
+        def documents() -> Published:
+            if not isinstance(held_by, Published):
+                raise StorageError(str(held_by))
+            return held_by
+
+        return broadcast(self.comm, documents, Published)
 
 
 @dataclass
@@ -846,7 +923,7 @@ class _Choice:
 
     step: int
     source: str  # "hot" or "durable"
-    holder: int  # the lowest rank whose node holds the step committed
+    holders: list[int]  # the lowest rank of each node that holds the step committed
     durable_too: bool  # the durable URL holds it committed as well
     reader: CheckpointReader | None = None
     manifest_bytes: bytes = b""
@@ -892,7 +969,10 @@ class TierSource(ReadableStorage):
         if key in self.usable:
             return "local", self.local, key
         if self.durable is None:
-            raise IntegrityError(f"{key}: no surviving node holds an intact copy and the durable URL lacks its step")
+            raise IntegrityError(
+                f"{key}: no surviving node holds a copy intact in every chunk read of it, and the durable URL lacks its"
+                " step"
+            )
         within_attempt = key.split("/", 2)[2]  # step_N/attempt-.../<atom>/<chunk>
         return "durable", self.durable.storage, f"{self.durable.prefix}/{within_attempt}"
 

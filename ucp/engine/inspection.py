@@ -30,6 +30,7 @@ from ..format.manifest import (
     quantization_of,
 )
 from ..format.packs import pack_meta, pack_object_key
+from ..protocol.session import root_attributes
 from .checkpoint import CheckpointReader, group_paths
 
 
@@ -243,11 +244,7 @@ def _check_document(reader: CheckpointReader, key: str, expected: dict[str, Any]
 
 def _check_root(reader: CheckpointReader) -> None:
     _check_document(reader, ZARR_JSON, {"zarr_format": 3, "node_type": "group"}, "the root group's zarr.json")
-    doc = loads(reader.storage.read(ZARR_JSON, 0, MAX_DOCUMENT_BYTES + 1), ZARR_JSON, MAX_DOCUMENT_BYTES)
-    attributes = doc.get("attributes")
-    ours = attributes.get("ucp") if isinstance(attributes, dict) else None
-    if not isinstance(ours, dict) or ours.get("kind") != "root":
-        raise FormatError(f"the root group's zarr.json at {reader.storage.url} does not say it is a ucp root")
+    root_attributes(reader.storage)
 
 
 def _check_tree(reader: CheckpointReader) -> None:

@@ -26,14 +26,16 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Self
 
-from ..errors import PeerLostError, StepExistsError, StorageError, UcpError
+from ..errors import FormatError, PeerLostError, StepExistsError, StorageError, UcpError
 from ..format import index as step_index
 from ..format.manifest import (
     FORMAT_VERSION,
+    MAX_DOCUMENT_BYTES,
     ZARR_JSON,
     AtomMeta,
     ObjectSum,
@@ -42,9 +44,10 @@ from ..format.manifest import (
     check_step,
     chunk_indices,
     dumps,
+    loads,
 )
 from ..format.packs import Pack, pack_name, pack_object_key
-from ..storage import CLOCK_KEY, Storage, writable
+from ..storage import CLOCK_KEY, ReadableStorage, Storage, writable
 from . import attempt, commit, coordination
 from .comm import Comm, LocalComm
 
@@ -52,18 +55,38 @@ log = logging.getLogger("ucp")
 
 
 def ensure_root(storage: Storage) -> None:
-    """Make the root a Zarr group that says what it is (created once, by whichever save comes first)."""
+    """Make the root a Zarr group that says what it is (created once, by whichever save comes first), with an id
+    of its own: a root removed and made again at the same URL is another root (`root_id`)."""
     if storage.exists(ZARR_JSON):
         return
     doc = {
         "zarr_format": 3,
         "node_type": "group",
-        "attributes": {"ucp": {"kind": "root", "format_version": FORMAT_VERSION}},
+        "attributes": {"ucp": {"kind": "root", "format_version": FORMAT_VERSION, "id": uuid.uuid4().hex}},
     }
     try:
         storage.create_exclusive(ZARR_JSON, dumps(doc))
     except FileExistsError:
         pass  # another save made it meanwhile
+
+
+def root_attributes(storage: ReadableStorage) -> dict[str, Any]:
+    """The root's own attributes (its zarr.json's `attributes.ucp`), checked to say it is a ucp root."""
+    where = f"{storage.url.rstrip('/')}/{ZARR_JSON}"
+    doc = loads(storage.read(ZARR_JSON, 0, MAX_DOCUMENT_BYTES + 1), where, MAX_DOCUMENT_BYTES)
+    attributes = doc.get("attributes") if isinstance(doc, dict) else None
+    ours = attributes.get("ucp") if isinstance(attributes, dict) else None
+    if not isinstance(ours, dict) or ours.get("kind") != "root":
+        raise FormatError(f"the root group's zarr.json at {storage.url} does not say it is a ucp root")
+    return ours
+
+
+def root_id(storage: Storage) -> str | None:
+    """The id of the root at `storage` (made if there is none yet, `ensure_root`); None for a root written before
+    roots had ids."""
+    ensure_root(storage)
+    found = root_attributes(storage).get("id")
+    return found if isinstance(found, str) else None
 
 
 def remove_unused_root(storage: Storage) -> None:
