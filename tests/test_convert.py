@@ -24,6 +24,7 @@ from ucp.interop.megatron.save import RANK_FILE, parse_megatron_layout, rank_fil
 from ucp.sharding.families import canonical_atoms
 from ucp.sharding.reshard import DEFAULT_STATES, shard
 
+from .helpers import DRAW
 from .launch import spawn
 from .test_hf import random_full_state, save_in_layout, tiny_config
 
@@ -427,3 +428,33 @@ def test_export_and_import_megatron_dist_are_the_torch_dist_conversions(megatron
     assert ucp_cli.main(argv) == 1
     err = capsys.readouterr().err
     assert "--dtype" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_a_fused_tensor_of_atoms_stored_in_several_dtypes_holds_each_exactly(tmp_path):
+    """Megatron fuses gate and up (linear_fc1) in one tensor: an HF model whose gate and up are stored in two dtypes
+    converts with each cast into one that holds both exactly (bf16 and fp16 make fp32), never its bytes
+    reinterpreted."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from ucp.interop.hf import import_hf
+
+    torch.manual_seed(DRAW.randrange(1 << 30))
+    hf_cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    src = tmp_path / "hf"
+    transformers.Qwen2ForCausalLM(hf_cfg).save_pretrained(src)
+    kinds = [torch.bfloat16, torch.float16, torch.float32]
+    gate, up, rest = DRAW.choice(kinds), DRAW.choice(kinds), DRAW.choice(kinds)
+    weights = load_file(src / "model.safetensors")
+    cast = {n: t.to(gate if "gate_proj" in n else up if "up_proj" in n else rest) for n, t in weights.items()}
+    save_file(cast, src / "model.safetensors", metadata={"format": "pt"})
+    import_hf(src, str(tmp_path / "u"))
+    convert(str(tmp_path / "u"), str(tmp_path / "m"), from_layout="universal", to_layout="tp1")
+    got = megatron_file(tmp_path / "m", "mp_rank_00", iteration=0)["model"]
+    fused = torch.promote_types(gate, up)
+    for layer in range(hf_cfg.num_hidden_layers):
+        mlp = f"model.layers.{layer}.mlp"
+        want = torch.cat([cast[f"{mlp}.gate_proj.weight"], cast[f"{mlp}.up_proj.weight"]]).to(fused)
+        fc1 = got[f"decoder.layers.{layer}.mlp.linear_fc1.weight"]
+        assert fc1.dtype == fused and torch.equal(fc1, want), (layer, gate, up)

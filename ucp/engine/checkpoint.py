@@ -484,7 +484,10 @@ class CheckpointReader:
         self, meta: AtomMeta, index: tuple[int, ...], box: Box, view: torch.Tensor, landing: Landing | None = None
     ) -> ObjectCall:
         """The read of the part of chunk object `index` that falls in region `box` of an atom into `view`
-        (`read_region`), as a call to run with others, with its object's bytes and key."""
+        (`read_region`), as a call to run with others, with its object's bytes and key. `view` has the atom's dtype:
+        the bytes are copied, never converted (a caller with another dtype reads into a buffer and casts)."""
+        if view.dtype != dtypes.torch_dtype(meta.dtype):
+            raise TypeError(f"atom {meta.path!r} is {meta.dtype}: read into a {view.dtype} tensor it would be garbled")
         if meta.packed and landing is None:  # (merged with the other chunks of its pack read at once: run_reads)
             return ObjectCall(
                 PackedRegionRead(self, meta, index, box, view), meta.object_bytes, self.read_key(meta, index)
@@ -800,14 +803,15 @@ def _direct(dest: torch.Tensor) -> bool:
 def open_checkpoint(
     url: str, step: int | str | None = "latest", *, storage_options: dict[str, Any] | None = None
 ) -> CheckpointReader:
-    """Open a committed step for reading. `url` is a checkpoint root, or a step directory inside one."""
+    """Open a committed step for reading. `url` is a checkpoint root, or a step directory inside one (whose step is
+    the one read: `step` may say it again)."""
     root, _, last = url.rstrip("/").rpartition("/")
     attempt = None
     if is_attempt_dirname(last):  # the committed attempt's group: its step directory names the step
         attempt = last
         root, _, last = root.rpartition("/")
     named = parse_step_dirname(last) if root else None
-    if named is not None and step in (None, "latest"):
+    if named is not None and (step in (None, "latest") or (type(step) is int and step == named)):
         url, step = root, named
     reader = CheckpointReader(open_storage(url, storage_options), step)
     if attempt is not None and named is not None and reader.record.attempt != attempt:

@@ -3,6 +3,7 @@ and a checkpoint's tensors' dtypes (`Dtypes`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -64,9 +65,10 @@ class Dtypes:
     of_atom: dict[str, torch.dtype]
 
     def of(self, lt: LocalTensor) -> torch.dtype:
-        """A local tensor's dtype: its first atom's for a parameter, its state's for an optimizer state."""
+        """A local tensor's dtype: for a parameter its atoms' (one that holds them all exactly, where a fused
+        tensor's atoms are stored in several: bf16 and fp16 make fp32), for an optimizer state its state's."""
         if lt.state is None and lt.pieces:
-            return self.of_atom.get(lt.pieces[0].atom, self.of_state[None])
+            return functools.reduce(torch.promote_types, (self.atom(p.atom, None) for p in lt.pieces))
         return self.of_state[lt.state]
 
     def atom(self, atom: str, state: str | None) -> torch.dtype:
