@@ -247,3 +247,25 @@ def test_a_damaged_or_hostile_data_file_is_one_line_and_leaves_no_destination(tm
     assert str(data) in err, err
     assert not ran.exists(), "the hostile pickle ran"
     assert not dest.exists(), f"a partial destination was left: {list(dest.rglob('*'))}"
+
+
+@pytest.mark.parametrize("elsewhere", ["../elsewhere.distcp", "/tmp/x.distcp", "sub/x.distcp", ".."])
+def test_metadata_naming_a_data_file_not_beside_it_is_refused(tmp_path, capsys, elsewhere):
+    import dataclasses
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    cfg = tiny_config(num_hidden_layers=1)
+    src = tmp_path / "d"
+    dcp.save(random_full_state(cfg, states=())["model"], checkpoint_id=str(src), no_dist=True)
+    (src / "config.json").write_text(_hf_config_json(cfg))
+    metadata = pickle.loads((src / ".metadata").read_bytes())
+    key = next(iter(metadata.storage_data))
+    metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], relative_path=elsewhere)
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    dest = tmp_path / "u"
+    assert ucp_cli.main(["import", str(src), str(dest), "--from", "dcp", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a file beside it" in err and str(src / ".metadata") in err, err
+    assert not dest.exists()

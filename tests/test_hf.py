@@ -325,3 +325,45 @@ def test_a_qwen_moe_without_a_dense_size_exports_a_config_transformers_loads(tmp
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.parametrize("elsewhere", ["../elsewhere", "/abs", "sub/dir", ".."])
+def test_an_index_naming_a_file_not_beside_it_is_refused(tmp_path, capsys, elsewhere):
+    """A weight_map entry is a file name in the checkpoint's directory: a path that leads elsewhere is never read."""
+    import shutil
+
+    src, _ = save_hf(tmp_path)  # (several shards: an index)
+    index = src / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    name = next(iter(doc["weight_map"]))
+    moved = tmp_path / "outside.safetensors"
+    shutil.copy(src / doc["weight_map"][name], moved)
+    doc["weight_map"][name] = {"../elsewhere": "../outside.safetensors", "/abs": str(moved),
+                               "sub/dir": "sub/x.safetensors", "..": ".."}[elsewhere]  # fmt: skip
+    index.write_text(json.dumps(doc))
+    capsys.readouterr()  # (transformers' progress while saving)
+    assert ucp_cli.main(["import", str(src), str(tmp_path / "u"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a file beside it" in err and str(index) in err, err
+    assert not (tmp_path / "u").exists()
+
+
+def test_an_export_whose_destination_cannot_be_made_is_one_line(tmp_path, capsys):
+    cfg = tiny_config(num_hidden_layers=1)
+    save_in_layout(random_full_state(cfg, states=()), cfg, "tp1", str(tmp_path / "u"))
+    (tmp_path / "file").write_text("")
+    for to in ("hf", "vllm"):
+        assert ucp_cli.main(["export", str(tmp_path / "u"), "--to", to, str(tmp_path / "file" / "x")]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("ucp: error: cannot make") and "file" in err, err
+
+
+def test_a_step_directory_opens_with_its_own_step_named_again(tmp_path):
+    import ucp
+
+    cfg = tiny_config(num_hidden_layers=1)
+    for step in (1, 2):
+        save_in_layout(random_full_state(cfg, states=(), seed=step), cfg, "tp1", str(tmp_path / "u"), step=step)
+    step_dir = str(tmp_path / "u" / "step_00000001")
+    assert ucp.open_checkpoint(step_dir, 1).step == 1 == ucp.open_checkpoint(step_dir).step
+    assert ucp_cli.main(["export", step_dir, "--to", "hf", str(tmp_path / "hf"), "--step", "1"]) == 0

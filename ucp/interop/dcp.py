@@ -40,6 +40,7 @@ from ..sharding.layout import Layout
 from .dtypes import kept_param_dtypes, parse_dtype
 from .errors import InteropError, SourceMismatchError
 from .hf import QuantisedDtypes, hf_config_from_ucp, refuse_cast_of_quantised, stored_hf_config, ucp_config_from_hf
+from .paths import file_beside
 from .staging import staged_dir
 from .streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS, group_limit, nbytes, progress_bar, save_atoms
 
@@ -115,6 +116,9 @@ def read_metadata(root: Path) -> Any:
         )
         if not isinstance(fqn, str) or not (tensor_ok or isinstance(entry, BytesStorageMetadata)):
             raise InteropError(f"{path}: the entry {fqn!r:.80} is not a tensor's or an object's DCP metadata")
+    storage = getattr(metadata, "storage_data", None)
+    for index, info in storage.items() if isinstance(storage, dict) else ():
+        file_beside(path, getattr(info, "relative_path", None), f"the entry {getattr(index, 'fqn', index)!r:.80}")
     return metadata
 
 

@@ -56,6 +56,7 @@ from ..sharding.layout import Layout
 from ..sharding.quantization import SCALE_DTYPES, WEIGHT_DTYPE, dequantize
 from .dtypes import kept_param_dtypes, most_common, parse_dtype, short_name
 from .errors import InteropError, SourceMismatchError
+from .paths import file_beside
 from .staging import staged_dir
 from .streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS, group_limit, nbytes, pipelined, progress_bar, save_atoms
 
@@ -607,7 +608,7 @@ def open_hf(src_dir: str | Path) -> HfSource:
             f"{root} has neither {INDEX_NAME} nor {SINGLE_NAME} (only safetensors are imported, never pickles)"
         )
     for fname in sorted(set(weight_map.values())):
-        if not (root / fname).is_file():
+        if not file_beside(root / INDEX_NAME, fname, "its weight_map").is_file():
             raise InteropError(f"{root}/{INDEX_NAME} names {fname}, which is missing")
     return HfSource(root, config, extra, weight_map)
 

@@ -88,9 +88,12 @@ def fsync_tree(root: Path) -> None:
 def staged_dir(dst: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
     """Yield a temporary directory next to DST; publish it as DST on success, delete it on any failure."""
     final = check_destination(dst).absolute()
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:  # (a parent that is a file, or where nothing may be made)
+        raise InteropError(f"cannot make {final}: {e.strerror or e} ({e.filename or final.parent})") from None
     try:
         yield tmp
         if fsync:

@@ -50,6 +50,7 @@ from ...sharding.layout import Layout
 from ...sharding.reshard import LocalParam, LocalTensor, Piece, local_params, local_plan
 from ..dcp import METADATA, read_metadata
 from ..errors import InteropError, SourceMismatchError
+from ..paths import file_beside
 from ..staging import staged_dir
 from ..torch_file import TorchFile
 from .args import args_for, args_layout, bucket_size_of, check_even_stages, config_from_args, distributed_buffers
@@ -132,17 +133,6 @@ def dist_name(name: str, per_layer: bool = False) -> DistName:
 # ------------------------------------------------------------------------------------------- reading
 
 
-def _check_item_path(root: Path, relative_path: Any, key: str) -> Path:
-    """A .distcp file named by the metadata: a plain file name in the iteration directory, nothing else."""
-    if (
-        not isinstance(relative_path, str)
-        or not re.fullmatch(r"[A-Za-z0-9_.-]+", relative_path)
-        or relative_path in (".", "..")
-    ):
-        raise InteropError(f"{root / METADATA}: {key} names the data file {relative_path!r:.80}, not a file beside it")
-    return root / relative_path
-
-
 @dataclass(frozen=True)
 class FlatPart:
     """Where some of a tensor lies in a flat global tensor (a bucket of the dp_reshardable optimizer form): a
@@ -223,7 +213,7 @@ class DistTensors:
         info = self.metadata.storage_data.get(MetadataIndex(key))
         if info is None:
             return None
-        path = _check_item_path(self.root, info.relative_path, key)
+        path = file_beside(self.root / METADATA, info.relative_path, key)
         try:
             value = TorchFile(path, info.offset, info.length).obj
         except (RuntimeError, ValueError, OSError, pickle.UnpicklingError) as e:
@@ -245,7 +235,7 @@ class DistTensors:
             raise InteropError(
                 f"{self.root / METADATA}: {key} is stored with transforms {info.transform_descriptors}, which ucp does not read"
             )
-        path = _check_item_path(self.root, info.relative_path, key)
+        path = file_beside(self.root / METADATA, info.relative_path, key)
         try:
             blob = TorchFile(path, info.offset, info.length)
         except (RuntimeError, ValueError, OSError, pickle.UnpicklingError) as e:
