@@ -18,7 +18,7 @@ from ucp.sharding.families import MixtralConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
-from .helpers import damage_atom, random_full_state, save_in_layout, tiny_config
+from .helpers import DRAW, damage_atom, random_full_state, save_in_layout, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -367,3 +367,48 @@ def test_a_step_directory_opens_with_its_own_step_named_again(tmp_path):
     step_dir = str(tmp_path / "u" / "step_00000001")
     assert ucp.open_checkpoint(step_dir, 1).step == 1 == ucp.open_checkpoint(step_dir).step
     assert ucp_cli.main(["export", step_dir, "--to", "hf", str(tmp_path / "hf"), "--step", "1"]) == 0
+
+
+ASSUMED_ARCHS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "mixtral": "MixtralConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+}
+
+
+@pytest.mark.parametrize("arch", DRAW.sample(sorted(ASSUMED_ARCHS), 3))
+def test_a_config_json_relying_on_transformers_defaults_exports_as_the_same_model(tmp_path, arch):
+    """A config.json without rms_norm_eps, rope_theta or norm_topk_prob means transformers' own defaults for them:
+    an import then an export says the values transformers read from the source, and so does a Megatron conversion."""
+    import transformers
+
+    shape = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    if arch.endswith("moe"):
+        shape.update(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+        if arch == "qwen2_moe":
+            shape.update(shared_expert_intermediate_size=16)
+    elif arch == "mixtral":
+        shape.update(num_local_experts=4, num_experts_per_tok=2)
+    cfg = getattr(transformers, ASSUMED_ARCHS[arch])(**shape)
+    src = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    doc = json.loads((src / "config.json").read_text())
+    for key in ("rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "norm_topk_prob"):
+        doc.pop(key, None)
+    (src / "config.json").write_text(json.dumps(doc))
+    read = transformers.AutoConfig.from_pretrained(src)
+    import_hf(src, str(tmp_path / "u"))
+    export_hf(str(tmp_path / "u"), tmp_path / "back")
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+
+    def theta(c):
+        params = getattr(c, "rope_parameters", None)
+        return params["rope_theta"] if isinstance(params, dict) else c.rope_theta
+
+    assert back.rms_norm_eps == read.rms_norm_eps and theta(back) == theta(read), (arch, back, read)
+    assert getattr(back, "norm_topk_prob", None) == getattr(read, "norm_topk_prob", None)

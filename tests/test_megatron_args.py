@@ -188,6 +188,11 @@ REFUSED = [
     ({**GOOD, "swiglu": True, "add_bias_linear": True}, "add_bias_linear"),
     ({**GOOD, "swiglu": True, "normalization": "LayerNorm"}, "normalization='LayerNorm'"),
     ({**GOOD, "swiglu": True, "num_layers": None}, "args has no num_layers"),
+    # args given as JSON (--config) may say anything: a size of another type, or not positive
+    ({**GOOD, "swiglu": True, "num_layers": "2"}, "args' num_layers is '2', not a positive integer"),
+    ({**GOOD, "swiglu": True, "hidden_size": 16.0}, "args' hidden_size is 16.0, not a positive integer"),
+    ({**GOOD, "swiglu": True, "num_attention_heads": -2}, "args' num_attention_heads is -2, not a positive integer"),
+    ({**GOOD, "swiglu": True, "num_experts": [4]}, "the args do not describe a model: TypeError"),
     ({**GOOD, "swiglu": True, "vocab_size": None}, "neither vocab_size nor padded_vocab_size"),
     ({**GOOD, "swiglu": True, "multi_latent_attention": True}, "multi-latent attention without experts"),
     ({**GOOD, "swiglu": True, "num_experts": 4, "moe_shared_expert_intermediate_size": 8}, "without its gate"),
@@ -321,3 +326,22 @@ def test_convert_takes_options_or_keywords_not_both(tmp_path):
         convert(tmp_path / "absent", tmp_path / "out", options, step=3)
     with pytest.raises(TypeError, match="unexpected keyword argument 'stepp'"):
         convert(tmp_path / "absent", tmp_path / "out", from_layout="tp2", to_layout="universal", stepp=3)
+
+
+@pytest.mark.parametrize(
+    ("given", "vocab", "match"),
+    [
+        ({"vocab_size": 64}, 50, r"the vocabulary size given \(50\) is not the args' vocab_size \(64\)"),
+        (
+            {"vocab_size": None, "padded_vocab_size": 128},
+            129,
+            r"given \(129\) is not within the args' padded_vocab_size",
+        ),
+    ],
+)
+def test_a_vocabulary_size_that_contradicts_the_args_is_refused(given, vocab, match):
+    args = argparse.Namespace(**{**GOOD, "swiglu": True, **given})
+    with pytest.raises(InteropError, match=f"^common.pt: .*{match}"):
+        config_from_args(args, "common.pt", vocab)
+    if given.get("vocab_size") is None:  # (what the flag is for: args that know only the padded size)
+        assert config_from_args(args, "common.pt", 100)[0].vocab_size == 100

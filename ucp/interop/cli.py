@@ -260,7 +260,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--vocab-size",
-        type=int,
+        type=_at_least_one,
         default=None,
         help="true vocabulary size, when the Megatron args only know the padded one",
     )

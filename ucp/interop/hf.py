@@ -95,6 +95,10 @@ class HfArch:
     aliases_only: bool = False  # an export writes the aliases alone (else both spellings, for readers of either)
     copies: dict[str, str] = dataclasses.field(default_factory=dict)  # config field -> the config.json key it copies
     optional: tuple[str, ...] = ()  # keys an export leaves out where the config has None (HF's default stands)
+    # What transformers computes with where config.json says nothing (its config class's defaults), for the fields
+    # that change the model and that `defaults` says otherwise or not at all: an import records them (an export and
+    # a Megatron conversion then say them), so that a config.json relying on them comes back as the same model.
+    assumed: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def refuses(self, config: FamilyConfig) -> list[str]:
         """The settings of `config` this architecture cannot hold (`implies` and `requires` on the config's own
@@ -110,6 +114,7 @@ _QWEN_MOE_KEYS = (*_DENSE_KEYS, "moe_intermediate_size", "num_local_experts", "n
 # every layer a MoE layer: dense MLP layers (mlp_only_layers, decoder_sparse_step > 1) have no atoms here
 _QWEN_MOE_REQUIRES = {"hidden_act": "silu", "decoder_sparse_step": 1, "mlp_only_layers": []}
 _QWEN_MOE_DEFAULTS = {**_COMMON_DEFAULTS, "rms_norm_eps": 1e-6, "rope_theta": 1e6}
+_DENSE_ASSUMED = {"rms_norm_eps": 1e-6, "rope_theta": 1e4}  # (Llama's, Mistral's, Qwen2's and Qwen3's)
 HF_ARCHS: dict[str, HfArch] = {
     a.model_type: a
     for a in (
@@ -120,6 +125,7 @@ HF_ARCHS: dict[str, HfArch] = {
             (*_DENSE_KEYS, "num_local_experts", "num_experts_per_tok"),
             requires={"hidden_act": "silu"},
             defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 4096},
+            assumed={"rms_norm_eps": 1e-5, "rope_theta": 1e6},
         ),
         HfArch(
             "qwen3_moe",
@@ -130,6 +136,7 @@ HF_ARCHS: dict[str, HfArch] = {
             # (its attention_bias puts biases on q, k, v and o: ucp's atoms have none on o_proj)
             requires={**_QWEN_MOE_REQUIRES, "attention_bias": False},
             defaults={**_QWEN_MOE_DEFAULTS, "max_position_embeddings": 40960, "norm_topk_prob": True},
+            assumed={"rms_norm_eps": 1e-6, "rope_theta": 1e4, "norm_topk_prob": False},
             aliases={"num_experts": "num_local_experts"},  # (transformers < 5 writes num_experts)
             optional=("intermediate_size",),
         ),
@@ -141,6 +148,7 @@ HF_ARCHS: dict[str, HfArch] = {
             implies={"qk_norm": False},
             requires=_QWEN_MOE_REQUIRES,
             defaults={**_QWEN_MOE_DEFAULTS, "max_position_embeddings": 32768, "norm_topk_prob": False},
+            assumed={"rms_norm_eps": 1e-6, "rope_theta": 1e4, "norm_topk_prob": False},
             aliases={"num_experts": "num_local_experts", "qkv_bias": "attention_bias"},
             optional=("intermediate_size",),
         ),
@@ -160,7 +168,12 @@ HF_ARCHS: dict[str, HfArch] = {
             },
             aliases={"num_experts": "num_local_experts"},
             aliases_only=True,
-            copies={"moe_intermediate_size": "intermediate_size"},  # (OLMoE's experts are its only MLPs)
+            copies={"moe_intermediate_size": "intermediate_size"},
+            assumed={
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 1e4,
+                "norm_topk_prob": False,
+            },  # (OLMoE's experts are its only MLPs)
         ),
         HfArch(
             "deepseek_v3",
@@ -194,6 +207,14 @@ HF_ARCHS: dict[str, HfArch] = {
             },
             aliases={"n_routed_experts": "num_local_experts"},
             aliases_only=True,
+            assumed={
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1e4,
+                "n_group": 8,
+                "topk_group": 4,
+                "routed_scaling_factor": 2.5,
+                "norm_topk_prob": True,
+            },
         ),
         HfArch(
             "llama",
@@ -202,6 +223,7 @@ HF_ARCHS: dict[str, HfArch] = {
             _DENSE_KEYS,
             requires={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
             defaults={**_COMMON_DEFAULTS, "rope_theta": 5e5, "max_position_embeddings": 8192},
+            assumed=_DENSE_ASSUMED,
         ),
         HfArch(
             "mistral",
@@ -210,6 +232,7 @@ HF_ARCHS: dict[str, HfArch] = {
             _DENSE_KEYS,
             requires={"hidden_act": "silu"},
             defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 32768},
+            assumed=_DENSE_ASSUMED,
         ),
         HfArch(
             "qwen2",
@@ -219,6 +242,7 @@ HF_ARCHS: dict[str, HfArch] = {
             implies={"attention_bias": True},
             requires={"hidden_act": "silu"},
             defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 32768},
+            assumed=_DENSE_ASSUMED,
         ),
         HfArch(
             "qwen3",
@@ -228,6 +252,7 @@ HF_ARCHS: dict[str, HfArch] = {
             implies={"qk_norm": True},
             requires={"hidden_act": "silu", "attention_bias": False},
             defaults={**_COMMON_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 40960},
+            assumed=_DENSE_ASSUMED,
         ),
     )
 }
@@ -371,6 +396,8 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[FamilyConfig, d
     except (TypeError, ValueError, UcpError) as e:
         raise InteropError(f"{where}: {e}") from None
     extra = {k: v for k, v in doc.items() if k not in arch.keys and k not in FILE_KEYS}
+    rope_said = any(k in doc for k in ("rope_theta", "rope_parameters", "rope_scaling"))
+    extra.update({k: v for k, v in arch.assumed.items() if k not in doc and not (k == "rope_theta" and rope_said)})
     return config, extra
 
 

@@ -37,6 +37,8 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
         config = names.config(args, gpt_shape(args, vocab_size))
     except UcpError as e:
         raise InteropError(f"{where}: {e}") from None
+    except (TypeError, ValueError) as e:  # (a value of another type than Megatron writes: "2" layers, [4] experts)
+        raise InteropError(f"{where}: the args do not describe a model: {type(e).__name__}: {e}") from None
     return config, names.hf_fields(args, hf_fields_from_args(args, where))
 
 

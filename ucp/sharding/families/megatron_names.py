@@ -11,6 +11,7 @@ A problem with the args is a UcpError naming the argument.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -28,12 +29,14 @@ def arg(args: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def required(args: Any, name: str) -> Any:
-    """An argument the model's shape cannot do without."""
+def required(args: Any, name: str) -> int:
+    """A size the model's shape cannot do without: a positive integer (args given as JSON may say anything)."""
     value = arg(args, name)
     if value is None:
         raise UcpError(f"args has no {name}: cannot tell the model's shape")
-    return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise UcpError(f"args' {name} is {value!r:.40}, not a positive integer")
+    return int(value)
 
 
 def experts(args: Any) -> int:
@@ -128,7 +131,15 @@ def gpt_shape(args: Any, vocab_size: int | None = None) -> dict[str, Any]:
     if arg(args, "rotary_interleaved", False) and not latent_attention(args):
         raise UcpError("rotary_interleaved: RoPE on interleaved pairs has no Hugging Face config in ucp's families")
     heads, hidden = required(args, "num_attention_heads"), required(args, "hidden_size")
-    vocab = vocab_size or arg(args, "vocab_size") or arg(args, "padded_vocab_size")
+    said, padded = arg(args, "vocab_size"), arg(args, "padded_vocab_size")
+    if vocab_size is not None and said is not None and vocab_size != said:
+        raise UcpError(
+            f"the vocabulary size given ({vocab_size}) is not the args' vocab_size ({said}): it is for args that know "
+            "only the padded size"
+        )
+    if vocab_size is not None and padded is not None and not 0 < vocab_size <= padded:
+        raise UcpError(f"the vocabulary size given ({vocab_size}) is not within the args' padded_vocab_size ({padded})")
+    vocab = vocab_size or said or padded
     if vocab is None:
         raise UcpError("args has neither vocab_size nor padded_vocab_size")
     return {
