@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -412,3 +413,28 @@ def test_a_config_json_relying_on_transformers_defaults_exports_as_the_same_mode
 
     assert back.rms_norm_eps == read.rms_norm_eps and theta(back) == theta(read), (arch, back, read)
     assert getattr(back, "norm_topk_prob", None) == getattr(read, "norm_topk_prob", None)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda doc: "{not json", "is not valid JSON"),
+        (lambda doc: b"\xff\xfe{}", "is not valid JSON"),
+        (lambda doc: [doc], "is not a config .a JSON object., but a list"),
+        (lambda doc: {**doc, "num_hidden_layers": "2"}, "num_hidden_layers is '2', not a positive integer"),
+        (lambda doc: {**doc, "hidden_size": 32.0}, "hidden_size is 32.0, not a positive integer"),
+        (lambda doc: {**doc, "num_key_value_heads": 0}, "num_key_value_heads is 0, not a positive integer"),
+        (lambda doc: {**doc, "vocab_size": True}, "vocab_size is True, not a positive integer"),
+    ],
+)
+def test_a_malformed_config_json_is_one_line_naming_it(tmp_path, capsys, edit, match):
+    src, _ = save_hf(tmp_path)
+    doc = edit(json.loads((src / "config.json").read_text()))
+    data = doc if isinstance(doc, bytes) else (doc if isinstance(doc, str) else json.dumps(doc)).encode()
+    (src / "config.json").write_bytes(data)
+    capsys.readouterr()
+    assert ucp_cli.main(["import", str(src), str(tmp_path / "u"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(src / "config.json") in err, err
+    assert re.search(match, err), err
+    assert not (tmp_path / "u").exists()

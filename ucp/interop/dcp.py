@@ -39,7 +39,7 @@ from ..sharding.families import FamilyConfig, block_scales, canonical_atoms, exp
 from ..sharding.layout import Layout
 from .dtypes import kept_param_dtypes, parse_dtype
 from .errors import InteropError, SourceMismatchError
-from .hf import QuantisedDtypes, hf_config_from_ucp, refuse_cast_of_quantised, stored_hf_config, ucp_config_from_hf
+from .hf import QuantisedDtypes, hf_config_from_ucp, read_hf_config, refuse_cast_of_quantised, stored_hf_config
 from .paths import file_beside
 from .staging import staged_dir
 from .streaming import DEFAULT_MEMORY_BUDGET, DEFAULT_WORKERS, group_limit, nbytes, progress_bar, save_atoms
@@ -253,7 +253,7 @@ def _config(config: FamilyConfig | str | Path | None, root: Path) -> tuple[Famil
         raise InteropError(
             f"DCP checkpoints carry no model config: give one (a Hugging Face config.json); {path} does not exist"
         )
-    return ucp_config_from_hf(json.loads(path.read_text()), str(path))
+    return read_hf_config(path)
 
 
 def _check_shapes(targets: list[_Target], config: FamilyConfig, where: str) -> None:

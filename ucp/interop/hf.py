@@ -362,6 +362,29 @@ def _fp8_block_size(quant: Any, arch: HfArch, where: str) -> list[int]:
     return block
 
 
+def read_hf_config(path: Path) -> tuple[FamilyConfig, dict[str, Any]]:
+    """`ucp_config_from_hf` of the config.json at `path`; one that is not a JSON object is an InteropError."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InteropError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise InteropError(f"cannot read {path}: {e.strerror or e}") from None
+    if not isinstance(doc, dict):
+        raise InteropError(f"{path} is not a config (a JSON object), but a {type(doc).__name__}")
+    return ucp_config_from_hf(doc, str(path))
+
+
+# config.json's sizes: integers, positive but for those a model may have none of
+_SIZES = frozenset(
+    {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+     "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_local_experts", "num_experts_per_tok",
+     "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
+     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"}
+)  # fmt: skip
+_MAY_BE_ZERO = frozenset({"shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace"})
+
+
 def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[FamilyConfig, dict[str, Any]]:
     """The family config from an HF config.json, and the HF fields it does not model; refuses architectures, and
     settings of them, whose weights ucp's atoms cannot hold."""
@@ -387,6 +410,11 @@ def ucp_config_from_hf(doc: dict[str, Any], where: str) -> tuple[FamilyConfig, d
         raise InteropError(f"{where} lacks {missing}")
     fields = {k: doc[k] for k in arch.keys if doc.get(k) is not None}
     fields.setdefault("num_key_value_heads", doc["num_attention_heads"])
+    for key in _SIZES.intersection(fields):
+        value = fields[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key in _MAY_BE_ZERO else 1):
+            least = "a non-negative" if key in _MAY_BE_ZERO else "a positive"
+            raise InteropError(f"{where}: {key} is {value!r:.40}, not {least} integer")
     fields.update({f: doc[key] for f, key in arch.copies.items() if key in doc})
     fields.update(arch.implies)
     if doc.get("quantization_config") is not None:  # (it travels on with the fields not modelled, for export)
@@ -615,11 +643,7 @@ def open_hf(src_dir: str | Path) -> HfSource:
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise InteropError(f"{root} is not a Hugging Face checkpoint directory (no config.json)")
-    try:
-        doc = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise InteropError(f"{cfg_path} is not valid JSON: {e}") from None
-    config, extra = ucp_config_from_hf(doc, str(cfg_path))
+    config, extra = read_hf_config(cfg_path)
     if (root / INDEX_NAME).is_file():
         try:
             weight_map = json.loads((root / INDEX_NAME).read_text())["weight_map"]
