@@ -269,3 +269,18 @@ def test_metadata_naming_a_data_file_not_beside_it_is_refused(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a file beside it" in err and str(src / ".metadata") in err, err
     assert not dest.exists()
+
+
+def test_an_atom_given_twice_is_refused_naming_both_tensors(tmp_path, capsys):
+    """A state dict saved both nested under "model" and flat: two tensors for each atom, refused."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = tiny_config(num_hidden_layers=1)
+    model = random_full_state(cfg, states=())["model"]
+    src = tmp_path / "d"
+    dcp.save({"model": model, **{n: t + 1 for n, t in model.items()}}, checkpoint_id=str(src), no_dist=True)
+    (src / "config.json").write_text(_hf_config_json(cfg))
+    assert ucp_cli.main(["import", str(src), str(tmp_path / "u"), "--from", "dcp", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is given twice, by " in err, err
+    assert not (tmp_path / "u").exists()

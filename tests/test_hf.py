@@ -438,3 +438,25 @@ def test_a_malformed_config_json_is_one_line_naming_it(tmp_path, capsys, edit, m
     assert err.count("\n") == 1 and str(src / "config.json") in err, err
     assert re.search(match, err), err
     assert not (tmp_path / "u").exists()
+
+
+def test_an_atom_given_twice_is_refused_naming_both_tensors(tmp_path, capsys):
+    """Per-expert tensors and the fused ones of the same layer both present: which is the model? Refused."""
+    from safetensors.torch import save_file
+
+    src, _ = save_hf(tmp_path)
+    experts, ffn, hidden = 4, 64, 32
+    fused = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.full((experts, 2 * ffn, hidden), 7.0),
+        "model.layers.0.mlp.experts.down_proj": torch.full((experts, hidden, ffn), 7.0),
+    }
+    save_file(fused, src / "extra.safetensors", metadata={"format": "pt"})
+    index = src / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"].update(dict.fromkeys(fused, "extra.safetensors"))
+    index.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert ucp_cli.main(["import", str(src), str(tmp_path / "u"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is given twice" in err and "mlp.experts." in err, err
+    assert not (tmp_path / "u").exists()

@@ -212,6 +212,14 @@ def plan_import(metadata: Any, config: FamilyConfig, where: str) -> tuple[list[_
             f"{where} holds tensors ucp cannot map to {family_for(config).name.capitalize()} atoms: {unmapped[:5]}"
             f"{' ...' if len(unmapped) > 5 else ''}"
         )
+    given: dict[tuple[str, str | None], str] = {}  # (atom, state) -> the tensor that gives it
+    for t in targets + optim:
+        for atom in t.atoms:
+            if (first := given.setdefault((atom, t.state), t.fqn)) != t.fqn:
+                raise InteropError(
+                    f"{where}: atom {atom}{f' ({t.state})' if t.state else ''} is given twice, by {first} and by "
+                    f"{t.fqn}; a checkpoint holds each weight once"
+                )
     covered = {a for t in targets for a in t.atoms}
     missing = [a for a in canonical_atoms(config) if a not in covered]
     if missing:

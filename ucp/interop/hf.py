@@ -755,6 +755,11 @@ def locate_hf_atoms(src: HfSource) -> tuple[FamilyConfig, dict[str, StoredAtom]]
                 f"{list(expected[name])}{_scales_note(src.config, name)}"
             )
         dtypes.check(name, stored.dtype, str(src.root / stored.file))
+        if name in located:  # (a fused tensor and its split names both given: which one is the model?)
+            raise InteropError(
+                f"{src.root}: atom {name} is given twice (by tensor {located[name].name} in {located[name].file} and "
+                f"by tensor {stored.name} in {stored.file}); a checkpoint holds each weight once"
+            )
         located[name] = stored
     if unexpected:
         layers = src.config.num_hidden_layers
