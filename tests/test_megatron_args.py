@@ -302,7 +302,15 @@ def test_no_args_is_refused():
         ),
         (
             {"from_layout": "tp2", "to_layout": "torch_dist", "target_layout": "tp2x"},
-            "malformed Megatron layout 'tp2x'",
+            "^--target-layout tp2x: malformed Megatron layout 'tp2x'",
+        ),
+        # a layout refused names the flag that gave it
+        ({"from_layout": "tp2", "to_layout": "tp1pp1vpp2"}, r"^--to tp1pp1vpp2: .*vpp=2 needs pp > 1"),
+        ({"from_layout": "tp2", "to_layout": "pp2"}, r"^--to pp2: malformed .*, universal or torch_dist$"),
+        ({"from_layout": "tp0", "to_layout": "universal"}, r"^--from tp0: .*tp=0 must be a positive integer"),
+        (
+            {"from_layout": "tp2", "to_layout": "torch_dist", "target_layout": "universal"},
+            r"^--target-layout universal: malformed Megatron layout 'universal': expected .*tp2ep4\)$",
         ),
         ({"from_layout": "universal", "to_layout": "universal"}, "nothing to convert"),
         ({"from_layout": "torch_dist", "to_layout": "torch_dist"}, "nothing to convert"),

@@ -130,6 +130,19 @@ class ConvertOptions:
     progress: bool = False
 
     def __post_init__(self) -> None:
+        for flag, text, formats in (
+            ("--from", self.from_layout, (UNIVERSAL, TORCH_DIST)),
+            ("--to", self.to_layout, (UNIVERSAL, TORCH_DIST)),
+            ("--target-layout", self.target_layout, ()),
+        ):
+            if text is None or text in formats:
+                continue
+            try:
+                parse_megatron_layout(text)
+            except LayoutError as e:
+                malformed = str(e).startswith("malformed")  # (not a layout at all: say what else the flag takes)
+                also = f", {' or '.join(formats)}" if formats and malformed else ""
+                raise LayoutError(f"{flag} {text}: {e}{also}") from None
         job = self.job  # (checked)
         # (torch_dist into torch_dist for a job: its optimizer in another form or entry)
         same = self.from_layout == self.to_layout and self.from_layout in (UNIVERSAL, TORCH_DIST)

@@ -51,7 +51,7 @@ def parse_megatron_layout(text: str) -> Layout:
     m = _MEGATRON_LAYOUT.fullmatch(text.strip().lower())
     if m is None:
         raise LayoutError(
-            f"malformed Megatron layout {text!r}: expected tp{{T}}[pp{{P}}][vpp{{V}}][ep{{E}}] (e.g. tp4pp8, tp2ep4) or 'universal'"
+            f"malformed Megatron layout {text!r}: expected tp{{T}}[pp{{P}}][vpp{{V}}][ep{{E}}] (e.g. tp4pp8, tp2ep4)"
         )
     tp, pp, vpp, ep = (int(g) if g else 1 for g in m.groups())
     return Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, dp=ep)
