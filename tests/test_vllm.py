@@ -38,7 +38,7 @@ from bench_io.s3_servers import S3_SERVERS
 from ucp.distributed import ShardedModel, VirtualWorld, extra_state, model_config_of
 from ucp.distributed.sharded_model import atom_path
 from ucp.errors import CheckpointNotFoundError, IntegrityError
-from ucp.interop.errors import ModelMismatchError
+from ucp.interop.errors import InteropError, ModelMismatchError
 from ucp.interop.hf import export_hf, import_hf
 from ucp.interop.vllm import WORKER_EXTENSION, model_dir, refresh, refresh_from_memory, refresh_server
 from ucp.interop.weights import load_weights
@@ -174,21 +174,36 @@ def tokens(outputs: list[tuple[list[int], list[float]]]) -> list[list[int]]:
 
 
 def resave(
-    src: str, dst: str, layout: str, *, step: int | str = "latest", storage_options: Any = None, **kw: Any
+    src: str,
+    dst: str,
+    layout: str,
+    *,
+    step: int | str = "latest",
+    storage_options: Any = None,
+    as_step: int | None = None,
+    noise: float = 0.0,
+    **kw: Any,
 ) -> None:
     """The weights of step `step` of `src` as a job in `layout` writes them (every rank's local state, one distributed
-    save, the HF config the import kept carried along)."""
+    save, the HF config the import kept carried along), as step `as_step` (default the same), each weight plus `noise`
+    times a normal draw (a later training step)."""
     reader = ucp.open_checkpoint(src, step)
     config = model_config_of(reader)
     names = list(canonical_atoms(config))
     atoms = reader.read_atoms([atom_path(n, None) for n in names])
-    full = {"model": {n: atoms[atom_path(n, None)] for n in names}}
+    draw = torch.Generator().manual_seed(as_step or 0)
+    full = {
+        "model": {
+            n: a + (noise * torch.randn(a.shape, generator=draw)).to(a.dtype) if noise else a
+            for n, a in ((n, atoms[atom_path(n, None)]) for n in names)
+        }
+    }
     lay = parse_layout(layout)
     local = [shard(full, config, lay, r, ()) for r in range(lay.world_size)]
     VirtualWorld(lay.world_size).save(
         local,
         dst,
-        step=reader.step,
+        step=reader.step if as_step is None else as_step,
         model=ShardedModel(config, lay, optim_states=()),
         extra=extra_state(reader),
         storage_options=storage_options,
@@ -320,6 +335,28 @@ def test_an_engine_started_from_safetensors_refreshes_from_ucp(trained, fresh, t
         )
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+def test_a_refresh_of_tied_embeddings_and_of_experts_gives_exactly_a_fresh_engines_outputs(tmp_path, arch):
+    """vLLM's reload leaves a tied LM head's packed copy of the embedding (its CPU GEMM's) and the CPU experts' packed
+    layout as the old step had them, unless ucp rebuilds them (worker.kernels_rebuilt): other tokens than a fresh
+    engine's, silently. Qwen3 here ties its embeddings; Mixtral's experts."""
+    cls, fields, dtype, _ = FAMILIES[arch]
+    random_hf_model(cls, **DENSE, **fields).save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", str(tmp_path / "tp1pp1"))
+    url = str(tmp_path / "ckpt")
+    resave(str(tmp_path / "tp1pp1"), url, "tp1pp1", as_step=1)
+    resave(str(tmp_path / "tp1pp1"), url, "tp1pp1", as_step=2, noise=0.05)
+    second = from_ucp(url, 2, dtype=dtype)
+    with engine(model_dir(url, 1), dtype, load_format="ucp") as llm:
+        first = generate(llm)
+        assert first != second
+        refresh(llm, url, 2)
+        assert generate(llm) == second
+        config = model_config_of(ucp.open_checkpoint(url, 1))
+        refresh_from_memory(llm, [load_weights(url, "tp1pp1", 0, step=1).local], config, "tp1pp1")
+        assert generate(llm) == first
+
+
 def test_a_refresh_from_another_model_a_missing_step_or_bad_tensors_changes_nothing(trained, fresh, tmp_path):
     other = tmp_path / "other"
     hf = random_hf_model("Qwen2ForCausalLM", **DENSE, num_key_value_heads=2, intermediate_size=256)
@@ -352,6 +389,23 @@ def test_a_refresh_from_another_model_a_missing_step_or_bad_tensors_changes_noth
             refresh(llm, str(trained), 9)
         with pytest.raises(ModelMismatchError, match="do not hold .* nothing was changed"):
             refresh_from_memory(llm, tensors, config)
+        # tensors vLLM would take and serve as garbage (integers, bools converted to its dtype), or stop half-way on
+        # (meta), and a state not in the form the call names: one line each, before any weight changes
+        reader = ucp.open_checkpoint(str(trained), 2)
+        full = {n: reader.read_atoms([atom_path(n, None)])[atom_path(n, None)] for n in canonical_atoms(config)}
+        ranks = [load_weights(str(trained), "tp2pp1", r, step=2).local for r in range(2)]
+        meta_ranks = [{"model": {n: t.to("meta") for n, t in r["model"].items()}} for r in ranks]
+        for bad, layout, message in (
+            ({n: (t * 100).long() for n, t in full.items()}, None, "dtype torch.int64, not floating point"),
+            ({n: t > 0 for n, t in full.items()}, None, "dtype torch.bool, not floating point"),
+            ({n: t.to("meta") for n, t in full.items()}, None, "on device meta, not cpu"),
+            ({**full, "model.norm.weight": full["model.norm.weight"].tolist()}, None, "norm.weight is a list, not a"),
+            (meta_ranks, "tp2pp1", "rank 0: model/.* is on device meta"),
+            (ranks, None, "a list of rank states needs the layout they are in"),
+            (full, "tp1pp1", "with a layout, state is the list of every rank's local state"),
+        ):
+            with pytest.raises(InteropError, match=f"{message}.*; nothing was changed$"):
+                refresh_from_memory(llm, bad, config, layout)
         assert generate(llm) == fresh[1]
 
 

@@ -5,6 +5,7 @@ flags and errors. Needs no vLLM (tests/test_vllm.py serves from such directories
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -56,6 +57,30 @@ def test_ucp_export_to_vllm_and_its_errors_in_one_line(checkpoint, tmp_path, cap
 def test_a_directory_without_a_readable_pointer_is_refused_naming_it(checkpoint, tmp_path):
     with pytest.raises(InteropError, match=f"{tmp_path} is not a ucp model directory"):
         Pointer.read(tmp_path)
-    (tmp_path / POINTER).write_text('{"url": 3}')
+    # nothing coerced: a step 1.9 opened step 1, true step 1, a url null the path "None"
+    for doc in (
+        {"url": 3, "step": 1},
+        {"url": None, "step": 1},
+        {"url": {"a": 1}, "step": 1},
+        {"url": "", "step": 1},
+        {"url": checkpoint, "step": 1.9},
+        {"url": checkpoint, "step": True},
+        {"url": checkpoint, "step": "2"},
+        {"url": checkpoint, "step": -1},
+        {"url": checkpoint},
+        [checkpoint, 1],
+    ):
+        (tmp_path / POINTER).write_text(json.dumps(doc))
+        with pytest.raises(InteropError, match=f"^{re.escape(str(tmp_path / POINTER))} is malformed[^\n]*$"):
+            Pointer.read(tmp_path)
+    for raw in (b"{", b'{"url": "\xff", "step": 1}'):
+        (tmp_path / POINTER).write_bytes(raw)
+        with pytest.raises(InteropError, match=f"{tmp_path / POINTER} is malformed"):
+            Pointer.read(tmp_path)
+    (tmp_path / POINTER).unlink()
+    (tmp_path / POINTER).mkdir()  # (was an IsADirectoryError)
     with pytest.raises(InteropError, match=f"{tmp_path / POINTER} is malformed"):
         Pointer.read(tmp_path)
+    (tmp_path / POINTER).rmdir()
+    (tmp_path / POINTER).write_text(json.dumps({"url": checkpoint, "step": 1}))
+    assert Pointer.read(tmp_path) == Pointer(checkpoint, 1)

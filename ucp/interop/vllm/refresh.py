@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch
 from ...errors import UcpError, error_kind
 from ...sharding.families import FamilyConfig, canonical_atoms
 from ...sharding.layout import Layout, parse_layout
-from ...sharding.reshard import assemble
+from ...sharding.reshard import assemble, owned_pieces
 from ..errors import InteropError, ModelMismatchError
 from ..streaming import DEFAULT_MEMORY_BUDGET
 from .engine import LoadReport, Request, engine_name
@@ -118,7 +118,8 @@ def refresh_from_memory(
     """Replace every weight of `llm` (its worker in this process) with tensors this process holds: with `layout`,
     `state` is the local state of every rank of a job in that layout, in rank order (each as `load_weights(...).local`
     gives it: {"model": {Megatron-Core name: tensor}}); without, {HF name: full tensor}. `config` is the model's; a
-    model other than the engine's, or tensors missing or misshapen, are refused before any weight changes."""
+    model other than the engine's, tensors missing or misshapen, or not floating point, or not on the host or the
+    engine's device, are refused before any weight changes."""
     start = time.perf_counter()
     engine = _in_process_engine(llm)
     serving = served_config(llm.llm_engine.model_config.hf_config.to_dict(), engine)
@@ -126,11 +127,26 @@ def refresh_from_memory(
         raise ModelMismatchError(
             f"the tensors are of another model ({type(config).__name__}) than {engine} serves; nothing was changed"
         )
+    devices = {"cpu", _engine_device(llm)}
     if layout is None:
-        tensors = dict(state)  # type: ignore[arg-type]
+        if not isinstance(state, Mapping):
+            raise InteropError(
+                f"refresh_from_memory of {engine}: a list of rank states needs the layout they are in "
+                "(layout='tp2pp1', ...); without one, state is {HF name: full tensor}; nothing was changed"
+            )
+        tensors = _checked(state.items(), engine, devices)
     else:
         lay = layout if isinstance(layout, Layout) else parse_layout(layout)
-        tensors = assemble(list(state), config, lay, optim_states=())["model"]  # type: ignore[arg-type]
+        states = None if isinstance(state, Mapping) else list(state)
+        if states is None or not all(isinstance(r, Mapping) for r in states):
+            raise InteropError(
+                f"refresh_from_memory of {engine}: with a layout, state is the list of every rank's local state "
+                '(each {"model": {Megatron-Core name: tensor}}, as load_weights(...).local gives it); nothing was changed'
+            )
+        if len(states) == lay.world_size:  # (else assemble says so)
+            for rank, local in enumerate(states):
+                _checked(_read_by_assemble(local, config, lay, rank, f"rank {rank}: "), engine, devices)
+        tensors = assemble(states, config, lay, optim_states=())["model"]
     expected = canonical_atoms(config)
     wrong = [
         f"{n}: {'missing' if n not in tensors else tuple(tensors[n].shape)} (expected {shape})"
@@ -146,6 +162,46 @@ def refresh_from_memory(
     llm.collective_rpc("ucp_refresh_tensors", args=(tensors,))
     llm.reset_prefix_cache()
     return RefreshReport("memory", None, [], time.perf_counter() - start)
+
+
+def _checked(items: Iterable[tuple[str, Any]], engine: str, devices: set[str]) -> dict[str, torch.Tensor]:
+    """{name: tensor} of `items`, each refused unless a floating-point tensor with data where the engine can copy
+    from (an integer or bool tensor would be converted to the engine's dtype and served as such; a meta tensor stops
+    the engine half-way through the reload), detached from any autograd graph (a trainer's parameters)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        problem = (
+            f"a {type(t).__name__}, not a tensor"
+            if not isinstance(t, torch.Tensor)
+            else f"dtype {t.dtype}, not floating point"
+            if not t.is_floating_point()
+            else f"on device {t.device}, not {' or '.join(sorted(devices))}"
+            if t.device.type not in devices
+            else None
+        )
+        if problem:
+            raise InteropError(f"refresh_from_memory of {engine}: tensor {name} is {problem}; nothing was changed")
+        out[name] = t.detach()
+    return out
+
+
+def _read_by_assemble(
+    local: Mapping[str, Any], config: FamilyConfig, layout: Layout, rank: int, prefix: str
+) -> Iterator[tuple[str, Any]]:
+    """(path, value) of each entry of rank `rank`'s local state that `assemble` takes the weights from (what else the
+    state holds, Transformer Engine's `_extra_state` say, is not read; a missing entry is left to assemble to name)."""
+    for piece in owned_pieces(config, layout, rank, ()):
+        node: Any = local
+        for key in piece.key:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        if node is not None:
+            yield prefix + "/".join(piece.key), node
+
+
+def _engine_device(llm: Any) -> str:
+    """The type of the device the engine computes on ("cpu", "cuda", ...)."""
+    device = getattr(getattr(llm.llm_engine.vllm_config, "device_config", None), "device", None)
+    return torch.device(device).type if device is not None and str(device) != "auto" else "cpu"
 
 
 def _rpc(llm: Any, method: str, request: str) -> list[Any]:

@@ -57,18 +57,27 @@ class Pointer:
 
     @classmethod
     def read(cls, model_dir: str | Path) -> Pointer:
+        """The pointer of `model_dir`; refuses a file that is not exactly {"url": a non-empty string, "step": an
+        integer >= 0} (nothing coerced: a step 1.9 or true, a url null, is another file than `model_dir` writes)."""
         path = Path(model_dir) / POINTER
         try:
             doc = json.loads(path.read_text())
-            return cls(str(doc["url"]), int(doc["step"]))
         except FileNotFoundError:
             raise InteropError(
                 f"{model_dir} is not a ucp model directory (no {POINTER}): make one with `ucp export URL --to vllm "
                 "DIR` or ucp.interop.vllm.model_dir(url), or name the checkpoint in model_loader_extra_config "
                 '{"url": ...}'
             ) from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError) as e:  # (a directory, unreadable, not UTF-8, not JSON)
             raise InteropError(f"{path} is malformed ({type(e).__name__}: {e})") from None
+        url = doc.get("url") if isinstance(doc, dict) else None
+        step = doc.get("step") if isinstance(doc, dict) else None
+        if not isinstance(url, str) or not url or type(step) is not int or step < 0:
+            raise InteropError(
+                f'{path} is malformed: expected {{"url": a checkpoint\'s URL, "step": an integer >= 0}}, found '
+                f"{json.dumps(doc)[:200]}; write it again with `ucp export URL --to vllm DIR`"
+            )
+        return cls(url, step)
 
 
 # vLLM's layer-by-layer reload (a refresh) puts each layer back into its kernels' formats as soon as its weights are in,

@@ -9,12 +9,22 @@ on every worker at once through `collective_rpc` by its name: no code crosses pr
 A refresh goes in two rounds (`ucp.interop.vllm.refresh`): every worker first checks the new step (`ucp_check`: it
 exists, holds the model the worker serves, every weight there), and only when every worker agrees does any of them
 load it (`ucp_refresh`, through vLLM's own `reload_weights`, which puts each weight back into the kernels' formats).
+
+vLLM's `reload_weights` (0.32, its CPU build) leaves two of the kernels' own copies of the weights as they were, and
+the engine then computes with the old step's weights there (a silent wrong output; its own `reload_weights
+(weights_path=...)` of safetensors does the same): a tied LM head, whose weight is the embedding's and is reloaded
+through it, so that the head's own `process_weights_after_loading` never runs again and its packed copy
+(`cpu_linear`, made from the weight at start-up) stays; and the experts of an MoE layer, which vLLM sets up for a
+weight update without the experts' own step (`fused_experts.process_weights_after_loading`: the CPU experts' prepack
+into their grouped-GEMM layout), so that the new weights land unpacked where the kernel reads packed ones.
+`kernels_rebuilt` redoes both around every reload.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -53,7 +63,8 @@ class UcpWorkerExtension:
         try:
             weights = open_for(self.vllm_config.model_config, parsed)
             model = self.get_model()
-            self.reload_weights(weights_iterator=tensors_for(model, weights, parsed))
+            with kernels_rebuilt(model):
+                self.reload_weights(weights_iterator=tensors_for(model, weights, parsed))
         except UcpError as e:
             return refusal(
                 e,
@@ -65,7 +76,42 @@ class UcpWorkerExtension:
     def ucp_refresh_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace every weight with `tensors` ({HF name: full tensor}, checked by the caller): only for an engine in
         the caller's own process, where the tensors arrive as themselves."""
-        self.reload_weights(weights_iterator=iter(tensors.items()))
+        with kernels_rebuilt(self.get_model()):
+            self.reload_weights(weights_iterator=iter(tensors.items()))
+
+
+@contextlib.contextmanager
+def kernels_rebuilt(model: torch.nn.Module) -> Iterator[None]:
+    """Around a `reload_weights` of `model`: every MoE layer whose experts have a set-up step of their own (vLLM's CPU
+    experts prepack their weights) is processed as at its first load (its kernel dropped before, so that vLLM builds
+    it again, the experts' step included), and every layer with a packed copy of its weight (`cpu_linear`) that the
+    reload did not process (a tied LM head) is processed again after, from its reloaded weight."""
+    experts: list[tuple[Any, Any]] = []
+    packed: list[tuple[torch.nn.Module, Any, Any]] = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is not None and _own_step(getattr(kernel, "fused_experts", None)):
+            experts.append((method, kernel))
+        if getattr(module, "cpu_linear", None) is not None and method is not None:
+            packed.append((module, method, module.cpu_linear))
+    for method, _ in experts:
+        method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel in experts:
+            if method.moe_kernel is None:  # (a layer the reload did not reach: it still holds its old weights)
+                method.moe_kernel = kernel
+    for module, method, before in packed:
+        weight = getattr(module, "weight", None)
+        if module.cpu_linear is before and isinstance(weight, torch.Tensor) and weight.numel() and not weight.is_meta:
+            method.process_weights_after_loading(module)
+
+
+def _own_step(experts: Any) -> bool:
+    """Whether the experts' class has a `process_weights_after_loading` of its own (its base's does nothing)."""
+    return experts is not None and sum("process_weights_after_loading" in vars(c) for c in type(experts).__mro__) > 1
 
 
 def refusal(error: UcpError, more: str = "") -> dict[str, str]:
