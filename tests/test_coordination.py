@@ -11,7 +11,16 @@ import random
 
 import pytest
 
-from ucp.distributed.tiers import Candidates, Checked, Directory, Holdings, NodeMap, NodePlace, Published
+from ucp.distributed.tiers import (
+    Candidates,
+    Checked,
+    Directory,
+    Holdings,
+    NodeMap,
+    NodePlace,
+    Published,
+    RootId,
+)
 from ucp.errors import FormatError, IntegrityError, StepExistsError, StorageError, UcpError, error_kind
 from ucp.protocol import coordination
 from ucp.protocol.comm import LocalComm
@@ -242,7 +251,11 @@ def test_the_messages_of_the_save_session_and_the_hot_tier_cross_as_json_unchang
             NodePlace(f"host{rng.randrange(9)}", f"/dev/shm/node-{rng.randrange(9)}"),
             Holdings(sorted(rng.sample(range(1000), rng.randrange(4))), rng.choice([None, rng.randrange(1000)])),
             NodeMap([rng.randrange(9) for _ in range(n)]),
-            Candidates([(rng.randrange(1 << 40), rng.randrange(1 << 20)) for _ in range(3)], rng.choice([None, 7])),
+            Candidates(
+                [(rng.randrange(1 << 40), sorted(rng.sample(range(1 << 20), rng.randrange(1, 4)))) for _ in range(3)],
+                rng.choice([None, 7]),
+            ),
+            RootId(rng.choice([None, f"{rng.randrange(1 << 128):032x}"])),
             Checked(sorted(rng.sample(range(1 << 31), n)), [f"damaged {i}" for i in range(rng.randrange(3))]),
             Directory.of([rng.sample(range(1 << 20), rng.randrange(4)) for _ in range(n)], ["damaged x"]),
             Published(
