@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("info", help="print the manifest of a dataset (directory or shard prefixes)")
     i.add_argument("sources", nargs="+")
     i.add_argument("--storage-options", default="{}")
+    i.add_argument("--verify", action="store_true",
+                   help="read every shard's .bin and check it against the CRC-32C its manifest recorded")  # fmt: skip
     args = parser.parse_args(argv)
     if args.cmd == "prepare":
         if args.tokenized and args.tokenizer != "byte":
@@ -43,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--vocab-size and --eos-id go with --tokenized")
     try:
         opts = json.loads(args.storage_options)
+    except (ValueError, RecursionError) as e:
+        print(f"error: --storage-options is not JSON: {str(e)[:200]}", file=sys.stderr)
+        return 2
+    if not isinstance(opts, dict):
+        print(f"error: --storage-options must be a JSON object, got {args.storage_options[:80]!r}", file=sys.stderr)
+        return 2
+    try:
         if args.cmd == "prepare":
             from .tokenize import DEFAULT_SHARD_TOKENS, TokenIds, load_tokenizer, prepare
 
@@ -51,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.out,
                 TokenIds(args.vocab_size, args.eos_id) if args.tokenized else load_tokenizer(args.tokenizer),
                 text_key=args.text_key,
-                shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS,
+                shard_tokens=DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
                 append_eos=not args.no_eos,
                 storage_options=opts,
                 progress=not args.quiet,
@@ -64,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .corpus import open_corpus
 
-            print(json.dumps(open_corpus(args.sources, opts).manifest.to_json(), indent=1))
+            corpus = open_corpus(args.sources, opts)
+            if args.verify:
+                n = corpus.verify()
+                print(f"verified {n} of {len(corpus.shards)} shard(s) against their CRC-32C", file=sys.stderr)
+            print(json.dumps(corpus.manifest.to_json(), indent=1))
     except DataLoaderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

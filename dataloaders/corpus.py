@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import crc32c
 import numpy as np
 
 from .blockcache import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_BYTES, BlockCache
 from .diskcache import DiskCache
-from .errors import DataLoaderError
+from .errors import DataLoaderError, ManifestMismatchError
 from .fetch import Fetcher, IOStats, filesystem
 from .indexed import IndexedDataset
 from .manifest import Manifest, build_manifest
@@ -75,6 +76,26 @@ class Corpus:
             out.append(np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype))
             k += n
         return out
+
+    def verify(self, chunk_bytes: int = 64 << 20) -> int:
+        """Read every ``.bin`` whose CRC-32C the manifest recorded (``prepare`` does) and check it: a shard whose
+        data changed since is a :class:`ManifestMismatchError` naming it. Returns how many shards were checked
+        (shards opened without a version 2 manifest have no CRC to check)."""
+        checked = 0
+        for info, shard in zip(self.manifest.shards, self.shards, strict=True):
+            if info.bin_crc32c is None:
+                continue
+            crc = 0
+            for start in range(0, shard.bin_size, chunk_bytes):
+                end = min(shard.bin_size, start + chunk_bytes)
+                crc = crc32c.crc32c(self.fetcher.read([(shard.bin_path, start, end)], cache=False)[0], crc)
+            if crc != info.bin_crc32c:
+                raise ManifestMismatchError(
+                    f"shard {shard.name}.bin changed since its manifest was written: CRC-32C {crc:08x}, "
+                    f"recorded {info.bin_crc32c:08x}"
+                )
+            checked += 1
+        return checked
 
 
 def open_corpus(

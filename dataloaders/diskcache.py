@@ -11,10 +11,12 @@ shares it without talking to the others:
 - **Damage is detected.** Each file starts with a header holding its key, its length and the CRC-32 of its
   bytes; a file that fails any check (a crash without fsync, a full disk, a flipped bit) is removed and the range
   read again from storage. A key that differs (a hash collision) is a miss.
-- **Bounded.** The bytes held are counted in a shared ``size`` file under an exclusive ``flock``; a put that takes
-  it over the bound evicts the least recently used files (a hit refreshes a file's mtime) down to 90% of it,
-  recounting the directory as it goes, so the count cannot drift. A file evicted while another process reads it
-  stays readable to that process (POSIX unlink); one evicted just before is a miss.
+- **Bounded.** The bytes held are counted in a shared ``size`` file under an exclusive ``flock``: a put adds what
+  it grew the directory by; a count not there yet (a new cache), and the count after a damaged file was removed,
+  is a scan of the directory. A put that takes it over the bound evicts the least recently used files (a hit
+  refreshes a file's mtime) down to 90% of it, recounting the directory as it goes, so the count cannot drift. A
+  file evicted while another process reads it stays readable to that process (POSIX unlink); one evicted just
+  before is a miss.
 - **Never the reason a read fails.** A write that fails (no space, no permission) is logged and skipped.
 """
 
@@ -97,7 +99,8 @@ class DiskCache:
             log.warning("disk cache: %s is damaged (%s): removed, reading the range from storage", path, problem)
             if on_damaged is not None:
                 on_damaged()
-            self._remove(path)
+            if self._remove(path):
+                self._account(None, path)  # (what the count held of it is unknown: its header may be the damage)
             return None
         try:
             os.utime(path)  # recently used: the last to be evicted
@@ -116,15 +119,24 @@ class DiskCache:
                 f.write(_HEADER.pack(MAGIC, zlib.crc32(data), len(data), len(kb)))
                 f.write(kb)
                 f.write(data)
+            try:
+                replaced = os.stat(path).st_size  # (another process cached the same range first: no bytes added)
+            except FileNotFoundError:
+                replaced = 0
             os.replace(tmp, path)
         except OSError as e:
             log.warning("disk cache: cannot write %s (%s); going on without caching it", path, e)
             self._remove(tmp)
             return
-        added = _HEADER.size + len(kb) + len(data)
+        self._account(_HEADER.size + len(kb) + len(data) - replaced, path)
+
+    def _account(self, delta: int | None, path: str) -> None:
+        """Add ``delta`` bytes (what ``path`` changed the directory by, done already) to the shared count, evicting
+        if it passes the bound; ``None``, or a count not there yet: a scan of the directory, which has the change."""
         try:
             with self._locked():
-                total = self._read_size() + added
+                total = self._read_size()
+                total = self._scan_total() if total is None or delta is None else max(0, total + delta)
                 if total > self.capacity_bytes:
                     total = self._evict()
                 self._write_size(total)
@@ -140,12 +152,13 @@ class DiskCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _read_size(self) -> int:
+    def _read_size(self) -> int | None:
+        """The shared count, or None where there is none (a new cache) or it is damaged."""
         try:
             with open(self._size_path) as f:
                 return int(f.read().strip() or 0)
         except (FileNotFoundError, ValueError):
-            return self._scan_total()
+            return None
 
     def _write_size(self, total: int) -> None:
         tmp = f"{self._size_path}.{os.getpid()}"

@@ -18,6 +18,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Self
 
+import crc32c
 import numpy as np
 
 from .blockcache import BlockCache
@@ -151,7 +152,8 @@ class IndexedDatasetWriter:
     """Write one MMIDIDX shard to ``prefix.bin`` / ``prefix.idx`` at any fsspec URL.
 
     Local targets are written in place; remote ones are staged in a temporary file and uploaded whole with
-    ``put_file`` (s3fs uploads parts of an ``open(..., "wb")`` stream serially).
+    ``put_file`` (s3fs uploads parts of an ``open(..., "wb")`` stream serially). ``bin_crc32c``: the CRC-32C of the
+    ``.bin`` bytes written so far (what ``prepare`` records in the manifest).
     """
 
     def __init__(self, prefix: str, dtype: np.dtype | str = np.uint16, storage_options: dict | None = None) -> None:
@@ -172,6 +174,7 @@ class IndexedDatasetWriter:
         self._lengths: list[int] = []
         self._docs: list[int] = [0]
         self.num_tokens = 0
+        self.bin_crc32c = 0
 
     def add_sequence(self, tokens) -> None:
         arr = np.asarray(tokens)
@@ -180,7 +183,9 @@ class IndexedDatasetWriter:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < info.min or hi > info.max:
                 raise ValueError(f"tokens in [{lo}, {hi}] do not fit {self.dtype} of shard {self.prefix}")
-        self._bin.write(arr.astype(self.dtype).tobytes())
+        data = arr.astype(self.dtype.newbyteorder("<")).tobytes()
+        self.bin_crc32c = crc32c.crc32c(data, self.bin_crc32c)
+        self._bin.write(data)
         self._lengths.append(int(arr.size))
         self.num_tokens += int(arr.size)
 

@@ -45,6 +45,21 @@ def check_batch(global_batch_size: int, dp_rank: int, dp_size: int) -> None:
         )
 
 
+def datasets_of(data, weights: list[float] | None) -> list:
+    """The datasets a loader reads: ``data`` itself, or with ``weights`` the list of datasets it is (one dataset
+    given as a string, not a list of them, is that one dataset: not its characters)."""
+    if weights is None or isinstance(data, str):
+        return [data]
+    return list(data)
+
+
+def _count(value, what: str) -> int:
+    """A sample counter of a state: a non-negative int (not a bool, a float or a string of digits)."""
+    if type(value) is not int or value < 0:
+        raise StateError(f"{what} must be a non-negative int, got {value!r:.80}")
+    return value
+
+
 class SampleSource(Protocol):
     """A dataset of fixed-shape samples with a deterministic global order."""
 
@@ -262,7 +277,15 @@ class ElasticLoader:
             )
         if state.get("kind") != self.kind:
             raise StateError(f"state is for a {state.get('kind')!r} loader, this is a {self.kind!r} loader")
-        changed = state.get("manifest_hash") != self.manifest_hash and allow_manifest_change
+        # The dataset first: what the order describes (a window's size) follows from it, so another dataset would
+        # otherwise be refused as another order, with a hint that no parameter can follow.
+        changed = state.get("manifest_hash") != self.manifest_hash
+        msg = (
+            f"loader state was saved for dataset {state.get('manifest_hash')}, "
+            f"this loader reads dataset {self.manifest_hash}"
+        )
+        if changed and not allow_manifest_change:
+            raise ManifestMismatchError(msg + " (pass allow_manifest_change=True to resume anyway)")
         for key, value in self.sources[0].describe().items():
             saved = state.get(key, LEGACY_STATE.get(key))
             if changed and key == "shuffle" and isinstance(saved, dict):
@@ -281,17 +304,7 @@ class ElasticLoader:
                 raise StateError(f"state has {key}={saved!r}, this loader has {key}={value!r}{hint}")
         if state.get("seed") != self.seed:
             raise StateError(f"state has seed {state.get('seed')}, this loader has seed {self.seed}")
-        consumed = state.get("consumed_samples")
-        if not isinstance(consumed, int) or consumed < 0:
-            raise StateError(f"consumed_samples must be a non-negative int, got {consumed!r}")
-        if state.get("manifest_hash") != self.manifest_hash:
-            msg = (
-                f"loader state was saved for dataset {state.get('manifest_hash')}, "
-                f"this loader reads dataset {self.manifest_hash}"
-            )
-            if not allow_manifest_change:
-                raise ManifestMismatchError(msg + " (pass allow_manifest_change=True to resume anyway)")
-            log.warning("%s; resuming at position %d of the new dataset", msg, consumed)
+        consumed = _count(state.get("consumed_samples"), "consumed_samples")
         if len(self.sources) == 1:
             counts = [consumed]
         else:
@@ -304,9 +317,15 @@ class ElasticLoader:
                 for i in range(consumed - sum(counts)):
                     counts[i % len(counts)] += 1
             else:
-                counts = [int(r["consumed_samples"]) for r in recs]
+                counts = []
+                for i, r in enumerate(recs):
+                    if not isinstance(r, dict):
+                        raise StateError(f"source {i} of the state is {r!r:.80}, not a record of its counters")
+                    counts.append(_count(r.get("consumed_samples"), f"consumed_samples of source {i}"))
                 if sum(counts) != consumed:
                     raise StateError(f"per-source counters {counts} do not add up to consumed_samples {consumed}")
+        if changed:
+            log.warning("%s; resuming at position %d of the new dataset", msg, consumed)
         self._drop_prefetched()
         self._counts = counts
         self._planned = tuple(counts)

@@ -20,7 +20,7 @@ from .corpus import Corpus, open_corpus
 from .diskcache import DiskCache
 from .errors import DataLoaderError
 from .fetch import IOStats
-from .loader import ElasticLoader, check_batch
+from .loader import ElasticLoader, check_batch, datasets_of
 from .order import SHUFFLES, EpochOrder, WindowOrder
 from .windows import WindowReader, window_nbytes
 
@@ -158,7 +158,7 @@ class PretrainLoader(ElasticLoader):
         disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES,
     ) -> None:
         check_batch(global_batch_size, dp_rank, dp_size)  # (before the sources, which plan for dp_size ranks)
-        datasets = list(data) if weights is not None else [data]
+        datasets = datasets_of(data, weights)
         self.io_stats = IOStats()
         if disk_cache is None or isinstance(disk_cache, DiskCache):
             disk = disk_cache

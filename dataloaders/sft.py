@@ -21,9 +21,9 @@ import fsspec
 import numpy as np
 
 from .errors import DataLoaderError, InputFormatError, ShardNotFoundError
-from .loader import ElasticLoader
+from .loader import ElasticLoader, datasets_of
 from .order import EpochOrder
-from .tokenize import load_tokenizer
+from .tokenize import check_text, decode_line, load_tokenizer
 
 IGNORE_INDEX = -100
 
@@ -34,8 +34,8 @@ def _encode_record(rec: dict, tok, where: str) -> tuple[list[int], list[bool]]:
     ids: list[int] = []
     mask: list[bool] = []
 
-    def add(text: str, trained: bool) -> None:
-        t = tok.encode(text)
+    def add(text: str, trained: bool, field: str) -> None:
+        t = tok.encode(check_text(text, f"{where}: {field}"))
         ids.extend(t)
         mask.extend([trained] * len(t))
 
@@ -47,11 +47,11 @@ def _encode_record(rec: dict, tok, where: str) -> tuple[list[int], list[bool]]:
                 or not isinstance(msg.get("role"), str)
             ):
                 raise InputFormatError(f"{where}: message {k} needs string 'role' and 'content'")
-            add(f"<|{msg['role']}|>\n", False)
-            add(msg["content"] + "\n", msg["role"] == "assistant")
+            add(f"<|{msg['role']}|>\n", False, f"message {k} 'role'")
+            add(msg["content"] + "\n", msg["role"] == "assistant", f"message {k} 'content'")
     elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
-        add(rec["prompt"], False)
-        add(rec["completion"], True)
+        add(rec["prompt"], False, "'prompt'")
+        add(rec["completion"], True, "'completion'")
     else:
         raise InputFormatError(f"{where}: expected 'prompt' and 'completion' strings, or a 'messages' list")
     if tok.eos_id is not None:
@@ -114,7 +114,7 @@ class SFTSource:
                 if not line.strip():
                     continue
                 try:
-                    rec = json.loads(line)
+                    rec = json.loads(decode_line(line, f"{url}:{lineno}", lineno == 1))
                 except json.JSONDecodeError as e:
                     raise InputFormatError(f"{url}:{lineno}: invalid JSON: {e.msg} at column {e.colno}") from e
                 if not isinstance(rec, dict):
@@ -204,7 +204,7 @@ class SFTLoader(ElasticLoader):
         shuffle: bool = True,
     ) -> None:
         tok = load_tokenizer(tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
-        datasets = list(data) if weights is not None else [data]
+        datasets = datasets_of(data, weights)
         sources = [SFTSource(d, tok, seq_len, seed, storage_options, pad_id, shuffle) for d in datasets]
         self.seq_len = seq_len
         super().__init__(sources, global_batch_size, dp_rank, dp_size, weights, seed, prefetch, num_threads)
