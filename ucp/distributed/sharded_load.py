@@ -141,14 +141,25 @@ def _cast_params(local: dict[str, Any], made: list[LocalRead], dtype: torch.dtyp
 
 
 def piece_reads(
-    reader: CheckpointReader, lt: LocalTensor, metas: Sequence[AtomMeta], tensor: torch.Tensor
+    reader: CheckpointReader,
+    lt: LocalTensor,
+    metas: Sequence[AtomMeta],
+    tensor: torch.Tensor,
+    finishes: list[Callable[[], object]],
 ) -> list[ObjectCall]:
-    """The reads that fill `tensor` (local tensor `lt`, in the atoms' stored dtype) from the chunks its pieces
-    overlap, each with the bytes of its object; `metas` are the pieces' atoms. Each read is one stored object; run
-    them in any order, at once."""
+    """The reads that fill `tensor` (local tensor `lt`, in host memory) from the chunks its pieces overlap, each with
+    the bytes of its object; `metas` are the pieces' atoms. Each read is one stored object; run them in any order, at
+    once, then `finishes`: a piece of an atom stored in another dtype than `tensor`'s (a fused tensor of atoms stored
+    in several) is read into a buffer of its own dtype, and cast into `tensor` by the step added there."""
     reads: list[ObjectCall] = []
     for p, meta in zip(lt.pieces, metas):
-        reads += reader.region_reads(meta, p.atom_box, piece_view(tensor, p))
+        view = piece_view(tensor, p)
+        stored = dtypes.torch_dtype(meta.dtype)
+        if stored != tensor.dtype:
+            part = torch.empty(view.shape, dtype=stored)
+            finishes.append(functools.partial(view.copy_, part))
+            view = part
+        reads += reader.region_reads(meta, p.atom_box, view)
     return reads
 
 

@@ -32,13 +32,14 @@ import torch
 
 from ...base import dtypes
 from ...base.workpool import pack
+from ...distributed.sharded_load import piece_reads
 from ...distributed.sharded_model import AtomKey, ShardedModel, atom_path, check_atom, extra_state, model_config_of
 from ...engine.checkpoint import CheckpointReader, open_checkpoint
 from ...errors import CheckpointNotFoundError, FormatError, LayoutError, UcpError
 from ...format.manifest import AtomMeta
 from ...sharding.families import FamilyConfig, block_scales, buffer_atoms, canonical_atoms, family_for
 from ...sharding.layout import Layout
-from ...sharding.reshard import LocalTensor, local_plan, piece_view
+from ...sharding.reshard import LocalTensor, local_plan
 from ..dtypes import Dtypes
 from ..errors import SourceMismatchError
 from ..streaming import group_limit, save_atoms
@@ -408,19 +409,11 @@ def _read_local(
     padding zero). A piece of an atom stored in another dtype than `dtype` (a fused tensor of atoms stored in
     several) is read into a buffer of its own dtype and cast."""
     out = torch.zeros(lt.shape, dtype=dtype)
-    reads, casts = [], []
-    for p in lt.pieces:
-        meta = atom_meta[(p.atom, lt.state)]
-        view = piece_view(out, p)
-        if dtypes.torch_dtype(meta.dtype) != dtype:
-            part = torch.empty(view.shape, dtype=dtypes.torch_dtype(meta.dtype))
-            casts.append((view, part))
-            view = part
-        reads += reader.region_reads(meta, p.atom_box, view)
-    for read in reads:
+    finishes: list[Callable[[], object]] = []
+    for read in piece_reads(reader, lt, [atom_meta[(p.atom, lt.state)] for p in lt.pieces], out, finishes):
         read.call()
-    for view, part in casts:
-        view.copy_(part)
+    for finish in finishes:
+        finish()
     return out
 
 
