@@ -20,7 +20,7 @@ from typing import Any
 from ucp.cli_common import Applies, add_storage_option, refuse_inapplicable
 from ucp.errors import UcpError
 
-from .args import parse_list, parse_size
+from .args import at_least, output_file, parse_list, positive_size
 from .methods import DEFAULT_METHODS, METHODS
 from .s3_servers import RADOSGW_INSTALL, S3_SERVERS
 from .targets import (
@@ -48,10 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--size",
-        type=parse_size,
+        type=positive_size,
         help="bytes of the main synthetic state (default 1GiB; 256MiB with the embedded moto server; --quick 4MiB)",
     )
-    p.add_argument("--repeats", type=int, help="repeats per measurement, medians reported (default 3; --quick 1)")
+    p.add_argument(
+        "--repeats", type=at_least(1), help="repeats per measurement, medians reported (default 3; --quick 1)"
+    )
     p.add_argument(
         "--targets",
         type=parse_list(list(TARGETS)),
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--procs",
-        type=int,
+        type=at_least(1),
         default=1,
         help="writer processes: N ranks each save/load their own 1/N of the state at once (MLPerf Storage:"
         " time = max over ranks); default 1",
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", help="with the disk target: its parent directory (default /var/tmp)")
     p.add_argument(
         "--small-tensors",
-        type=int,
+        type=at_least(0),
         help="tensors of 1-64 KiB in the small state (about 15 KiB each on average), 0 disables (default: 20,000 per"
         " GiB of --size, at least 200, on local targets only: on S3 each tensor is a request, so giving this option"
         " runs the small states there too)",
@@ -114,14 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--io-threads",
-        type=int,
+        type=at_least(1),
         default=None,
         help="requests in flight for raw, ucp and dcp alike (default: on each target what ucp takes there when left"
         " to itself: 16 on a disk, two per core on tmpfs, 64 on an object store)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write every measurement and the medians to this file")
-    p.add_argument("--png", help="write a bar chart of GB/s per method and target to this file")
+    p.add_argument("--json", type=output_file, help="write every measurement and the medians to this file")
+    p.add_argument("--png", type=output_file, help="write a bar chart of GB/s per method and target to this file")
     p.add_argument("--quick", action="store_true", help="tiny sizes and 1 repeat (tests, smoke runs)")
     return p
 
@@ -301,9 +303,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import report, runner
     from .state import large_specs, make_state, small_specs, transformer_state
-
-    if args.procs < 1:
-        raise UcpError("--procs must be at least 1")
 
     # The targets first: a store that refuses us fails the run before minutes of state are generated.
     targets = setup_targets(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Any
 
 _UNITS = {
@@ -36,5 +37,63 @@ def parse_list(choices: list[str]) -> Any:
         if bad or not items:
             raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
         return list(dict.fromkeys(items))
+
+    return parse
+
+
+def at_least(low: int) -> Any:
+    """An int argument of at least `low` (a count of repeats, threads, tensors): refused by argparse in one line,
+    not minutes into a run."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """A float argument above zero (a size in GiB, a number of seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+def positive_size(text: str) -> int:
+    """`parse_size`, above zero bytes."""
+    value = parse_size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def output_file(text: str) -> str:
+    """A file the run writes its figures to: its directory must exist before the run, not after it."""
+    parent = Path(text).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory {parent}")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory")
+    return text
+
+
+def counts(low: int) -> Any:
+    """A comma list of ints, each at least `low` ('16,32')."""
+    one = at_least(low)
+
+    def parse(text: str) -> list[int]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of numbers")
+        return [one(x) for x in items]
 
     return parse

@@ -54,6 +54,7 @@ from ucp.sharding.families import MixtralConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
+from .args import at_least, counts, positive_float
 from .methods import one_line, runai_environment
 from .s3_servers import S3_SERVERS, s3_server_version, start_s3_server
 from .state import even_layers
@@ -268,7 +269,7 @@ def methods(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_io coldstart", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-gib", type=float, default=1.0)
+    p.add_argument("--size-gib", type=positive_float, default=1.0)
     p.add_argument("--s3", action="store_true", help="also measure against an S3 server on 127.0.0.1 (--s3-server)")
     p.add_argument(
         "--s3-server",
@@ -276,12 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="with --s3: radosgw, moto, or auto (the default: radosgw where installed, else moto)",
     )
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
-    p.add_argument("--raw-threads", type=int, default=8, help="threads of the raw read of ucp's files (default 8)")
+    p.add_argument(
+        "--raw-threads", type=at_least(1), default=8, help="threads of the raw read of ucp's files (default 8)"
+    )
     p.add_argument(
         "--reads-in-flight",
-        type=lambda v: [int(n) for n in v.split(",")],
+        type=counts(1),
         default=[],
         metavar="N[,N...]",
         help="also time ucp tp1 'into' with each of these counts of reads in flight (otherwise the storage's own: "

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from trainer.launch import free_port
 
-from .args import parse_list, parse_size
+from .args import output_file, parse_list, parse_size
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend", choices=("auto", "gloo", "nccl"), default="auto", help="default: NCCL with a GPU per rank"
     )
-    p.add_argument("--json", help="write every row here")
+    p.add_argument("--json", type=output_file, help="write every row here")
     p.add_argument("--chart", help="write a PNG of bus bandwidth against size here")
     return p
 

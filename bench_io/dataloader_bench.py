@@ -37,6 +37,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from bench_io.args import at_least, output_file
 from bench_io.methods import environment
 from bench_io.s3_servers import start_s3_server
 from dataloaders import IndexedDatasetWriter, PretrainLoader, open_corpus
@@ -246,21 +247,25 @@ def probe_ranges(target: str, servers: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench_io.dataloader_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--size-mb", type=int, default=256, help="corpus size in MiB of uint16 tokens (default 256)")
-    ap.add_argument("--shards", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--global-batch", type=int, default=64)
-    ap.add_argument("--dp-size", type=int, default=8, help="the measured rank is rank 0 of this many")
-    ap.add_argument("--batches", type=int, default=0, help="batches per run of ucp and streaming (0: an epoch)")
-    ap.add_argument("--global-batches", type=int, default=100, help="batches per run of ucp-global")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--span-windows", type=int, default=4, help="ucp's windowed order: windows a span (default 4)")
-    ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--size-mb", type=at_least(1), default=256, help="corpus size in MiB of uint16 tokens (default 256)"
+    )
+    ap.add_argument("--shards", type=at_least(1), default=4)
+    ap.add_argument("--seq-len", type=at_least(1), default=2048)
+    ap.add_argument("--global-batch", type=at_least(1), default=64)
+    ap.add_argument("--dp-size", type=at_least(1), default=8, help="the measured rank is rank 0 of this many")
+    ap.add_argument("--batches", type=at_least(0), default=0, help="batches per run of ucp and streaming (0: an epoch)")
+    ap.add_argument("--global-batches", type=at_least(1), default=100, help="batches per run of ucp-global")
+    ap.add_argument("--repeats", type=at_least(1), default=3)
+    ap.add_argument(
+        "--span-windows", type=at_least(1), default=4, help="ucp's windowed order: windows a span (default 4)"
+    )
+    ap.add_argument("--prefetch", type=at_least(0), default=2)
+    ap.add_argument("--threads", type=at_least(1), default=2)
     ap.add_argument("--loaders", default="ucp,ucp-global,streaming", help="comma-separated: ucp, ucp-global, streaming")
     ap.add_argument("--targets", default="moto,radosgw", help="comma-separated: tmpfs, moto, radosgw")
     ap.add_argument("--tmpfs-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     ap.add_argument("--probe-ranges", action="store_true", help="only time ranged GETs on each S3 target")
     args = ap.parse_args(argv)
     if args.probe_ranges:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .args import parse_size
+from .args import at_least, output_file, positive_float, positive_size
 
 
 def make_loop(seed: int = 0) -> Any:
@@ -81,12 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_io gil", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--size", type=parse_size, default=256 << 20, help="bytes of state saved (default 256MiB)")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--alone-s", type=float, default=2.0, help="seconds of the loop alone (default 2)")
+    p.add_argument("--size", type=positive_size, default=256 << 20, help="bytes of state saved (default 256MiB)")
+    p.add_argument("--repeats", type=at_least(1), default=2)
+    p.add_argument("--alone-s", type=positive_float, default=2.0, help="seconds of the loop alone (default 2)")
     p.add_argument("--dir", help="parent directory (default /var/tmp: disk)")
-    p.add_argument("--io-threads", type=int, default=16)
-    p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--io-threads", type=at_least(1), default=16)
+    p.add_argument("--json", type=output_file, help="write the figures to this file")
     return p
 
 

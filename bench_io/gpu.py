@@ -57,7 +57,7 @@ import torch
 import ucp
 from ucp.engine.landing import Landing
 
-from .args import parse_list, parse_size
+from .args import at_least, output_file, parse_list, positive_float, positive_size
 
 GiB = 1 << 30
 SEGMENT = 64 << 20  # raw files are read in pieces of this size (ucp's default object size)
@@ -484,18 +484,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_io gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--size", type=parse_size, default=6 * GiB, help="bytes of the state (default 6GiB)")
-    p.add_argument("--tensors", type=int, default=24, help="tensors in the state (default 24)")
-    p.add_argument("--repeats", type=int, default=3, help="repeats, medians reported (default 3)")
+    p.add_argument("--size", type=positive_size, default=6 * GiB, help="bytes of the state (default 6GiB)")
+    p.add_argument("--tensors", type=at_least(1), default=24, help="tensors in the state (default 24)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="repeats, medians reported (default 3)")
     p.add_argument("--dirs", default="/dev/shm", help="comma list of directories, one per medium (default /dev/shm)")
     p.add_argument("--saves", type=parse_list(list(SAVES)), default=list(SAVES), help="comma list of saves")
     p.add_argument("--loads", type=parse_list(list(LOADS)), default=list(LOADS), help="comma list of loads")
     p.add_argument("--device", default="cuda", help="default cuda; cpu: a smoke test of the benchmark itself")
-    p.add_argument("--trainer-steps", type=int, default=20, help="trainer steps per run (0: no trainer runs)")
-    p.add_argument("--trainer-every", type=int, default=5, help="a checkpoint every this many steps (default 5)")
+    p.add_argument("--trainer-steps", type=at_least(0), default=20, help="trainer steps per run (0: no trainer runs)")
+    p.add_argument(
+        "--trainer-every", type=at_least(1), default=5, help="a checkpoint every this many steps (default 5)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, help="stop measuring after this many seconds (default: no limit)")
-    p.add_argument("--json", help="write the rows, medians and machine here")
+    p.add_argument("--budget-s", type=positive_float, help="stop measuring after this many seconds (default: no limit)")
+    p.add_argument("--json", type=output_file, help="write the rows, medians and machine here")
     return p
 
 

@@ -65,6 +65,7 @@ from ucp.sharding.families import LlamaConfig, canonical_atoms
 from ucp.sharding.layout import parse_layout
 from ucp.sharding.reshard import shard
 
+from .args import at_least, counts, positive_float
 from .coldstart import chunk_objects, raw_read
 from .methods import runai_environment
 from .s3_servers import S3_SERVERS, radosgw_missing, s3_server_version, start_s3_server
@@ -343,7 +344,7 @@ def refresh_rows(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_io inference", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-gib", type=float, default=1.0)
+    p.add_argument("--size-gib", type=positive_float, default=1.0)
     p.add_argument(
         "--s3",
         nargs="?",
@@ -352,12 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also from S3 servers on 127.0.0.1, a comma list of {', '.join(S3_SERVERS)} (default: moto, and radosgw"
         " where installed)",
     )
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel workers (> 1: each a process of its own)")
+    p.add_argument("--repeats", type=at_least(1), default=3)
+    p.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel workers (> 1: each a process of its own)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument(
         "--refresh-budgets",
-        default="",
+        type=counts(1),
+        default=[],
         help="a comma list of memory budgets in MiB: refreshes with each too, alternating with the default's",
     )
     args = p.parse_args(argv)
@@ -394,7 +396,7 @@ def _run(args: argparse.Namespace) -> int:
         for _ in range(args.repeats):
             for name, run in local.items():
                 bench.time(f"{name} (local)", run)
-        budgets = [int(b) << 20 for b in args.refresh_budgets.split(",") if b]
+        budgets = [b << 20 for b in args.refresh_budgets]
         bytes_read = refresh_rows(bench, url, None, (root / "hf0", root / "hf1"), budgets=budgets)
         total = sum(m.nbytes for m in _reader(url).atoms.values())
         labels = ["local"]

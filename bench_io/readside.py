@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .args import parse_list, parse_size
+from .args import at_least, output_file, parse_list, positive_size
 
 SCENARIOS = ("small", "disk", "mixed")
 MiB = 1 << 20
@@ -283,14 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bench_io readside", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--only", type=parse_list(list(SCENARIOS)), default=list(SCENARIOS), help="comma list of scenarios")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--small", type=int, default=5000, help="tensors of 1-16 KiB in the small state (tmpfs)")
-    p.add_argument("--disk", type=int, default=20000, help="tensors of 1-64 KiB in the disk state")
-    p.add_argument("--mixed", type=parse_size, default=456 * MiB, help="bytes of the mixed state (tmpfs)")
+    p.add_argument("--repeats", type=at_least(1), default=5)
+    p.add_argument("--small", type=at_least(1), default=5000, help="tensors of 1-16 KiB in the small state (tmpfs)")
+    p.add_argument("--disk", type=at_least(1), default=20000, help="tensors of 1-64 KiB in the disk state")
+    p.add_argument("--mixed", type=positive_size, default=456 * MiB, help="bytes of the mixed state (tmpfs)")
     p.add_argument("--dir", default="/var/tmp", help="the disk scenario's parent directory")
     p.add_argument("--cache", default="auto", help="how the disk is made cold (bench_io's --cache)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write every time and ratio to this file")
+    p.add_argument("--json", type=output_file, help="write every time and ratio to this file")
     return p
 
 

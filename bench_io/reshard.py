@@ -31,7 +31,7 @@ import torch
 
 from ucp.cli_common import Applies, refuse_inapplicable
 
-from .args import parse_size
+from .args import at_least, output_file, parse_size, positive_size
 
 MAX_IO = 1 << 30
 
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench_io reshard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--size", type=parse_size, default=2 << 30, help="fp32 params + Adam states (default 2GiB)")
+    p.add_argument("--size", type=positive_size, default=2 << 30, help="fp32 params + Adam states (default 2GiB)")
     p.add_argument("--save-layout", default="tp2pp2dp2zero1", help="layout A, saved from virtual ranks")
     p.add_argument(
         "--load-layouts",
@@ -164,13 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "drop_caches", "fadvise", "none"),
         help="with --target disk: how reads are made cold (default auto)",
     )
-    p.add_argument("--io-threads", type=int, default=16)
+    p.add_argument("--io-threads", type=at_least(1), default=16)
     p.add_argument(
-        "--object-bytes", type=parse_size, help="ChunkingPolicy.object_bytes for the save (default: ucp's, 64 MiB)"
+        "--object-bytes", type=positive_size, help="ChunkingPolicy.object_bytes for the save (default: ucp's, 64 MiB)"
     )
     p.add_argument(
         "--inner-bytes",
-        type=parse_size,
+        type=positive_size,
         help="ChunkingPolicy.inner_bytes, the unit of a partial read (default: ucp's, 1 MiB); at tiny sizes a"
         " smaller one keeps amplification down, as chunks must be small against a rank's share",
     )
@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-verify", action="store_true", help="skip the check of every rank's state")
-    p.add_argument("--json", help="write the per-rank figures to this file")
-    p.add_argument("--png", help="write a chart (per-rank GB/s against raw, and amplification)")
+    p.add_argument("--json", type=output_file, help="write the per-rank figures to this file")
+    p.add_argument("--png", type=output_file, help="write a chart (per-rank GB/s against raw, and amplification)")
     return p
 
 

@@ -239,3 +239,43 @@ def test_coldstart_loads_with_other_counts_of_reads_in_flight_fill_the_same_para
         assert ucp_load(url, "tp1", None, job, reads)() == read
         assert job.keys() == expected.keys() == params.keys()
         assert all(torch.equal(job[n], expected[n]) and torch.equal(params[n], expected[n]) for n in expected)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--size", "0"], "argument --size: must be more than 0 bytes"),
+        (["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+        (["--io-threads", "-3"], "argument --io-threads: must be at least 1"),
+        (["--procs", "two"], "argument --procs: not a whole number: 'two'"),
+        (["--json", "{missing}/figures.json"], "argument --json: {missing}/figures.json: no such directory"),
+        (["--png", "{tmp}"], "is a directory"),
+        (["coldstart", "--repeats", "0"], "argument --repeats: must be at least 1"),
+        (["coldstart", "--size-gib", "nan"], "argument --size-gib: must be a number above 0"),
+        (["coldstart", "--reads-in-flight", "16,"], None),  # (a trailing comma is only an empty item: accepted)
+        (["coldstart", "--reads-in-flight", "16,0"], "argument --reads-in-flight: must be at least 1"),
+        (["readside", "--small", "0"], "argument --small: must be at least 1"),
+        (["reshard", "--size", "0"], "argument --size: must be more than 0 bytes"),
+        (["reshard", "--json", "{missing}/x.json"], "no such directory"),
+        (["gil", "--alone-s", "-1"], "argument --alone-s: must be a number above 0"),
+        (["gpu", "--trainer-every", "0"], "argument --trainer-every: must be at least 1"),
+        (["collectives", "--json", "{missing}/x.json"], "no such directory"),
+    ],
+)
+def test_a_bad_value_is_refused_in_one_line_before_the_run(argv, message, tmp_path: Path, capsys) -> None:
+    """A count, size or output file the run cannot use is argparse's one-line error (exit 2), before any state is
+    generated, not a traceback minutes in (or after the run, for an output file's directory)."""
+    from bench_io.__main__ import main
+
+    argv = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in argv]
+    if message is None:  # (parsed: the run would start; only the parse is checked)
+        from bench_io.args import counts
+
+        assert counts(1)(argv[-1]) == [16]
+        return
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message.format(missing=tmp_path / "missing") in err[-1], err
+    assert not (tmp_path / "missing").exists()
