@@ -185,15 +185,29 @@ def test_set_reads_a_float_without_a_dot():
         (["--config", "{tmp}/bad.yaml"], "the config {tmp}/bad.yaml is not YAML"),
         (["--set", "train.nosuch=1"], "unknown config key(s) in train: ['nosuch']"),
         (["--set", "optim.lr=fast"], "optim.lr must be a number, got 'fast'"),
+        (["--set", "model.hidden_size=abc"], "model.hidden_size must be a whole number, got 'abc'"),
+        (["--set", "model.top_k=9"], "model.top_k must be 1 to model.num_experts=8, got 9"),
+        (["--set", "model.num_heads=3"], "model.hidden_size=64 is not divisible by model.num_heads=3"),
+        (["--set", "train.stage_layers=[2, x]"], "train.stage_layers must be a list of whole numbers"),
+        (["--durable-every", "0"], "checkpoint.durable_every must be at least 1, got 0"),
+        (["--layout", "tp2pp1"], "none of the layouts tp2pp1 (2) runs on 1 processes"),  # (after the group formed)
+        (["--set", "model.num_layers=3", "--set", "train.stage_layers=[1, 1]"], "stage_layers=[1, 1] must be 1"),
+        (["--ckpt", "s3://bucket/run", "-", "AWS_ACCESS_KEY_ID="], "StorageAuthError: cannot list s3://bucket/run"),
     ],
 )
 def test_a_wrong_config_is_one_line_and_a_failed_exit(tmp_path, argv, message):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
     argv = [a.format(tmp=tmp_path) for a in argv]
+    env = dict(os.environ)
+    if "-" in argv:  # (what follows it is the environment: here, no AWS credentials and no endpoint to find them at)
+        env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+        env.update(AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull, AWS_EC2_METADATA_DISABLED="true")
+        argv = argv[: argv.index("-")]
     out = subprocess.run(
         [sys.executable, "-m", "trainer", *argv, "--steps", "1"],
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -201,6 +215,13 @@ def test_a_wrong_config_is_one_line_and_a_failed_exit(tmp_path, argv, message):
     )
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith("trainer: " + message.format(tmp=tmp_path)), out.stderr
+
+
+def test_a_string_flag_stays_a_string_whatever_yaml_would_make_of_it():
+    from trainer.train import build_config, parse_args
+
+    cfg = build_config(parse_args(["--ckpt", "2024", "--ckpt-local", "1e3", "--layout", "tp1pp1", "--steps", "3"]))
+    assert (cfg.checkpoint.url, cfg.checkpoint.local, cfg.train.steps) == ("2024", "1e3", 3)
 
 
 def test_metrics_file_in_a_new_directory(tmp_path):

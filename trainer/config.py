@@ -46,6 +46,26 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"model.family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size"):
+            _at_least(getattr(self, name), 1, f"model.{name}")
+        _at_least(self.make_vocab_size_divisible_by, 1, "model.make_vocab_size_divisible_by")
+        if self.head_dim is not None:
+            _at_least(self.head_dim, 1, "model.head_dim")
+        elif self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}: "
+                "give model.head_dim"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+        if self.is_moe:
+            _at_least(self.num_experts, 1, "model.num_experts")
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ValueError(f"model.top_k must be 1 to model.num_experts={self.num_experts}, got {self.top_k}")
+        if not self.rms_norm_eps > 0 or not self.init_std > 0 or not self.rope_theta > 0:
+            raise ValueError("model.rms_norm_eps, model.init_std and model.rope_theta must be above 0")
 
     @property
     def is_moe(self) -> bool:
@@ -70,6 +90,16 @@ class OptimConfig:
     weight_decay: float = 0.1  # applied to matrices only, not to norm weights
     grad_clip: float = 1.0  # global gradient-norm clipping; 0 disables
 
+    def __post_init__(self) -> None:
+        for name in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:  # (NaN too)
+                raise ValueError(f"optim.{name} must be 0 or more, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        _at_least(self.warmup_steps, 0, "optim.warmup_steps")
+        _at_least(self.decay_steps, 1, "optim.decay_steps")
+
 
 @dataclass
 class DataConfig:
@@ -84,6 +114,10 @@ class DataConfig:
     # from a few neighbouring byte ranges; "global" is the exact uniform shuffle (what runs saved before the
     # windowed order existed resume in); "none" the corpus's own order
     shuffle: str = "windows"
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch_size", "micro_batch_size"):
+            _at_least(getattr(self, name), 1, f"data.{name}")
 
 
 @dataclass
@@ -123,6 +157,13 @@ class TrainConfig:
             raise ValueError(f"train.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"train.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        _at_least(self.steps, 1, "train.steps")
+        _at_least(self.log_every, 1, "train.log_every")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"train.collective_timeout_s must be above 0, got {self.collective_timeout_s}")
+        if self.stage_layers is not None:
+            for count in self.stage_layers:
+                _at_least(count, 1, "each of train.stage_layers")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,6 +183,13 @@ class CheckpointConfig:
     local_keep: int = 2
     durable_every: int = 1
 
+    def __post_init__(self) -> None:
+        _at_least(self.interval, 0, "checkpoint.interval")
+        _at_least(self.local_keep, 1, "checkpoint.local_keep")
+        _at_least(self.durable_every, 1, "checkpoint.durable_every")
+        if self.keep_last is not None:
+            _at_least(self.keep_last, 1, "checkpoint.keep_last")
+
 
 @dataclass
 class Config:
@@ -153,6 +201,34 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _at_least(value: int, low: int, where: str) -> None:
+    if value < low:
+        raise ValueError(f"{where} must be at least {low}, got {value}")
+
+
+# What each annotation (a string: `from __future__ import annotations`) accepts, checked before a dataclass is built,
+# so that `--set model.hidden_size=abc` is refused by name rather than failing deep in torch.
+_KINDS: dict[str, tuple[str, Any]] = {
+    "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "list[int]": (
+        "a list of whole numbers",
+        lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    ),
+}
+
+
+def _check_kind(value: Any, annotation: str, where: str) -> None:
+    kind, optional = annotation.removesuffix(" | None"), annotation.endswith(" | None")
+    if kind not in _KINDS or (optional and value is None):
+        return
+    description, accepts = _KINDS[kind]
+    if not accepts(value):
+        raise ValueError(f"{where} must be {description}{' (or null)' if optional else ''}, got {value!r}")
 
 
 def _number(value: Any, where: str) -> Any:
@@ -173,7 +249,10 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
         raise ValueError(f"unknown config key(s) in {where}: {sorted(unknown)}; known: {sorted(fields)}")
     # annotations are strings here (`from __future__ import annotations`)
     floats = {name for name, f in fields.items() if f.type in ("float", "float | None")}
-    return cls(**{k: _number(v, f"{where}.{k}") if k in floats else v for k, v in values.items()})
+    values = {k: _number(v, f"{where}.{k}") if k in floats else v for k, v in values.items()}
+    for k, v in values.items():
+        _check_kind(v, str(fields[k].type), f"{where}.{k}")
+    return cls(**values)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

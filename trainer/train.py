@@ -258,8 +258,8 @@ def build_config(args: argparse.Namespace) -> Config:
         ("metrics_file", args.metrics_file),
         ("regroup_store", args.regroup_store),
     ):
-        if value is not None:
-            overrides.append(f"train.{key}={value}")
+        if value is not None:  # (a string flag as a JSON string, which YAML reads as the same string: `--ckpt 2024`)
+            overrides.append(f"train.{key}={json.dumps(value)}")
     for key, value in (
         ("url", args.ckpt),
         ("interval", args.save_interval),
@@ -268,7 +268,7 @@ def build_config(args: argparse.Namespace) -> Config:
         ("durable_every", args.durable_every),
     ):
         if value is not None:
-            overrides.append(f"checkpoint.{key}={value}")
+            overrides.append(f"checkpoint.{key}={json.dumps(value)}")
     return load_config(args.config, overrides)
 
 
@@ -478,7 +478,10 @@ def main(argv: list[str] | None = None, started: float | None = None) -> None:
     except ValueError as e:  # a wrong config or setting: one line, as for the ucp commands
         raise SystemExit(f"trainer: {e}") from None
     try:
-        trainer = build_trainer(cfg)
+        try:
+            trainer = build_trainer(cfg)
+        except ValueError as e:  # a layout that the job or the model cannot take: one line (each rank says it)
+            raise SystemExit(f"trainer: {e}") from None
         regroup = None
         if cfg.train.regroup_store and dist.get_world_size() > 1:
             regroup = Regroup(
