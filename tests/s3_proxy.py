@@ -24,6 +24,9 @@ KINDS = ("chunk", "metadata", "owner", "marker", "clock", "delete", "list", "rea
 MODES = ("before", "after", "reset")  # how a request fails
 DAMAGE = "flip"  # a mode that does not fail it: the store's answer comes back with a byte flipped
 CUT = "cut"  # the store's answer comes back cut off halfway through its body, the connection closed
+# Modes that change a ranged GET before forwarding it (signed again with the proxy's `keys`, where it has them):
+WHOLE = "whole"  # without its Range header, as a store or gateway that ignores Range answers (200: the whole object)
+SHIFT = "shift"  # with its range one byte later: the store's 206 is of another range than the one asked for
 INJECTED = "injected by the test's proxy"
 
 
@@ -108,7 +111,7 @@ class FaultProxy:
         message: str | None = INJECTED,
         match: str = "",
     ) -> None:
-        assert kind in KINDS and mode in (*MODES, DAMAGE, CUT) and nth >= 1 and times >= 1
+        assert kind in KINDS and mode in (*MODES, DAMAGE, CUT, WHOLE, SHIFT) and nth >= 1 and times >= 1
         with self._lock:
             self._fault, self.fired = Fault(kind, nth, mode, times, status, code, message, match), []
 
@@ -196,6 +199,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self.proxy.stripped[name.lower()] += 1
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             headers["Content-Length"] = str(len(body))
+        ranged = next((k for k in headers if k.lower() == "range"), None)
+        if mode in (WHOLE, SHIFT) and ranged is not None:
+            first, _, last = headers.pop(ranged).removeprefix("bytes=").partition("-")
+            if mode == SHIFT:
+                headers[ranged] = f"bytes={int(first) + 1}-{last and int(last) + 1}"
+            stripped.append(ranged)  # (changed: signed again below)
         if stripped and self.proxy.keys is not None and "Authorization" in headers:
             headers = _signed_again(self.command, self.path, headers, body, self.proxy.keys)
         try:

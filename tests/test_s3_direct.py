@@ -214,7 +214,7 @@ def test_an_endpoint_that_stops_answering_is_left_to_botocore_within_its_timeout
     ],
 )
 def test_an_answers_range_must_be_the_one_asked_for(content_range, offset, want, length):
-    assert s3_direct._range_length(content_range, offset, want) == length
+    assert s3.range_length(content_range, offset, want) == length
 
 
 def test_connections_outlive_the_threads_that_made_them(s3_bucket, botocore_reads, monkeypatch):

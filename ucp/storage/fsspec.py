@@ -154,8 +154,10 @@ class FsspecStorage(Storage):
     def read(self, key: str, start: int = 0, end: int | None = None) -> memoryview:
         path = self._path(key)
         try:
-            # (a start of 0 is given, a range: without one s3fs first asks for the object's size, a second request)
-            data = self.fs.cat_file(path, start=start, end=end)
+            if self._s3:  # (s3fs's cat_file takes any success's body as the range: `s3.get_bytes` checks it)
+                data = fsspec.asyn.sync(self.fs.loop, s3.get_bytes, self.fs, path, start, end)
+            else:  # (a start of 0 is given, a range: without one a file system may first ask for the size)
+                data = self.fs.cat_file(path, start=start, end=end)
         except Exception as e:
             failure = self._unreadable(key, path, e)
             if failure is not None:

@@ -96,11 +96,54 @@ def read_parts(offset: int, buffers: Sequence[memoryview]) -> list[tuple[int, li
     return parts
 
 
+class RangeMismatchError(Exception):
+    """The store answered a ranged GET with bytes other than those asked for (a 206 whose Content-Range names another
+    range, or another success status): nothing of its body is taken."""
+
+
+def range_length(content_range: str, offset: int, want: int | None) -> int | None:
+    """The bytes a 206's Content-Range ("bytes FIRST-LAST/TOTAL") says its body holds, if it answers a range of `want`
+    bytes from `offset` (all of them, or those up to the object's end; None: to the object's end); else None."""
+    try:
+        unit, _, rest = content_range.partition(" ")
+        span, _, total = rest.partition("/")
+        first, _, last = span.partition("-")
+        first_n, last_n = int(first), int(last)
+        if want is None:
+            end = int(total)
+        else:
+            end = offset + want if total == "*" else min(offset + want, int(total))
+    except ValueError:
+        return None
+    if unit != "bytes" or first_n != offset or last_n != end - 1:
+        return None
+    return last_n - first_n + 1
+
+
+def _skipped(response: dict, offset: int, want: int | None) -> int:
+    """How many bytes of a ranged GET's body come before `offset`: 0 for the range asked for; `offset` for a 200 that
+    names no range, the whole object from its first byte (a store, gateway or cache may ignore a Range header, as
+    HTTP allows: taking its body as the range would put the object's first bytes where those at `offset` belong).
+    RangeMismatchError for anything else."""
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    content_range = response.get("ContentRange") or ""
+    if status in (200, 206) and content_range and range_length(content_range, offset, want) is not None:
+        return 0  # (the range asked for, whatever the success: a 200 that names its range holds it)
+    if status == 200 and not content_range:
+        return offset
+    asked = f"bytes={offset}-{'' if want is None else offset + want - 1}"
+    raise RangeMismatchError(
+        f"the store answered a GET of {asked} with HTTP {status}"
+        + (f" and Content-Range {content_range!r:.80}" if content_range else " and no Content-Range")
+    )
+
+
 async def get_into(fs: Any, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
     """A ranged GET of `path` from `offset`, its body copied into `buffers` back to back as it arrives (s3fs's
     `cat_file` joins the body into one bytes object first: a copy of every byte more, ~30% of a load's client CPU
     against radosgw); the bytes read (fewer at the object's end). Runs on `fs`'s event loop. A body cut off on the
-    way is read again from the start, as s3fs does, up to S3_ATTEMPTS times; what the store answered propagates."""
+    way, or one that is not the range asked for (`_skipped`), is read again from the start, as s3fs reads a cut one,
+    up to S3_ATTEMPTS times; what the store answered propagates."""
     from aiohttp import ClientPayloadError
     from botocore.exceptions import ResponseStreamingError
 
@@ -115,8 +158,8 @@ async def get_into(fs: Any, path: str, offset: int, buffers: Sequence[memoryview
         )
         body = response["Body"]
         try:
-            return await _fill(body, buffers)
-        except (ClientPayloadError, ResponseStreamingError, TimeoutError):
+            return await _fill(body, buffers, _skipped(response, offset, want))
+        except (ClientPayloadError, ResponseStreamingError, TimeoutError, RangeMismatchError):
             if attempt == S3_ATTEMPTS - 1:
                 raise
         finally:
@@ -124,8 +167,40 @@ async def get_into(fs: Any, path: str, offset: int, buffers: Sequence[memoryview
     raise AssertionError("unreachable")
 
 
-async def _fill(body: Any, buffers: Sequence[memoryview]) -> int:
-    """Copy a response body into `buffers` chunk by chunk as aiohttp hands them over (`readany`: no joining)."""
+async def get_bytes(fs: Any, path: str, start: int, end: int | None) -> bytes:
+    """Bytes [start, end) of `path` (to its end where `end` is None) in one ranged GET, checked as `get_into` checks
+    its answers (s3fs's `cat_file` takes any success's body as the range); read again as it reads again."""
+    from aiohttp import ClientPayloadError
+    from botocore.exceptions import ResponseStreamingError
+
+    if end is not None and end <= start:
+        return b""  # (S3 ignores a range that ends before it starts, and answers the whole object)
+    bucket, key, version = fs.split_path(path)
+    want = None if end is None else end - start
+    extra = {"VersionId": version} if version else {}
+    for attempt in range(S3_ATTEMPTS):
+        response = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{'' if end is None else end - 1}", **extra
+        )
+        body = response["Body"]
+        try:
+            skip = _skipped(response, start, want)
+            data = await body.read()
+        except (ClientPayloadError, ResponseStreamingError, TimeoutError, RangeMismatchError):
+            if attempt == S3_ATTEMPTS - 1:
+                raise
+            continue
+        finally:
+            body.close()
+        if skip or (want is not None and len(data) > want):  # (a whole object: the range is cut out of it)
+            data = data[skip : None if want is None else skip + want]
+        return data
+    raise AssertionError("unreachable")
+
+
+async def _fill(body: Any, buffers: Sequence[memoryview], skip: int = 0) -> int:
+    """Copy a response body into `buffers` chunk by chunk as aiohttp hands them over (`readany`: no joining), after
+    its first `skip` bytes."""
     stream = getattr(getattr(body, "_raw_stream", None), "content", None)  # (aiohttp's StreamReader)
     targets = iter(memoryview(b).cast("B") for b in buffers)
     target, at, got = next(targets, None), 0, 0
@@ -134,6 +209,9 @@ async def _fill(body: Any, buffers: Sequence[memoryview]) -> int:
         if not chunk:
             break
         view = memoryview(chunk)
+        if skip:
+            n = min(skip, view.nbytes)
+            view, skip = view[n:], skip - n
         while view.nbytes and target is not None:
             n = min(view.nbytes, target.nbytes - at)
             target[at : at + n] = view[:n]

@@ -12,8 +12,9 @@ and the next load's take up the connections (and, over HTTPS, the sessions) the 
 What is taken from here is a success alone. Anything else (another status, no answer, a body cut off) returns None
 and the caller reads again through botocore, whose retries, redirects and answer ucp's errors are told by
 (`errors`): what a read means is decided in one place. Where answers say this path may be wrong for the store (a
-few redirects, bad requests or refused signatures), or a new connection gets no answer, the storage reads through
-botocore from then on.
+few redirects, bad requests or refused signatures), or the store cannot be connected to, answers no new connection
+within the read timeout, or closes a few new ones in a row unanswered, the storage reads through botocore from then
+on.
 
 Used only where it reproduces what botocore would send: the address is the one botocore itself gives for the bucket
 (a presigned URL's, cut at the key), the signature SigV4 in the client's region (or the presigned URL's); not through
@@ -30,11 +31,12 @@ import os
 import ssl
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
 import fsspec.asyn
+
+from .s3 import range_length
 
 log = logging.getLogger("ucp")
 
@@ -64,6 +66,7 @@ class DirectReads:
         self._signer: Any = None  # botocore's SigV4 signer with the credentials of `_signed_at`; None: anonymous
         self._signed_at = -CREDENTIALS_TTL_S
         self._refusals = 0
+        self._dropped = 0  # new connections closed unanswered in a row (after REFUSALS, botocore reads everything)
         # address -> connections between requests, each taken by one request at a time (list.pop and append are
         # atomic: no lock, which a child forked while another thread held it would find held for good)
         self._idle: dict[str, list[http.client.HTTPConnection]] = {}
@@ -120,10 +123,19 @@ class DirectReads:
                 if kept:  # (a kept connection the store has since closed fails at once: those kept as long likely
                     self._forget(base)  # are closed too; once more on a new one)
                     continue
-                # no answer on a new connection (refused, timed out, TLS refused): botocore's reads, retries and
-                # timeouts from now on, as for a store that cannot be reached at all
-                self._disable(f"no answer from {base.netloc} ({type(e).__name__}: {e})")
+                why = f"no answer from {base.netloc} ({type(e).__name__}: {e})"
+                if connection is None or isinstance(e, TimeoutError):
+                    # no connection (refused, timed out, TLS refused), or no answer within the read timeout:
+                    # botocore's reads, retries and timeouts from now on, as for a store that cannot be reached at all
+                    self._disable(why)
+                    return None
+                # a new connection closed without an answer (a busy store or load balancer drops some): this read is
+                # botocore's, with its retries; one that drops every new connection leaves them all to it
+                self._dropped += 1
+                if self._dropped >= REFUSALS:
+                    self._disable(f"{self._dropped} new connections closed unanswered, the last {why}")
                 return None
+            self._dropped = 0  # (the store answers: a drop before was its passing trouble)
             try:
                 got = self._body(response, offset, want, buffers)
             except (OSError, http.client.HTTPException):  # (cut off on the way: botocore reads it again)
@@ -164,7 +176,7 @@ class DirectReads:
             parts = urllib.parse.urlsplit(url)
             if not parts.path.endswith(f"/{probe}") or parts.scheme not in ("http", "https"):
                 raise ValueError(f"an address that does not end with its key: {url}")
-            if _proxied(parts):
+            if _proxied(self.client.meta.endpoint_url, parts):
                 raise ValueError(f"{parts.scheme} requests to {parts.hostname} go through a proxy")
             # (a SigV4 presigned URL names the region botocore signs for, an access point's or a bucket's own)
             credential = urllib.parse.parse_qs(parts.query).get("X-Amz-Credential", [""])[0].split("/")
@@ -277,7 +289,7 @@ class DirectReads:
         if response.length is None:
             return None  # (no Content-Length: a body cut off could not be told from the object's end)
         if response.status == 206:
-            if _range_length(response.getheader("Content-Range") or "", offset, want) != response.length:
+            if range_length(response.getheader("Content-Range") or "", offset, want) != response.length:
                 return None
         elif response.status != 200 or offset != 0:
             return None
@@ -292,22 +304,6 @@ class DirectReads:
                 at += n
             got += at
         return got
-
-
-def _range_length(content_range: str, offset: int, want: int) -> int | None:
-    """The bytes a 206's Content-Range ("bytes FIRST-LAST/TOTAL") says its body holds, if it answers a range
-    of `want` bytes from `offset` (all of them, or those up to the object's end); else None."""
-    try:
-        unit, _, rest = content_range.partition(" ")
-        span, _, total = rest.partition("/")
-        first, _, last = span.partition("-")
-        first_n, last_n = int(first), int(last)
-        end = offset + want if total == "*" else min(offset + want, int(total))
-    except ValueError:
-        return None
-    if unit != "bytes" or first_n != offset or last_n != end - 1:
-        return None
-    return last_n - first_n + 1
 
 
 async def _awaited(awaitable: Any) -> Any:
@@ -329,8 +325,10 @@ def _unsupported(fs: Any) -> str | None:
     return None
 
 
-def _proxied(parts: urllib.parse.SplitResult) -> bool:
-    """Whether requests to this address go through a proxy of the environment's (HTTP_PROXY, HTTPS_PROXY, NO_PROXY),
-    as botocore would send them."""
-    proxies = urllib.request.getproxies()
-    return parts.scheme in proxies and not urllib.request.proxy_bypass(parts.hostname or "")
+def _proxied(endpoint_url: str, parts: urllib.parse.SplitResult) -> bool:
+    """Whether botocore sends requests to `parts` through a proxy of the environment's (HTTP_PROXY, HTTPS_PROXY,
+    NO_PROXY), as it decides: NO_PROXY matched against its client's endpoint, host and port (an entry "host:port"
+    names one endpoint), the proxy chosen by the request's scheme."""
+    from botocore.utils import get_environ_proxies
+
+    return bool(get_environ_proxies(endpoint_url).get(parts.scheme))
