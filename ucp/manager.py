@@ -38,7 +38,8 @@ class CheckpointManager:
     the saved tensors). Async and lazy saves are encoded and written by a writer process (`writer="process"`,
     the default on Linux: it keeps checksums and IO calls off the trainer's GIL) or by writer threads
     (`writer="threads"`). One save is in flight at a time: a new save waits for the previous one and raises its
-    error. The manager keeps the last `keep_last` committed steps (all when None) and, when it starts and
+    error (logged with the `ucp` logger when it happens); one in flight when the interpreter exits is waited for. The
+    manager keeps the last `keep_last` committed steps (all when None) and, when it starts and
     after each commit, removes the save attempts that no live process owns (`ucp.protocol.attempt`: interrupted saves,
     the losers of a race, a killed job's). In a parallel job pass `comm` (e.g. `TorchComm(dist.new_group(
     backend="gloo"))`): rank 0 does the cleanup and the commits.

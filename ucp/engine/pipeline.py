@@ -19,20 +19,24 @@ and IO calls do not hold the trainer's GIL; or writer threads in this process (`
 storages that live in this process, such as memory:// or a Storage subclass).
 
 One save is in flight at a time: `submit` first waits for the previous save and raises its error, so a
-failed background write is never silent. Staging memory is a pool of arenas reused from save to save
-(`ucp.engine.staging`; page-locked host memory, filled on a side stream of each device, where the process uses CUDA),
-bounded by `staging_bytes`: when it is full, the snapshot waits for writes to free memory. `prepare` makes the
-arenas a state's saves need before the first save, so that it does not allocate and page-lock them.
+failed background write is never silent (it is also logged, `ucp` logger, when it fails). A save still in flight
+when the interpreter exits (a run's last, with no `wait` or `close`) is waited for: it commits before the exit.
+Staging memory is a pool of arenas reused from save to save (`ucp.engine.staging`; page-locked host memory, filled
+on a side stream of each device, where the process uses CUDA), bounded by `staging_bytes`: when it is full, the
+snapshot waits for writes to free memory. `prepare` makes the arenas a state's saves need before the first save, so
+that it does not allocate and page-lock them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, NoReturn, Protocol
@@ -205,6 +209,7 @@ class SaveHandle:
     _error: BaseException | None = None  # the save's failure, once `result` has raised it
     _session: SaveSession | None = None  # (abandon cancels it)
     _snapshot_error: BaseException | None = None  # why the snapshot failed (set before `snapshot_done`)
+    _abandoned: bool = False  # (its failure is expected: not logged as one)
 
     def wait_snapshot(self) -> None:
         """Block until the snapshot is complete (lazy mode: before changing the saved tensors); raise why it failed,
@@ -437,6 +442,7 @@ class SavePipeline:
         self._process: WriterProcess | None = None
         self._process_lock = threading.RLock()
         self._inflight: SaveHandle | None = None
+        _finish_at_exit(self)  # (after its executors were made: see there why the order matters)
 
     def start_writer(self) -> None:
         """Start the writer process now (it takes a second or two to import), not at the first save."""
@@ -466,10 +472,15 @@ class SavePipeline:
     def wait(self) -> CommitRecord | None:
         """Wait for the save in flight, if any; raises its error, unless the caller had it from `handle.result()`
         already (a failure the caller has seen fails nothing after it)."""
-        handle, self._inflight = self._inflight, None
+        handle = self._inflight
         if handle is None or handle.reported:
+            self._inflight = None
             return None
-        return handle.result()
+        try:
+            return handle.result()
+        finally:
+            if handle.done():  # (a wait interrupted by a signal, KeyboardInterrupt, leaves the save in flight: the
+                self._inflight = None  # next save must still wait for it, and raise its error)
 
     def fit_packs(self, plan: SavePlan) -> None:
         """Make the plan's packs small enough for bounded staging memory (a quarter of it, so that packs are copied
@@ -498,6 +509,7 @@ class SavePipeline:
         copies = Copies(self._streams)  # (marks, in this thread, what the caller's stream has queued)
         if mode == "lazy":
             handle._future = self.background.submit(self._lazy, plan, writes, handle, copies)
+            handle._future.add_done_callback(functools.partial(_log_failure, handle))
         else:
             try:
                 futures, staged = self._snapshot(plan, writes, handle, copies, overlap=mode == "sync")
@@ -507,9 +519,19 @@ class SavePipeline:
                 handle._record = self._write_rest(plan, writes, futures, staged)
             else:
                 handle._future = self.background.submit(self._write_rest, plan, writes, futures, staged)
+                handle._future.add_done_callback(functools.partial(_log_failure, handle))
         handle.blocking_s = time.perf_counter() - start
         self._inflight = handle if handle._future is not None else None
         return handle
+
+    def _wait_at_exit(self) -> None:
+        """At interpreter exit: let the save in flight, which nobody waited for, commit (its failure is logged)."""
+        handle = self._inflight
+        if handle is None or handle.reported:
+            return
+        log.info("waiting for the save of step %d to end before the interpreter exits", handle.step)
+        with contextlib.suppress(Exception):  # (logged when it failed, `_log_failure`: there is no caller to raise to)
+            self.wait()
 
     def close(self) -> None:
         try:
@@ -527,6 +549,8 @@ class SavePipeline:
         collectives cannot complete (it fails uncommitted once its process group is gone, and `gc` collects what
         it wrote). The writer process is killed now; a thread releases the staging memory once that save ends."""
         handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle._abandoned = True
         if handle is not None and handle._session is not None:
             handle._session.cancel()  # (it commits nothing after this: the job goes on from an earlier step)
         with self._process_lock:
@@ -723,6 +747,44 @@ class SavePipeline:
         except BaseException:
             self.staging.release(slot)
             raise
+
+
+def _log_failure(handle: SaveHandle, future: cf.Future) -> None:
+    """Log a background save's failure when it happens: it is raised only at the caller's next save, wait or close,
+    which may come much later, or never (a process that ends first). An abandoned save's is expected (`abandon`)."""
+    error = None if future.cancelled() else future.exception()
+    if error is not None and not handle._abandoned:
+        log.error("background save of step %d: %s", handle.step, error)
+
+
+# Pipelines whose save in flight is waited for when the interpreter exits (`_finish_at_exit`).
+_LIVE_PIPELINES: weakref.WeakSet[SavePipeline] = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _finish_at_exit(pipeline: SavePipeline) -> None:
+    """Have the interpreter's exit wait for `pipeline`'s save in flight. An async save that its process returned from
+    without `wait` or `close` (the run's last save) failed at exit otherwise, silently: concurrent.futures' exit hook
+    makes every executor refuse new work, and the save still had writes and the commit to submit. Threading's exit
+    hooks run last registered first, before the interpreter joins its threads: this one, registered after
+    concurrent.futures' (its executors exist by now), runs while the executors still take work."""
+    global _exit_hook_registered
+    register = getattr(threading, "_register_atexit", None)  # (CPython's, since 3.9; concurrent.futures uses it)
+    with _exit_hook_lock:
+        _LIVE_PIPELINES.add(pipeline)
+        if _exit_hook_registered or register is None:
+            return
+        try:
+            register(_wait_for_saves_at_exit)
+            _exit_hook_registered = True
+        except RuntimeError:  # (the interpreter is exiting already)
+            pass
+
+
+def _wait_for_saves_at_exit() -> None:
+    for pipeline in list(_LIVE_PIPELINES):
+        pipeline._wait_at_exit()
 
 
 _GAP_ZEROS = torch.zeros(64, dtype=torch.uint8)  # (alignment gaps: fewer bytes than an element)

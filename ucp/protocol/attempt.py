@@ -13,8 +13,12 @@ of the lease while the save runs. An uncommitted attempt is garbage, and `collec
 - its owner ran elsewhere and its lease ran out: the store last saw the owner record written (its modification
   time, which the store stamps) more than `lease_s` ago by the store's own clock (`Storage.clock`). No host's clock
   takes part: a host whose clock is wrong by any amount neither loses a live save nor keeps a dead one, or
-- it has no owner record and nothing in it changed for `ORPHAN_GRACE_S` by the store's clock (writes that
-  outlived their attempt's removal; an attempt being created shows its directory a moment before its record).
+- it has no owner record (or an empty one: its first write cut short by a crash) and nothing in it changed for
+  `ORPHAN_GRACE_S` by the store's clock (writes that outlived their attempt's removal; an attempt being created shows
+  its directory a moment before its record).
+
+An uncommitted step directory left empty (a process killed between removing an attempt and its step's directory) is
+removed once nothing in it changed for `ORPHAN_GRACE_S` too.
 
 An attempt of a step that another attempt committed is removed only once its owner is gone too: a live loser of
 a race is still writing into it, and removes it itself when its commit is refused. The attempt that a commit
@@ -204,7 +208,10 @@ class Lease:
 def _attempt_is_dead(storage: Storage, step: int, attempt: str, clock: _StoreClock) -> bool:
     key = record_key(step, attempt)
     try:
-        owner = OwnerRecord.parse(storage.read(key, 0, MAX_MARKER_BYTES + 1), f"{storage.url}/{key}")
+        raw = storage.read(key, 0, MAX_MARKER_BYTES + 1)
+        if not len(raw):  # the record's first write cut short (its process killed, or its host, before the bytes
+            raise FileNotFoundError(key)  # landed): no owner can be told from it, as from a missing record
+        owner = OwnerRecord.parse(raw, f"{storage.url}/{key}")
     except FileNotFoundError:
         changed = storage.newest_mtime(f"{step_dirname(step)}/{attempt}")
         return changed is None or clock.now() - changed > ORPHAN_GRACE_S
@@ -271,7 +278,21 @@ def collect_garbage(storage: Storage, *, now: float | None = None) -> list[str]:
             log.info("removed %s/%s: no live save owns it", storage.url, key)
         if record is None and removed and removed[-1].startswith(step_dir + "/"):
             storage.remove_empty_dir(step_dir)
+        elif record is None and not names and _is_stale_empty_dir(storage, step_dir, clock):
+            # (a process killed between removing a step's last attempt and its directory: a failed save's removal,
+            # gc's, retention's; nothing else ever removed it)
+            storage.remove_empty_dir(step_dir)
+            if not storage.exists(step_dir):
+                removed.append(step_dir)
+                log.info("removed %s/%s: an empty step directory", storage.url, step_dir)
     return removed
+
+
+def _is_stale_empty_dir(storage: Storage, step_dir: str, clock: _StoreClock) -> bool:
+    """Whether an empty step directory has stayed unchanged for ORPHAN_GRACE_S (a save that is starting makes it a
+    moment before its attempt's directory). Only where the store keeps directories with times (local files)."""
+    made = storage.mtime(step_dir)
+    return made is not None and clock.now() - made > ORPHAN_GRACE_S
 
 
 def delete_step(storage: Storage, step: int, *, now: float | None = None) -> None:
