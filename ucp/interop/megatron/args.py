@@ -18,7 +18,7 @@ import torch
 
 from ...errors import UcpError
 from ...sharding.families import FamilyConfig, family_for, megatron_family
-from ...sharding.families.megatron_names import arg, gpt_args, gpt_shape, latent_attention, rope_scaling
+from ...sharding.families.megatron_names import arg, gpt_args, gpt_shape, latent_attention, required, rope_scaling
 from ...sharding.layout import Layout
 from ..errors import InteropError
 from .files import ForeignEnum, real_enum
@@ -35,11 +35,12 @@ def config_from_args(args: Any, where: str, vocab_size: int | None = None) -> tu
         names = megatron_family(args).megatron
         assert names is not None  # (a family claims args by its Megatron names)
         config = names.config(args, gpt_shape(args, vocab_size))
+        hf = names.hf_fields(args, hf_fields_from_args(args, where))
     except UcpError as e:
         raise InteropError(f"{where}: {e}") from None
     except (TypeError, ValueError) as e:  # (a value of another type than Megatron writes: "2" layers, [4] experts)
         raise InteropError(f"{where}: the args do not describe a model: {type(e).__name__}: {e}") from None
-    return config, names.hf_fields(args, hf_fields_from_args(args, where))
+    return config, hf
 
 
 # Hugging Face config fields that Megatron's args carry, by their Megatron names (RoPE's base is handled apart: HF
@@ -89,6 +90,86 @@ def _rope_args(hf: Mapping[str, Any]) -> dict[str, Any]:
         f"the model's RoPE scaling ({params}) is not one Megatron's GPT model computes (linear, or llama3 with "
         f"{MEGATRON_LLAMA3}): Megatron would compute another model"
     )
+
+
+def sliding_windows(hf: Mapping[str, Any], layers: int) -> list[int | None]:
+    """Each layer's sliding attention window as transformers computes it from an HF config (None: full attention),
+    where a token attends to itself and the window - 1 before it: `layer_types` where the config has them (Qwen's),
+    else every layer of a Mistral or Mixtral with a `sliding_window`. A Qwen config that turns the window on
+    without saying its layers is a UcpError (transformers derives them per architecture)."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return [window if t == "sliding_attention" and window else None for t in types]
+    if hf.get("model_type") in ("mistral", "mixtral"):
+        return [window] * layers
+    if hf.get("use_sliding_window") and window:
+        raise UcpError(f"use_sliding_window with sliding_window {window} but no layer_types: say which layers slide")
+    return [None] * layers
+
+
+def _window_args(hf: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """Megatron's args for the HF config's sliding windows (`sliding_windows`): megatron-core attends, with
+    `window_size` (left, right), to the `left` tokens before and `right` after, so HF's window W is (W - 1, 0);
+    `window_attn_skip_freq` (a list, 1 per window layer) where only some layers slide. Without them Megatron's model
+    attends to every earlier token: another model past the window."""
+    windows = sliding_windows(hf, layers)
+    sizes = {w for w in windows if w is not None}
+    if not sizes:
+        return {}
+    if len(sizes) > 1 or any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in sizes):
+        raise UcpError(f"the model's sliding windows ({windows}) are not one window Megatron's args can say")
+    out: dict[str, Any] = {"window_size": (sizes.pop() - 1, 0)}
+    if None in windows:
+        out["window_attn_skip_freq"] = [0 if w is None else 1 for w in windows]
+    return out
+
+
+def _windows_from_args(args: Any, layers: int) -> list[int | None]:
+    """Each layer's sliding window (as HF counts it) that a job's `window_size` / `window_attn_skip_freq` give it."""
+    size = arg(args, "window_size")
+    if not size:
+        return [None] * layers
+    left, right = (int(x) for x in size)  # (a ValueError if not two numbers: config_from_args says it in one line)
+    if right != 0 or left < 0:
+        raise UcpError(
+            f"window_size={tuple(size)!r}: attention to later tokens or an unbounded window has no Hugging Face "
+            "config in ucp's families"
+        )
+    skip = arg(args, "window_attn_skip_freq")
+    if skip is None:
+        return [left + 1] * layers
+    if isinstance(skip, int) and skip > 0:  # (megatron-core: every skip-th layer, 1-indexed, attends fully)
+        return [None if (i + 1) % skip == 0 else left + 1 for i in range(layers)]
+    if not isinstance(skip, (list, tuple)) or len(skip) != layers:
+        raise UcpError(f"window_attn_skip_freq={skip!r} is neither a positive number nor one entry per layer")
+    return [left + 1 if flag else None for flag in skip]
+
+
+def check_windows(args: Any, hf: Mapping[str, Any], where: str) -> None:
+    """Refuse a job whose sliding-window attention (`window_size`) the model's HF config (the one ucp stored in its
+    args, if any) does not say, on its way into a ucp checkpoint: its HF config is what every later export or
+    Megatron conversion says the model is, so the window would be dropped and another model handed over. (Megatron
+    to Megatron keeps the args as they are.)"""
+    layers = required(args, "num_layers")
+    try:
+        ours = _windows_from_args(args, layers)
+    except (TypeError, ValueError) as e:  # (not two numbers: a value of another type than Megatron writes)
+        raise InteropError(f"{where}: window_size={arg(args, 'window_size')!r}: {type(e).__name__}: {e}") from None
+    except UcpError as e:
+        raise InteropError(f"{where}: {e}") from None
+    if not any(ours):
+        return
+    try:
+        theirs = sliding_windows(hf, layers)
+    except UcpError:
+        theirs = []
+    if theirs != ours:
+        raise InteropError(
+            f"{where}: window_size={tuple(arg(args, 'window_size'))!r}: sliding-window attention (per layer {ours}) "
+            "that no Hugging Face config here says; ucp carries a window only where the config.json ucp stored in the args "
+            "(a Mistral's, Mixtral's or Qwen's) says the same"
+        )
 
 
 def rope_theta(hf: Mapping[str, Any]) -> float | None:
@@ -147,6 +228,7 @@ def args_for(
             **gpt_args(config),
             **own,
             **({} if own.get("multi_latent_attention") else _rope_args(fields)),  # (MLA's RoPE: its family's)
+            **_window_args(fields, config.num_hidden_layers),
             rotary_base=rope_theta(fields) or 10000,
             norm_epsilon=fields.get("rms_norm_eps", 1e-5),
             **{name: fields[h] for h, name in _HF_ARGS.items() if h != "rms_norm_eps" and h in fields},

@@ -43,7 +43,7 @@ from ...sharding.reshard import LocalTensor, local_plan
 from ..dtypes import Dtypes
 from ..errors import SourceMismatchError
 from ..streaming import group_limit, save_atoms
-from .args import args_for, args_json
+from .args import args_for, args_json, check_windows
 from .dist import open_torch_dist, write_torch_dist
 from .optimizer import OptimizerMeta
 from .save import TORCH_DIST, TRACKER, UNIVERSAL, megatron_name, parse_megatron_layout, rank_files
@@ -224,6 +224,7 @@ def _to_universal(source: MegatronSource, url: str, options: ConvertOptions) -> 
     """Megatron -> ucp, written in layout tp1pp1 by `streaming.save_atoms`: atoms move in groups within the
     budget, each atom filled from the source regions holding it; a group's source tensors are read from their
     files and dropped with the group."""
+    check_windows(source.args, source.hf, str(source.root))  # (the HF config stored must say the job's windows)
     index = PieceIndex.of(source)
     dtypes_ = source_dtypes(source)
     shapes = {name: tuple(shape) for name, (shape, _) in canonical_atoms(source.config).items()}

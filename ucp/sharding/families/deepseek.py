@@ -279,6 +279,9 @@ def _megatron_args(c: DeepseekV3Config, hf: Mapping[str, Any]) -> dict[str, Any]
     out = {
         "ffn_hidden_size": c.intermediate_size,
         "multi_latent_attention": True,
+        # MLA's q_layernorm (with q compression) and kv_layernorm exist in Megatron's layer spec only with
+        # qk_layernorm; the files hold them, so a job built from these args must have them (strict load)
+        "qk_layernorm": True,
         "q_lora_rank": c.q_lora_rank,
         "kv_lora_rank": c.kv_lora_rank,
         "qk_head_dim": c.qk_nope_head_dim,
