@@ -444,3 +444,22 @@ def test_resume_in_another_layout_through_ucp_continues_the_same_run(run, tmp_pa
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [6, 7, 8, 9, 10]
     _assert_close(tuple(r["loss"] for r in records), run("tp1pp1")[5:], first_step=6)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layouts", "tpx"], "--layouts: malformed layout 'tpx'"),
+        (["--layouts", "tp2pp2"], "give one layout of 4 processes and one of 2"),
+        (["--layouts", "tp1pp2dp2,tp3"], "give one layout of 4 processes and one of 2"),
+        (["--kill-after", "25"], "--kill-after 25 < --rejoin-after 22 < --steps 36 must hold"),
+        (["--save-interval", "0"], "--save-interval must be at least 1, got 0"),
+    ],
+)
+def test_the_demo_refuses_what_would_leave_it_waiting_before_it_starts(tmp_path, argv, message, capsys):
+    from trainer.demo import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--dir", str(tmp_path / "run"), *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -34,7 +34,9 @@ import torch
 from ucp.distributed.tiers import run_directory
 from ucp.engine.checkpoint import CheckpointReader
 from ucp.engine.inspection import describe, format_table
+from ucp.errors import UcpError
 from ucp.protocol import commit
+from ucp.sharding.layout import parse_layout
 from ucp.storage import LocalStorage, open_storage
 
 from . import elastic
@@ -60,7 +62,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="on the loss, let node a's agent restart its processes instead of their re-forming the job in place",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any process starts, what would leave the job waiting for a step it never reaches: the job
+    runs on 4 processes and, once node b is lost, on 2 (node a's alone, re-formed or restarted)."""
+    try:
+        sizes = {parse_layout(name.strip()).world_size for name in args.layouts.split(",") if name.strip()}
+    except UcpError as e:
+        p.error(f"--layouts: {e}")
+    if not {4, 2} <= sizes:
+        p.error(f"--layouts {args.layouts}: give one layout of 4 processes and one of 2 (the job after node b's loss)")
+    for name in ("steps", "save_interval", "durable_every", "kill_after", "rejoin_after"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.kill_after < args.rejoin_after < args.steps:
+        p.error(
+            f"--kill-after {args.kill_after} < --rejoin-after {args.rejoin_after} < --steps {args.steps} must hold: "
+            "node b is lost, comes back, then the job trains on"
+        )
 
 
 def prepare_dir(run_dir: Path) -> None:
