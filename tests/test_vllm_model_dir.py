@@ -12,6 +12,7 @@ import pytest
 from ucp import cli as ucp_cli
 from ucp.interop.errors import DestinationExistsError, InteropError
 from ucp.interop.hf import export_hf
+from ucp.interop.vllm.engine import Request, request_of
 from ucp.interop.vllm.source import CONFIG, POINTER, Pointer, model_dir
 
 from .test_hf import random_full_state, save_in_layout, tiny_config
@@ -84,3 +85,21 @@ def test_a_directory_without_a_readable_pointer_is_refused_naming_it(checkpoint,
     (tmp_path / POINTER).rmdir()
     (tmp_path / POINTER).write_text(json.dumps({"url": checkpoint, "step": 1}))
     assert Pointer.read(tmp_path) == Pointer(checkpoint, 1)
+
+
+def test_model_loader_extra_config_of_the_wrong_types_is_refused_naming_the_key(checkpoint, tmp_path):
+    # (were coerced: a memory_budget "1GiB" was a ValueError at the engine's start, storage_options a list a
+    # TypeError, into_parameters "false" true)
+    served = model_dir(checkpoint, dir=tmp_path / "served")
+    assert request_of({"memory_budget": 1 << 20, "into_parameters": False}, str(served)) == Request(
+        checkpoint, 2, None, 1 << 20, False
+    )
+    for key, value in (
+        ("memory_budget", "1GiB"),
+        ("memory_budget", True),
+        ("storage_options", [["key", "k"]]),
+        ("into_parameters", "false"),
+        ("url", 3),
+    ):
+        with pytest.raises(InteropError, match=f"^model_loader_extra_config for load_format 'ucp': {key} is .*, not"):
+            request_of({key: value}, str(served))

@@ -16,7 +16,7 @@ name, config.json, the model directory vLLM starts from), `engine` (what a worke
 only the share of each weight its tensor-parallel rank keeps), `worker` (the methods vLLM's workers run for a refresh),
 `refresh` (a refresh driven from the caller's process, or over HTTP for `vllm serve`), `loader` (vLLM's model loader
 `load_format="ucp"`, registered by ucp's `vllm.general_plugins` entry point; the one module that imports vLLM, which
-the others leave to the objects vLLM hands them).
+the others leave to the objects vLLM hands them, but for `worker`'s undoing of a failed reload, inside vLLM's worker).
 """
 
 from __future__ import annotations

@@ -85,6 +85,18 @@ class Request:
 def request_of(extra: Mapping[str, Any], model_path: str) -> Request:
     """The step an engine starts from: `model_loader_extra_config`'s url (and step), else the model directory's
     `ucp-checkpoint.json`."""
+    for key, kinds, what in (
+        ("url", (str,), "a checkpoint's URL"),
+        ("memory_budget", (int,), "an integer number of bytes"),
+        ("storage_options", (dict, type(None)), "a dict"),
+        ("into_parameters", (bool,), "true or false"),
+    ):  # (were coerced: a budget "1GiB" was a ValueError at start-up, into_parameters "false" true)
+        value = extra.get(key)
+        if key in extra and (not isinstance(value, kinds) or (key == "memory_budget" and isinstance(value, bool))):
+            raise InteropError(
+                f"model_loader_extra_config for load_format 'ucp': {key} is {json.dumps(value, default=repr)[:100]}, "
+                f"not {what}"
+            )
     pointer = None if extra.get("url") else Pointer.read(model_path)
     return Request(
         str(extra["url"]) if pointer is None else pointer.url,

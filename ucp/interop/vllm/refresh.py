@@ -21,8 +21,11 @@ each worker then reading only its share.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 import urllib.request
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +59,7 @@ class RefreshReport:
 
 def refresh(
     llm: Any,
-    url: str,
+    url: str | os.PathLike[str],
     step: int | str | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -65,10 +68,12 @@ def refresh(
     """Replace every weight of the running `llm` (a `vllm.LLM` built with ucp's worker extension) with step `step`
     (default: the latest) of checkpoint `url`, in place; refuses a step of another model before changing anything."""
     start = time.perf_counter()
+    url = os.fspath(url)  # (a Path too: the request crosses to the workers as JSON)
     request = Request(url, step, storage_options, memory_budget).dumps()
-    _raise_first(_rpc(llm, "ucp_check", request))
-    results = _rpc(llm, "ucp_refresh", request)
-    llm.reset_prefix_cache()
+    with _refreshing(llm):
+        _raise_first(_rpc(llm, "ucp_check", request))
+        results = _rpc(llm, "ucp_refresh", request)
+        llm.reset_prefix_cache()
     _raise_first([r if "kind" in r else None for r in results])
     reports = [LoadReport.from_json(r) for r in results]
     return RefreshReport(url, reports[0].step, reports, time.perf_counter() - start)
@@ -76,7 +81,7 @@ def refresh(
 
 def refresh_server(
     base_url: str,
-    url: str,
+    url: str | os.PathLike[str],
     step: int | str | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -87,6 +92,7 @@ def refresh_server(
     `--worker-extension-cls ucp.interop.vllm.worker.UcpWorkerExtension` and `VLLM_SERVER_DEV_MODE=1` (which opens its
     `/collective_rpc` and `/reset_prefix_cache`: endpoints for a trusted network only)."""
     start = time.perf_counter()
+    url = os.fspath(url)  # (a Path too: the request crosses to the workers as JSON)
     request = Request(url, step, storage_options, memory_budget).dumps()
 
     def post(path: str, body: dict[str, Any] | None = None) -> Any:
@@ -159,9 +165,23 @@ def refresh_from_memory(
             f"the tensors do not hold {engine}'s weights ({'; '.join(wrong[:3])}{'; unknown ' + str(extra[:3]) if extra else ''}); "
             "nothing was changed"
         )
-    llm.collective_rpc("ucp_refresh_tensors", args=(tensors,))
-    llm.reset_prefix_cache()
+    with _refreshing(llm):
+        llm.collective_rpc("ucp_refresh_tensors", args=(tensors,))
+        llm.reset_prefix_cache()
     return RefreshReport("memory", None, [], time.perf_counter() - start)
+
+
+# One refresh at a time per engine: an engine in this process runs each worker method in the calling thread, and two
+# of vLLM's layer-by-layer reloads at once take each other's layers apart (an AttributeError in one, and an engine
+# serving neither step after). Weak keys: an engine shut down and dropped takes its lock with it.
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _refreshing(llm: Any) -> threading.Lock:
+    """The lock that refreshes of `llm` hold."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(llm, threading.Lock())
 
 
 def _checked(items: Iterable[tuple[str, Any]], engine: str, devices: set[str]) -> dict[str, torch.Tensor]:

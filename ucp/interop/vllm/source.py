@@ -227,7 +227,8 @@ def check_same_settings(hf_config: Any, model: str, step: StepWeights, engine: s
     norms' epsilon, RoPE's settings, a router's scaling. The engine's is the config.json it started from (`model`'s,
     a local directory; else its config `hf_config`, which vLLM may have adjusted, a sliding window say). Each key the
     step's config.json names is compared as transformers reads both (by the engine config's own class, so that
-    spellings such as rope_theta and rope_parameters agree)."""
+    spellings such as rope_theta and rope_parameters agree), and so is a key either file names that only one reading
+    has (one the class does not define)."""
     read = getattr(type(hf_config), "from_dict", None)  # (a transformers config's; without it, compared as written)
     started = Path(model) / CONFIG
     try:
@@ -242,16 +243,29 @@ def check_same_settings(hf_config: Any, model: str, step: StepWeights, engine: s
             f"step {step.step} of {step.url}: its config.json does not read as {engine}'s config "
             f"({type(e).__name__}: {e}); nothing was changed"
         ) from None
-    differ = [
-        f"{k} {ours[k]!r} -> {theirs[k]!r}"
-        for k in sorted(step.plan.config_json)
-        if not k.startswith("_") and k not in FILE_KEYS and k in ours and k in theirs and ours[k] != theirs[k]
-    ]
+
+    def differs(k: str) -> bool:
+        if k.startswith("_") or k in FILE_KEYS:
+            return False
+        if k in ours and k in theirs:  # (the class's defaults fill in what one file leaves out)
+            return k in step.plan.config_json and ours[k] != theirs[k]
+        # a key the engine's config class does not define, which one config.json says and the other does not (a
+        # Llama's `layer_types` with a sliding window, which vLLM's Llama computes with): absent is None
+        return ours.get(k) != theirs.get(k)
+
+    absent = _Absent()
+    named = set(step.plan.config_json) | (set(served) if isinstance(served, dict) else set())
+    differ = [f"{k} {ours.get(k, absent)!r} -> {theirs.get(k, absent)!r}" for k in sorted(named) if differs(k)]
     if differ:
         raise ModelMismatchError(
             f"step {step.step} of {step.url} is another model than {engine} serves ({', '.join(differ)[:300]}); "
             "nothing was changed"
         )
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
 
 
 def model_dir(

@@ -23,6 +23,7 @@ into their grouped-GEMM layout), so that the new weights land unpacked where the
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -57,18 +58,21 @@ class UcpWorkerExtension:
     def ucp_refresh(self, request: str) -> dict[str, Any]:
         """Replace every weight with the requested step's (checked first by `ucp_check`, on every worker); returns
         what this worker read (`engine.LoadReport`, as JSON), or why it failed (`refusal`): a step found damaged while
-        it is read leaves the weights read so far in place, which the message says."""
+        it is read leaves each layer with the new step's weights or its old ones (`reload_abandoned`), which the
+        message says (nothing changed if it failed before vLLM had any weight of it)."""
         start = time.perf_counter()
         parsed = Request.loads(request)
+        handed = [0]  # (weights handed to vLLM before a failure: with none, every layer is as it was)
         try:
             weights = open_for(self.vllm_config.model_config, parsed)
             model = self.get_model()
-            with kernels_rebuilt(model):
-                self.reload_weights(weights_iterator=tensors_for(model, weights, parsed))
+            _reload(self, model, _counted(tensors_for(model, weights, parsed), handed))
         except UcpError as e:
             return refusal(
                 e,
-                f"; {self._engine_name()} now holds some of step {parsed.step}'s weights and the rest of what it "
+                "; nothing was changed"
+                if not handed[0]
+                else f"; {self._engine_name()} now holds some of step {parsed.step}'s weights and the rest of what it "
                 "served: refresh again from a readable step",
             )
         return report_of(weights, kept_shares(model), start).to_json()
@@ -76,8 +80,55 @@ class UcpWorkerExtension:
     def ucp_refresh_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Replace every weight with `tensors` ({HF name: full tensor}, checked by the caller): only for an engine in
         the caller's own process, where the tensors arrive as themselves."""
-        with kernels_rebuilt(self.get_model()):
-            self.reload_weights(weights_iterator=iter(tensors.items()))
+        _reload(self, self.get_model(), iter(tensors.items()))
+
+
+def _reload(worker: Any, model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's `reload_weights` of `weights` into `model`, the kernels' own copies rebuilt (`kernels_rebuilt`), and, if
+    it fails part-way, every layer not yet reloaded put back as it was (`reload_abandoned`). (A module function: vLLM
+    refuses an extension whose names its worker has.)"""
+    with kernels_rebuilt(model), reload_abandoned(model, worker.vllm_config.model_config):
+        worker.reload_weights(weights_iterator=weights)
+
+
+def _counted(items: Iterator[tuple[str, torch.Tensor]], count: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in items:
+        count[0] += 1
+        yield item
+
+
+@contextlib.contextmanager
+def reload_abandoned(model: torch.nn.Module, model_config: Any) -> Iterator[None]:
+    """Around a `reload_weights` of `model`: if it raises (a chunk found damaged, a store gone, part-way through the
+    weights), the layers it had not finished are put back as they were before it. vLLM's layer-by-layer reload
+    (0.32) first moves every layer's parameters to the meta device, and puts each back only once all its weights are
+    in (or in its `finalize_layerwise_reload`, which an exception skips): an engine whose reload failed then computed
+    on meta tensors (`NotImplementedError: _C::onednn_mm: ... Meta tensors` at its next generate). vLLM's own
+    finalize, with every unfinished layer's partial weights dropped, puts their kernel tensors back: each layer then
+    holds either the new step's weights (finished) or the old ones."""
+    try:
+        yield
+    except BaseException:
+        # (vLLM imported here, in its worker only: this package imports without it)
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        for layer in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load():
+                info.loaded_weights.clear()
+                info.load_numel = 0
+        quiet = _DropRecords()  # (its "Failed to load weights" for each layer put back: the refusal says it once)
+        logging.getLogger(layerwise.__name__).addFilter(quiet)
+        try:
+            layerwise.finalize_layerwise_reload(model, model_config)
+        finally:
+            logging.getLogger(layerwise.__name__).removeFilter(quiet)
+        raise
+
+
+class _DropRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
 
 
 @contextlib.contextmanager
