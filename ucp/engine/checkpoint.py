@@ -643,7 +643,7 @@ class CheckpointReader:
         if into is not None:
             for path in paths:
                 if path in aliases:
-                    into[path].copy_(aliases[path])
+                    into[path].detach().copy_(aliases[path])  # (a tied parameter that requires grad: `_destinations`)
             out = {p: into[p] for p in paths}
         return out
 
@@ -686,14 +686,16 @@ class CheckpointReader:
                     f"cannot load atom {path!r} into a tensor whose elements share memory (strides {dest.stride()}, "
                     "an expanded tensor): give one with memory of its own for each element"
                 )
-        return {p: into[p] for p in paths}
+        # (detached: a parameter that requires grad is filled as `load_state_dict` fills it, under no_grad, which is
+        # thread-local and so would not reach the reading threads; a detached tensor shares its memory and version)
+        return {p: into[p].detach() for p in paths}
 
     def _aliases(self, given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Of the caller's tensors, those that are another one given already (tied weights: one tensor under two
         keys), each mapped to a fresh tensor to read into and copy from afterwards, in order, as load_state_dict
         copies (the last one wins); tensors that share memory otherwise are a StateError (two reads would race)."""
         spans = sorted(
-            ((t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), p) for p, t in given.items()),
+            ((t.device, t.data_ptr(), t.data_ptr() + _extent(t), p) for p, t in given.items()),
             key=lambda s: (str(s[0]), s[1], s[2]),
         )
         aliases: dict[str, torch.Tensor] = {}
@@ -770,6 +772,8 @@ def chunks_touching(meta: AtomMeta, box: Box) -> list[tuple[int, ...]]:
     """The grid indices of the chunk objects of `meta` that region `box` overlaps."""
     if meta.single_chunk and all(b > a for a, b in box):  # (most atoms of a state of many small ones)
         return [(0,) * len(box)]
+    if any(b <= a for a, b in box):  # (an empty region touches nothing: its other extents may be 2^46 chunks long)
+        return []
     ranges = [range(a // c, (b - 1) // c + 1) if b > a else range(0) for (a, b), c in zip(box, meta.chunk_shape)]
     out: list[tuple[int, ...]] = [()]
     for r in ranges:
@@ -793,6 +797,15 @@ def _allocate(
         raise StateError(
             f"cannot allocate {math.prod(shape) * dtype.itemsize} bytes{where} for atom {path!r}: {e}"
         ) from None
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (0 if it has none): the memory its elements lie
+    in, whatever its strides. (Not `numel * element_size`: a strided view, `x[::2]`, reaches past that, and a tensor
+    lying there, `x[6:8]`, would have shared an element with it unseen, two reads racing to fill it.)"""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _direct(dest: torch.Tensor) -> bool:

@@ -57,7 +57,10 @@ class Landing:
         try:
             host = slot.memory.view(dest.dtype).view(dest.shape)
             fill(host)
-            done = self.copies.to_device(dest, host)
+            # (no_grad, as `load_state_dict` copies: `dest` may be a caller's parameter, or a view of one, that requires
+            # grad, which torch refuses to change in place otherwise; no_grad is per thread, and this is a reader's)
+            with torch.no_grad():
+                done = self.copies.to_device(dest, host)
         except BaseException:
             self.pool.release(slot)
             raise

@@ -409,6 +409,8 @@ def check_atom_path(path: object, where: str) -> str:
         )
     if _plain_path(path):
         return path  # (the common case, checked at once)
+    if not is_utf8(path):  # (a lone surrogate, which JSON's "\ud800" gives: no file or object can be named by it)
+        raise FormatError(f"{where}: atom path {path!r:.100} is not Unicode text (it holds a lone surrogate)")
     for name in path.split("/"):
         if (
             name in ("", ".", "..")
@@ -453,6 +455,16 @@ def plain_paths(paths: list[Any]) -> bool:
     return not any(bad in wrapped for bad in _NOT_PLAIN)
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` has a UTF-8 encoding: no lone surrogate (which Python's str and JSON's escapes hold, and no
+    file system or object store names)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _plain_path(path: object) -> bool:
     """An atom path that is plainly fine: ASCII, every component a plain name and, the whole being no longer than a
     key may be, every component short enough."""
@@ -461,6 +473,8 @@ def _plain_path(path: object) -> bool:
 
 def chunk_indices(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
     """All positions of a grid in C order (one empty position for a 0-d grid; none if any extent is 0)."""
+    if 0 in grid:  # (an empty atom's extents before its 0 may be 2^46: never build the positions over them)
+        return []
     out: list[tuple[int, ...]] = [()]
     for n in grid:
         out = [(*prefix, i) for prefix in out for i in range(n)]

@@ -18,7 +18,7 @@ import torch
 
 from ..base import dtypes
 from ..errors import FormatError, StateError
-from .manifest import MAX_ATOM_PATH_BYTES, MAX_KEY_BYTES, MAX_TREE_DEPTH, RESERVED_NAMES
+from .manifest import MAX_ATOM_PATH_BYTES, MAX_KEY_BYTES, MAX_TREE_DEPTH, RESERVED_NAMES, is_utf8
 
 # A key that is plainly fine (most): ASCII with no control character, '/' or '\\', of a file name's length.
 _PLAIN_KEY = re.compile(rf"[\x20-\x2e\x30-\x5b\x5d-\x7e]{{1,{MAX_KEY_BYTES}}}")
@@ -40,7 +40,11 @@ def check_key(key: object, where: str | Callable[[], str]) -> str:
         raise StateError(
             f"{where}: key {key!r} is reserved (names starting with '__', {sorted(RESERVED_NAMES)}, control characters)"
         )
-    if len(key.encode(errors="surrogatepass")) > MAX_KEY_BYTES:
+    if not is_utf8(key):  # (a lone surrogate: the key names a file or object, and none is named by one)
+        raise StateError(
+            f"{where}: key {key!r} is not Unicode text (it holds a lone surrogate): no object can be named by it"
+        )
+    if len(key.encode()) > MAX_KEY_BYTES:
         raise StateError(
             f"{where}: key {key[:40]!r}... is longer than {MAX_KEY_BYTES} bytes (it names a file or object)"
         )
@@ -134,7 +138,9 @@ def _decode(node: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
     # `tensors`, every tensor of the load, alive after the caller dropped them, until the cyclic GC ran)
     ((kind, body),) = node.items()
     if kind == "value":
-        return body
+        # (a copy: the tree is the reader's, which a later load of the same reader decodes again; the caller's changes
+        # to what it loaded, an optimizer's param groups say, must not become what that load returns)
+        return _copied(body)
     if kind == "atom":
         return tensors[body]
     if kind == "dict":
@@ -200,8 +206,8 @@ def _walk(node: dict[str, Any], dest: Any, where: str, parent: Any, key: Any, ou
     else:  # a JSON value (or a non-finite float)
         if isinstance(dest, torch.Tensor):
             raise StateError(f"cannot load into {where}: the checkpoint holds a value there, not a tensor")
-        if not isinstance(parent, tuple):
-            out.values.append((parent, key, body if kind == "value" else float(body)))
+        if not isinstance(parent, tuple):  # (a copy of the reader's tree, as `_decode` makes)
+            out.values.append((parent, key, _copied(body) if kind == "value" else float(body)))
 
 
 def _kind(value: object) -> str:
