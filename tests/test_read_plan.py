@@ -413,3 +413,29 @@ def test_the_shard_index_refuses_malformed_heads():
     edge_good = [head, size, head + size, size, empty, empty, 0, 7]  # (an entry outside the array is never read)
     index = codec.ShardIndex.parse(edge, (0, 0), _head(edge, edge_good), "obj")
     assert [c.number for c in index.chunks] == [0, 1] and index.is_dense()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sharded_load_fills_parameters_that_require_grad_in_place(tmp_path, dtype):
+    """A job's parameters (`nn.Parameter`, requiring grad; tied or cast where their dtype is not the checkpoint's)
+    are filled as `load_state_dict` fills them, in place: torch refuses an in-place change of such a leaf unless it is
+    detached (a raw RuntimeError after other tensors were filled, before)."""
+    config = MixtralConfig(
+        vocab_size=16, hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=2,
+    )  # fmt: skip
+    full = {"model": {n: torch.randn(s) for n, (s, _) in canonical_atoms(config).items()}}
+    saved_from, load_as = DRAW.choice([("tp2", "tp1pp2dp2zero1"), ("tp1pp2", "tp2"), ("tp2pp2", "tp1")])
+    url = save(tmp_path, config, parse_layout(saved_from), (), ucp.ChunkingPolicy(), full)
+    model = ShardedModel(config, parse_layout(load_as), ())
+    for rank in range(model.layout.world_size):
+        expected = shard(full, config, model.layout, rank, ())
+        into: dict = {}
+        for key, tensor in _leaves(expected):
+            put_local(into, key, torch.nn.Parameter(torch.zeros(tensor.shape, dtype=dtype)))
+        pointers = {key: t.data_ptr() for key, t in _leaves(into)}
+        local, _ = load_sharded(ucp.open_checkpoint(url), model, rank, into=into)
+        for key, want in _leaves(expected):
+            got = dict(_leaves(local))[key]
+            assert isinstance(got, torch.nn.Parameter) and got.requires_grad and got.data_ptr() == pointers[key]
+            assert torch.equal(got.detach(), want.to(dtype)), (saved_from, load_as, rank, key)

@@ -94,13 +94,16 @@ def run_plan(
                 f"cannot load into {'/'.join(t.key)}: the read plan was made for "
                 f"{'no tensor' if t.given is None else f'a {t.given} tensor'} there"
             )
-        if given is not None and given.dtype == t.dtype:
-            tensor = given.zero_() if t.padded else given  # padding: 0
+        # (detached: a parameter that requires grad is filled as `load_state_dict` fills it, its memory and not its
+        # autograd history; torch refuses an in-place change of a leaf that requires grad, and no_grad is per thread)
+        target = None if given is None else given.detach()
+        if target is not None and target.dtype == t.dtype:
+            tensor = target.zero_() if t.padded else target  # padding: 0
         else:
             make = torch.zeros if t.padded else torch.empty
-            tensor = make(t.shape, dtype=t.dtype, device=given.device if given is not None else device)
-            if given is not None:
-                casts.append((tensor, given))
+            tensor = make(t.shape, dtype=t.dtype, device=target.device if target is not None else device)
+            if target is not None:
+                casts.append((tensor, target))
         put_local(local, t.key, tensor if given is None else given)
         for item in t.items:
             view = piece_view(tensor, item.piece)
