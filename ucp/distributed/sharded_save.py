@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,15 +40,22 @@ from .sharded_model import AtomKey, ShardedModel, atom_metas, quantised_dtypes
 
 
 def _local_dtypes(
-    local_state: Mapping[str, Any], plan: list[LocalTensor], model: ShardedModel
+    local_state: Mapping[str, Any], plan: list[LocalTensor], model: ShardedModel, rank: int
 ) -> dict[str | None, str]:
     """The dtype of the parameters and of each optimizer state, as this rank holds them, and of the atoms whose
     dtype is their own (`ShardedModel.atom_dtypes`, block-quantised weights and their scales), as every rank knows
-    them. A parameter of another dtype that the model does not say would have another dtype on each rank: an error."""
+    them. A parameter of another dtype that the model does not say would have another dtype on each rank: an error;
+    so is a tensor of another shape than the layout gives it."""
     own = {**quantised_dtypes(model.config), **model.atom_dtypes}
     out: dict[str | None, str] = {}
     for lt in plan:
-        dtype = dtypes.zarr_name(local_tensor(local_state, lt.key).dtype)
+        tensor = local_tensor(local_state, lt.key)
+        if tuple(tensor.shape) != lt.shape:  # (a save cuts its pieces by position: another shape saved wrong values)
+            raise StateError(
+                f"local tensor {'/'.join(lt.key)} has shape {list(tensor.shape)}, but rank {rank} of {model.layout} "
+                f"holds {list(lt.shape)} there (docs/LOCAL_STATE.md)"
+            )
+        dtype = dtypes.zarr_name(tensor.dtype)
         said = {own[p.atom] for p in lt.pieces if lt.state is None and p.atom in own}
         if said and said != {dtype}:
             raise StateError(f"local tensor {'/'.join(lt.key)} is {dtype}, but its atoms are {sorted(said)}")
@@ -83,7 +91,8 @@ class RankSaver:
     def __init__(self, local_state: Mapping[str, Any], model: ShardedModel, rank: int, options: SaveOptions):
         self.model, self.rank, self.options = model, rank, options
         plan = local_plan(model.config, model.layout, rank, model.optim_states)
-        self.metas = atom_metas(model, _local_dtypes(local_state, plan, model), options.chunking)
+        self.dtypes = _local_dtypes(local_state, plan, model, rank)
+        self.metas = atom_metas(model, self.dtypes, options.chunking)
         # (atom, state) -> [(atom box, view of the local data holding it)] for the pieces this rank writes
         self.owned: dict[AtomKey, list[tuple[Box, torch.Tensor]]] = {}
         self.on_host = True  # whether every tensor this rank writes from is in host memory
@@ -218,6 +227,57 @@ def manifest_for(
     return manifest, extra_chunks
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One rank to the coordinator once it has planned its part of a save: the dtypes its tensors have
+    (`RankSaver.dtypes`). Each rank chunks every atom and sizes the fragments it exchanges by its own, so the ranks
+    must agree on them: a rank that held its parameters in bf16 where rank 0 held fp32 wrote chunks of another size
+    than the manifest says, and the step committed could not be loaded."""
+
+    dtypes: tuple[tuple[str | None, str], ...]
+
+    @classmethod
+    def of(cls, saver: RankSaver) -> Planned:
+        return cls(tuple(sorted(saver.dtypes.items(), key=lambda kv: (kv[0] is not None, kv[0] or ""))))
+
+    def to_json(self) -> list:
+        return [list(pair) for pair in self.dtypes]
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Planned:
+        return cls(tuple((None if k is None else str(k), str(v)) for k, v in doc))
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The coordinator to every rank: every rank's plan agrees (`Planned`)."""
+
+    def to_json(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Agreed:
+        return cls()
+
+
+def _agreed(session: SaveSession, ranks: list[Planned]) -> Agreed:
+    """Every rank holds its tensors in the dtypes rank 0 does, or a StateError naming the first rank that does not."""
+    first = dict(ranks[0].dtypes)
+    for rank, planned in enumerate(ranks):
+        other = dict(planned.dtypes)
+        if other != first:
+            what = sorted({*first, *other} - {k for k in first if first.get(k) == other.get(k)}, key=lambda k: k or "")
+            said = "; ".join(
+                f"{k or 'parameters'}: {other.get(k, 'none')} on rank {rank}, {first.get(k, 'none')} on rank 0"
+                for k in what
+            )
+            raise StateError(
+                f"step {session.step} was not saved at {session.storage.url}: the ranks hold their tensors in other "
+                f"dtypes ({said}); every rank must save the same dtypes"
+            )
+    return Agreed()
+
+
 def _add_rank0_writes(plan: SavePlan, manifest: StepManifest, extra_chunks: list[ChunkJob]) -> None:
     """Rank 0 also writes the group metadata and the extra state's atoms."""
     plan.metadata += list({id(job.meta): job.meta for job in extra_chunks}.values())
@@ -240,11 +300,25 @@ def plan_sharded_save(
     plan's writes are durable, its session gathers what every rank wrote and rank 0 commits (`ucp.protocol.session`)."""
     options = options or SaveOptions()
     session = SaveSession.begin(storage, step, comm)
-    saver = RankSaver(local_state, model, comm.rank, options)
+    saver: RankSaver | None = None
+    rank0: tuple[StepManifest, list[ChunkJob]] | None = None  # (the manifest and the extra state's chunks)
+
+    def planned() -> Planned:
+        nonlocal saver, rank0
+        saver = RankSaver(local_state, model, comm.rank, options)
+        if comm.rank == 0:  # (here: an extra state it refuses must fail every rank, not rank 0 alone)
+            rank0 = manifest_for(model, saver.metas, extra or {}, step, options.chunking)
+        return Planned.of(saver)
+
+    # A rank whose part cannot be planned (a local state that lacks a tensor, or holds one of another shape or
+    # dtype) fails the save on every rank here, before the exchange, and the attempt is removed: raised on that
+    # rank alone, it left the others waiting for it until the process group's timeout.
+    session.agree(planned, functools.partial(_agreed, session), Planned, Agreed)
+    assert saver is not None
     incoming = comm.exchange(saver.outgoing(), saver.incoming_sizes())
-    if comm.rank != 0:
+    if rank0 is None:
         return saver.plan(incoming, session)
-    manifest, extra_chunks = manifest_for(model, saver.metas, extra or {}, step, options.chunking)
+    manifest, extra_chunks = rank0
     plan = saver.plan(incoming, session, manifest)
     _add_rank0_writes(plan, manifest, extra_chunks)
     return plan
@@ -307,6 +381,7 @@ class VirtualWorld:
         pipeline = SavePipeline(io_threads_for(options, storage), staging, writer="threads")
         try:
             with SaveSession.begin(storage, step) as session:  # one attempt for all ranks, removed if any fails
+                _agreed(session, [Planned.of(saver) for saver in savers])
                 for rank, saver in enumerate(savers):
                     plan = saver.plan(
                         {peer: out[rank] for peer, out in enumerate(outgoing) if rank in out}, session, commit=False

@@ -273,6 +273,35 @@ class SaveSession:
         with self._lock:
             return dict(self._objects)
 
+    def agree(
+        self,
+        local: Callable[[], coordination.M],
+        decide: Callable[[list[coordination.M]], coordination.R],
+        message: type[coordination.M],
+        result: type[coordination.R],
+    ) -> coordination.R:
+        """A step that every rank takes together before its writes (a distributed save's plan): `local` on every
+        rank, `decide` on the coordinator with every rank's value, the decision on every rank. If any rank's `local`
+        or the decision fails, the attempt ends here as in `fail`: the coordinator removes it and every rank raises
+        one error naming every rank that failed. (A rank that raised on its own instead left the others waiting for
+        it in the save's next collective until the process group's timeout, and the attempt's lease renewed for the
+        life of the process, so that gc never took it.)"""
+        if self._ended:
+            raise UcpError(f"the save attempt {self.attempt} of step {self.step} has already ended")
+
+        def remove() -> None:
+            self._stop_lease()
+            self._abort()
+
+        try:
+            return coordination.all_reduce(
+                self.comm, local, decide, message, result, failed=self._failed, on_failure=remove
+            )
+        except BaseException:
+            self._ended = True
+            self._stop_lease()
+            raise
+
     # -- the end
 
     def finish(self, manifest: StepManifest | None) -> commit.CommitRecord | None:
@@ -335,6 +364,19 @@ class SaveSession:
             coordination.all_reduce(
                 self.comm, written, decide, RankWrites, Committed, failed=self._failed, on_failure=remove
             )
+        except PeerLostError as e:
+            # A process lost while the ranks learn the outcome: what each says is what it knows of the store. The
+            # coordinator may have committed just before (its answer to a dead rank then failed): gloo's words alone
+            # told a committed step's saver that its save failed.
+            if record is not None:
+                raise PeerLostError(
+                    f"step {self.step} at {self.storage.url} is committed, but a process of the job was lost before "
+                    f"every rank learned it: {e}"
+                ) from e
+            known = "was not committed" if self.is_coordinator else "may or may not have been committed"
+            raise PeerLostError(
+                f"step {self.step} at {self.storage.url} {known}: a process of the job was lost during its commit: {e}"
+            ) from e
         finally:
             self._stop_lease()
         assert record is not None or not self.is_coordinator
