@@ -3,7 +3,9 @@
 1. `SaveSession.begin` (the coordinator, rank 0): refuse a committed step (StepExistsError), make the root a
    Zarr group, create the attempt's directory with its owner record (`ucp.protocol.attempt`; its lease is renewed while
    the save runs); every rank learns the attempt id (`Begun`), or raises the coordinator's error.
-2. Every process writes its objects below `session.prefix` and `record`s each object's size and checksum.
+2. Every process writes its objects below `session.prefix` and `record`s each object's size and checksum. (A
+   distributed save first plans its part on every rank together, `agree`: a rank whose part cannot be planned
+   fails every rank there, as in step 5, rather than leaving them to wait for it.)
 3. Every process makes its writes durable.
 4. `finish` (or `fail`, on a process whose part failed): the records (`RankWrites`), or a process's failure, go to
    the coordinator; it writes the manifest (every object's size and checksum in it), makes it durable and creates
