@@ -197,3 +197,19 @@ def moto_auth_server():
     finally:
         proc.terminate()
         proc.wait()
+
+
+@pytest.fixture
+def botocore_reads(monkeypatch):
+    """The paths of the reads that went through botocore (`s3.get_into`)."""
+    paths: list[str] = []
+    from ucp.storage import s3
+
+    real = s3.get_into
+
+    async def counted(fs, path, *args):
+        paths.append(path)
+        return await real(fs, path, *args)
+
+    monkeypatch.setattr(s3, "get_into", counted)
+    return paths

@@ -19,20 +19,6 @@ QUICK = {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 
 KEYS = ("plain", "a/b/c.bin", "with space", "plus+and=eq", "percent%41", "semi;colon,comma", "ünïcødé/名前", "~tilde*")
 
 
-@pytest.fixture
-def botocore_reads(monkeypatch):
-    """The paths of the reads that went through botocore (`s3.get_into`)."""
-    paths: list[str] = []
-    real = s3.get_into
-
-    async def counted(fs, path, *args):
-        paths.append(path)
-        return await real(fs, path, *args)
-
-    monkeypatch.setattr(s3, "get_into", counted)
-    return paths
-
-
 def filled(size: int) -> memoryview:
     return memoryview(bytearray(size))
 

@@ -87,12 +87,12 @@ def test_an_answer_of_another_range_is_read_again_and_if_it_stays_is_an_error_na
         assert signing_proxy.fired, name
 
 
-def test_a_connection_the_store_drops_once_keeps_the_direct_reads(s3_bucket, signing_proxy, monkeypatch):
+def test_a_connection_the_store_drops_once_keeps_the_direct_reads(s3_bucket, signing_proxy, botocore_reads):
     """A store (or a load balancer) that closes a new connection without answering, once, as busy ones do: that read is
     botocore's, with its retries, and the next are direct again (only a store that cannot be connected to, or one that
     drops every new connection, leaves them all to botocore)."""
     from ucp.errors import StorageUnreachableError
-    from ucp.storage import s3, s3_direct
+    from ucp.storage import s3_direct
 
     bucket, options = s3_bucket
     storage = open_storage(
@@ -101,14 +101,6 @@ def test_a_connection_the_store_drops_once_keeps_the_direct_reads(s3_bucket, sig
     storage.fs.retries = 1
     data = os.urandom(DRAW.randrange(1, 1 << 18))
     storage.write("obj", [data])
-    through_botocore: list[str] = []
-    real = s3.get_into
-
-    async def counted(fs, path, *args):
-        through_botocore.append(path)
-        return await real(fs, path, *args)
-
-    monkeypatch.setattr(s3, "get_into", counted)
 
     def read() -> bytes:
         buffer = memoryview(bytearray(len(data)))
@@ -116,12 +108,12 @@ def test_a_connection_the_store_drops_once_keeps_the_direct_reads(s3_bucket, sig
         return bytes(buffer)
 
     signing_proxy.arm("read", 1, "reset", match="/obj")  # (the first GET: on a new connection)
-    assert read() == data and signing_proxy.fired and len(through_botocore) == 1
+    assert read() == data and signing_proxy.fired and len(botocore_reads) == 1
     direct = storage._direct_reads()
     assert direct is not None and direct.disabled is None, direct and direct.disabled
     for _ in range(DRAW.randrange(1, 4)):
         assert read() == data
-    assert len(through_botocore) == 1, "reads after a dropped connection went through botocore"
+    assert len(botocore_reads) == 1, "reads after a dropped connection went through botocore"
     # a store that drops every connection: after a few, botocore reads everything (and says the store's trouble)
     direct._forget(direct._base(bucket))
     signing_proxy.arm("read", 1, "reset", times=10**9, match="/obj")
@@ -133,10 +125,11 @@ def test_a_connection_the_store_drops_once_keeps_the_direct_reads(s3_bucket, sig
 
 
 @pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
-def test_an_endpoint_that_no_proxy_names_with_its_port_is_read_directly(s3_server, s3_bucket, monkeypatch):
+def test_an_endpoint_that_no_proxy_names_with_its_port_is_read_directly(
+    s3_server, s3_bucket, monkeypatch, botocore_reads
+):
     """NO_PROXY may name a host with its port ("minio:9000"), as botocore matches it (against the endpoint's host and
     port): it sends to such an endpoint without the proxy, and so do direct reads."""
-    from ucp.storage import s3
 
     bucket, options = s3_bucket
     netloc = options["endpoint_url"].split("://", 1)[1].rstrip("/")
@@ -147,15 +140,7 @@ def test_an_endpoint_that_no_proxy_names_with_its_port_is_read_directly(s3_serve
     storage = open_storage(f"s3://{bucket}/no-proxy", {**options, "config_kwargs": QUICK})
     data = os.urandom(DRAW.randrange(1, 1 << 16))
     storage.write("obj", [data])  # (botocore's: not through the proxy)
-    through_botocore: list[str] = []
-    real = s3.get_into
-
-    async def counted(fs, path, *args):
-        through_botocore.append(path)
-        return await real(fs, path, *args)
-
-    monkeypatch.setattr(s3, "get_into", counted)
     buffer = memoryview(bytearray(len(data)))
     assert storage.read_into("obj", 0, [buffer]) == len(data) and bytes(buffer) == data
     direct = storage._direct_reads()
-    assert direct is not None and direct.disabled is None and through_botocore == [], direct and direct.disabled
+    assert direct is not None and direct.disabled is None and botocore_reads == [], direct and direct.disabled

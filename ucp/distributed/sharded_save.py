@@ -261,16 +261,18 @@ class Agreed:
 
 
 def _agreed(session: SaveSession, ranks: list[Planned]) -> Agreed:
-    """Every rank holds its tensors in the dtypes rank 0 does, or a StateError naming the first rank that does not."""
-    first = dict(ranks[0].dtypes)
+    """Every rank holds its tensors in the dtypes the first rank holding them does, or a StateError naming the first
+    rank that does not. (A rank may hold none of a kind: a stage whose weights all have dtypes of their own, fp8 with
+    their scales, says no parameter dtype.)"""
+    first: dict[str | None, tuple[int, str]] = {}  # kind -> (the first rank holding it, its dtype there)
     for rank, planned in enumerate(ranks):
-        other = dict(planned.dtypes)
-        if other != first:
-            what = sorted({*first, *other} - {k for k in first if first.get(k) == other.get(k)}, key=lambda k: k or "")
-            said = "; ".join(
-                f"{k or 'parameters'}: {other.get(k, 'none')} on rank {rank}, {first.get(k, 'none')} on rank 0"
-                for k in what
-            )
+        what = []
+        for kind, dtype in planned.dtypes:
+            seen = first.setdefault(kind, (rank, dtype))
+            if seen[1] != dtype:
+                what.append((kind, dtype, *seen))
+        if what:
+            said = "; ".join(f"{k or 'parameters'}: {d} on rank {rank}, {d0} on rank {r0}" for k, d, r0, d0 in what)
             raise StateError(
                 f"step {session.step} was not saved at {session.storage.url}: the ranks hold their tensors in other "
                 f"dtypes ({said}); every rank must save the same dtypes"
