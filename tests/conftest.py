@@ -202,9 +202,9 @@ def moto_auth_server():
 @pytest.fixture
 def botocore_reads(monkeypatch):
     """The paths of the reads that went through botocore (`s3.get_into`)."""
-    paths: list[str] = []
     from ucp.storage import s3
 
+    paths: list[str] = []
     real = s3.get_into
 
     async def counted(fs, path, *args):

@@ -5,13 +5,15 @@ client at module level: a local checkpoint never loads one."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import crc32c
 
 from ..errors import BucketNotFoundError, StorageError
 from ..version import __version__
+
+T = TypeVar("T")
 
 PROTOCOLS = frozenset({"s3", "s3a"})
 
@@ -144,57 +146,48 @@ async def get_into(fs: Any, path: str, offset: int, buffers: Sequence[memoryview
     against radosgw); the bytes read (fewer at the object's end). Runs on `fs`'s event loop. A body cut off on the
     way, or one that is not the range asked for (`_skipped`), is read again from the start, as s3fs reads a cut one,
     up to S3_ATTEMPTS times; what the store answered propagates."""
-    from aiohttp import ClientPayloadError
-    from botocore.exceptions import ResponseStreamingError
-
-    bucket, key, version = fs.split_path(path)
     want = sum(b.nbytes for b in buffers)
     if want == 0:
         return 0
-    extra = {"VersionId": version} if version else {}
-    for attempt in range(S3_ATTEMPTS):
-        response = await fs._call_s3(
-            "get_object", Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + want - 1}", **extra
-        )
-        body = response["Body"]
-        try:
-            return await _fill(body, buffers, _skipped(response, offset, want))
-        except (ClientPayloadError, ResponseStreamingError, TimeoutError, RangeMismatchError):
-            if attempt == S3_ATTEMPTS - 1:
-                raise
-        finally:
-            body.close()
-    raise AssertionError("unreachable")
+    return await _ranged_get(fs, path, offset, want, lambda body, skip: _fill(body, buffers, skip))
 
 
 async def get_bytes(fs: Any, path: str, start: int, end: int | None) -> bytes:
     """Bytes [start, end) of `path` (to its end where `end` is None) in one ranged GET, checked as `get_into` checks
     its answers (s3fs's `cat_file` takes any success's body as the range); read again as it reads again."""
-    from aiohttp import ClientPayloadError
-    from botocore.exceptions import ResponseStreamingError
-
     if end is not None and end <= start:
         return b""  # (S3 ignores a range that ends before it starts, and answers the whole object)
-    bucket, key, version = fs.split_path(path)
     want = None if end is None else end - start
-    extra = {"VersionId": version} if version else {}
-    for attempt in range(S3_ATTEMPTS):
-        response = await fs._call_s3(
-            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{'' if end is None else end - 1}", **extra
-        )
-        body = response["Body"]
-        try:
-            skip = _skipped(response, start, want)
-            data = await body.read()
-        except (ClientPayloadError, ResponseStreamingError, TimeoutError, RangeMismatchError):
-            if attempt == S3_ATTEMPTS - 1:
-                raise
-            continue
-        finally:
-            body.close()
+
+    async def take(body: Any, skip: int) -> bytes:
+        data = await body.read()
         if skip or (want is not None and len(data) > want):  # (a whole object: the range is cut out of it)
             data = data[skip : None if want is None else skip + want]
         return data
+
+    return await _ranged_get(fs, path, start, want, take)
+
+
+async def _ranged_get(fs: Any, path: str, offset: int, want: int | None, take: Callable[[Any, int], Awaitable[T]]) -> T:
+    """A GET of `want` bytes of `path` from `offset` (None: to its end), its body handed to `take` with the bytes of
+    it that come before `offset` (`_skipped`); a body cut off on the way, or not of the range asked for, is read
+    again from the start, up to S3_ATTEMPTS times. Runs on `fs`'s event loop."""
+    from aiohttp import ClientPayloadError
+    from botocore.exceptions import ResponseStreamingError
+
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+    last = "" if want is None else offset + want - 1
+    for attempt in range(S3_ATTEMPTS):
+        response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={offset}-{last}", **extra)
+        body = response["Body"]
+        try:
+            return await take(body, _skipped(response, offset, want))
+        except (ClientPayloadError, ResponseStreamingError, TimeoutError, RangeMismatchError):
+            if attempt == S3_ATTEMPTS - 1:
+                raise
+        finally:
+            body.close()
     raise AssertionError("unreachable")
 
 
